@@ -1,0 +1,85 @@
+"""Index records: blocks, namespaces, sessions, allocations and leases.
+
+Everything here is plain state owned by the :class:`~ctxmem_dpu.store.BlockStore` and only
+mutated on the service's event-loop thread; I/O threads get copies of what they need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+from ctxmem_common.codecs import XtsCipher
+from ctxmem_common.layout import KVLayout
+from ctxmem_dpu.alloc import SlotRef
+from ctxmem_dpu.tiers.flash import Extent
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    """One committed block. ``eq=False``: identity hashing, so policy lists hold it cheaply.
+
+    A block lives in DRAM (``dram``), on flash (``flash``), or both. ``pins`` counts
+    leases and in-flight I/O: a pinned block's slots are never evicted or reused.
+    ``durable`` means its flash record and header are on stable storage.
+    """
+
+    ns: bytes
+    key: bytes
+    length: int
+    slot_size: int
+    crc: int
+    seq: int
+    dram: SlotRef | None = None
+    flash: Extent | None = None
+    durable: bool = False
+    pins: int = 0
+    hits: int = 0
+    deleted: bool = False
+    io: asyncio.Future[None] | None = None
+
+
+@dataclass(slots=True)
+class Namespace:
+    digest: bytes
+    tenant: str
+    model_id: str
+    layout: KVLayout
+    tags: dict[str, str]
+    block_nbytes: int
+    slot_size: int
+    cipher: XtsCipher | None
+
+
+@dataclass(eq=False, slots=True)
+class Allocation:
+    id: int
+    session_id: int
+    ns: Namespace
+    keys: list[bytes]
+    slots: list[SlotRef]
+    expires: float
+    done: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    id: int
+    session_id: int
+    ns: Namespace
+    blocks: list[Block]
+    expires: float
+    valid: bool = True
+
+
+@dataclass(eq=False)
+class Session:
+    id: int
+    tenant: str
+    transport: str
+    client_name: str
+    token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+    namespaces: dict[int, Namespace] = field(default_factory=dict)
+    allocations: dict[int, Allocation] = field(default_factory=dict)
+    leases: dict[int, Lease] = field(default_factory=dict)

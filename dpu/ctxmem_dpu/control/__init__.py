@@ -1,0 +1,1 @@
+"""gRPC control plane (``ctxmem.v1.ContextMemory``) on grpc.aio."""

@@ -1,0 +1,184 @@
+"""The ``ctxmem.v1.ContextMemory`` servicer: protobuf in, BlockStore calls, protobuf out.
+
+Only this layer knows about gRPC. Domain errors (:class:`CtxmemError`) become a status
+code plus the ``ctxmem-error`` trailing metadata, so the shim re-raises the same class.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from ctxmem_common import __version__
+from ctxmem_common.errors import ERROR_METADATA_KEY, CtxmemError, ErrorCode, InvalidArgument
+from ctxmem_common.layout import KVLayout
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
+from ctxmem_dpu.store import TIER_DRAM, TIER_FLASH, BlockStore
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.UNKNOWN_NAMESPACE: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.UNKNOWN_SESSION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorCode.EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+TIER_PB = {TIER_DRAM: pb.TIER_DRAM, TIER_FLASH: pb.TIER_FLASH, "": pb.TIER_UNSPECIFIED}
+TRANSPORT_NAMES = {pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_RDMA: "rdma"}
+TRANSPORT_PB = {v: k for k, v in TRANSPORT_NAMES.items()}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _rpc(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except CtxmemError as exc:
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, exc.code.value),))
+            await context.abort(_STATUS[exc.code], exc.message)
+            raise  # pragma: no cover - abort raises
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            log.exception("%s failed", fn.__name__)
+            context.set_trailing_metadata(((ERROR_METADATA_KEY, ErrorCode.INTERNAL.value),))
+            await context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error: {exc}")
+            raise  # pragma: no cover
+
+    return wrapper
+
+
+class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
+    def __init__(self, store: BlockStore, instance_id: str, shm_socket: str,
+                 data_endpoint: str, health: Callable[[], str]) -> None:
+        self.store = store
+        self.instance_id = instance_id
+        self.shm_socket = shm_socket
+        self.data_endpoint = data_endpoint
+        self.health = health
+
+    def _slot(self, ref: Any, nbytes: int) -> pb.Slot:
+        dram = self.store.dram
+        return pb.Slot(region=ref.slab, generation=dram.generation(ref.slab),
+                       offset=dram.offset(ref), length=nbytes)
+
+    @_rpc
+    async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
+        cfg = self.store.cfg
+        return pb.HealthResponse(
+            status=self.health(), instance_id=self.instance_id, version=__version__,
+            transports=[TRANSPORT_PB[t] for t in cfg.service.transports],
+            shm_socket=self.shm_socket, data_endpoint=self.data_endpoint, mode=cfg.mode,
+        )
+
+    @_rpc
+    async def Connect(self, request: pb.ConnectRequest, context: Any) -> pb.ConnectResponse:
+        transport = TRANSPORT_NAMES.get(request.transport)
+        if transport is None:
+            raise InvalidArgument("Connect.transport must be SHM, TCP or RDMA")
+        s = self.store.connect(request.tenant, request.tenant_token, transport,
+                               request.client_name)
+        cfg = self.store.cfg.service
+        return pb.ConnectResponse(
+            session_id=s.id, session_token=s.token, instance_id=self.instance_id,
+            lease_ttl_ms=int(cfg.lease_ttl_s * 1000),
+            allocation_ttl_ms=int(cfg.allocation_ttl_s * 1000),
+        )
+
+    @_rpc
+    async def OpenNamespace(self, request: pb.OpenNamespaceRequest, context: Any
+                            ) -> pb.OpenNamespaceResponse:
+        s = self.store.session(request.session_id)
+        lay = request.layout
+        layout = KVLayout(
+            dtype=lay.dtype, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim, tokens_per_block=lay.tokens_per_block,
+            kv_lora_rank=lay.kv_lora_rank or None,
+            qk_rope_head_dim=lay.qk_rope_head_dim if lay.kv_lora_rank else None,
+            tp_rank=lay.tp_rank, tp_size=lay.tp_size or 1,
+        )
+        handle, ns = self.store.open_namespace(s, request.model_id, layout, dict(request.tags))
+        return pb.OpenNamespaceResponse(namespace_handle=handle, namespace_digest=ns.digest,
+                                        block_nbytes=ns.block_nbytes)
+
+    @_rpc
+    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        s = self.store.session(request.session_id)
+        ns = self.store.namespace(s, request.namespace_handle)
+        n, tiers = self.store.lookup(ns, request.keys, request.prefix)
+        return pb.LookupResponse(num_hits=n, tiers=[TIER_PB[t] for t in tiers])
+
+    @_rpc
+    async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
+        s = self.store.session(request.session_id)
+        ns = self.store.namespace(s, request.namespace_handle)
+        a, exists = await self.store.allocate(s, ns, request.keys)
+        return pb.AllocateResponse(
+            allocation_id=a.id, exists=exists,
+            slots=[self._slot(r, ns.block_nbytes) for r in a.slots],
+            expires_in_ms=int(self.store.cfg.service.allocation_ttl_s * 1000),
+        )
+
+    @_rpc
+    async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+        s = self.store.session(request.session_id)
+        n = await self.store.commit(s, request.allocation_id, request.crc32c, request.abort)
+        return pb.CommitResponse(committed=n)
+
+    @_rpc
+    async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
+        s = self.store.session(request.session_id)
+        ns = self.store.namespace(s, request.namespace_handle)
+        lease, sources = await self.store.acquire(s, ns, request.keys)
+        slots = []
+        for b in lease.blocks:
+            assert b.dram is not None
+            slots.append(self._slot(b.dram, b.length))
+        return pb.AcquireResponse(
+            lease_id=lease.id, num_acquired=len(lease.blocks), slots=slots,
+            crc32c=[b.crc for b in lease.blocks], source_tiers=[TIER_PB[t] for t in sources],
+            expires_in_ms=int(self.store.cfg.service.lease_ttl_s * 1000),
+        )
+
+    @_rpc
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        s = self.store.session(request.session_id)
+        return pb.ReleaseResponse(valid=self.store.release(s, request.lease_ids))
+
+    @_rpc
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Any) -> pb.PrefetchResponse:
+        s = self.store.session(request.session_id)
+        ns = self.store.namespace(s, request.namespace_handle)
+        queued, in_dram = await self.store.prefetch(ns, request.keys)
+        return pb.PrefetchResponse(queued=queued, in_dram=in_dram)
+
+    @_rpc
+    async def Delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
+        s = self.store.session(request.session_id)
+        ns = self.store.namespace(s, request.namespace_handle)
+        return pb.DeleteResponse(deleted=await self.store.delete(ns, request.keys))
+
+    @_rpc
+    async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
+        s = self.store.session(request.session_id)
+        ns = self.store.namespace(s, request.namespace_handle)
+        tier = {pb.TIER_DRAM: TIER_DRAM, pb.TIER_FLASH: TIER_FLASH}.get(request.tier, "")
+        return pb.EvictResponse(evicted=await self.store.evict(ns, request.keys, tier))
+
+    @_rpc
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        return pb.StatsResponse(values=self.store.stats())

@@ -1,0 +1,79 @@
+"""Eviction order: a segmented LRU that keeps reused prefix blocks longer.
+
+Each tier keeps two LRU lists. New blocks enter *probation*. A block that has been
+acquired ``protect_after_hits`` times (each acquire is a request reusing it: a block that
+prefixes many sequences gets many) moves to *protected*. Victims come from probation,
+least recently used first, and only when probation is empty from protected, LRU first.
+Protected holds at most ``protected_fraction`` of the tier's blocks; when it overflows,
+its LRU block drops back to probation's most-recent end (it keeps one more chance).
+
+Why not plain LRU: a long one-off prompt streams through and would flush the system
+prompt and shared document prefixes that every request reuses (scan resistance).
+``OrderedDict`` gives O(1) move-to-end and removal from the middle; the order is exact and
+deterministic, which the tests assert block by block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class SegmentedLRU(Generic[T]):
+    def __init__(self, protect_after_hits: int = 2, protected_fraction: float = 0.8) -> None:
+        self.protect_after_hits = protect_after_hits
+        self.protected_fraction = protected_fraction
+        self._probation: OrderedDict[T, None] = OrderedDict()
+        self._protected: OrderedDict[T, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def __contains__(self, item: T) -> bool:
+        return item in self._probation or item in self._protected
+
+    def add(self, item: T, hits: int = 0) -> None:
+        """Insert (or refresh) ``item`` as most recently used."""
+        self.remove(item)
+        if hits >= self.protect_after_hits:
+            self._protected[item] = None
+            self._rebalance()
+        else:
+            self._probation[item] = None
+
+    def touch(self, item: T, hits: int) -> None:
+        """``item`` was used; ``hits`` is its reuse count so far."""
+        if item in self._protected:
+            self._protected.move_to_end(item)
+        elif item in self._probation:
+            if hits >= self.protect_after_hits:
+                del self._probation[item]
+                self._protected[item] = None
+                self._rebalance()
+            else:
+                self._probation.move_to_end(item)
+
+    def remove(self, item: T) -> None:
+        self._probation.pop(item, None)
+        self._protected.pop(item, None)
+
+    def _rebalance(self) -> None:
+        cap = int(self.protected_fraction * len(self))
+        while len(self._protected) > max(cap, 0):
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
+
+    def victims(self, skip: Callable[[T], bool] | None = None) -> Iterator[T]:
+        """Eviction candidates in order. Iterates over a snapshot, so the caller may
+        remove items while iterating."""
+        for seg in (list(self._probation), list(self._protected)):
+            for item in seg:
+                if skip is None or not skip(item):
+                    yield item
+
+    def order(self) -> list[T]:
+        """The full eviction order (tests and debugging)."""
+        return list(self._probation) + list(self._protected)

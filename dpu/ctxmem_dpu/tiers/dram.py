@@ -1,0 +1,112 @@
+"""The DRAM tier: slabs of anonymous shared memory (one memfd each).
+
+Why one memfd per slab rather than one big region: the shared-memory transport gives a
+client the *fd* of a slab so it can copy straight into and out of its slots. A slab is
+only ever assigned to one tenant (the allocator's class includes the tenant), so handing
+out its fd never exposes another tenant's bytes. When a slab empties it is dropped and a
+fresh memfd (with a higher ``generation``) backs it the next time; a client still mapping
+the old one keeps private, detached pages and never sees the new tenant's data.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Hashable
+
+from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
+
+PAGE = 4096
+
+
+def round_up(n: int, align: int = PAGE) -> int:
+    return (n + align - 1) // align * align
+
+
+class DramRegion:
+    """One slab's memory: a memfd and the service's own mapping of it."""
+
+    def __init__(self, slab_id: int, size: int, generation: int) -> None:
+        self.slab_id = slab_id
+        self.size = size
+        self.generation = generation
+        self.fd = os.memfd_create(f"ctxmem-slab-{slab_id}-g{generation}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self.mm)
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            # A transfer still holds a view; the mapping is freed when that view goes.
+            pass
+        os.close(self.fd)
+
+
+class DramTier:
+    def __init__(self, size: int, slab_size: int) -> None:
+        self.slab_size = slab_size
+        self.num_slabs = size // slab_size
+        self.capacity_bytes = self.num_slabs * slab_size
+        self.regions: dict[int, DramRegion] = {}
+        self._generations = [0] * self.num_slabs
+        self.alloc = SlabAllocator(
+            self.num_slabs,
+            slots_per_slab=lambda slot: slab_size // slot if slot else 0,
+            on_assign=self._assign,
+            on_release=self._release,
+        )
+
+    def _assign(self, slab: Slab) -> None:
+        self._generations[slab.id] += 1
+        self.regions[slab.id] = DramRegion(slab.id, self.slab_size, self._generations[slab.id])
+
+    def _release(self, slab: Slab) -> None:
+        region = self.regions.pop(slab.id, None)
+        if region is not None:
+            region.close()
+
+    def allocate(self, tenant: str, slot_size: int, n: int) -> list[SlotRef] | None:
+        return self.alloc.allocate(self.klass(tenant, slot_size), slot_size, n)
+
+    @staticmethod
+    def klass(tenant: str, slot_size: int) -> Hashable:
+        return (tenant, slot_size)
+
+    def free(self, ref: SlotRef) -> None:
+        self.alloc.free(ref)
+
+    def offset(self, ref: SlotRef) -> int:
+        return ref.index * self.alloc.slabs[ref.slab].slot_size
+
+    def view(self, ref: SlotRef, nbytes: int) -> memoryview:
+        """The slot's bytes (``nbytes`` long) in the service's mapping."""
+        off = self.offset(ref)
+        return self.regions[ref.slab].view[off : off + nbytes]
+
+    def slot_view(self, ref: SlotRef) -> memoryview:
+        """The whole slot, padded to 4 KiB: what O_DIRECT reads and writes."""
+        slab = self.alloc.slabs[ref.slab]
+        off = ref.index * slab.slot_size
+        return self.regions[ref.slab].view[off : off + slab.slot_size]
+
+    def generation(self, slab_id: int) -> int:
+        return self._generations[slab_id]
+
+    def region_tenant(self, slab_id: int) -> str | None:
+        klass = self.alloc.slabs[slab_id].klass
+        return klass[0] if isinstance(klass, tuple) else None
+
+    def used_bytes(self) -> int:
+        return sum(s.used * s.slot_size for s in self.alloc.slabs)
+
+    def close(self) -> None:
+        for region in self.regions.values():
+            region.close()
+        self.regions.clear()

@@ -1,0 +1,1 @@
+"""Data-plane servers: shared memory (fd passing) and TCP. RDMA lands separately."""

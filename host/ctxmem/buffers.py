@@ -1,0 +1,98 @@
+"""Turn what engines hand us (torch tensors, numpy arrays, bytearrays, memoryviews) into
+flat byte views without copying.
+
+torch is never imported here unless the caller passed a torch tensor (then it is already
+imported). CUDA tensors cannot be viewed from the CPU: they are staged through a pinned
+host buffer (one device-to-host or host-to-device copy, the one the transport needs).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from ctxmem_common.errors import InvalidArgument
+
+
+def _is_torch(obj: object) -> bool:
+    return type(obj).__module__.startswith("torch") and "torch" in sys.modules
+
+
+def byte_view(buf: Any, nbytes: int, index: int, writable: bool) -> memoryview:
+    """A flat, C-contiguous ``uint8`` memoryview of exactly ``nbytes`` over ``buf``."""
+    if _is_torch(buf):
+        if buf.device.type != "cpu":
+            raise InvalidArgument(f"buffers[{index}] is on {buf.device}; pass it through "
+                                  f"ctxmem's staging (see ctxmem.buffers.Staged)")
+        if not buf.is_contiguous():
+            raise InvalidArgument(f"buffers[{index}]: torch tensor is not contiguous; call "
+                                  f".contiguous() first")
+        arr = buf.view(-1).view(__import__("torch").uint8).numpy()
+    elif isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise InvalidArgument(f"buffers[{index}]: numpy array is not C-contiguous")
+        arr = buf.reshape(-1).view(np.uint8)
+    else:
+        try:
+            mv = memoryview(buf)
+        except TypeError:
+            raise InvalidArgument(
+                f"buffers[{index}]: {type(buf).__name__} is not a buffer; pass a torch tensor, "
+                f"numpy array, bytearray or memoryview"
+            ) from None
+        if not mv.c_contiguous:
+            raise InvalidArgument(f"buffers[{index}]: memoryview is not contiguous")
+        mv = mv.cast("B")
+        if writable and mv.readonly:
+            raise InvalidArgument(f"buffers[{index}] is read-only; get() needs writable buffers")
+        if mv.nbytes != nbytes:
+            raise InvalidArgument(
+                f"buffers[{index}] is {mv.nbytes} bytes; this namespace's blocks are {nbytes} "
+                f"bytes (layout.block_nbytes)"
+            )
+        return mv
+    if arr.nbytes != nbytes:
+        raise InvalidArgument(
+            f"buffers[{index}] is {arr.nbytes} bytes; this namespace's blocks are {nbytes} "
+            f"bytes (layout.block_nbytes)"
+        )
+    if writable and not arr.flags.writeable:
+        raise InvalidArgument(f"buffers[{index}] is read-only; get() needs writable buffers")
+    return memoryview(arr)
+
+
+class Staged:
+    """Byte views for a batch of buffers, staging CUDA tensors through pinned memory.
+
+    ``views`` are CPU byte views; after a get, :meth:`finish_get` copies staged data
+    back to the CUDA tensors (one host-to-device copy per tensor, non-blocking, then a
+    stream sync).
+    """
+
+    def __init__(self, buffers: list[Any], nbytes: int, writable: bool) -> None:
+        self._cuda: list[tuple[Any, Any]] = []
+        self.views: list[memoryview] = []
+        for i, buf in enumerate(buffers):
+            if _is_torch(buf) and buf.device.type == "cuda":
+                torch = sys.modules["torch"]
+                if buf.nbytes != nbytes:
+                    raise InvalidArgument(f"buffers[{i}] is {buf.nbytes} bytes; blocks are "
+                                          f"{nbytes} bytes (layout.block_nbytes)")
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                if not writable:
+                    host.copy_(buf.contiguous().view(-1).view(torch.uint8))
+                self._cuda.append((buf, host))
+                self.views.append(memoryview(host.numpy()))
+            else:
+                self.views.append(byte_view(buf, nbytes, i, writable))
+        self._cuda_index = [i for i, b in enumerate(buffers)
+                            if _is_torch(b) and b.device.type == "cuda"]
+
+    def finish_get(self, n: int) -> None:
+        for (dev, host), i in zip(self._cuda, self._cuda_index, strict=True):
+            if i < n:
+                dev.view(-1).view(host.dtype).copy_(host, non_blocking=True)
+        if self._cuda:
+            sys.modules["torch"].cuda.synchronize()

@@ -1,0 +1,5 @@
+"""Client data channels: how the shim moves bytes into and out of the service's slots."""
+
+from ctxmem.transport.base import DataChannel, TransportError
+
+__all__ = ["DataChannel", "TransportError"]

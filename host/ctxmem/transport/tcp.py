@@ -1,0 +1,94 @@
+"""TCP channel: pipelined writes and reads over one connection per client.
+
+A batch is sent back to back (request headers and payloads), then the answers are read,
+so a batch costs one round trip, not one per block. Payloads go straight from and into
+the caller's buffers (``sendall`` of a memoryview, ``recv_into``): no extra copy.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.wire import OP_READ, OP_WRITE, STATUS_TEXT, TCP_HELLO, TCP_REQ, TCP_RESP, Status
+from ctxmem.transport.base import DataChannel, TransportError
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise TransportError("TCP data connection closed by the service mid-transfer")
+        got += k
+
+
+def _recv_resp(sock: socket.socket) -> tuple[int, int]:
+    buf = bytearray(TCP_RESP.size)
+    _recv_into(sock, memoryview(buf))
+    magic, status, length = TCP_RESP.unpack(buf)
+    if magic != b"CXTA":
+        raise TransportError("TCP data connection out of sync (bad response magic)")
+    return status, length
+
+
+class TcpChannel(DataChannel):
+    name = "tcp"
+
+    def __init__(self, host: str, port: int, session_id: int, token: bytes,
+                 timeout_s: float) -> None:
+        self._lock = threading.Lock()
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout_s)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                self._sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+            self._sock.sendall(TCP_HELLO.pack(b"CXT1", session_id, token))
+            status, _ = _recv_resp(self._sock)
+        except OSError as exc:
+            raise TransportError(
+                f"cannot open the TCP data channel to {host}:{port}: {exc.strerror or exc}; "
+                f"check service.data_listen and firewalls"
+            ) from None
+        if status != Status.OK:
+            self._sock.close()
+            raise TransportError(f"TCP data channel refused: {STATUS_TEXT[Status(status)]}")
+
+    def _check(self, status: int, what: str) -> None:
+        if status != Status.OK:
+            raise TransportError(f"{what}: {STATUS_TEXT.get(Status(status), status)}")
+
+    def write(self, allocation_id: int, slots: Sequence[pb.Slot],
+              views: Sequence[memoryview]) -> None:
+        with self._lock:
+            try:
+                for i, view in enumerate(views):
+                    self._sock.sendall(TCP_REQ.pack(b"CXTR", OP_WRITE, allocation_id, i,
+                                                    len(view)))
+                    self._sock.sendall(view)
+                for i in range(len(views)):
+                    status, _ = _recv_resp(self._sock)
+                    self._check(status, f"TCP write of slot {i} of allocation {allocation_id}")
+            except OSError as exc:
+                raise TransportError(f"TCP write failed: {exc}") from None
+
+    def read(self, lease_id: int, slots: Sequence[pb.Slot],
+             views: Sequence[memoryview]) -> None:
+        with self._lock:
+            try:
+                self._sock.sendall(b"".join(
+                    TCP_REQ.pack(b"CXTR", OP_READ, lease_id, i, 0) for i in range(len(views))))
+                for i, view in enumerate(views):
+                    status, length = _recv_resp(self._sock)
+                    self._check(status, f"TCP read of block {i} of lease {lease_id}")
+                    if length != len(view):
+                        raise TransportError(f"TCP read of block {i}: {length} bytes, expected "
+                                             f"{len(view)}")
+                    _recv_into(self._sock, view)
+            except OSError as exc:
+                raise TransportError(f"TCP read failed: {exc}") from None
+
+    def close(self) -> None:
+        self._sock.close()

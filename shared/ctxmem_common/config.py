@@ -1,0 +1,271 @@
+"""The service's YAML configuration: one schema, validated strictly.
+
+Every key is declared here as a dataclass field; an unknown key, a wrong type or an
+invalid value raises :class:`ConfigError` naming the full key path and what is allowed,
+e.g. ``flash.write_policy: 'write-back' is not one of ['write_back', 'write_through']``.
+Sizes accept ``"64MiB"``-style strings. ``DEFAULT_CONFIG_YAML`` is the embedded default
+(fallback mode, files under ``/tmp/ctxmem``) that ``ctxmem serve`` uses without ``--config``.
+
+Backend-specific keys of flash devices (``kernel:``, ``spdk:``) are validated by the
+service's storage layer when the config is loaded for serving (it owns those backends).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from ctxmem_common.errors import ConfigError
+from ctxmem_common.units import parse_size
+
+Size = typing.NewType("Size", int)
+Transport = Literal["shm", "tcp", "rdma"]
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    listen: str = "127.0.0.1:50051"
+    data_listen: str = "127.0.0.1:50052"
+    shm_socket: str = "/tmp/ctxmem/data.sock"
+    transports: list[Transport] = field(default_factory=lambda: ["shm", "tcp"])
+    lease_ttl_s: float = 30.0
+    allocation_ttl_s: float = 30.0
+    io_threads: int = 2
+    # Tenants and their tokens. Empty: tenants are named by clients (single trust domain,
+    # e.g. one host). Non-empty: Connect must present the tenant's token.
+    tenant_tokens: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    listen: str = "127.0.0.1:9464"  # "" disables the HTTP endpoint (/metrics, /healthz, /readyz)
+
+
+@dataclass(frozen=True)
+class DramConfig:
+    size: Size = Size(1 << 30)
+    slab_size: Size = Size(64 << 20)
+
+
+@dataclass(frozen=True)
+class FlashDeviceConfig:
+    name: str
+    backend: Literal["local", "kernel", "spdk"] = "local"
+    path: str = ""
+    size: Size = Size(0)
+    create: bool = False
+    kernel: dict[str, Any] = field(default_factory=dict)
+    spdk: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    write_policy: Literal["write_back", "write_through"] = "write_back"
+    slab_size: Size = Size(256 << 20)
+    o_direct: bool = True
+    devices: list[FlashDeviceConfig] = field(default_factory=list)
+    # Background demotion: how many committed DRAM blocks to batch per flash write round.
+    demote_batch: int = 32
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    # Segmented LRU: a block hit this many times (by distinct lookups/acquires) moves to
+    # the protected segment and is evicted only after every unprotected block.
+    protect_after_hits: int = 2
+    protected_fraction: float = 0.8
+
+
+@dataclass(frozen=True)
+class EncryptionConfig:
+    enabled: bool = True
+    key_file: str = ""  # 64 hex characters (a 32-byte master key)
+    key_env: str = "CTXMEM_MASTER_KEY"
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: Literal["fallback", "dpu"] = "fallback"
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    dram: DramConfig = field(default_factory=DramConfig)
+    flash: FlashConfig = field(default_factory=FlashConfig)
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+
+DEFAULT_CONFIG_YAML = """\
+# ctxmem embedded default: fallback mode on one host, 1 GiB DRAM tier, a 4 GiB flash file.
+mode: fallback
+service:
+  listen: "127.0.0.1:50051"
+  data_listen: "127.0.0.1:50052"
+  shm_socket: /tmp/ctxmem/data.sock
+  transports: [shm, tcp]
+metrics:
+  listen: "127.0.0.1:9464"
+dram:
+  size: 1GiB
+  slab_size: 64MiB
+flash:
+  write_policy: write_back
+  slab_size: 256MiB
+  devices:
+    - name: flash0
+      backend: local
+      path: /var/tmp/ctxmem/flash0.img
+      size: 4GiB
+      create: true
+encryption:
+  enabled: true
+  key_file: /var/tmp/ctxmem/master.key
+"""
+
+
+def _type_name(tp: Any) -> str:
+    if tp is Size:
+        return "size (e.g. '64MiB')"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Size:
+        try:
+            return Size(parse_size(value, where))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if origin is Literal:
+        allowed = list(get_args(tp))
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {allowed}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        (item_tp,) = get_args(tp)
+        return [_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if origin in (types.UnionType, typing.Union):
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)  # type: ignore[arg-type]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")  # pragma: no cover
+
+
+def _build(cls: type[Any], raw: Any, where: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls, globalns=globals())
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown key; allowed keys here are {sorted(fields)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name in raw:
+            kwargs[name] = _convert(hints[name], raw[name], path)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{path}: required key is missing")
+    return cls(**kwargs)
+
+
+def _check(cfg: Config) -> None:
+    """Cross-field rules that types alone do not express."""
+    if cfg.dram.slab_size < (1 << 20) or cfg.dram.slab_size % 4096:
+        raise ConfigError("dram.slab_size: must be a multiple of 4 KiB and at least 1 MiB")
+    if cfg.dram.size < cfg.dram.slab_size:
+        raise ConfigError(
+            f"dram.size: {cfg.dram.size} bytes is smaller than one slab "
+            f"(dram.slab_size={cfg.dram.slab_size}); raise dram.size or lower dram.slab_size"
+        )
+    if cfg.flash.slab_size < (1 << 20) or cfg.flash.slab_size % 4096:
+        raise ConfigError("flash.slab_size: must be a multiple of 4 KiB and at least 1 MiB")
+    names = [d.name for d in cfg.flash.devices]
+    for i, name in enumerate(names):
+        if not name:
+            raise ConfigError(f"flash.devices[{i}].name: must not be empty")
+        if names.index(name) != i:
+            raise ConfigError(f"flash.devices[{i}].name: {name!r} is used twice")
+    for i, dev in enumerate(cfg.flash.devices):
+        if dev.backend == "local" and not dev.path:
+            raise ConfigError(f"flash.devices[{i}].path: required for backend 'local'")
+    if not cfg.service.transports:
+        raise ConfigError("service.transports: list at least one of ['shm', 'tcp', 'rdma']")
+    if "shm" in cfg.service.transports and not cfg.service.shm_socket:
+        raise ConfigError("service.shm_socket: required when 'shm' is in service.transports")
+    if cfg.service.lease_ttl_s <= 0 or cfg.service.allocation_ttl_s <= 0:
+        raise ConfigError("service.lease_ttl_s and allocation_ttl_s must be > 0")
+    if not 0.0 <= cfg.eviction.protected_fraction <= 1.0:
+        raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
+    if cfg.eviction.protect_after_hits < 1:
+        raise ConfigError("eviction.protect_after_hits: must be >= 1")
+
+
+def config_from_dict(raw: Any) -> Config:
+    cfg = _build(Config, raw, "")
+    _check(cfg)
+    return typing.cast(Config, cfg)
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    try:
+        return config_from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc.message}") from None
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Load and validate a config file; ``None`` gives the embedded default."""
+    if path is None:
+        return parse_config(DEFAULT_CONFIG_YAML, "<embedded default>")
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror} (errno {exc.errno})")
+    return parse_config(text, str(p))

@@ -1,0 +1,82 @@
+"""Namespaces and block keys.
+
+* A **namespace** is ``(tenant, model id, layout digest, tags)``. Tenants never share one;
+  each has its own encryption key. Tags carry what else must separate caches (vLLM's
+  ``cache_salt``, LMCache's world size and worker id): two requests whose tags differ
+  never see each other's blocks.
+* A **block key** is the engine's own block hash: opaque bytes, 1 to 64 long. Engines
+  hash token blocks as a chain (a block's hash covers every token before it), so
+  "how many leading keys are stored" is the question Lookup answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ctxmem_common.errors import InvalidArgument
+from ctxmem_common.layout import KVLayout
+
+MAX_KEY_BYTES = 64
+MAX_NAME_BYTES = 256
+
+
+def namespace_digest(
+    tenant: str, model_id: str, layout: KVLayout, tags: Mapping[str, str] | None = None
+) -> bytes:
+    """16-byte identity of a namespace; what the flash records carry."""
+    for what, value in (("tenant", tenant), ("model_id", model_id)):
+        if not value or len(value.encode()) > MAX_NAME_BYTES:
+            raise InvalidArgument(f"{what} must be 1..{MAX_NAME_BYTES} bytes, got {value!r}")
+    h = hashlib.sha256(b"ctxmem-ns-v1")
+    for part in (tenant, model_id):
+        h.update(len(part.encode()).to_bytes(4, "little") + part.encode())
+    h.update(layout.digest())
+    for k, v in sorted((tags or {}).items()):
+        item = f"{k}={v}".encode()
+        h.update(len(item).to_bytes(4, "little") + item)
+    return h.digest()[:16]
+
+
+def validate_keys(keys: Sequence[bytes]) -> None:
+    """Reject a batch with an empty, oversized or duplicate key, naming the index."""
+    seen: dict[bytes, int] = {}
+    for i, key in enumerate(keys):
+        if not isinstance(key, (bytes, bytearray)):
+            raise InvalidArgument(f"keys[{i}] must be bytes, got {type(key).__name__}")
+        if not 1 <= len(key) <= MAX_KEY_BYTES:
+            raise InvalidArgument(
+                f"keys[{i}] is {len(key)} bytes; block keys must be 1..{MAX_KEY_BYTES} bytes "
+                f"(hash longer engine keys down, e.g. with sha256)"
+            )
+        first = seen.setdefault(bytes(key), i)
+        if first != i:
+            raise InvalidArgument(
+                f"keys[{i}] duplicates keys[{first}] ({bytes(key).hex()[:16]}...) in one batch; "
+                f"send each block once per request"
+            )
+
+
+def chain_hashes(
+    tokens: Sequence[int] | np.ndarray, tokens_per_block: int, *, salt: bytes = b""
+) -> list[bytes]:
+    """Chained 32-byte keys, one per *full* block of ``tokens``.
+
+    ``key[i] = sha256(key[i-1] || salt || tokens of block i as little-endian int64)``
+    with ``key[-1]`` empty, so a key identifies the whole prefix up to its block, and a
+    ``salt`` (e.g. a per-user cache salt) separates otherwise equal prefixes.
+    Deterministic across processes and restarts (unlike Python's ``hash``).
+    """
+    if tokens_per_block < 1:
+        raise InvalidArgument(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    arr = np.ascontiguousarray(np.asarray(tokens, dtype="<i8"))
+    n_full = len(arr) // tokens_per_block
+    keys: list[bytes] = []
+    prev = b""
+    for i in range(n_full):
+        block = arr[i * tokens_per_block : (i + 1) * tokens_per_block]
+        prev = hashlib.sha256(prev + salt + block.tobytes()).digest()
+        keys.append(prev)
+    return keys

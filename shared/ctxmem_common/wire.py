@@ -1,0 +1,59 @@
+"""Framing of the data-plane connections (shared memory and TCP).
+
+Both start with HELLO (session id + session token from Connect) so a data connection is
+bound to one session, and through it to one tenant. All integers little-endian.
+
+Shared memory (Unix stream socket)::
+
+    C->S  HELLO  "CXS1" session_id u64 token 16B          S->C  "CXSA" status u32
+    C->S  MAP    "CXSM" region u32 generation u32          S->C  "CXSR" status u32
+                                                                 generation u32 size u64
+                                                                 (+ the region's memfd as
+                                                                 SCM_RIGHTS when status 0)
+
+TCP::
+
+    C->S  HELLO  "CXT1" session_id u64 token 16B          S->C  "CXTA" status u8 len u64=0
+    C->S  REQ    "CXTR" op u8 id u64 index u32 length u64  (+ payload for WRITE)
+    S->C  RESP   "CXTA" status u8 length u64               (+ payload for READ)
+
+``id`` is an allocation id (WRITE into its ``index``-th slot) or a lease id (READ its
+``index``-th block). Requests are answered in order, so a client pipelines a whole batch.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+SHM_HELLO = struct.Struct("<4sQ16s")
+SHM_STATUS = struct.Struct("<4sI")
+SHM_MAP = struct.Struct("<4sII")
+SHM_MAP_REPLY = struct.Struct("<4sIIQ")
+
+TCP_HELLO = struct.Struct("<4sQ16s")
+TCP_REQ = struct.Struct("<4sBxxxQIQ")
+TCP_RESP = struct.Struct("<4sBxxxQ")
+
+OP_WRITE = 1
+OP_READ = 2
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    BAD_REQUEST = 1
+    UNAUTHENTICATED = 2
+    DENIED = 3
+    EXPIRED = 4
+    STALE = 5
+    WRONG_LENGTH = 6
+
+
+STATUS_TEXT = {
+    Status.BAD_REQUEST: "malformed data-plane request",
+    Status.UNAUTHENTICATED: "unknown session or wrong session token (service restarted?)",
+    Status.DENIED: "the region or slot does not belong to this session's tenant",
+    Status.EXPIRED: "allocation or lease expired or unknown",
+    Status.STALE: "region generation changed (the slab was recycled)",
+    Status.WRONG_LENGTH: "payload length differs from the slot's block size",
+}
