@@ -111,11 +111,15 @@ class SlabAllocator:
         assert slab.klass is not None and 0 <= ref.index < slab.capacity, (
             f"free of slot {ref} in unassigned slab {slab.id}: double free in the caller"
         )
+        if ref in self.quarantined:
+            # Stays counted as used: it is never handed out again and its slab is never
+            # recycled, so the bad extent cannot be reused.
+            return
         slab.free.append(ref.index)
         slab.used -= 1
         assert slab.used >= 0, f"slab {slab.id} freed more slots than it handed out"
         self._partial.setdefault(slab.klass, set()).add(slab.id)
-        if slab.used == 0 and not any(r.slab == slab.id for r in self.quarantined):
+        if slab.used == 0:
             self._release(slab)
 
     def quarantine(self, ref: SlotRef) -> None:

@@ -4,7 +4,7 @@ Each tier keeps two LRU lists. New blocks enter *probation*. A block that has be
 acquired ``protect_after_hits`` times (each acquire is a request reusing it: a block that
 prefixes many sequences gets many) moves to *protected*. Victims come from probation,
 least recently used first, and only when probation is empty from protected, LRU first.
-Protected holds at most ``protected_fraction`` of the tier's blocks; when it overflows,
+Protected holds at most ``ceil(protected_fraction * blocks in the tier)``; when it overflows,
 its LRU block drops back to probation's most-recent end (it keeps one more chance).
 
 Why not plain LRU: a long one-off prompt streams through and would flush the system
@@ -15,6 +15,7 @@ deterministic, which the tests assert block by block.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
@@ -61,8 +62,8 @@ class SegmentedLRU(Generic[T]):
         self._protected.pop(item, None)
 
     def _rebalance(self) -> None:
-        cap = int(self.protected_fraction * len(self))
-        while len(self._protected) > max(cap, 0):
+        cap = math.ceil(self.protected_fraction * len(self))
+        while len(self._protected) > cap:
             demoted, _ = self._protected.popitem(last=False)
             self._probation[demoted] = None
 

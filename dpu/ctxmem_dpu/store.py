@@ -89,7 +89,6 @@ class BlockStore:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, cfg.service.io_threads), thread_name_prefix="ctxmem-io"
         )
-        self._demote_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
@@ -339,7 +338,6 @@ class BlockStore:
         else:
             for b in committed:
                 self._dirty[b] = None
-            self._demote_wakeup.set()
         return len(committed)
 
     def _forget_allocation(self, a: Allocation) -> None:
@@ -360,8 +358,11 @@ class BlockStore:
     ]:
         validate_keys(keys)
         per_ns = self.index.get(ns.digest, {})
+        # One lease holds at most half the DRAM tier, so the rest can be evicted to stage
+        # cold blocks; the shim asks for the remainder in a following Acquire.
+        max_run = max(1, self.dram.num_slabs * (self.cfg.dram.slab_size // ns.slot_size) // 2)
         run: list[Block] = []
-        for key in keys:
+        for key in keys[:max_run]:
             b = per_ns.get(key)
             if b is None:
                 break
@@ -371,12 +372,21 @@ class BlockStore:
             b.pins += 1
         cold = [b for b in run if b.dram is None]
         try:
-            ok = await self._promote(ns, cold)
-        except ResourceExhausted:
-            # No DRAM to promote into: the cold part of the run is a miss, not an error.
-            self.counters["promote_no_space"] += 1
-            ok = BlockStore._PromoteResult()
-            ok.failed.update(id(b) for b in cold)
+            # Promote as much of the run as DRAM can take (halving on RESOURCE_EXHAUSTED):
+            # the run is cut at the first block that did not fit, and the shim asks for
+            # the rest in a following Acquire once it has copied these out.
+            take = len(cold)
+            while True:
+                try:
+                    ok = await self._promote(ns, cold[:take])
+                    break
+                except ResourceExhausted:
+                    self.counters["promote_no_space"] += 1
+                    if take <= 1:
+                        ok = BlockStore._PromoteResult()
+                        break
+                    take //= 2
+            ok.failed.update(id(b) for b in cold[take:])
         except BaseException:
             for b in run:
                 self._unpin(b)
@@ -769,12 +779,10 @@ class BlockStore:
 
     # -- background ------------------------------------------------------------------
     async def _demoter(self) -> None:
+        # Polls every 20 ms instead of waiting on an Event under wait_for: cancelling a
+        # task blocked in wait_for(Event.wait()) can hang on CPython 3.11 at shutdown.
         while True:
-            try:
-                await asyncio.wait_for(self._demote_wakeup.wait(), timeout=0.5)
-            except asyncio.TimeoutError:
-                pass
-            self._demote_wakeup.clear()
+            await asyncio.sleep(0.02)
             while self._dirty and self.flash.enabled:
                 batch = list(itertools.islice(self._dirty, self.cfg.flash.demote_batch))
                 before = len(self._dirty)

@@ -354,10 +354,15 @@ class AsyncNamespace:
                                   f"pass one buffer per key")
         staged = Staged(list(buffers), self.block_nbytes, writable=True)
         total = 0
-        for sl in self._batches(len(keys)):
+        while total < len(keys):
+            # A batch may come back short because the run hit a miss, or because the
+            # service could only stage part of it in DRAM; asking again from where it
+            # stopped tells the two apart (a miss answers 0).
+            sl = self._batches(len(keys) - total)[0]
+            sl = slice(total + sl.start, total + sl.stop)
             n = await self._get_batch(list(keys[sl]), staged.views[sl])
             total += n
-            if n < sl.stop - sl.start:
+            if n == 0:
                 break
         staged.finish_get(total)
         return total

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One-command set-up for a fresh Debian/Ubuntu machine (see README.md):
+#   bash deploy/setup.sh demo   install everything, start the service in fallback mode with
+#                               the embedded default config, run `ctxmem demo`, stop it
+#   bash deploy/setup.sh test   install everything and run the full test suite
+#                               (lint, type check, unit + integration tests, then the QEMU
+#                               guest stage with real Soft-RoCE RDMA and NVMe-oF)
+# Environment: CTXMEM_CACHE (default ~/.cache/ctxmem) caches slow builds (pyverbs wheel,
+# guest kernel); CTXMEM_SKIP_VM=1 skips the guest stage (it says so loudly).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+MODE=${1:-test}
+VENV="$REPO/.venv"
+export CTXMEM_CACHE=${CTXMEM_CACHE:-$HOME/.cache/ctxmem}
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+
+log() { printf '\n== %s ==\n' "$*"; }
+
+install_system() {
+    local need=()
+    command -v python3 >/dev/null || need+=(python3)
+    python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
+    command -v gcc >/dev/null || need+=(gcc)
+    if [ ${#need[@]} -gt 0 ]; then
+        log "apt-get install ${need[*]}"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" python3-dev
+    fi
+}
+
+install_python() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating $VENV"
+        python3 -m venv "$VENV"
+    fi
+    local stamp="$VENV/.ctxmem-installed" want
+    want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        log "pip install -e .[dev,models,spdk]"
+        "$VENV/bin/pip" install -q --upgrade pip
+        # torch is pinned to 2.13.0 (the CPU build this project's machines carry); a loose
+        # torch requirement would pull a multi-GB CUDA build.
+        "$VENV/bin/pip" install -q -e ".[dev,models,spdk]" "torch==2.13.0"
+        echo "$want" > "$stamp"
+    fi
+}
+
+run_demo() {
+    local workdir ready pid rc=0
+    workdir=$(mktemp -d /var/tmp/ctxmem-main.XXXXXX)
+    ready="$workdir/ready"
+    log "starting ctxmem serve (fallback mode, embedded default config)"
+    "$VENV/bin/ctxmem" serve --ready-file "$ready" >"$workdir/service.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 600); do
+        [ -s "$ready" ] && break
+        kill -0 "$pid" 2>/dev/null || { cat "$workdir/service.log"; echo "service failed to start"; exit 1; }
+        sleep 0.1
+    done
+    [ -s "$ready" ] || { cat "$workdir/service.log"; echo "service not ready after 60 s"; kill "$pid"; exit 1; }
+    log "ctxmem demo"
+    "$VENV/bin/ctxmem" demo --endpoint "127.0.0.1:$(cat "$ready")" || rc=$?
+    kill -TERM "$pid"; wait "$pid" || true
+    return $rc
+}
+
+run_tests() {
+    log "ruff"
+    "$VENV/bin/ruff" check shared dpu host tests
+    log "mypy"
+    "$VENV/bin/mypy"
+    log "pytest (host)"
+    "$VENV/bin/pytest" -q -m "not vm and not slow" tests
+    if [ "${CTXMEM_SKIP_VM:-0}" = "1" ]; then
+        echo "!! CTXMEM_SKIP_VM=1: the QEMU guest stage (real RDMA and NVMe-oF) was NOT run"
+    elif [ -x tests/vm/run.sh ] || [ -f tests/vm/run.sh ]; then
+        log "guest stage: RDMA (Soft-RoCE) and NVMe-oF tests inside QEMU"
+        bash deploy/ci/vm-deps.sh
+        bash deploy/ci/pyverbs-wheel.sh "$VENV"
+        bash tests/vm/run.sh "$VENV/bin/pytest" -q -m vm tests
+    fi
+}
+
+install_system
+install_python
+case "$MODE" in
+    demo) run_demo ;;
+    test) run_tests ;;
+    install) ;;
+    *) echo "usage: bash deploy/setup.sh demo|test|install" >&2; exit 2 ;;
+esac

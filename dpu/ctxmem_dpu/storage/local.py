@@ -1,0 +1,130 @@
+"""`local` backend: a block device or a regular file already on this machine."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from .base import DeviceSpec, StorageBackend, StorageError, format_size
+from .devices import probe_o_direct
+
+__all__ = ["LocalBackend"]
+
+
+class LocalBackend(StorageBackend):
+    """A block device (e.g. /dev/nvme0n1) or a regular file used as flash.
+
+    With `create: true` a missing file is created sparse with the configured size, and an
+    existing smaller file is grown (never shrunk). Detaching never deletes the file: it
+    holds the blocks that must survive a restart.
+    """
+
+    def __init__(self, spec: DeviceSpec) -> None:
+        if spec.backend != "local" or spec.path is None:
+            raise ValueError(f"device {spec.name!r}: LocalBackend needs a local spec with a path")
+        super().__init__(spec)
+        self._file_path = os.path.abspath(spec.path)
+
+    def attach(self, timeout_s: float = 30.0) -> str:
+        # docstring inherited
+        path = self._file_path
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = self._create_missing(path)
+        except OSError as ex:
+            raise StorageError(
+                f"device {self.spec.name!r}: cannot stat {path}: [errno {ex.errno}] "
+                f"{ex.strerror}", f"check that {path} and its parent directories are "
+                "accessible to the service user", errno=ex.errno,
+            ) from ex
+        if stat.S_ISREG(st.st_mode):
+            self._grow_if_asked(path, st.st_size)
+            what = f"file {path}"
+        elif stat.S_ISBLK(st.st_mode):
+            what = f"block device {path}"
+        else:
+            raise StorageError(
+                f"device {self.spec.name!r}: {path} is neither a block device nor a regular "
+                f"file (mode {stat.filemode(st.st_mode)})",
+                "point `path` at a block device (e.g. /dev/nvme0n1) or a file",
+            )
+        actual = probe_o_direct(path, self.spec.name)
+        self._size_bytes = self._usable_size(actual, what)
+        self._path = path
+        return path
+
+    def detach(self) -> None:
+        # docstring inherited
+        self._path = None
+        self._size_bytes = None
+
+    def is_healthy(self) -> bool:
+        # docstring inherited
+        if self._path is None or self._size_bytes is None:
+            return False
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return False
+        if stat.S_ISREG(st.st_mode):
+            return st.st_size >= self._size_bytes and os.access(self._path, os.R_OK | os.W_OK)
+        return stat.S_ISBLK(st.st_mode) and os.access(self._path, os.R_OK | os.W_OK)
+
+    def _create_missing(self, path: str) -> os.stat_result:
+        size = self.spec.size_bytes
+        if not self.spec.create or size is None:
+            raise StorageError(
+                f"device {self.spec.name!r}: {path} does not exist",
+                f"create it (e.g. `truncate -s 8G {path}` on ext4/xfs, or point `path` at a "
+                "block device), or set `create: true` and `size` to let ctxmem create a "
+                "sparse file",
+                errno=errno.ENOENT,
+            )
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise StorageError(
+                f"device {self.spec.name!r}: cannot create {path}: directory {parent} "
+                "does not exist",
+                f"create the directory first (mkdir -p {parent})",
+                errno=errno.ENOENT,
+            )
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            return os.stat(path)  # created concurrently; use it
+        except OSError as ex:
+            raise StorageError(
+                f"device {self.spec.name!r}: cannot create {path}: [errno {ex.errno}] "
+                f"{ex.strerror}", f"check that the service user may write to {parent}",
+                errno=ex.errno,
+            ) from ex
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+            return os.fstat(fd)
+        except OSError as ex:
+            os.unlink(path)
+            raise StorageError(
+                f"device {self.spec.name!r}: cannot size new file {path} to "
+                f"{format_size(size)}: [errno {ex.errno}] {ex.strerror}",
+                "check free space and the filesystem's maximum file size",
+                errno=ex.errno,
+            ) from ex
+        finally:
+            os.close(fd)
+
+    def _grow_if_asked(self, path: str, current: int) -> None:
+        size = self.spec.size_bytes
+        if size is None or current >= size or not self.spec.create:
+            return  # a too-small file without create: true is reported by _usable_size
+        try:
+            os.truncate(path, size)
+        except OSError as ex:
+            raise StorageError(
+                f"device {self.spec.name!r}: cannot grow {path} from {format_size(current)} "
+                f"to {format_size(size)}: [errno {ex.errno}] {ex.strerror}",
+                "check free space and permissions, or lower `size`",
+                errno=ex.errno,
+            ) from ex

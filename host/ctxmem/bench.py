@@ -1,0 +1,234 @@
+"""``ctxmem bench``: put/get throughput and latency, each next to the machine's limit.
+
+In one run, on the same buffers and the same flash file, it measures:
+
+* the limits: single-thread memcpy (numpy, the same 2 MiB buffers), O_DIRECT read and
+  write of the flash file, CRC32C and AES-256-XTS throughput;
+* through a real service and the shim: DRAM-hit get and put, cold flash get (each batch
+  evicted to flash first, so every byte is read from the device, decrypted and
+  CRC-checked), demotion to flash, for 2 MiB and 64 KiB blocks, encryption on and off;
+* a 10,000-key Lookup (p50/p99 of one call).
+
+Each figure is printed next to its limit, and ``--json`` writes
+``{"results": [{"name", "value", "unit", "limit", "fraction_of_limit"}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ctxmem.client import Client
+from ctxmem.launcher import ServiceProcess, local_config
+from ctxmem_common.codecs import XtsCipher, crc32c
+from ctxmem_common.keys import chain_hashes
+from ctxmem_common.layout import KVLayout
+
+MiB = 1 << 20
+GB = 1e9
+
+
+@dataclass
+class Result:
+    name: str
+    value: float
+    unit: str
+    limit: float
+    fraction_of_limit: float
+
+
+def _best_rate(fn: Callable[[], None], nbytes: int, repeat: int) -> float:
+    """Bytes per second of the best of ``repeat`` runs (limits: what the machine can do)."""
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def measure_limits(flash_path: Path, block: int, count: int, repeat: int) -> dict[str, float]:
+    """GB/s of the primitives the data path is built from, on ``count`` blocks."""
+    src = [np.random.default_rng(i).integers(0, 255, block, dtype=np.uint8) for i in range(count)]
+    dst = [np.empty(block, dtype=np.uint8) for _ in range(count)]
+    total = block * count
+
+    def memcpy() -> None:
+        for s, d in zip(src, dst, strict=True):
+            np.copyto(d, s)
+
+    def crc() -> None:
+        for s in src:
+            crc32c(s)
+
+    cipher = XtsCipher(os.urandom(64))
+    out = np.empty(block, dtype=np.uint8)
+
+    def xts() -> None:
+        for i, s in enumerate(src):
+            cipher.encrypt_into(s, out, (i).to_bytes(16, "little"))
+
+    limits = {
+        "memcpy": _best_rate(memcpy, total, repeat) / GB,
+        "crc32c": _best_rate(crc, total, repeat) / GB,
+        "aes_xts": _best_rate(xts, total, repeat) / GB,
+    }
+    # O_DIRECT on a scratch file beside the flash file (same filesystem, same device).
+    scratch = flash_path.parent / "odirect-limit.bin"
+    fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.ftruncate(fd, total)
+        bufs = [mmap.mmap(-1, block) for _ in range(count)]
+        for b in bufs:
+            b.write(os.urandom(64) * (block // 64))
+
+        def write() -> None:
+            for i, b in enumerate(bufs):
+                os.pwrite(fd, b, i * block)
+            os.fdatasync(fd)
+
+        def read() -> None:
+            for i, b in enumerate(bufs):
+                os.preadv(fd, [b], i * block)
+
+        limits["odirect_write"] = _best_rate(write, total, repeat) / GB
+        limits["odirect_read"] = _best_rate(read, total, repeat) / GB
+    finally:
+        os.close(fd)
+        scratch.unlink(missing_ok=True)
+    return limits
+
+
+def _pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, rounds: int,
+                  tag: str, limits: dict[str, float], results: list[Result],
+                  with_lookup: bool) -> None:
+    """Put/get/cold-get of ``batch`` blocks of ``block`` bytes, ``rounds`` times."""
+    layout = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=block // 2,
+                      tokens_per_block=1)
+    assert layout.block_nbytes == block
+    size = f"{block // MiB}MiB" if block >= MiB else f"{block // 1024}KiB"
+    rng = np.random.default_rng(7)
+    bufs = [rng.integers(0, 255, block, dtype=np.uint8) for _ in range(batch)]
+    outs = [np.empty(block, dtype=np.uint8) for _ in range(batch)]
+    nbytes = block * batch
+    with Client(svc.endpoint, transport=transport) as client:  # type: ignore[arg-type]
+        ns = client.open_namespace(layout, model_id=f"bench-{size}-{tag}")
+        put_t, get_t, cold_t, demote_t = [], [], [], []
+        for r in range(rounds):
+            keys = chain_hashes(np.arange(batch) + r * batch + block, 1, salt=tag.encode())
+            t = time.perf_counter()
+            res = ns.put(keys, bufs)
+            put_t.append(time.perf_counter() - t)
+            assert res.stored == batch, res
+            t = time.perf_counter()
+            n = ns.get(keys, outs)
+            get_t.append(time.perf_counter() - t)
+            assert n == batch and all(np.array_equal(a, b) for a, b in zip(bufs, outs, strict=True))
+            t = time.perf_counter()
+            ns.evict(keys)
+            demote_t.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            n = ns.get(keys, outs)
+            cold_t.append(time.perf_counter() - t)
+            assert n == batch, f"cold get served {n} of {batch}"
+            ns.delete(keys)
+        crypt = "_xts" if tag == "xts" else ""
+        flash_read_limit = (min(limits["odirect_read"], limits["aes_xts"]) if crypt
+                            else limits["odirect_read"])
+        flash_write_limit = (min(limits["odirect_write"], limits["aes_xts"]) if crypt
+                             else limits["odirect_write"])
+        cases = [
+            (f"dram_put_{size}{crypt}", put_t, limits["memcpy"]),
+            (f"dram_get_{size}{crypt}", get_t, limits["memcpy"]),
+            (f"flash_demote_{size}{crypt}", demote_t, flash_write_limit),
+            (f"flash_get_{size}{crypt}", cold_t, flash_read_limit),
+        ]
+        for name, times, limit in cases:
+            # Throughput from the median batch: robust to one slow batch on a busy 2-core box.
+            gbs = nbytes / statistics.median(times) / GB
+            results.append(Result(name, gbs, "GB/s", limit, gbs / limit))
+            ideal_ms = nbytes / (limit * GB) * 1e3
+            for q, label in ((0.5, "p50"), (0.99, "p99")):
+                ms = _pct(times, q) * 1e3
+                results.append(Result(f"{name}_{label}", ms, "ms/batch", ideal_ms, ideal_ms / ms))
+        if with_lookup:
+            lk = chain_hashes(np.arange(10_000), 1, salt=b"lookup")
+            stored = lk[:5000]
+            small = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=2048,
+                             tokens_per_block=1)
+            lns = client.open_namespace(small, model_id="bench-lookup")
+            for i in range(0, len(stored), 1000):
+                lns.put(stored[i:i + 1000], [np.zeros(4096, np.uint8)] * 1000)
+            times = []
+            for _ in range(max(50, rounds * 5)):
+                t = time.perf_counter()
+                r = lns.lookup(lk)
+                times.append(time.perf_counter() - t)
+                assert r.num_hits == 5000
+            for q, label in ((0.5, "p50"), (0.99, "p99")):
+                ms = _pct(times, q) * 1e3
+                results.append(Result(f"lookup_10k_{label}", ms, "ms", 5.0, 5.0 / ms))
+
+
+def run(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ctxmem bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write results as JSON here")
+    p.add_argument("--transport", default="shm", choices=["shm", "tcp"])
+    p.add_argument("--workdir", default=None,
+                   help="where the flash file goes (default: a temp dir under /var/tmp; must "
+                        "support O_DIRECT)")
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
+    p.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
+    args = p.parse_args(argv)
+    rounds = 3 if args.quick else args.rounds
+    base = Path(args.workdir or tempfile.mkdtemp(prefix="ctxmem-bench-", dir="/var/tmp"))
+    base.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    batch_bytes = args.batch_mib * MiB
+    print(f"ctxmem bench: transport={args.transport}, {args.batch_mib} MiB per batch, "
+          f"{rounds} rounds, workdir {base}")
+    limits = measure_limits(base, 2 * MiB, batch_bytes // (2 * MiB), repeat=5)
+    for name, value in limits.items():
+        results.append(Result(f"limit_{name}", value, "GB/s", value, 1.0))
+    flash_size = f"{max(1024, 6 * args.batch_mib)}MiB"
+    for tag, enc in (("xts", True), ("plain", False)):
+        cfg = local_config(base / tag, encryption=enc, dram_size=f"{4 * args.batch_mib}MiB",
+                           dram_slab="32MiB", flash_size=flash_size, flash_slab="64MiB",
+                           transports=[args.transport])
+        with ServiceProcess(base / tag, cfg) as svc:
+            for block in (2 * MiB, 64 * 1024):
+                bench_service(svc, args.transport, block, batch_bytes // block, rounds, tag,
+                              limits, results, with_lookup=(tag == "xts" and block == 2 * MiB))
+        (base / tag / "flash0.img").unlink(missing_ok=True)
+    print(f"\n{'name':34} {'value':>10} {'unit':9} {'limit':>10} {'fraction':>9}")
+    for r in results:
+        print(f"{r.name:34} {r.value:10.3f} {r.unit:9} {r.limit:10.3f} {r.fraction_of_limit:9.2f}")
+    if args.json:
+        doc = {
+            "results": [asdict(r) for r in results],
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "python": platform.python_version()},
+            "params": {"transport": args.transport, "batch_mib": args.batch_mib,
+                       "rounds": rounds},
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,143 @@
+"""Start a ctxmem service as a child process (for ``ctxmem demo``, ``ctxmem bench`` and
+tests). The service is launched by command (``python -m ctxmem_dpu serve``), never
+imported: the shim and the service stay separate programs."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def local_config(workdir: Path, *, encryption: bool = True, dram_size: str = "128MiB",
+                 dram_slab: str = "8MiB", flash_size: str | None = "256MiB",
+                 flash_slab: str = "16MiB", flash_path: str | None = None,
+                 write_policy: str = "write_back", transports: list[str] | None = None,
+                 lease_ttl_s: float = 30.0, allocation_ttl_s: float = 30.0,
+                 **sections: Any) -> dict[str, Any]:
+    """A fallback-mode config on loopback with files under ``workdir`` (free ports)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    key_file = workdir / "master.key"
+    if not key_file.exists():
+        key_file.write_text(secrets.token_hex(32))
+        key_file.chmod(0o600)
+    cfg: dict[str, Any] = {
+        "mode": "fallback",
+        "service": {
+            "listen": f"127.0.0.1:{free_port()}",
+            "data_listen": "127.0.0.1:0",
+            "shm_socket": str(workdir / "data.sock"),
+            "transports": transports or ["shm", "tcp"],
+            "lease_ttl_s": lease_ttl_s,
+            "allocation_ttl_s": allocation_ttl_s,
+        },
+        "metrics": {"listen": f"127.0.0.1:{free_port()}"},
+        "dram": {"size": dram_size, "slab_size": dram_slab},
+        "flash": {"write_policy": write_policy, "slab_size": flash_slab, "devices": []},
+        "encryption": {"enabled": encryption, "key_file": str(key_file)},
+        "logging": {"level": "info"},
+    }
+    if flash_size:
+        cfg["flash"]["devices"] = [{
+            "name": "flash0", "backend": "local",
+            "path": flash_path or str(workdir / "flash0.img"), "size": flash_size,
+            "create": True}]
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+class ServiceProcess:
+    """A running ``ctxmem serve``; restartable on the same ports and files."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any] | None = None,
+                 config_path: Path | None = None, start: bool = True) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = config_path or workdir / "ctxmem.yaml"
+        if config is not None:
+            self.config_path.write_text(yaml.safe_dump(config))
+        self.config = yaml.safe_load(self.config_path.read_text()) if self.config_path.exists() \
+            else {}
+        listen = (self.config.get("service") or {}).get("listen", "127.0.0.1:50051")
+        self.endpoint = listen.replace("0.0.0.0", "127.0.0.1")
+        self.metrics_listen = (self.config.get("metrics") or {}).get("listen", "")
+        devices = (self.config.get("flash") or {}).get("devices") or []
+        self.flash_path = Path(devices[0]["path"]) if devices and "path" in devices[0] else None
+        self.log_path = workdir / "service.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        if start:
+            self.start()
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        ready = self.workdir / "ready"
+        ready.unlink(missing_ok=True)
+        args = [sys.executable, "-m", "ctxmem_dpu", "serve", "--ready-file", str(ready)]
+        if self.config_path.exists():
+            args += ["--config", str(self.config_path)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"ctxmem service exited with status {self.proc.returncode}; its log "
+                    f"({self.log_path}):\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"ctxmem service not ready after {timeout_s} s:\n{self.log()}")
+            time.sleep(0.02)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        rc = self.proc.returncode
+        self.proc = None
+        return rc
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def restart(self, kill: bool = False) -> None:
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        self.start()
+
+    def __enter__(self) -> ServiceProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

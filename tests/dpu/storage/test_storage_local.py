@@ -1,0 +1,148 @@
+"""`local` backend, for real: files in tmp_path, O_DIRECT, errors with remedies."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from ctxmem_dpu.storage import StorageError, open_backend, parse_device_spec
+from ctxmem_dpu.storage.local import LocalBackend
+
+W = "flash.devices[0]"
+
+
+def local(path: Path, **extra: object) -> LocalBackend:
+    spec = parse_device_spec({"name": "f0", "backend": "local", "path": str(path), **extra}, W)
+    backend = open_backend(spec)
+    assert isinstance(backend, LocalBackend)
+    return backend
+
+
+def test_create_sparse_file_and_round_trip_o_direct(tmp_path: Path) -> None:
+    path = tmp_path / "flash.img"
+    with local(path, size="16MiB", create=True) as dev:
+        assert dev.attach() == str(path)
+        assert dev.size_bytes == 16 << 20 and dev.is_healthy()
+        st = path.stat()
+        assert st.st_size == 16 << 20
+        assert st.st_blocks * 512 < st.st_size  # sparse
+        assert st.st_mode & 0o777 == 0o600
+        buf = mmap.mmap(-1, 1 << 20)
+        buf.write(os.urandom(1 << 20))
+        back = mmap.mmap(-1, 1 << 20)
+        fd = os.open(dev.attach(), os.O_RDWR | os.O_DIRECT)
+        try:
+            assert os.pwritev(fd, [buf], 4 << 20) == 1 << 20
+            assert os.preadv(fd, [back], 4 << 20) == 1 << 20
+        finally:
+            os.close(fd)
+        assert back[:] == buf[:]
+    assert not dev.is_healthy() and dev.path is None
+    assert path.exists()  # detach never deletes data
+
+
+def test_attach_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
+    path = tmp_path / "flash.img"
+    first = local(path, size="4MiB", create=True)
+    first.attach()
+    path.write_bytes(b"x" * 4096 + b"\0" * ((4 << 20) - 4096))
+    again = local(path, size="4MiB", create=True)  # e.g. after a service restart
+    assert again.attach() == first.attach() == str(path)
+    assert path.read_bytes()[:4096] == b"x" * 4096
+
+
+def test_existing_smaller_file_grows_only_with_create(tmp_path: Path) -> None:
+    path = tmp_path / "flash.img"
+    path.write_bytes(b"\0" * (2 << 20))
+    with pytest.raises(StorageError, match=r"holds 2MiB .* configured as 4MiB") as info:
+        local(path, size="4MiB").attach()
+    assert "lower `size`" in info.value.remedy
+    dev = local(path, size="4MiB", create=True)
+    dev.attach()
+    assert path.stat().st_size == 4 << 20 and dev.size_bytes == 4 << 20
+
+
+def test_size_defaults_to_the_whole_file_aligned_down(tmp_path: Path) -> None:
+    path = tmp_path / "flash.img"
+    path.write_bytes(b"\0" * ((3 << 20) + 1000))
+    dev = local(path)
+    dev.attach()
+    assert dev.size_bytes == 3 << 20
+
+
+def test_missing_file_names_path_and_remedy(tmp_path: Path) -> None:
+    path = tmp_path / "nope.img"
+    with pytest.raises(StorageError) as info:
+        local(path, size="8MiB").attach()
+    err = info.value
+    assert str(path) in str(err) and "does not exist" in str(err)
+    assert "create: true" in err.remedy and err.errno == errno.ENOENT
+    assert str(err).endswith("Remedy: " + err.remedy)
+
+
+def test_missing_parent_directory(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match=r"directory .* does not exist") as info:
+        local(tmp_path / "a" / "b.img", size="8MiB", create=True).attach()
+    assert "mkdir -p" in info.value.remedy
+
+
+def test_directory_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="neither a block device nor a regular file"):
+        local(tmp_path).attach()
+
+
+def test_o_direct_einval_says_filesystem_lacks_o_direct(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tmpfs on this kernel (6.18) accepts O_DIRECT, so EINVAL is injected at os.open."""
+    path = tmp_path / "flash.img"
+    path.write_bytes(b"\0" * (1 << 20))
+    real_open = os.open
+
+    def fake_open(p: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    with pytest.raises(StorageError) as info:
+        local(path).attach()
+    assert "does not support O_DIRECT" in str(info.value) and "tmpfs" in str(info.value)
+    assert "ext4 or xfs" in info.value.remedy and info.value.errno == errno.EINVAL
+
+
+@pytest.mark.parametrize(("err", "remedy"), [
+    (errno.EACCES, "read/write access"), (errno.EROFS, "read-only"),
+    (errno.EBUSY, "held exclusively"),
+])
+def test_open_errors_carry_errno_and_remedy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int, remedy: str) -> None:
+    """Injected: these tests run as root, which bypasses file permissions."""
+    path = tmp_path / "flash.img"
+    path.write_bytes(b"\0" * (1 << 20))
+
+    def fake_open(p: str, flags: int, *args: int) -> int:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(os, "open", fake_open)
+    with pytest.raises(StorageError, match=f"errno {err}") as info:
+        local(path).attach()
+    assert remedy in info.value.remedy and info.value.errno == err
+
+
+def test_size_before_attach_raises(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="not attached"):
+        _ = local(tmp_path / "x.img").size_bytes
+
+
+def test_health_notices_a_deleted_or_truncated_file(tmp_path: Path) -> None:
+    path = tmp_path / "flash.img"
+    dev = local(path, size="2MiB", create=True)
+    dev.attach()
+    os.truncate(path, 1 << 20)
+    assert not dev.is_healthy()
+    path.unlink()
+    assert not dev.is_healthy()
+    assert not dev.offloads_encryption

@@ -1,0 +1,48 @@
+"""Exact eviction order of the segmented LRU (scenario tests, vLLM style)."""
+
+from __future__ import annotations
+
+from ctxmem_dpu.policy import SegmentedLRU
+
+
+def test_plain_lru_order_without_reuse() -> None:
+    p: SegmentedLRU[str] = SegmentedLRU(protect_after_hits=2)
+    for k in "abcd":
+        p.add(k)
+    p.touch("b", hits=1)
+    assert p.order() == ["a", "c", "d", "b"]
+    assert list(p.victims()) == ["a", "c", "d", "b"]
+
+
+def test_reused_prefix_blocks_outlive_a_one_off_scan() -> None:
+    p: SegmentedLRU[str] = SegmentedLRU(protect_after_hits=2, protected_fraction=0.8)
+    for k in ("sys0", "sys1"):
+        p.add(k)
+    for k in ("sys0", "sys1"):  # two requests reused the system prompt
+        p.touch(k, hits=1)
+        p.touch(k, hits=2)
+    for k in ("scan0", "scan1", "scan2", "scan3"):  # a long one-off prompt streams in
+        p.add(k)
+    assert p.order() == ["scan0", "scan1", "scan2", "scan3", "sys0", "sys1"]
+
+
+def test_protected_overflow_demotes_its_lru_to_probation_mru() -> None:
+    p: SegmentedLRU[str] = SegmentedLRU(protect_after_hits=1, protected_fraction=0.5)
+    for k in "abcd":
+        p.add(k)
+    p.touch("a", 1)
+    p.touch("b", 1)
+    assert p.order() == ["c", "d", "a", "b"]
+    p.touch("c", 1)  # 3 protected > 0.5 * 4: "a" (protected LRU) drops back
+    assert p.order() == ["d", "a", "b", "c"]
+
+
+def test_victims_skip_pinned_and_tolerate_removal() -> None:
+    p: SegmentedLRU[str] = SegmentedLRU()
+    for k in "abc":
+        p.add(k)
+    out = []
+    for v in p.victims(skip=lambda k: k == "a"):
+        out.append(v)
+        p.remove(v)
+    assert out == ["b", "c"] and p.order() == ["a"]

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import pytest
+
+from ctxmem_common.errors import InvalidArgument
+from ctxmem_common.keys import chain_hashes, namespace_digest, validate_keys
+from ctxmem_common.layout import KVLayout
+
+
+def test_block_nbytes_exact_for_mha_gqa() -> None:
+    lay = KVLayout(dtype="bfloat16", num_layers=32, num_kv_heads=8, head_dim=128,
+                   tokens_per_block=16)
+    assert lay.block_nbytes == 2 * 32 * 16 * 8 * 128 * 2  # 2 MiB: Llama-3-8B, 16 tokens
+
+
+def test_block_nbytes_exact_for_mla() -> None:
+    lay = KVLayout(dtype="bfloat16", num_layers=61, tokens_per_block=64, kv_lora_rank=512,
+                   qk_rope_head_dim=64)
+    assert lay.is_mla
+    assert lay.block_nbytes == 61 * 64 * (512 + 64) * 2
+
+
+def test_layout_digest_covers_every_field() -> None:
+    base = dict(dtype="float16", num_layers=4, num_kv_heads=2, head_dim=64, tokens_per_block=16)
+    d0 = KVLayout(**base).digest()  # type: ignore[arg-type]
+    for change in ({"dtype": "bfloat16"}, {"tp_rank": 1, "tp_size": 2}, {"tokens_per_block": 32},
+                   {"num_kv_heads": 4}, {"head_dim": 128}, {"num_layers": 5}):
+        assert KVLayout(**{**base, **change}).digest() != d0, change  # type: ignore[arg-type]
+    assert KVLayout(**base).digest() == d0  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [
+    {"dtype": "float13"}, {"num_layers": 0}, {"head_dim": 0}, {"tp_rank": 2, "tp_size": 2},
+    {"tokens_per_block": -1},
+])
+def test_invalid_layouts_are_rejected_with_the_field_named(bad: dict[str, object]) -> None:
+    base = dict(dtype="float16", num_layers=4, num_kv_heads=2, head_dim=64, tokens_per_block=16)
+    with pytest.raises(InvalidArgument, match="layout"):
+        KVLayout(**{**base, **bad})  # type: ignore[arg-type]
+
+
+def test_namespace_identity_separates_tenants_models_and_tags() -> None:
+    lay = KVLayout(dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8)
+    d = namespace_digest("t1", "m", lay, {"cache_salt": "a"})
+    assert d != namespace_digest("t2", "m", lay, {"cache_salt": "a"})
+    assert d != namespace_digest("t1", "m2", lay, {"cache_salt": "a"})
+    assert d != namespace_digest("t1", "m", lay, {"cache_salt": "b"})
+    assert d == namespace_digest("t1", "m", lay, {"cache_salt": "a"})
+    # Length-prefixed parts: ("ab", "c") and ("a", "bc") must not collide.
+    assert namespace_digest("ab", "c", lay) != namespace_digest("a", "bc", lay)
+
+
+def test_chain_hashes_full_blocks_prefix_property_and_salt() -> None:
+    toks = list(range(100))
+    keys = chain_hashes(toks, 16)
+    assert len(keys) == 6 and all(len(k) == 32 for k in keys)
+    assert chain_hashes(toks[:64], 16) == keys[:4]  # a key covers only its prefix
+    changed = chain_hashes([999, *toks[1:]], 16)
+    assert all(a != b for a, b in zip(keys, changed, strict=True))  # chained: all differ
+    assert chain_hashes(toks, 16, salt=b"s") != keys
+
+
+def test_validate_keys_errors_name_the_index() -> None:
+    with pytest.raises(InvalidArgument, match=r"keys\[1\] is 65 bytes"):
+        validate_keys([b"a", b"x" * 65])
+    with pytest.raises(InvalidArgument, match=r"keys\[2\] duplicates keys\[0\]"):
+        validate_keys([b"a", b"b", b"a"])
+    with pytest.raises(InvalidArgument, match=r"keys\[0\] is 0 bytes"):
+        validate_keys([b""])
+    with pytest.raises(InvalidArgument, match="must be bytes"):
+        validate_keys(["str"])  # type: ignore[list-item]
