@@ -55,6 +55,18 @@ T = TypeVar("T")
 TIER_DRAM = "dram"
 TIER_FLASH = "flash"
 
+# Every counter the store keeps; all are reported (as 0 until they move) by Stats and
+# /metrics, so dashboards and tests see the same names from the start.
+COUNTERS = (
+    "lookup_keys", "lookup_hits", "put_blocks", "put_bytes", "put_crc_mismatch",
+    "get_blocks", "get_bytes", "hits_dram", "hits_flash", "misses", "prefetch_blocks",
+    "promoted_blocks", "promote_no_space", "demoted_blocks", "demoted_bytes",
+    "evictions_dram", "evictions_flash", "deleted_blocks", "integrity_failures",
+    "flash_read_errors", "flash_write_errors", "flash_device_failures", "flash_full",
+    "dram_full", "expired_allocations", "expired_leases", "recovered_blocks",
+    "recovery_seconds_x1e6",
+)
+
 
 class BlockStore:
     def __init__(
@@ -85,7 +97,7 @@ class BlockStore:
         self._ids = itertools.count(1)
         self._seq = itertools.count(1)
         self._ciphers: dict[bytes, XtsCipher | None] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, cfg.service.io_threads), thread_name_prefix="ctxmem-io"
         )

@@ -1,0 +1,129 @@
+"""The real service on loopback, driven through the shim, byte-comparing every round trip."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+import ctxmem
+from tests.conftest import ServiceHandle
+
+LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
+                         tokens_per_block=16)
+
+
+def blocks(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("encryption", [True, False])
+def test_put_get_evict_cold_get(service_factory: Callable[..., ServiceHandle], transport: str,
+                                encryption: bool) -> None:
+    svc = service_factory(encryption=encryption)
+    with ctxmem.Client(svc.endpoint, transport=transport) as client:  # type: ignore[arg-type]
+        ns = client.open_namespace(LAYOUT, model_id="m")
+        assert client.transport_in_use == transport
+        keys = ctxmem.chain_hashes(range(16 * 24), 16)
+        data = blocks(len(keys), 1)
+        assert ns.put(keys, data) == ctxmem.PutResult(stored=24, existing=0)
+        assert ns.put(keys[:4], data[:4]) == ctxmem.PutResult(stored=0, existing=4)
+        assert ns.lookup(keys) == ctxmem.LookupResult(24, ["dram"] * 24)
+        out = [np.zeros_like(d) for d in data]
+        assert ns.get(keys, out) == 24
+        assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+        assert ns.evict(keys) == 24
+        assert ns.lookup(keys).tiers == ["flash"] * 24
+        out = [np.zeros_like(d) for d in data]
+        assert ns.get(keys, out) == 24  # cold: read, decrypt, CRC-verify
+        assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+        assert ns.lookup(keys).tiers == ["dram"] * 24  # promoted
+        st = client.stats()
+        assert st["hits_flash"] == 24 and st["integrity_failures"] == 0
+
+
+def test_prefix_semantics_partial_hits_and_delete(service: ServiceHandle) -> None:
+    with ctxmem.Client(service.endpoint) as client:
+        ns = client.open_namespace(LAYOUT, model_id="m")
+        keys = ctxmem.chain_hashes(range(16 * 10), 16)
+        data = blocks(10, 2)
+        ns.put(keys[:6], data[:6])
+        assert ns.lookup(keys).num_hits == 6
+        assert ns.exists(keys) == [True] * 6 + [False] * 4
+        out = [np.full(LAYOUT.block_nbytes, 7, np.uint8) for _ in keys]
+        assert ns.get(keys, out) == 6
+        assert all(np.array_equal(a, b) for a, b in zip(data[:6], out[:6], strict=True))
+        assert all((o == 7).all() for o in out[6:])  # blocks after the run untouched
+        assert ns.delete(keys[3:]) == 3
+        assert ns.lookup(keys).num_hits == 3
+
+
+def test_torch_tensors_and_memoryviews_are_accepted_without_copies(service: ServiceHandle
+                                                                    ) -> None:
+    with ctxmem.Client(service.endpoint) as client:
+        ns = client.open_namespace(LAYOUT, model_id="torch")
+        keys = ctxmem.chain_hashes(range(64), 16)
+        n_el = LAYOUT.block_nbytes // 2
+        src = [torch.randn(n_el, dtype=torch.float32).to(torch.bfloat16) for _ in keys]
+        ns.put(keys[:2], src[:2])
+        ns.put(keys[2:], [bytearray(memoryview(t.view(torch.uint8).numpy()))
+                          for t in src[2:]])
+        out = [torch.empty(n_el, dtype=torch.bfloat16) for _ in keys]
+        assert ns.get(keys, out) == 4
+        assert all(torch.equal(a, b) for a, b in zip(src, out, strict=True))
+        mv_out = [memoryview(bytearray(LAYOUT.block_nbytes)) for _ in keys]
+        assert ns.get(keys, mv_out) == 4
+        assert bytes(mv_out[3]) == bytes(src[3].view(torch.uint8).numpy())
+
+
+def test_eviction_under_pressure_keeps_every_block_servable(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    # 16 MiB of DRAM, 600 blocks of 32 KiB (18.75 MiB): DRAM must demote to make room.
+    svc = service_factory(dram_size="16MiB", dram_slab="4MiB")
+    with ctxmem.Client(svc.endpoint) as client:
+        ns = client.open_namespace(LAYOUT, model_id="m")
+        keys = ctxmem.chain_hashes(range(16 * 600), 16)
+        data = blocks(600, 3)
+        for i in range(0, 600, 100):
+            assert ns.put(keys[i:i + 100], data[i:i + 100]).stored == 100
+        out = [np.zeros_like(d) for d in data]
+        assert ns.get(keys, out) == 600
+        assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+        assert client.stats()["evictions_dram"] > 0
+
+
+def test_async_client(service: ServiceHandle) -> None:
+    async def main() -> None:
+        async with ctxmem.AsyncClient(service.endpoint) as client:
+            ns = await client.open_namespace(LAYOUT, model_id="async")
+            keys = ctxmem.chain_hashes(range(32), 16)
+            data = blocks(2, 4)
+            await ns.put(keys, data)
+            out = [np.zeros_like(d) for d in data]
+            got = await asyncio.gather(ns.lookup(keys), ns.get(keys, out))
+            assert got[0].num_hits == 2 and got[1] == 2
+            assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+            assert await ns.prefetch(keys) == 0  # already in DRAM
+
+    asyncio.run(main())
+
+
+def test_prefetch_promotes_ahead_of_need(service: ServiceHandle) -> None:
+    with ctxmem.Client(service.endpoint) as client:
+        ns = client.open_namespace(LAYOUT, model_id="pf")
+        keys = ctxmem.chain_hashes(range(16 * 8), 16)
+        ns.put(keys, blocks(8, 5))
+        ns.evict(keys)
+        assert ns.lookup(keys).tiers == ["flash"] * 8
+        assert ns.prefetch(keys) == 8
+        import time
+
+        deadline = time.monotonic() + 10
+        while ns.lookup(keys).tiers != ["dram"] * 8:
+            assert time.monotonic() < deadline, "prefetch did not promote within 10 s"
+            time.sleep(0.05)
