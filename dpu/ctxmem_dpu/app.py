@@ -23,7 +23,7 @@ from ctxmem_common.errors import ConfigError
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
-from ctxmem_dpu.storage import StorageBackend, open_backend, parse_device_spec
+from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend, parse_device_spec
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.transport.shm import ShmServer
 from ctxmem_dpu.transport.tcp import TcpDataServer
@@ -89,7 +89,7 @@ class Service:
         self.ready = False
         self.grpc_port = 0
 
-    def _device_specs(self) -> list[object]:
+    def _device_specs(self) -> list[DeviceSpec]:
         specs = []
         for i, dev in enumerate(self.cfg.flash.devices):
             raw = {k: v for k, v in asdict(dev).items() if v not in ({}, "", None)}
@@ -106,7 +106,7 @@ class Service:
         crypto_off: list[str] = []
         loop = asyncio.get_running_loop()
         for spec in specs:
-            backend = open_backend(spec)  # type: ignore[arg-type]
+            backend = open_backend(spec)
             path = await loop.run_in_executor(None, backend.attach)
             self.backends.append(backend)
             flash_paths.append((backend.spec.name, path))
@@ -166,7 +166,7 @@ class Service:
         for backend in self.backends:
             try:
                 backend.detach()
-            except Exception:  # noqa: BLE001 - report and go on detaching the rest
+            except Exception:
                 log.exception("detaching flash device %s failed", backend.spec.name)
 
 

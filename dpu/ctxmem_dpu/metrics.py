@@ -79,7 +79,7 @@ class HttpEndpoint:
 
     def __init__(self, store: BlockStore, host: str, port: int, ready: Callable[[], bool]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StoreCollector(store))  # type: ignore[arg-type]
+        self.registry.register(StoreCollector(store))
         self.host = host
         self.port = port
         self.ready = ready

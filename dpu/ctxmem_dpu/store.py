@@ -27,8 +27,8 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from ctxmem_common.codecs import XtsCipher, crc32c, derive_namespace_key
 from ctxmem_common.config import Config
@@ -125,25 +125,32 @@ class BlockStore:
         if self._closed:
             return
         self._closed = True
+        # The demoter and prefetch/invalidate tasks are never cancelled mid-I/O (that
+        # would strand blocks with half-done bookkeeping): the demoter sees ``_closed``
+        # and returns after its current batch; the others are short and awaited.
         for t in self._tasks:
-            t.cancel()
+            if t.get_name() == "ctxmem-reaper":
+                t.cancel()
         for t in self._tasks:
             try:
                 await t
             except asyncio.CancelledError:
                 pass
+            except Exception:
+                log.exception("background task failed at shutdown")
         if self.flash.enabled and self._dirty:
             try:
                 await self._demote(list(self._dirty))
-            except Exception:  # noqa: BLE001 - shutting down: log and go on
+            except Exception:
                 log.exception("flushing dirty blocks to flash at shutdown failed")
         self._pool.shutdown(wait=True)
         self.flash.close()
         self.dram.close()
 
-    async def _io(self, fn: object, *args: object) -> T:  # type: ignore[type-var]
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking byte work (I/O, CRC, crypto) on the I/O threads."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, fn, *args)  # type: ignore[arg-type]
+        return await loop.run_in_executor(self._pool, fn, *args)
 
     # -- rebuild ---------------------------------------------------------------------
     async def _rebuild(self) -> None:
@@ -474,7 +481,7 @@ class BlockStore:
             async def run() -> None:
                 try:
                     await self._promote(ns, cold)
-                except Exception as exc:  # noqa: BLE001 - prefetch is best effort
+                except Exception as exc:
                     log.info("prefetch of %d blocks stopped: %s", len(cold), exc)
                 finally:
                     for b in cold:
@@ -793,9 +800,9 @@ class BlockStore:
     async def _demoter(self) -> None:
         # Polls every 20 ms instead of waiting on an Event under wait_for: cancelling a
         # task blocked in wait_for(Event.wait()) can hang on CPython 3.11 at shutdown.
-        while True:
+        while not self._closed:
             await asyncio.sleep(0.02)
-            while self._dirty and self.flash.enabled:
+            while self._dirty and self.flash.enabled and not self._closed:
                 batch = list(itertools.islice(self._dirty, self.cfg.flash.demote_batch))
                 before = len(self._dirty)
                 try:

@@ -12,6 +12,13 @@
 Importing this package loads neither torch, nor the service, nor pyverbs.
 """
 
+import os as _os
+
+# Blocking gRPC survives fork() only with fork support on (and the poll engine); it must
+# be chosen before grpc is first imported. An engine that set these itself keeps its own.
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "true")
+_os.environ.setdefault("GRPC_POLL_STRATEGY", "poll")
+
 from ctxmem.client import AsyncClient, AsyncNamespace, Client, LookupResult, Namespace, PutResult
 from ctxmem_common import __version__
 from ctxmem_common.errors import (

@@ -70,14 +70,14 @@ def measure_limits(flash_path: Path, block: int, count: int, repeat: int) -> dic
 
     def crc() -> None:
         for s in src:
-            crc32c(s)
+            crc32c(s.data)
 
     cipher = XtsCipher(os.urandom(64))
     out = np.empty(block, dtype=np.uint8)
 
     def xts() -> None:
         for i, s in enumerate(src):
-            cipher.encrypt_into(s, out, (i).to_bytes(16, "little"))
+            cipher.encrypt_into(s.data, out.data, (i).to_bytes(16, "little"))
 
     limits = {
         "memcpy": _best_rate(memcpy, total, repeat) / GB,
@@ -112,7 +112,7 @@ def measure_limits(flash_path: Path, block: int, count: int, repeat: int) -> dic
 
 def _pct(samples: list[float], q: float) -> float:
     s = sorted(samples)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, rounds: int,
@@ -178,9 +178,9 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
             times = []
             for _ in range(max(50, rounds * 5)):
                 t = time.perf_counter()
-                r = lns.lookup(lk)
+                hit = lns.lookup(lk)
                 times.append(time.perf_counter() - t)
-                assert r.num_hits == 5000
+                assert hit.num_hits == 5000
             for q, label in ((0.5, "p50"), (0.99, "p99")):
                 ms = _pct(times, q) * 1e3
                 results.append(Result(f"lookup_10k_{label}", ms, "ms", 5.0, 5.0 / ms))

@@ -1,9 +1,17 @@
-"""The shim's client: an async core (:class:`AsyncClient`) and a sync facade (:class:`Client`).
+"""The shim's client: a blocking core (:class:`Client`) and an asyncio facade
+(:class:`AsyncClient`).
 
 One request = one batched RPC per phase, never one per block::
 
     put:  Allocate(keys) -> write bytes into the slots -> Commit(CRCs)
     get:  Acquire(keys)  -> read bytes out of the slots -> Release
+
+Why the core is blocking and the async API runs it on worker threads: engines fork their
+worker processes (vLLM's default), and ``grpc.aio`` does not survive ``fork()`` (the child
+crashes inside gRPC). Blocking gRPC with ``GRPC_ENABLE_FORK_SUPPORT`` does: the child
+drops the parent's channel and sessions (detected by a changed pid) and reconnects on
+first use. ``import ctxmem`` sets that variable (and the ``poll`` strategy it needs)
+unless the process already chose; import ctxmem before grpc for it to take effect.
 
 Sessions are per tenant; a namespace belongs to one session. When the service restarts
 (unknown session) or drops the connection, the client reconnects, reopens its namespaces
@@ -14,16 +22,18 @@ is lost, and a get that cannot be completed is a miss, never wrong data.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import grpc
 
-from ctxmem import _sync
 from ctxmem.buffers import Staged
 from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem_common.codecs import crc32c
@@ -63,31 +73,38 @@ class PutResult:
     """Blocks already stored (nothing was written for them)."""
 
 
-def _rpc_error(exc: grpc.aio.AioRpcError, endpoint: str, method: str) -> CtxmemError:
-    md = exc.trailing_metadata() or ()
-    for key, value in md:
+def _rpc_error(exc: grpc.RpcError, endpoint: str, method: str) -> CtxmemError:
+    call: Any = exc
+    for key, value in call.trailing_metadata() or ():
         if key == ERROR_METADATA_KEY:
-            return error_for_code(str(value), exc.details() or method)
-    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return error_for_code(str(value), call.details() or method)
+    code = call.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return Unavailable(
-            f"ctxmem service at {endpoint} is unavailable during {method}: {exc.details()}; "
+            f"ctxmem service at {endpoint} is unavailable during {method}: {call.details()}; "
             f"is `ctxmem serve` running there?")
-    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return Unavailable(f"ctxmem {method} at {endpoint} timed out: {exc.details()}")
-    return CtxmemError(f"ctxmem {method} failed: {exc.code().name}: {exc.details()}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Unavailable(f"ctxmem {method} at {endpoint} timed out: {call.details()}")
+    return CtxmemError(f"ctxmem {method} failed: {code.name}: {call.details()}")
 
 
 class _Session:
-    def __init__(self, tenant: str, session_id: int, channel: DataChannel, instance: str) -> None:
+    def __init__(self, tenant: str, session_id: int, channel: DataChannel, epoch: int) -> None:
         self.tenant = tenant
         self.id = session_id
         self.channel = channel
-        self.instance = instance
-        self.epoch = 0
+        self.epoch = epoch
 
 
-class AsyncClient:
-    """Asyncio client. Use inside an engine's own event loop; everything is awaitable."""
+class Client:
+    """Blocking client; safe from any thread and across ``fork()``.
+
+    ``transport``: ``"shm"`` (same host), ``"tcp"``, or ``"auto"`` (shared memory when the
+    service's socket is reachable here, else TCP). ``verify_puts`` sends the client's
+    CRC32C of each block with Commit, so a block damaged between the caller's buffer and
+    the service is never committed; ``verify_gets`` checks each block's CRC32C after the
+    transfer (default: on for TCP; for shared memory the lease check covers it).
+    """
 
     def __init__(
         self,
@@ -109,37 +126,44 @@ class AsyncClient:
         self.verify_gets = verify_gets
         self.max_batch_bytes = max_batch_bytes
         self.client_name = client_name or f"{socket.gethostname()}:{os.getpid()}"
-        self._channel: grpc.aio.Channel | None = None
+        self._lock = threading.RLock()
+        self._pid = -1
+        self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ContextMemoryStub | None = None
         self._sessions: dict[str, _Session] = {}
-        self._session_locks: dict[str, asyncio.Lock] = {}
-        self._health: pb.HealthResponse | None = None
-        self.transport_in_use: str = ""
+        self._epoch = 0
+        self.transport_in_use = ""
 
     # -- plumbing --------------------------------------------------------------------
     def _stub_(self) -> pb_grpc.ContextMemoryStub:
-        if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.endpoint, options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", 64 << 20),
-            ])
-            self._stub = pb_grpc.ContextMemoryStub(self._channel)
-        return self._stub
+        with self._lock:
+            if self._pid != os.getpid():
+                # New process (or first use): the parent's channel and sessions are not
+                # ours to use or close; start over.
+                self._pid = os.getpid()
+                self._channel = None
+                self._sessions = {}
+                self._epoch += 1
+            if self._stub is None or self._channel is None:
+                self._channel = grpc.insecure_channel(self.endpoint, options=[
+                    ("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.max_send_message_length", 64 << 20),
+                ])
+                self._stub = pb_grpc.ContextMemoryStub(self._channel)
+            return self._stub
 
-    async def _rpc(self, method: str, request: Any) -> Any:
+    def _rpc(self, method: str, request: Any) -> Any:
         fn = getattr(self._stub_(), method)
         try:
-            return await fn(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
+            return fn(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
             raise _rpc_error(exc, self.endpoint, method) from None
 
-    async def health(self) -> pb.HealthResponse:
-        self._health = await self._rpc("Health", pb.HealthRequest())
-        return self._health
+    def health(self) -> pb.HealthResponse:
+        return self._rpc("Health", pb.HealthRequest())
 
-    async def stats(self) -> dict[str, float]:
-        resp = await self._rpc("Stats", pb.StatsRequest())
-        return dict(resp.values)
+    def stats(self) -> dict[str, float]:
+        return dict(self._rpc("Stats", pb.StatsRequest()).values)
 
     def _choose_transport(self, health: pb.HealthResponse) -> str:
         offered = {name for name, v in _TRANSPORT_PB.items() if v in health.transports}
@@ -171,61 +195,55 @@ class AsyncClient:
             return TcpChannel(host, int(port), session_id, token, self.timeout_s)
         raise InvalidArgument(f"transport {name!r} is not available in this build of the shim")
 
-    async def _session(self, tenant: str, fresh: bool = False) -> _Session:
-        lock = self._session_locks.setdefault(tenant, asyncio.Lock())
-        async with lock:
+    def _session(self, tenant: str, stale: _Session | None = None) -> _Session:
+        """The tenant's session; a new one when ``stale`` is the current one."""
+        self._stub_()  # resets state in a forked child
+        with self._lock:
             s = self._sessions.get(tenant)
-            if s is not None and not fresh:
+            if s is not None and (stale is None or s is not stale):
                 return s
-            old_epoch = s.epoch if s is not None else 0
             if s is not None:
                 s.channel.close()
-            health = await self.health()
+            health = self.health()
             name = self._choose_transport(health)
-            resp = await self._rpc("Connect", pb.ConnectRequest(
+            resp = self._rpc("Connect", pb.ConnectRequest(
                 client_name=self.client_name, transport=_TRANSPORT_PB[name], tenant=tenant,
                 tenant_token=self.tenant_token))
-            loop = asyncio.get_running_loop()
-            channel = await loop.run_in_executor(
-                None, self._open_channel, name, health, resp.session_id, resp.session_token)
-            s = _Session(tenant, resp.session_id, channel, resp.instance_id)
-            s.epoch = old_epoch + 1
+            channel = self._open_channel(name, health, resp.session_id, resp.session_token)
+            self._epoch += 1
+            s = _Session(tenant, resp.session_id, channel, self._epoch)
             self._sessions[tenant] = s
             self.transport_in_use = name
             return s
 
-    async def open_namespace(
-        self,
-        layout: KVLayout,
-        *,
-        model_id: str,
-        tenant: str = "default",
-        tags: Mapping[str, str] | None = None,
-    ) -> AsyncNamespace:
-        ns = AsyncNamespace(self, layout, model_id, tenant, dict(tags or {}))
-        await ns._open()
+    def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
+                       tags: Mapping[str, str] | None = None) -> Namespace:
+        ns = Namespace(self, layout, model_id, tenant, dict(tags or {}))
+        ns._open()
         return ns
 
-    async def close(self) -> None:
-        for s in self._sessions.values():
-            s.channel.close()
-        self._sessions.clear()
-        if self._channel is not None:
-            await self._channel.close()
+    def close(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                for s in self._sessions.values():
+                    s.channel.close()
+                if self._channel is not None:
+                    self._channel.close()
+            self._sessions = {}
             self._channel = None
             self._stub = None
 
-    async def __aenter__(self) -> AsyncClient:
+    def __enter__(self) -> Client:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-class AsyncNamespace:
-    """Blocks of one (tenant, model, layout, tags). Created by :meth:`AsyncClient.open_namespace`."""
+class Namespace:
+    """Blocks of one (tenant, model, layout, tags). Created by :meth:`Client.open_namespace`."""
 
-    def __init__(self, client: AsyncClient, layout: KVLayout, model_id: str, tenant: str,
+    def __init__(self, client: Client, layout: KVLayout, model_id: str, tenant: str,
                  tags: dict[str, str]) -> None:
         self.client = client
         self.layout = layout
@@ -235,15 +253,14 @@ class AsyncNamespace:
         self.block_nbytes = layout.block_nbytes
         self.handle = 0
         self.digest = b""
-        self._epoch = -1
         self._session: _Session | None = None
 
-    async def _open(self, fresh: bool = False) -> _Session:
-        s = await self.client._session(self.tenant, fresh=fresh)
-        if self._epoch == s.epoch and self._session is s:
+    def _open(self, stale: _Session | None = None) -> _Session:
+        s = self.client._session(self.tenant, stale)
+        if self._session is s:
             return s
         lay = self.layout
-        resp = await self.client._rpc("OpenNamespace", pb.OpenNamespaceRequest(
+        resp = self.client._rpc("OpenNamespace", pb.OpenNamespaceRequest(
             session_id=s.id, model_id=self.model_id, tags=self.tags,
             layout=pb.Layout(
                 dtype=lay.dtype, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
@@ -256,47 +273,46 @@ class AsyncNamespace:
         self.handle = resp.namespace_handle
         self.digest = resp.namespace_digest
         self._session = s
-        self._epoch = s.epoch
         return s
 
-    async def _retrying(self, op: Callable[[_Session], Awaitable[T]]) -> T:
-        """Run ``op``; after a service restart or dropped connection, reconnect and retry
+    def _retrying(self, op: Callable[[_Session], T]) -> T:
+        """Run ``op``; after a service restart or a dropped connection, reconnect and retry
         once."""
-        s = await self._open()
+        s = self._open()
         try:
-            return await op(s)
+            return op(s)
         except (UnknownSession, Unavailable) as exc:
             log.info("ctxmem: %s; reconnecting and retrying once", exc)
-            s = await self._open(fresh=self._session is s)
-            return await op(s)
+            return op(self._open(stale=s))
 
-    def _batches(self, n: int) -> list[slice]:
+    def _batch(self, start: int, n: int) -> slice:
         per = max(1, self.client.max_batch_bytes // max(1, self.block_nbytes))
-        return [slice(i, min(i + per, n)) for i in range(0, n, per)]
+        return slice(start, min(start + per, n))
 
     # -- API -------------------------------------------------------------------------
-    async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """How many leading ``keys`` are stored, and in which tier. Side-effect free."""
         validate_keys(keys)
 
-        async def op(s: _Session) -> LookupResult:
-            r = await self.client._rpc("Lookup", pb.LookupRequest(
+        def op(s: _Session) -> LookupResult:
+            r = self.client._rpc("Lookup", pb.LookupRequest(
                 session_id=s.id, namespace_handle=self.handle, keys=keys, prefix=True))
             return LookupResult(r.num_hits, [_TIER_NAMES[t] for t in r.tiers])
 
-        return await self._retrying(op)
+        return self._retrying(op)
 
-    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per-key presence (not prefix-based)."""
         validate_keys(keys)
 
-        async def op(s: _Session) -> list[bool]:
-            r = await self.client._rpc("Lookup", pb.LookupRequest(
+        def op(s: _Session) -> list[bool]:
+            r = self.client._rpc("Lookup", pb.LookupRequest(
                 session_id=s.id, namespace_handle=self.handle, keys=keys, prefix=False))
             return [t != pb.TIER_UNSPECIFIED for t in r.tiers]
 
-        return await self._retrying(op)
+        return self._retrying(op)
 
-    async def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> PutResult:
+    def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> PutResult:
         """Store one buffer per key (each exactly ``block_nbytes``)."""
         validate_keys(keys)
         if len(keys) != len(buffers):
@@ -304,44 +320,42 @@ class AsyncNamespace:
                                   f"pass one buffer per key")
         staged = Staged(list(buffers), self.block_nbytes, writable=False)
         stored = existing = 0
-        for sl in self._batches(len(keys)):
-            st, ex = await self._put_batch(list(keys[sl]), staged.views[sl])
+        start = 0
+        while start < len(keys):
+            sl = self._batch(start, len(keys))
+            st, ex = self._put_batch(list(keys[sl]), staged.views[sl])
             stored += st
             existing += ex
+            start = sl.stop
         return PutResult(stored, existing)
 
-    async def _put_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, int]:
-        loop = asyncio.get_running_loop()
-        crcs: list[int] = []
-        if self.client.verify_puts:
-            crcs = await loop.run_in_executor(None, lambda: [crc32c(v) for v in views])
+    def _put_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, int]:
+        crcs = [crc32c(v) for v in views] if self.client.verify_puts else []
+        rpc = self.client._rpc
 
-        async def op(s: _Session) -> tuple[int, int]:
-            a = await self.client._rpc("Allocate", pb.AllocateRequest(
+        def op(s: _Session) -> tuple[int, int]:
+            a = rpc("Allocate", pb.AllocateRequest(
                 session_id=s.id, namespace_handle=self.handle, keys=keys))
             new = [i for i, e in enumerate(a.exists) if not e]
             if not new:
-                await self.client._rpc("Commit", pb.CommitRequest(
-                    session_id=s.id, allocation_id=a.allocation_id, abort=True))
+                rpc("Commit", pb.CommitRequest(session_id=s.id, allocation_id=a.allocation_id,
+                                               abort=True))
                 return 0, len(keys)
             try:
-                await loop.run_in_executor(None, s.channel.write, a.allocation_id, a.slots,
-                                           [views[i] for i in new])
+                s.channel.write(a.allocation_id, a.slots, [views[i] for i in new])
             except TransportError:
-                try:
-                    await self.client._rpc("Commit", pb.CommitRequest(
-                        session_id=s.id, allocation_id=a.allocation_id, abort=True))
-                except CtxmemError:
-                    pass
+                with contextlib.suppress(CtxmemError):
+                    rpc("Commit", pb.CommitRequest(session_id=s.id,
+                                                   allocation_id=a.allocation_id, abort=True))
                 raise
-            c = await self.client._rpc("Commit", pb.CommitRequest(
+            c = rpc("Commit", pb.CommitRequest(
                 session_id=s.id, allocation_id=a.allocation_id,
                 crc32c=[crcs[i] for i in new] if crcs else []))
             return c.committed, len(keys) - len(new)
 
-        return await self._retrying(op)
+        return self._retrying(op)
 
-    async def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         """Fill ``buffers`` for the longest stored leading run of ``keys``; return its length.
 
         Blocks after the returned count are untouched. A block that fails a check, a lease
@@ -358,29 +372,26 @@ class AsyncNamespace:
             # A batch may come back short because the run hit a miss, or because the
             # service could only stage part of it in DRAM; asking again from where it
             # stopped tells the two apart (a miss answers 0).
-            sl = self._batches(len(keys) - total)[0]
-            sl = slice(total + sl.start, total + sl.stop)
-            n = await self._get_batch(list(keys[sl]), staged.views[sl])
+            sl = self._batch(total, len(keys))
+            n = self._get_batch(list(keys[sl]), staged.views[sl])
             total += n
             if n == 0:
                 break
         staged.finish_get(total)
         return total
 
-    async def _get_batch(self, keys: list[bytes], views: list[memoryview]) -> int:
-        loop = asyncio.get_running_loop()
+    def _get_batch(self, keys: list[bytes], views: list[memoryview]) -> int:
+        rpc = self.client._rpc
 
-        async def op(s: _Session) -> int:
-            a = await self.client._rpc("Acquire", pb.AcquireRequest(
+        def op(s: _Session) -> int:
+            a = rpc("Acquire", pb.AcquireRequest(
                 session_id=s.id, namespace_handle=self.handle, keys=keys))
             n = a.num_acquired
             try:
                 if n:
-                    await loop.run_in_executor(None, s.channel.read, a.lease_id, a.slots,
-                                               views[:n])
+                    s.channel.read(a.lease_id, a.slots, views[:n])
             finally:
-                rel = await self.client._rpc("Release", pb.ReleaseRequest(
-                    session_id=s.id, lease_ids=[a.lease_id]))
+                rel = rpc("Release", pb.ReleaseRequest(session_id=s.id, lease_ids=[a.lease_id]))
             if s.channel.name == "shm" and not rel.valid[0]:
                 # The lease expired while we copied: the slots may have been reused.
                 log.warning("ctxmem: lease %d expired during the copy; treating as a miss",
@@ -389,162 +400,111 @@ class AsyncNamespace:
             verify = self.client.verify_gets
             if verify is None:
                 verify = s.channel.name != "shm"
-            if verify and n:
-                got = await loop.run_in_executor(None, lambda: [crc32c(v) for v in views[:n]])
-                for i, (c, want) in enumerate(zip(got, a.crc32c, strict=False)):
-                    if c != want:
+            if verify:
+                for i, (v, want) in enumerate(zip(views[:n], a.crc32c, strict=True)):
+                    if crc32c(v) != want:
                         log.warning("ctxmem: block %d failed its CRC32C after transfer; miss", i)
                         return i
             return n
 
         try:
-            return await self._retrying(op)
+            return self._retrying(op)
         except Unavailable as exc:
             log.warning("ctxmem get degraded to a miss: %s", exc)
             return 0
 
-    async def prefetch(self, keys: Sequence[bytes]) -> int:
-        """Ask the service to promote flash blocks of ``keys`` to DRAM ahead of need."""
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Ask the service to promote flash blocks of ``keys`` to DRAM ahead of need;
+        returns how many were queued."""
         validate_keys(keys)
 
-        async def op(s: _Session) -> int:
-            r = await self.client._rpc("Prefetch", pb.PrefetchRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys))
-            return int(r.queued)
+        def op(s: _Session) -> int:
+            return int(self.client._rpc("Prefetch", pb.PrefetchRequest(
+                session_id=s.id, namespace_handle=self.handle, keys=keys)).queued)
 
-        return await self._retrying(op)
+        return self._retrying(op)
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes]) -> int:
         validate_keys(keys)
 
-        async def op(s: _Session) -> int:
-            r = await self.client._rpc("Delete", pb.DeleteRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys))
-            return int(r.deleted)
+        def op(s: _Session) -> int:
+            return int(self.client._rpc("Delete", pb.DeleteRequest(
+                session_id=s.id, namespace_handle=self.handle, keys=keys)).deleted)
 
-        return await self._retrying(op)
+        return self._retrying(op)
 
-    async def evict(self, keys: Sequence[bytes], tier: str = "dram") -> int:
+    def evict(self, keys: Sequence[bytes], tier: str = "dram") -> int:
         """Make ``keys`` durable on flash and drop their DRAM copies (admin and tests)."""
         validate_keys(keys)
-        tier_pb = {"dram": pb.TIER_DRAM, "flash": pb.TIER_FLASH}.get(tier)
+        tier_pb = {"dram": pb.TIER_DRAM}.get(tier)
         if tier_pb is None:
             raise InvalidArgument(f"tier must be 'dram', got {tier!r}")
 
-        async def op(s: _Session) -> int:
-            r = await self.client._rpc("Evict", pb.EvictRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys, tier=tier_pb))
-            return int(r.evicted)
+        def op(s: _Session) -> int:
+            return int(self.client._rpc("Evict", pb.EvictRequest(
+                session_id=s.id, namespace_handle=self.handle, keys=keys, tier=tier_pb)).evicted)
 
-        return await self._retrying(op)
+        return self._retrying(op)
 
 
-class Client:
-    """Blocking client, safe to use from any thread and after ``fork()``.
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
-    Calls run on a private event loop thread (:mod:`ctxmem._sync`) and wait at most
-    ``timeout_s``. In a forked child the loop is rebuilt and sessions are reopened on
-    first use.
-    """
+
+class AsyncClient:
+    """Asyncio facade: every call runs the blocking client on the loop's default executor,
+    so an engine's event loop never waits on the service."""
 
     def __init__(self, endpoint: str = "127.0.0.1:50051", **kwargs: Any) -> None:
-        self.endpoint = endpoint
-        self._kwargs = kwargs
-        self.timeout_s = float(kwargs.get("timeout_s", 30.0))
-        self._gen = -1
-        self._async: AsyncClient | None = None
+        self.sync = Client(endpoint, **kwargs)
 
-    @property
-    def aclient(self) -> AsyncClient:
-        gen = _sync.loop_generation()
-        if self._async is None or gen != self._gen:
-            self._async = AsyncClient(self.endpoint, **self._kwargs)
-            self._gen = gen
-        return self._async
+    async def health(self) -> pb.HealthResponse:
+        return await _in_thread(self.sync.health)
 
-    def _run(self, coro_fn: Callable[[], Awaitable[T]]) -> T:
-        async def wrapper() -> T:
-            return await coro_fn()
+    async def stats(self) -> dict[str, float]:
+        return await _in_thread(self.sync.stats)
 
-        # Slack over the RPC timeout: a call is several RPCs plus the data transfer.
-        return _sync.run(wrapper(), timeout=self.timeout_s * 4)
+    async def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
+                             tags: Mapping[str, str] | None = None) -> AsyncNamespace:
+        ns = await _in_thread(functools.partial(self.sync.open_namespace, layout,
+                                                model_id=model_id, tenant=tenant, tags=tags))
+        return AsyncNamespace(ns)
 
-    def health(self) -> pb.HealthResponse:
-        return self._run(lambda: self.aclient.health())
+    async def close(self) -> None:
+        await _in_thread(self.sync.close)
 
-    def stats(self) -> dict[str, float]:
-        return self._run(lambda: self.aclient.stats())
-
-    @property
-    def transport_in_use(self) -> str:
-        return self.aclient.transport_in_use
-
-    def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
-                       tags: Mapping[str, str] | None = None) -> Namespace:
-        ns = Namespace(self, layout, model_id, tenant, dict(tags or {}))
-        ns._ns()
-        return ns
-
-    def close(self) -> None:
-        if self._async is not None and self._gen == _sync.loop_generation():
-            a = self._async
-            self._run(lambda: a.close())
-        self._async = None
-
-    def __enter__(self) -> Client:
+    async def __aenter__(self) -> AsyncClient:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
-class Namespace:
-    """Sync handle on a namespace; see :class:`AsyncNamespace` for the semantics."""
+class AsyncNamespace:
+    """Awaitable twin of :class:`Namespace`."""
 
-    def __init__(self, client: Client, layout: KVLayout, model_id: str, tenant: str,
-                 tags: dict[str, str]) -> None:
-        self.client = client
-        self.layout = layout
-        self.model_id = model_id
-        self.tenant = tenant
-        self.tags = tags
-        self.block_nbytes = layout.block_nbytes
-        self._async: AsyncNamespace | None = None
-        self._owner: AsyncClient | None = None
+    def __init__(self, ns: Namespace) -> None:
+        self.sync = ns
+        self.layout = ns.layout
+        self.block_nbytes = ns.block_nbytes
 
-    def _ns(self) -> AsyncNamespace:
-        ac = self.client.aclient
-        if self._async is None or self._owner is not ac:
-            self._async = AsyncNamespace(ac, self.layout, self.model_id, self.tenant, self.tags)
-            self._owner = ac
-            ns = self._async
-            self.client._run(lambda: ns._open())
-        return self._async
+    async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        return await _in_thread(self.sync.lookup, keys)
 
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        ns = self._ns()
-        return self.client._run(lambda: ns.lookup(keys))
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return await _in_thread(self.sync.exists, keys)
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        ns = self._ns()
-        return self.client._run(lambda: ns.exists(keys))
+    async def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> PutResult:
+        return await _in_thread(self.sync.put, keys, buffers)
 
-    def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> PutResult:
-        ns = self._ns()
-        return self.client._run(lambda: ns.put(keys, buffers))
+    async def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
+        return await _in_thread(self.sync.get, keys, buffers)
 
-    def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
-        ns = self._ns()
-        return self.client._run(lambda: ns.get(keys, buffers))
+    async def prefetch(self, keys: Sequence[bytes]) -> int:
+        return await _in_thread(self.sync.prefetch, keys)
 
-    def prefetch(self, keys: Sequence[bytes]) -> int:
-        ns = self._ns()
-        return self.client._run(lambda: ns.prefetch(keys))
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return await _in_thread(self.sync.delete, keys)
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        ns = self._ns()
-        return self.client._run(lambda: ns.delete(keys))
-
-    def evict(self, keys: Sequence[bytes], tier: str = "dram") -> int:
-        ns = self._ns()
-        return self.client._run(lambda: ns.evict(keys, tier))
+    async def evict(self, keys: Sequence[bytes], tier: str = "dram") -> int:
+        return await _in_thread(self.sync.evict, keys, tier)

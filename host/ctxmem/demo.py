@@ -28,8 +28,7 @@ def build_model(layers: int, hidden: int, heads: int, kv_heads: int, seed: int =
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 3,
                       num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, max_position_embeddings=16384,
-                      torch_dtype="float32")
+                      num_key_value_heads=kv_heads, max_position_embeddings=16384)
     model = LlamaForCausalLM(cfg).eval()
     return model
 

@@ -12,11 +12,12 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 
-def _commands() -> dict[str, Callable[[list[str]], int]]:
-    found: dict[str, Callable[[list[str]], int]] = {}
-    for ep in entry_points(group="ctxmem.commands"):
-        found[ep.name] = ep.load
-    return found
+Command = Callable[[list[str]], int]
+
+
+def _commands() -> dict[str, Callable[[], Command]]:
+    """Name -> loader; a command's module is imported only when that command runs."""
+    return {ep.name: ep.load for ep in entry_points(group="ctxmem.commands")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ctxmem: unknown command {name!r}; commands: {', '.join(sorted(commands))}",
               file=sys.stderr)
         return 2
-    command = commands[name]()  # type: ignore[call-arg]
+    command = commands[name]()
     return int(command(rest) or 0)
 
 

@@ -267,5 +267,7 @@ def load_config(path: str | Path | None = None) -> Config:
     try:
         text = p.read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {p}: {exc.strerror} (errno {exc.errno})")
+        raise ConfigError(
+            f"cannot read config file {p}: {exc.strerror} (errno {exc.errno})"
+        ) from None
     return parse_config(text, str(p))

@@ -4,8 +4,10 @@ A block is ``tokens_per_block`` tokens of one TP rank's KV for every layer. The 
 order inside a block is the shim's business (engines slice their paged caches into it);
 the service only needs the exact size, which this module fixes:
 
-* standard attention: ``2 (K, V) * num_layers * tokens_per_block * num_kv_heads * head_dim * itemsize``
-* MLA (DeepSeek-style latent cache): ``num_layers * tokens_per_block * (kv_lora_rank + qk_rope_head_dim) * itemsize``
+* standard attention:
+  ``2 (K, V) * num_layers * tokens_per_block * num_kv_heads * head_dim * itemsize``
+* MLA (DeepSeek-style latent cache):
+  ``num_layers * tokens_per_block * (kv_lora_rank + qk_rope_head_dim) * itemsize``
 
 The layout digest goes into the namespace identity, so two engines whose layouts differ in
 any field (dtype, TP rank, block size...) never read each other's blocks.

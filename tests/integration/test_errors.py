@@ -97,31 +97,22 @@ def test_expired_lease_and_allocation(service_factory: Callable[..., ServiceHand
         # get degrades to a miss: never wrong data.
         from ctxmem_common.proto import ctxmem_pb2 as pb
 
-        aclient = c.aclient
-        nsa = ns._ns()
-
-        async def stale_read() -> None:
-            s = await nsa._open()
-            a = await aclient._rpc("Acquire", pb.AcquireRequest(
-                session_id=s.id, namespace_handle=nsa.handle, keys=keys))
-            assert a.num_acquired == 2
-            time.sleep(0.8)  # let the lease expire (blocking on purpose)
-            views = [memoryview(bytearray(LAYOUT.block_nbytes)) for _ in range(2)]
-            with pytest.raises(ctxmem.Unavailable, match="expired"):
-                s.channel.read(a.lease_id, a.slots, views)
-            rel = await aclient._rpc("Release", pb.ReleaseRequest(
-                session_id=s.id, lease_ids=[a.lease_id]))
-            assert list(rel.valid) == [False]
-
-            b = await aclient._rpc("Allocate", pb.AllocateRequest(
-                session_id=s.id, namespace_handle=nsa.handle,
-                keys=ctxmem.chain_hashes(range(100, 116), 16)))
-            time.sleep(0.8)
-            with pytest.raises(ctxmem.Expired, match="allocate again"):
-                await aclient._rpc("Commit", pb.CommitRequest(
-                    session_id=s.id, allocation_id=b.allocation_id))
-
-        c._run(stale_read)
+        s = ns._open()
+        a = c._rpc("Acquire", pb.AcquireRequest(session_id=s.id, namespace_handle=ns.handle,
+                                                keys=keys))
+        assert a.num_acquired == 2
+        time.sleep(0.8)  # let the lease expire
+        views = [memoryview(bytearray(LAYOUT.block_nbytes)) for _ in range(2)]
+        with pytest.raises(ctxmem.Unavailable, match="expired"):
+            s.channel.read(a.lease_id, a.slots, views)
+        rel = c._rpc("Release", pb.ReleaseRequest(session_id=s.id, lease_ids=[a.lease_id]))
+        assert list(rel.valid) == [False]
+        b = c._rpc("Allocate", pb.AllocateRequest(
+            session_id=s.id, namespace_handle=ns.handle,
+            keys=ctxmem.chain_hashes(range(100, 116), 16)))
+        time.sleep(0.8)
+        with pytest.raises(ctxmem.Expired, match="allocate again"):
+            c._rpc("Commit", pb.CommitRequest(session_id=s.id, allocation_id=b.allocation_id))
         out = [np.zeros_like(d) for d in data]
         assert ns.get(keys, out) == 2  # a fresh request still works
         assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
@@ -165,10 +156,10 @@ def test_dram_full_is_resource_exhausted_never_a_crash(
     with ctxmem.Client(svc.endpoint) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")  # 16 KiB blocks: 512 fit
         keys = ctxmem.chain_hashes(range(16 * 1000), 16)
-        c.aclient.max_batch_bytes = 1 << 30
+        c.max_batch_bytes = 1 << 30
         with pytest.raises(ctxmem.ResourceExhausted, match="more DRAM than the tier holds"):
             ns.put(keys[:600], blocks(600))
-        c.aclient.max_batch_bytes = 256 << 20
+        c.max_batch_bytes = 256 << 20
         assert ns.lookup(keys).num_hits == 0  # nothing half-stored
         # Without flash, eviction drops old blocks instead of failing.
         for i in range(0, 1000, 200):

@@ -10,6 +10,7 @@ the old one keeps private, detached pages and never sees the new tenant's data.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Hashable
@@ -41,11 +42,9 @@ class DramRegion:
 
     def close(self) -> None:
         self.view.release()
-        try:
+        # A transfer may still hold a view; the mapping is then freed when that view goes.
+        with contextlib.suppress(BufferError):
             self.mm.close()
-        except BufferError:
-            # A transfer still holds a view; the mapping is freed when that view goes.
-            pass
         os.close(self.fd)
 
 

@@ -7,11 +7,13 @@ memfd fetched. The copy is a memoryview slice assignment: a single C ``memcpy``.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import socket
 import threading
 from collections.abc import Sequence
 
+from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import (
     SHM_HELLO,
@@ -21,7 +23,6 @@ from ctxmem_common.wire import (
     STATUS_TEXT,
     Status,
 )
-from ctxmem.transport.base import DataChannel, TransportError
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -46,7 +47,7 @@ class ShmChannel(DataChannel):
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
             self._sock.sendall(SHM_HELLO.pack(b"CXS1", session_id, token))
-            magic, status = SHM_STATUS.unpack(_recv_exact(self._sock, SHM_STATUS.size))
+            _magic, status = SHM_STATUS.unpack(_recv_exact(self._sock, SHM_STATUS.size))
         except OSError as exc:
             raise TransportError(
                 f"cannot open the shared-memory channel at {path}: {exc.strerror or exc}; is "
@@ -85,12 +86,10 @@ class ShmChannel(DataChannel):
         return view
 
     def _drop(self, region: int) -> None:
-        gen, mm, view = self._maps.pop(region)
+        _gen, mm, view = self._maps.pop(region)
         view.release()
-        try:
+        with contextlib.suppress(BufferError):
             mm.close()
-        except BufferError:
-            pass
 
     def write(self, allocation_id: int, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None:

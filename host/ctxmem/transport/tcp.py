@@ -11,9 +11,9 @@ import socket
 import threading
 from collections.abc import Sequence
 
+from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import OP_READ, OP_WRITE, STATUS_TEXT, TCP_HELLO, TCP_REQ, TCP_RESP, Status
-from ctxmem.transport.base import DataChannel, TransportError
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
