@@ -21,6 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 class ServiceHandle(ServiceProcess):
     """The test view of a running service: adds ``stats()``."""
 
+    def metrics_url_for(self, path: str) -> str:
+        return f"http://{self.metrics_listen}{path}"
+
     def stats(self) -> dict[str, float]:
         import ctxmem
 

@@ -11,7 +11,6 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-
 Command = Callable[[list[str]], int]
 
 

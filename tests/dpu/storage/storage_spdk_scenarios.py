@@ -11,9 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from storage_fake_spdk import FakeSpdk
+
 from ctxmem_dpu.storage import parse_device_spec
 from ctxmem_dpu.storage.spdk import SpdkBackend
-from storage_fake_spdk import FakeSpdk
 
 XTS_KEY_HEX = "00112233445566778899aabbccddeeff" * 2 + "ffeeddccbbaa99887766554433221100" * 2
 PSK_TEXT = "NVMeTLSkey-1:01:dGhpcyBpcyBhIHRlc3QgUFNLLCBub3QgYSByZWFsIG9uZQ==:\n"

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from ctxmem_dpu.storage import parse_device_spec
 from ctxmem_dpu.storage.kernel import KernelBackend
 

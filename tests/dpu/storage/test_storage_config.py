@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from ctxmem_dpu.storage import DeviceSpec, parse_device_spec, parse_size
 from ctxmem_dpu.storage.units import format_size
 

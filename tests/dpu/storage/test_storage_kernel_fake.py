@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from ctxmem_dpu.storage import StorageError, parse_device_spec
 from ctxmem_dpu.storage.kernel import KernelBackend
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from ctxmem_dpu.storage import StorageError, open_backend, parse_device_spec
 from ctxmem_dpu.storage.local import LocalBackend
 

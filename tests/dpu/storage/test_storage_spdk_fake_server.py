@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from storage_fake_spdk import FakeSpdk
+from storage_spdk_scenarios import XTS_KEY_HEX, backend, merge
+
 from ctxmem_dpu.storage import StorageError, open_backend, parse_device_spec
 from ctxmem_dpu.storage.spdk import SpdkBackend, read_xts_key_file
 from ctxmem_dpu.storage.spdk_requests import REDACTED
-from storage_fake_spdk import FakeSpdk
-from storage_spdk_scenarios import XTS_KEY_HEX, backend, merge
 
 QUERIES = {"bdev_get_bdevs", "bdev_nvme_get_controllers", "keyring_get_keys",
            "accel_crypto_keys_get", "ublk_get_disks", "nbd_get_disks", "nvmf_get_transports",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from ctxmem_dpu.storage import parse_device_spec
 from ctxmem_dpu.storage.spdk import SpdkBackend
 from ctxmem_dpu.storage.spdk_requests import SENDABLE_METHODS, RpcRequest

@@ -20,11 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ctxmem_dpu.storage import spdk, spdk_requests, spdk_rpc
-from ctxmem_dpu.storage.spdk_requests import SENDABLE_METHODS
 from storage_fake_spdk import FakeSpdk, Recorded, serve_fake_spdk
 from storage_spdk_scenarios import SCENARIOS, write_secrets
 from storage_spdk_schema import SCHEMA_PATH, SpdkSchema
+
+from ctxmem_dpu.storage import spdk, spdk_requests, spdk_rpc
+from ctxmem_dpu.storage.spdk_requests import SENDABLE_METHODS
 
 
 @pytest.fixture(scope="module")
