@@ -37,6 +37,12 @@ class ServiceConfig:
     lease_ttl_s: float = 30.0
     allocation_ttl_s: float = 30.0
     io_threads: int = 2
+    # RDMA transport: where the service's RDMA CM listener binds (an IP of the RDMA
+    # device, e.g. the BlueField SF's or rxe0's address, and a port); the device can be
+    # named explicitly, else it is the one owning that IP. "" disables RDMA.
+    rdma_listen: str = ""
+    rdma_device: str = ""
+    rdma_gid_index: int = -1  # -1: pick the RoCE v2 GID of the listen address
     # Tenants and their tokens. Empty: tenants are named by clients (single trust domain,
     # e.g. one host). Non-empty: Connect must present the tenant's token.
     tenant_tokens: dict[str, str] = field(default_factory=dict)
@@ -232,6 +238,9 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"flash.devices[{i}].path: required for backend 'local'")
     if not cfg.service.transports:
         raise ConfigError("service.transports: list at least one of ['shm', 'tcp', 'rdma']")
+    if "rdma" in cfg.service.transports and not cfg.service.rdma_listen:
+        raise ConfigError("service.rdma_listen: required (IP:PORT of the RDMA device) when "
+                          "'rdma' is in service.transports")
     if "shm" in cfg.service.transports and not cfg.service.shm_socket:
         raise ConfigError("service.shm_socket: required when 'shm' is in service.transports")
     if cfg.service.lease_ttl_s <= 0 or cfg.service.allocation_ttl_s <= 0:
