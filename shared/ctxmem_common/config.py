@@ -280,3 +280,60 @@ def load_config(path: str | Path | None = None) -> Config:
             f"cannot read config file {p}: {exc.strerror} (errno {exc.errno})"
         ) from None
     return parse_config(text, str(p))
+
+
+def _type_label(tp: Any) -> str:
+    if tp is Size:
+        return "size"
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "").replace("ctxmem_common.config.", "")
+
+
+def _reference_rows(cls: type[Any], prefix: str) -> list[str]:
+    rows = []
+    hints = typing.get_type_hints(cls, globalns=globals())
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows += _reference_rows(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "(required)"
+        rows.append(f"| `{prefix}{f.name}` | {_type_label(tp)} | `{default}` |")
+    return rows
+
+
+def reference_markdown() -> str:
+    """``docs/config.md``, generated from this schema (a test keeps the file current)."""
+    head = [
+        "# Configuration reference",
+        "",
+        "Generated from `ctxmem_common.config` (the one schema) by "
+        "`ctxmem_common.config.reference_markdown()`; a test fails when this file is stale.",
+        "Unknown keys and invalid values are errors that name the key path. Sizes accept "
+        "`64MiB`-style strings. `ctxmem serve --print-default-config` prints the embedded "
+        "default.",
+        "",
+        "| key | type | default |",
+        "|---|---|---|",
+    ]
+    dev = [
+        "",
+        "Each `flash.devices[]` entry:",
+        "",
+        "| key | type | default |",
+        "|---|---|---|",
+    ]
+    tail = [
+        "",
+        "The `kernel:` and `spdk:` sub-keys of a device are validated by the service's "
+        "storage layer when it loads the config; see `docs/storage.md`.",
+        "",
+    ]
+    return "\n".join(head + _reference_rows(Config, "") + dev
+                     + _reference_rows(FlashDeviceConfig, "flash.devices[].") + tail)

@@ -44,3 +44,12 @@ def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_sizes_accept_units_and_integers() -> None:
     cfg = parse_config("dram: {size: 2GiB, slab_size: 4194304}")
     assert cfg.dram.size == 2 << 30 and cfg.dram.slab_size == 4 << 20
+
+
+def test_config_reference_doc_is_current() -> None:
+    from ctxmem_common.config import reference_markdown
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert doc.read_text() == reference_markdown(), (
+        "docs/config.md is stale: regenerate with python -c 'from ctxmem_common.config import "
+        "reference_markdown as r; open(\"docs/config.md\", \"w\").write(r())'")
