@@ -80,7 +80,7 @@ class BlockStore:
         self._flash_paths = list(flash_paths)
         self._master_key = master_key if cfg.encryption.enabled else None
         self._crypto_off_devices = set(software_crypto_off)
-        self.dram = DramTier(cfg.dram.size, cfg.dram.slab_size)
+        self.dram = DramTier(cfg.dram.size, cfg.dram.slab_size, cfg.dram.prefault)
         self.flash = FlashTier([])
         self.index: dict[bytes, dict[bytes, Block]] = {}
         self.namespaces: dict[bytes, Namespace] = {}
@@ -830,7 +830,7 @@ class BlockStore:
                 for dev in self.flash.devices:
                     if not dev.healthy:
                         try:
-                            await self._io(dev.sync)
+                            await self._io(dev.probe)
                             dev.healthy = True
                             log.info("flash device %s is healthy again", dev.name)
                         except FlashIOError:

@@ -57,6 +57,8 @@ class MetricsConfig:
 class DramConfig:
     size: Size = Size(1 << 30)
     slab_size: Size = Size(64 << 20)
+    # Allocate and fault in the whole tier at start (no page faults on the data path).
+    prefault: bool = True
 
 
 @dataclass(frozen=True)

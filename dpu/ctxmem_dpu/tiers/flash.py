@@ -227,6 +227,16 @@ class FlashDevice:
         hdr[:] = bytes(SECTOR)
         self._pwrite(hdr, self.header_offset(slot))
 
+    def probe(self) -> None:
+        """Read the superblock back (O_DIRECT, so from the device): raises FlashIOError
+        while the device is failing, and when it holds another device's superblock."""
+        buf = _aligned(SECTOR)
+        self._pread(buf, 0)
+        sb = Superblock.unpack(memoryview(buf))
+        if sb is None or sb.device_uuid != self.superblock.device_uuid:
+            raise FlashIOError(errno.EIO, f"flash device {self.name!r}: superblock changed "
+                                          f"(device swapped?)")
+
     def sync(self) -> None:
         try:
             os.fdatasync(self.fd)
