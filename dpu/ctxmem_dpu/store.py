@@ -268,24 +268,30 @@ class BlockStore:
         self.sessions.pop(s.id, None)
 
     # -- lookup ----------------------------------------------------------------------
-    def lookup(self, ns: Namespace, keys: Sequence[bytes], prefix: bool) -> tuple[int, list[str]]:
-        """Side-effect free: does not count hits or refresh recency."""
+    def lookup_blocks(self, ns: Namespace, keys: Sequence[bytes], prefix: bool
+                      ) -> list[Block | None]:
+        """The blocks of ``keys`` (``None`` = miss); with ``prefix``, only the leading run.
+
+        Side-effect free: does not count hits for eviction or refresh recency (engines
+        ask the same question repeatedly while scheduling). The index walk is one C-level
+        ``map`` over the keys.
+        """
         validate_keys(keys)
         per_ns = self.index.get(ns.digest, {})
-        tiers: list[str] = []
-        hits = 0
-        for key in keys:
-            b = per_ns.get(key)
-            if b is None:
-                if prefix:
-                    break
-                tiers.append("")
-                continue
-            hits += 1
-            tiers.append(TIER_DRAM if b.dram is not None else TIER_FLASH)
+        found = list(map(per_ns.get, keys))
+        if prefix and None in found:
+            found = found[: found.index(None)]
+        hits = len(found) if prefix else len(found) - found.count(None)
         self.counters["lookup_keys"] += len(keys)
         self.counters["lookup_hits"] += hits
-        return (len(tiers) if prefix else hits), tiers
+        return found
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], prefix: bool) -> tuple[int, list[str]]:
+        """(hits, tier per key: "dram", "flash" or "" for a miss)."""
+        found = self.lookup_blocks(ns, keys, prefix)
+        tiers = ["" if b is None else TIER_DRAM if b.dram is not None else TIER_FLASH
+                 for b in found]
+        return (len(found) if prefix else len(found) - found.count(None)), tiers
 
     # -- put -------------------------------------------------------------------------
     async def allocate(

@@ -291,8 +291,9 @@ class Namespace:
 
     # -- API -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """How many leading ``keys`` are stored, and in which tier. Side-effect free."""
-        validate_keys(keys)
+        """How many leading ``keys`` are stored, and in which tier. Side-effect free.
+
+        Keys are validated by the service (same errors), not twice on this hot path."""
 
         def op(s: _Session) -> LookupResult:
             r = self.client._rpc("Lookup", pb.LookupRequest(
@@ -303,7 +304,6 @@ class Namespace:
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Per-key presence (not prefix-based)."""
-        validate_keys(keys)
 
         def op(s: _Session) -> list[bool]:
             r = self.client._rpc("Lookup", pb.LookupRequest(

@@ -119,8 +119,11 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         s = self.store.session(request.session_id)
         ns = self.store.namespace(s, request.namespace_handle)
-        n, tiers = self.store.lookup(ns, request.keys, request.prefix)
-        return pb.LookupResponse(num_hits=n, tiers=[TIER_PB[t] for t in tiers])
+        found = self.store.lookup_blocks(ns, request.keys, request.prefix)
+        dram, flash, miss = pb.TIER_DRAM, pb.TIER_FLASH, pb.TIER_UNSPECIFIED
+        tiers = [miss if b is None else dram if b.dram is not None else flash for b in found]
+        n = len(found) if request.prefix else len(found) - found.count(None)
+        return pb.LookupResponse(num_hits=n, tiers=tiers)
 
     @_rpc
     async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:

@@ -1,0 +1,1 @@
+"""Deployment checks: manifests, Helm chart, example configs, the image smoke test."""
