@@ -152,6 +152,17 @@ class BlockStore:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, fn, *args)
 
+    async def _io_parallel(self, fn: Callable[[list[Any]], list[T]], jobs: list[Any]
+                           ) -> list[T]:
+        """``fn`` over ``jobs`` split into one contiguous part per I/O thread, in parallel:
+        device reads and writes overlap (queue depth > 1) with AES-XTS and CRC32C on the
+        other thread (all three release the GIL). Results keep the jobs' order."""
+        n = max(1, min(self.cfg.service.io_threads, len(jobs)))
+        size = -(-len(jobs) // n)
+        parts = [jobs[i:i + size] for i in range(0, len(jobs), size)]
+        done = await asyncio.gather(*(self._io(fn, part) for part in parts))
+        return [r for part in done for r in part]
+
     # -- rebuild ---------------------------------------------------------------------
     async def _rebuild(self) -> None:
         """Rebuild the index from the self-describing records on every flash device."""
@@ -636,7 +647,10 @@ class BlockStore:
         exts = self.flash.allocate(slot_size, n)
         if exts is not None:
             return exts
-        for b in self.flash_lru.victims(skip=lambda b: b.pins > 0 or b.io is not None):
+        # Never evict from a failed device: that frees no usable space, it only drops
+        # blocks that come back when the device does.
+        for b in self.flash_lru.victims(skip=lambda b: b.pins > 0 or b.io is not None or (
+                b.flash is not None and not self.flash.devices[b.flash.device].healthy)):
             assert b.flash is not None
             ext = b.flash
             b.flash = None
@@ -686,26 +700,32 @@ class BlockStore:
             jobs.append((self.flash.devices[ext.device], ext.slot, header,
                          self.dram.slot_view(b.dram), self._cipher(b.ns)))
 
-        def work() -> list[BaseException | None]:
-            results: list[BaseException | None] = []
-            touched = set()
-            for dev, slot, header, view, cipher in jobs:
+        def write(part: list[Any]) -> list[BaseException | None]:
+            out: list[BaseException | None] = []
+            for dev, slot, header, view, cipher in part:
                 try:
                     dev.write_record(slot, header, view, cipher)
-                    touched.add(dev)
-                    results.append(None)
+                    out.append(None)
                 except (FlashIOError, ValueError) as exc:
-                    results.append(exc)
-            for dev in touched:
+                    out.append(exc)
+            return out
+
+        def sync(devs: list[FlashDevice]) -> dict[FlashDevice, BaseException]:
+            failed: dict[FlashDevice, BaseException] = {}
+            for dev in devs:
                 try:
                     dev.sync()
                 except FlashIOError as exc:
-                    results = [r if r is not None or j[0] is not dev else exc
-                               for r, j in zip(results, jobs, strict=True)]
-            return results
+                    failed[dev] = exc
+            return failed
 
         try:
-            results = await self._io(work)
+            results = await self._io_parallel(write, jobs)
+            # Durable only after the flush: a sync failure fails every write on that device.
+            failed = await self._io(sync, list({j[0] for j, r in zip(jobs, results,
+                                                                      strict=True) if r is None}))
+            results = [failed.get(j[0], r) if r is None else r
+                       for j, r in zip(jobs, results, strict=True)]
         finally:
             for _dev, _slot, _h, view, _c in jobs:
                 view.release()
@@ -761,9 +781,9 @@ class BlockStore:
             jobs.append((self.flash.devices[b.flash.device], b.flash.slot, self.dram.slot_view(ref),
                          b, self._cipher(b.ns)))
 
-        def work() -> list[BaseException | None]:
+        def work(part: list[Any]) -> list[BaseException | None]:
             out: list[BaseException | None] = []
-            for dev, slot, view, b, cipher in jobs:
+            for dev, slot, view, b, cipher in part:
                 try:
                     if not dev.healthy:
                         raise FlashIOError(5, f"flash device {dev.name!r} is marked failed")
@@ -774,7 +794,7 @@ class BlockStore:
             return out
 
         try:
-            results = await self._io(work)
+            results = await self._io_parallel(work, jobs)
         finally:
             for job in jobs:
                 job[2].release()
