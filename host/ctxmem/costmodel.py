@@ -8,7 +8,8 @@ Two measured models feed one comparison:
   (:meth:`CostModel.observe_transfer`); the two parameters are an exponentially
   weighted least-squares fit over those observations, so they follow a link that gets
   busy or a tier that slows down (the EWMA), and separate per-call latency from
-  bandwidth as soon as requests of different sizes have been seen.
+  bandwidth as soon as requests of different sizes have been seen. Per-tier priors
+  stand in only until the first get from that tier.
 * :class:`PrefillModel`: the engine's time to compute ``n`` new tokens after ``s``
   cached ones, ``c0 + c1 * n + c2 * (n * s + n * (n + 1) / 2)`` -- a per-call
   overhead, a per-token term (the GEMMs) and an attention term proportional to the
@@ -33,7 +34,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import combinations
 from typing import Any
 
 import numpy as np
@@ -91,63 +91,52 @@ class TransferModel:
     """``seconds = latency_s + nbytes / bandwidth_Bps``, an exponentially weighted fit.
 
     Sufficient statistics of a weighted least-squares line (x in MiB, y in seconds) are
-    decayed by ``1 - alpha`` per observation. The prior enters as two pseudo
-    observations (at 0 and at ``ref_mib``) whose weight decays like any other but never
-    below ``floor``, so the fit stays defined when every request has the same size:
-    the line then passes through the measured point and the prior splits it into
-    latency and bandwidth.
+    decayed by ``1 - alpha`` per observation, so recent gets dominate (an EWMA of the
+    line). While the observations span too narrow a range of sizes to separate the two
+    parameters (every request the same size), the line goes through their weighted mean
+    with the prior's bandwidth; with no observation at all, the prior is the answer.
     """
 
-    def __init__(
-        self,
-        prior: TierPrior,
-        *,
-        alpha: float = 0.2,
-        prior_weight: float = 1.0,
-        floor: float = 1e-3,
-        ref_mib: float = 64.0,
-    ) -> None:
+    def __init__(self, prior: TierPrior, *, alpha: float = 0.2, min_spread: float = 0.1) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError("alpha must be in (0, 1]")
         self.prior = prior
         self.alpha = alpha
-        self.floor = floor
-        self.ref_mib = ref_mib
-        self._prior_w = prior_weight
-        self._s = np.zeros(5)  # sum w, w x, w y, w x^2, w x y (observations only)
+        self.min_spread = min_spread  # coefficient of variation of sizes needed for a slope
+        self._s = np.zeros(5)  # sum w, w x, w y, w x^2, w x y
         self.samples = 0
         self.last_seconds: float | None = None
         self.last_nbytes: int | None = None
-
-    def _prior_stats(self) -> np.ndarray:
-        w = max(self._prior_w, self.floor) / 2.0
-        x = np.array([0.0, self.ref_mib])
-        y = self.prior.latency_s + x * MiB / self.prior.bandwidth_Bps
-        return np.array([2 * w, w * x.sum(), w * y.sum(), w * (x * x).sum(), w * (x * y).sum()])
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if nbytes < 0 or not math.isfinite(seconds) or seconds < 0:
             return
         x = nbytes / MiB
-        keep = 1.0 - self.alpha
-        self._s = self._s * keep + self.alpha * np.array([1.0, x, seconds, x * x, x * seconds])
-        self._prior_w *= keep
+        obs = np.array([1.0, x, seconds, x * x, x * seconds])
+        if self.samples == 0:
+            self._s = obs
+        else:
+            self._s = self._s * (1.0 - self.alpha) + self.alpha * obs
         self.samples += 1
         self.last_seconds, self.last_nbytes = seconds, nbytes
 
     def params(self) -> tuple[float, float]:
         """``(latency_s, bandwidth_Bps)`` of the current fit."""
-        s0, sx, sy, sxx, sxy = self._s + self._prior_stats()
+        prior_slope = MiB / self.prior.bandwidth_Bps  # seconds per MiB
+        if self.samples == 0:
+            return self.prior.latency_s, self.prior.bandwidth_Bps
+        s0, sx, sy, sxx, sxy = (float(v) for v in self._s)
         mean_x, mean_y = sx / s0, sy / s0
-        var_x = sxx / s0 - mean_x * mean_x
-        cov = sxy / s0 - mean_x * mean_y
-        slope = cov / var_x if var_x > 1e-12 else 0.0
+        var_x = max(0.0, sxx / s0 - mean_x * mean_x)
+        slope = prior_slope
+        if var_x > 0.0 and var_x > (self.min_spread * mean_x) ** 2:
+            fitted = (sxy / s0 - mean_x * mean_y) / var_x
+            if fitted > 0.0:  # else noise: no size dependence measured, keep the prior's
+                slope = fitted
         intercept = mean_y - slope * mean_x
-        if intercept < 0.0:  # a line through the origin instead
-            intercept, slope = 0.0, (sxy / sxx if sxx > 0 else 0.0)
-        if slope <= 0.0:  # no size dependence measured: keep the prior's bandwidth
-            slope = MiB / self.prior.bandwidth_Bps
-            intercept = max(0.0, mean_y - slope * mean_x)
+        if intercept < 0.0:  # the line through the origin and the measurements instead
+            intercept = 0.0
+            slope = sxy / sxx if sxx > 0 else prior_slope
         return float(intercept), float(MiB / slope)
 
     def estimate(self, nbytes: int) -> float:
@@ -164,7 +153,9 @@ class PrefillModel:
     """``seconds = c0 + c1 * n + c2 * pairs(n, s)``: fit from measured prefill times.
 
     Keeps the last ``max_samples`` samples and refits with non-negative least squares
-    (exact: every subset of the three columns is tried) on each new sample.
+    (exact: every subset of the columns that keeps the per-token term is tried; the
+    per-token coefficient is always positive) on each new sample, weighting relative
+    errors.
     """
 
     def __init__(
@@ -210,17 +201,19 @@ class PrefillModel:
         scale[scale == 0] = 1.0
         a = a / scale
         best: tuple[float, np.ndarray] | None = None
-        for size in (3, 2, 1):
-            for cols in combinations(range(3), size):
-                idx = list(cols)
-                sol, *_ = np.linalg.lstsq(a[:, idx], b, rcond=None)
-                if np.any(sol < 0):
-                    continue
-                coef = np.zeros(3)
-                coef[idx] = sol
-                resid = float(np.sum((a @ coef - b) ** 2))
-                if best is None or resid < best[0] - 1e-15:
-                    best = (resid, coef)
+        # Every token costs something, so the per-token column is always in the fit: a
+        # fit that explains the samples with overhead alone (short, noisy prompts) would
+        # make recomputing any prefix look free.
+        for cols in ((0, 1, 2), (0, 1), (1, 2), (1,)):
+            idx = list(cols)
+            sol, *_ = np.linalg.lstsq(a[:, idx], b, rcond=None)
+            if np.any(sol < 0) or sol[idx.index(1)] <= 0:
+                continue
+            coef = np.zeros(3)
+            coef[idx] = sol
+            resid = float(np.sum((a @ coef - b) ** 2))
+            if best is None or resid < best[0] - 1e-15:
+                best = (resid, coef)
         if best is None:
             return
         c = best[1] / scale
@@ -453,21 +446,23 @@ def calibrate(
     """Time ``run_prefill(num_tokens, context_tokens)`` per length and feed the model.
 
     ``run_prefill`` must block until the prefill is complete (synchronise a GPU
-    inside it). The fastest of ``repeats`` runs is recorded. Returns the samples.
+    inside it). The lengths are timed in ``repeats`` interleaved rounds and the fastest
+    time per length is recorded, so a burst of load from other processes spoils one
+    round of every length rather than every sample of one. Returns ``(length, seconds)``.
     """
     lengths = list(lengths)
     if warmup and lengths:
         run_prefill(min(lengths), context_tokens)
-    samples: list[tuple[int, float]] = []
-    for n in lengths:
-        best = math.inf
-        for _ in range(max(1, repeats)):
+    best = dict.fromkeys(lengths, math.inf)
+    for _ in range(max(1, repeats)):
+        for n in lengths:
             t0 = time.perf_counter()
             run_prefill(n, context_tokens)
-            best = min(best, time.perf_counter() - t0)
+            best[n] = min(best[n], time.perf_counter() - t0)
+    samples = [(n, best[n]) for n in lengths]
+    for n, seconds in samples:
         if isinstance(model, CostModel):
-            model.observe_prefill(n, best, context_tokens)
+            model.observe_prefill(n, seconds, context_tokens)
         else:
-            model.observe(n, best, context_tokens)
-        samples.append((n, best))
+            model.observe(n, seconds, context_tokens)
     return samples

@@ -191,12 +191,22 @@ def cache_layers(cache: Any) -> list[KVPair]:
 
 
 def build_cache(layers: Sequence[KVPair], config: Any | None = None) -> Any:
-    """A ``transformers`` ``DynamicCache`` holding ``layers`` (used as is, not copied)."""
+    """A ``transformers`` ``DynamicCache`` holding ``layers``.
+
+    Plain full-attention layers take the tensors as they are (no copy); any other layer
+    type (sliding window, ...) is filled through ``Cache.update``.
+    """
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     for layer_idx, (keys, values) in enumerate(layers):
-        cache.update(keys, values, layer_idx)
+        layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+        if type(layer) is DynamicLayer and not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        else:
+            cache.update(keys, values, layer_idx)
     return cache
 
 
@@ -312,7 +322,7 @@ def unpack_blocks(
     """Per-layer ``(keys, values)`` of shape ``[1, H, num_blocks * T, D]`` from blocks.
 
     Inverse of :func:`pack_blocks`: one host-to-device copy, one gather on the device.
-    The returned tensors are contiguous and own their memory.
+    The returned tensors are contiguous views into one tensor holding all layers.
     """
     geometry = blocks.geometry
     if geometry.is_mla:
