@@ -37,7 +37,7 @@ _TOP_KEYS: dict[str, frozenset[str]] = {
 }
 _KERNEL_KEYS = frozenset({
     "transport", "traddr", "trsvcid", "subnqn", "hostnqn", "ctrl_loss_tmo",
-    "reconnect_delay", "nr_io_queues", "nsid",
+    "reconnect_delay", "fast_io_fail_tmo", "nr_io_queues", "nsid",
 })
 _SPDK_KEYS = frozenset({
     "rpc_socket", "bdev_name", "trtype", "adrfam", "traddr", "trsvcid", "subnqn", "hostnqn",
@@ -206,14 +206,22 @@ def _size(top: _Section) -> int | None:
 
 
 def _kernel(s: _Section) -> KernelOptions:
+    ctrl_loss = s.int_("ctrl_loss_tmo", minimum=-1)
+    fast_fail = s.int_("fast_io_fail_tmo", minimum=-1)
+    if (fast_fail is not None and fast_fail >= 0 and ctrl_loss is not None
+            and ctrl_loss >= 0 and fast_fail >= ctrl_loss):
+        raise ValueError(f"{s.path('fast_io_fail_tmo')}: {fast_fail} must be less than "
+                         f"ctrl_loss_tmo ({ctrl_loss}), or the controller is removed before "
+                         "I/O fails fast; lower it, or set ctrl_loss_tmo: -1")
     return KernelOptions(
         transport=s.choice("transport", _TRANSPORTS),
         traddr=s.req_str("traddr"),
         subnqn=s.req_str("subnqn", pattern=_NQN_RE, hint=_NQN_HINT),
         trsvcid=s.port("trsvcid", "4420"),
         hostnqn=s.str_("hostnqn", pattern=_NQN_RE, hint=_NQN_HINT),
-        ctrl_loss_tmo=s.int_("ctrl_loss_tmo", minimum=-1),
+        ctrl_loss_tmo=ctrl_loss,
         reconnect_delay=s.int_("reconnect_delay", minimum=1),
+        fast_io_fail_tmo=fast_fail,
         nr_io_queues=s.int_("nr_io_queues", minimum=1, maximum=65535),
         nsid=s.int_("nsid", minimum=1, maximum=0xFFFFFFFE, default=1) or 1,
     )

@@ -10,6 +10,11 @@ found through sysfs, never by parsing nvme-cli's output, which differs across ve
     /sys/class/nvme/nvmeC/nvmeScCnN      path device; the block device is nvmeSnN
     /sys/block/nvmeSnN/size              in 512-byte sectors
 
+After connecting (or when reusing a controller) the configured timeouts are written to
+the controller's sysfs attributes `reconnect_delay`, `ctrl_loss_tmo` and
+`fast_io_fail_tmo`; the last one makes I/O fail with EIO a few seconds after the target
+is lost instead of waiting for the reconnect, so the service degrades to misses.
+
 Detach disconnects exactly the matching controllers (`nvme disconnect -d nvmeC`), not
 every controller of the subsystem as `nvme disconnect -n NQN` would: other paths or
 other services may use the same subsystem.
@@ -63,6 +68,7 @@ class KernelBackend(StorageBackend):
         # docstring inherited
         deadline = Deadline(timeout_s)
         ctrl = self._find_controller()
+        reused = ctrl is not None
         if ctrl is None:
             self._connect(deadline)
             ctrl = wait_for(self._find_controller, deadline)
@@ -73,6 +79,7 @@ class KernelBackend(StorageBackend):
                     f"{timeout_s:g}s",
                     "check `dmesg` for nvme errors and `nvme list-subsys`",
                 )
+        self._apply_timeouts(ctrl, reused)
         block = wait_for(lambda: self._namespace_block(ctrl), deadline)
         if block is None:
             raise StorageError(
@@ -181,6 +188,37 @@ class KernelBackend(StorageBackend):
             if nsid == self.opts.nsid and (self._sysfs / "block" / block).exists():
                 return block
         return None
+
+    def _apply_timeouts(self, ctrl: str, reused: bool) -> None:
+        """Set the configured timeouts on `ctrl` through its writable sysfs attributes.
+
+        `fast_io_fail_tmo` always goes through sysfs: the nvme-cli of Debian 12 (2.3) has
+        no option for it, and sysfs works with every version. `reconnect_delay` and
+        `ctrl_loss_tmo` are given to `nvme connect`; a reused controller (left by an
+        earlier run) gets them here too, so it behaves as configured now. The kernel
+        derives ctrl_loss_tmo's retry count from reconnect_delay, hence that order.
+        """
+        o = self.opts
+        wanted: list[tuple[str, int]] = []
+        if reused and o.reconnect_delay is not None:
+            wanted.append(("reconnect_delay", o.reconnect_delay))
+        if reused and o.ctrl_loss_tmo is not None:
+            wanted.append(("ctrl_loss_tmo", o.ctrl_loss_tmo))
+        if o.fast_io_fail_tmo is not None:
+            wanted.append(("fast_io_fail_tmo", o.fast_io_fail_tmo))
+        for attr, value in wanted:
+            path = self._sysfs / "class" / "nvme" / ctrl / attr
+            try:
+                path.write_text(f"{value}\n")
+            except OSError as ex:
+                raise StorageError(
+                    f"device {self.spec.name!r}: cannot set {attr}={value} on controller "
+                    f"{ctrl} ({path}): [errno {ex.errno}] {ex.strerror}",
+                    f"writing it needs root, and a kernel that has the attribute (Linux "
+                    f"6.1 has it; older kernels may not); run the service as root, or "
+                    f"remove kernel.{attr} from the config",
+                    errno=ex.errno,
+                ) from ex
 
     # -- nvme-cli ---------------------------------------------------------------------
 

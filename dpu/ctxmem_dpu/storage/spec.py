@@ -34,6 +34,10 @@ class KernelOptions:
     hostnqn: str | None = None
     ctrl_loss_tmo: int | None = None
     reconnect_delay: int | None = None
+    # Seconds after a connection loss before queued and new I/O fail (EIO) instead of
+    # waiting for the reconnect; -1 = off (the kernel's default: I/O waits up to
+    # ctrl_loss_tmo). Applied through sysfs, so it works with any nvme-cli version.
+    fast_io_fail_tmo: int | None = None
     nr_io_queues: int | None = None
     nsid: int = 1
 

@@ -63,6 +63,13 @@ def test_kernel_spec_defaults_and_port_normalisation() -> None:
     assert (spec.kernel.trsvcid, spec.kernel.ctrl_loss_tmo, spec.kernel.nsid) == ("4421", -1, 1)
 
 
+@pytest.mark.parametrize(("fast", "loss"), [(-1, None), (0, -1), (2, -1), (5, 600), (3, None)])
+def test_kernel_fast_io_fail_tmo_accepted(fast: int, loss: int | None) -> None:
+    spec = parse_device_spec(kernel_raw(fast_io_fail_tmo=fast, ctrl_loss_tmo=loss), W)
+    assert spec.kernel is not None
+    assert (spec.kernel.fast_io_fail_tmo, spec.kernel.ctrl_loss_tmo) == (fast, loss)
+
+
 def test_spdk_spec_defaults() -> None:
     spec = parse_device_spec(spdk_raw(), W)
     assert spec.spdk is not None
@@ -122,6 +129,10 @@ def test_missing_required(raw: dict[str, Any], message: str) -> None:
     (kernel_raw(trsvcid=70000), f"{W}.kernel.trsvcid: expected a port number"),
     (kernel_raw(subnqn="cnode1"), f"{W}.kernel.subnqn: invalid value 'cnode1'"),
     (kernel_raw(nr_io_queues=0), f"{W}.kernel.nr_io_queues: 0 is out of range"),
+    (kernel_raw(fast_io_fail_tmo=-2), f"{W}.kernel.fast_io_fail_tmo: -2 is out of range"),
+    (kernel_raw(fast_io_fail_tmo="5s"), f"{W}.kernel.fast_io_fail_tmo: expected an integer"),
+    (kernel_raw(fast_io_fail_tmo=30, ctrl_loss_tmo=30),
+     f"{W}.kernel.fast_io_fail_tmo: 30 must be less than ctrl_loss_tmo (30)"),
     (spdk_raw(expose="vhost"), f"{W}.spdk.expose: invalid value 'vhost'"),
     (spdk_raw(psk_key_name="k0"), f"{W}.spdk.psk_key_name: a TLS PSK needs trtype tcp"),
     (spdk_raw(nbd_device="/dev/nbd0"), f"{W}.spdk.nbd_device: only valid with expose: nbd"),
@@ -141,3 +152,21 @@ def test_bad_values(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError) as info:
         parse_device_spec(raw, W)
     assert str(info.value).startswith(message)
+
+
+def test_service_config_entries_reach_the_backends() -> None:
+    """The service turns its typed config back into raw entries for parse_device_spec:
+    defaults of other backends' keys (`create: false`) must not make it reject a
+    `kernel` or `spdk` device (it did, so the service could not start with one)."""
+    from ctxmem_common.config import config_from_dict
+    from ctxmem_dpu.app import Service
+
+    cfg = config_from_dict({"flash": {"devices": [
+        kernel_raw(ctrl_loss_tmo=-1, fast_io_fail_tmo=2), spdk_raw(),
+        {"name": "f0", "backend": "local", "path": "/data/f0.img", "size": "64MiB",
+         "create": True}]}})
+    specs = Service(cfg)._device_specs()
+    assert [(s.name, s.backend) for s in specs] == [
+        ("nvmeof0", "kernel"), ("spdk0", "spdk"), ("f0", "local")]
+    assert specs[0].kernel is not None and specs[0].kernel.fast_io_fail_tmo == 2
+    assert specs[2].create and specs[2].size_bytes == 64 << 20

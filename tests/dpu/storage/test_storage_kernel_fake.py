@@ -227,3 +227,33 @@ def test_health_follows_controller_state(fake: FakeKernel) -> None:
     assert dev.is_healthy()
     os.unlink(fake.dev / "nvme0n1")
     assert not dev.is_healthy()
+
+
+def test_fast_io_fail_tmo_is_written_to_sysfs_after_connect(fake: FakeKernel) -> None:
+    dev = fake.backend(ctrl_loss_tmo=-1, reconnect_delay=2, fast_io_fail_tmo=3)
+    dev.attach(timeout_s=10)
+    ctrl = fake.sysfs / "class" / "nvme" / "nvme0"
+    # nvme-cli 2.3 has no option for it: never on the command line, always through sysfs.
+    assert not any("fast" in arg for arg in fake.calls()[0])
+    assert (ctrl / "fast_io_fail_tmo").read_text() == "3\n"
+    # A fresh connect got these from nvme-cli already; they are not rewritten.
+    assert not (ctrl / "ctrl_loss_tmo").exists() and not (ctrl / "reconnect_delay").exists()
+
+
+def test_reused_controller_gets_the_configured_timeouts(fake: FakeKernel) -> None:
+    fake.backend().attach(timeout_s=10)  # an earlier run, without timeouts
+    ctrl = fake.sysfs / "class" / "nvme" / "nvme0"
+    again = fake.backend(ctrl_loss_tmo=-1, reconnect_delay=1, fast_io_fail_tmo=2)
+    assert again.attach(timeout_s=10) == str(fake.dev / "nvme0n1")
+    assert [c[0] for c in fake.calls()] == ["connect"]  # reused, not reconnected
+    assert [(ctrl / a).read_text() for a in ("reconnect_delay", "ctrl_loss_tmo",
+                                             "fast_io_fail_tmo")] == ["1\n", "-1\n", "2\n"]
+
+
+def test_unwritable_timeout_attribute_names_it_with_a_remedy(fake: FakeKernel) -> None:
+    fake.backend().attach(timeout_s=10)
+    (fake.sysfs / "class" / "nvme" / "nvme0" / "fast_io_fail_tmo").mkdir()  # not writable
+    with pytest.raises(StorageError, match=r"cannot set fast_io_fail_tmo=2 on controller "
+                                           r"nvme0") as info:
+        fake.backend(fast_io_fail_tmo=2).attach(timeout_s=10)
+    assert "kernel.fast_io_fail_tmo" in info.value.remedy and info.value.errno is not None
