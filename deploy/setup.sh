@@ -37,13 +37,19 @@ install_python() {
         python3 -m venv "$VENV"
     fi
     local stamp="$VENV/.ctxmem-installed" want
-    want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+    want=$(cat pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "pip install -e .[dev,models,spdk]"
         "$VENV/bin/pip" install -q --upgrade pip
         # torch is pinned to 2.13.0 (the CPU build this project's machines carry); a loose
         # torch requirement would pull a multi-GB CUDA build.
         "$VENV/bin/pip" install -q -e ".[dev,models,spdk]" "torch==2.13.0"
+        # LMCache, for the test that drives ctxmem from LMCache's own engine. A plain
+        # `pip install lmcache` downgrades grpcio/protobuf below what ctxmem's generated
+        # gRPC code needs, so its runtime deps are named and lmcache goes in --no-deps.
+        "$VENV/bin/pip" install -q "torch==2.13.0" numba==0.68.1 py-cpuinfo psutil aiohttp \
+            requests cachetools aiofile msgspec pyzmq
+        "$VENV/bin/pip" install -q --no-deps lmcache==0.5.6
         echo "$want" > "$stamp"
     fi
 }
@@ -73,6 +79,7 @@ run_tests() {
     log "mypy"
     "$VENV/bin/mypy"
     log "pytest (host: unit, integration against real service processes, engines, deploy)"
+    export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1  # LMCache sends nothing out
     "$VENV/bin/pytest" -q -m "not vm and not slow" tests
     if [ "${CTXMEM_SKIP_VM:-0}" = "1" ]; then
         echo "!! CTXMEM_SKIP_VM=1: the QEMU guest stage (real RDMA and NVMe-oF) was NOT run"

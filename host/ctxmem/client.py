@@ -219,7 +219,11 @@ class Client:
     def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
                        tags: Mapping[str, str] | None = None) -> Namespace:
         ns = Namespace(self, layout, model_id, tenant, dict(tags or {}))
-        ns._open()
+        try:
+            ns._open()
+        except (UnknownSession, Unavailable):
+            # The cached session died with a restarted service: reconnect once.
+            ns._open(stale=self._sessions.get(tenant))
         return ns
 
     def close(self) -> None:

@@ -226,3 +226,13 @@ def test_service_process_start_failure_reports_the_log(tmp_path: Path) -> None:
     cfg["dram"]["size"] = "nonsense"
     with pytest.raises(RuntimeError, match="exited with status 2"):
         ServiceProcess(tmp_path, cfg)
+
+
+def test_open_namespace_after_a_restart_reconnects(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    svc = service_factory()
+    with ctxmem.Client(svc.endpoint) as c:
+        c.open_namespace(LAYOUT, model_id="m").put(ctxmem.chain_hashes(range(16), 16), blocks(1))
+        svc.restart()
+        ns = c.open_namespace(LAYOUT, model_id="m2")  # the cached session is stale now
+        assert ns.put(ctxmem.chain_hashes(range(16), 16), blocks(1)).stored == 1

@@ -1,0 +1,289 @@
+"""ctxmem as a vLLM v1 KV connector (``KVConnectorBase_V1``).
+
+Enable it with::
+
+    PYTHONHASHSEED=0 vllm serve MODEL --prefix-caching-hash-algo sha256_cbor \\
+      --kv-transfer-config '{"kv_connector":"CtxmemConnector",
+        "kv_connector_module_path":"ctxmem.integrations.vllm","kv_role":"kv_both",
+        "kv_load_failure_policy":"recompute",
+        "kv_connector_extra_config":{"ctxmem.endpoint":"127.0.0.1:50051"}}'
+
+Keys are vLLM's block hashes, so reuse across engine restarts needs hashes that do not
+change between processes: ``sha256_cbor`` (byte-reproducible, language independent) or
+``sha256``, with ``PYTHONHASHSEED`` fixed (vLLM seeds its first block's parent hash from
+it). ``kv_connector_extra_config`` keys (all optional): ``ctxmem.endpoint``,
+``ctxmem.tenant``, ``ctxmem.transport``, ``ctxmem.tenant_token``, ``ctxmem.model_id``,
+``ctxmem.layerwise`` (scatter loaded KV layer by layer as attention runs),
+``ctxmem.save_decode`` (default true: also save blocks filled by generated tokens),
+``ctxmem.async_load`` (load between scheduler steps instead of before the forward),
+``ctxmem.prefetch`` (default true), ``ctxmem.kv_format`` (override the detected paged
+layout: ``bhnc``, ``flash_attn``, ``flashinfer`` or ``mla``). See ``docs/engines.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ctxmem.integrations._common import (
+    as_bool,
+    config_get,
+    resolve_endpoint,
+    shared_client,
+    torch_dtype_name,
+)
+from ctxmem.integrations.vllm_core import (
+    CoreMetadata,
+    NamespaceSpec,
+    SchedulerCore,
+    WorkerCore,
+)
+from ctxmem.integrations.vllm_layout import PagedFormat, ctxmem_layout
+from ctxmem_common.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CtxmemConnectorMetadata(KVConnectorMetadata, CoreMetadata):
+    """Scheduler -> worker plan for one step: blocks to load and blocks to save."""
+
+
+def _group0(kv_cache_config: Any) -> tuple[Any, list[str]]:
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    if specs:
+        spec = specs[group.layer_names[0]]
+    return spec, list(group.layer_names)
+
+
+def layout_from_spec(spec: Any, num_layers: int, *, tp_rank: int, tp_size: int,
+                     rope_dim: int | None) -> tuple[KVLayout, str]:
+    """The namespace layout both roles derive from vLLM's ``KVCacheSpec`` (the same
+    object reaches the scheduler and every worker), and the paged format's name."""
+    dtype = torch_dtype_name(spec.dtype)
+    is_mla = "MLA" in type(spec).__name__ or getattr(spec, "use_mla", False)
+    content = getattr(spec, "state_content_size_bytes", None)
+    if content is not None:  # vLLM >= 0.30: standardized [B, H, N, C] pages
+        heads = int(getattr(spec, "num_heads", spec.num_kv_heads))
+        fmt = PagedFormat("bhnc", 0, int(spec.block_size), heads,
+                          int(content) // spec.dtype.itemsize, spec.dtype)
+        return ctxmem_layout(fmt, num_layers, tp_rank=tp_rank, tp_size=tp_size,
+                             mla_rope_dim=rope_dim if is_mla else None,
+                             dtype_name=dtype), "bhnc"
+    if is_mla:
+        fmt = PagedFormat("mla", 0, int(spec.block_size), 1, int(spec.head_size), spec.dtype)
+        return ctxmem_layout(fmt, num_layers, tp_rank=tp_rank, tp_size=tp_size,
+                             mla_rope_dim=rope_dim, dtype_name=dtype), "canonical"
+    fmt = PagedFormat("flash_attn", 0, int(spec.block_size), int(spec.num_kv_heads),
+                      int(spec.head_size), spec.dtype)
+    return ctxmem_layout(fmt, num_layers, tp_rank=tp_rank, tp_size=tp_size,
+                         dtype_name=dtype), "canonical"
+
+
+class CtxmemConnector(KVConnectorBase_V1):
+    """Offloads full KV blocks to ctxmem and loads prefix hits back."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.extra = extra
+        cache_config = vllm_config.cache_config
+        model_config = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        self.block_size = int(cache_config.block_size)
+        self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        spec, self.layer_names = _group0(kv_cache_config)
+        hf = getattr(model_config, "hf_text_config", None) or getattr(model_config,
+                                                                      "hf_config", None)
+        rope_dim = getattr(hf, "qk_rope_head_dim", None)
+        model_id = str(config_get(extra, "model_id", "") or getattr(model_config,
+                                                                     "served_model_name", "")
+                       or model_config.model)
+        if isinstance(getattr(model_config, "served_model_name", None), list):
+            model_id = str(config_get(extra, "model_id", "") or model_config.model)
+        _, fmt_name = layout_from_spec(spec, len(self.layer_names), tp_rank=0,
+                                       tp_size=self.tp_size, rope_dim=rope_dim)
+        tags = {
+            "engine": "vllm",
+            "vllm_kv_format": fmt_name,
+            "vllm_block_hash": str(getattr(cache_config, "prefix_caching_hash_algo", "")),
+            "vllm_cache_dtype": str(getattr(cache_config, "cache_dtype", "auto")),
+        }
+        backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        if fmt_name == "bhnc" and backend is not None:
+            tags["vllm_attn_backend"] = str(getattr(backend, "name", backend))
+        self.ns_spec = NamespaceSpec(
+            model_id=model_id,
+            tenant=str(config_get(extra, "tenant", "default")),
+            tp_size=self.tp_size,
+            tags=tags,
+            layout_for_rank=lambda r: layout_from_spec(
+                spec, len(self.layer_names), tp_rank=r, tp_size=self.tp_size,
+                rope_dim=rope_dim)[0],
+        )
+        client = shared_client(
+            resolve_endpoint(config_get(extra, "endpoint")),
+            transport=str(config_get(extra, "transport", "auto")),
+            tenant_token=str(config_get(extra, "tenant_token", "")),
+            timeout_s=float(config_get(extra, "timeout_s", 30.0)),
+        )
+        self._requests: dict[str, Request] = {}
+        self.scheduler: SchedulerCore | None = None
+        self.worker: WorkerCore | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerCore(
+                client, self.ns_spec, self.block_size,
+                save_decode=as_bool(config_get(extra, "save_decode", True)),
+                prefetch=as_bool(config_get(extra, "prefetch", True)),
+                async_load=as_bool(config_get(extra, "async_load", False)))
+        else:
+            self.worker = WorkerCore(client, self.ns_spec, self._tp_rank(),
+                                     layerwise=as_bool(config_get(extra, "layerwise", False)))
+
+    @staticmethod
+    def _tp_rank() -> int:
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank())
+        except Exception:  # no model-parallel group (tests, single process)
+            return 0
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return as_bool(config_get(extra_config, "layerwise", False))
+
+    # -- worker side -----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        caches = {n: kv_caches[n] for n in self.layer_names if n in kv_caches}
+        kv_layout = "NHD"
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_cache_layout
+
+            kv_layout = str(get_kv_cache_layout())
+        except Exception:
+            pass
+        self.worker.register(caches, hint=config_get(self.extra, "kv_format"),
+                             kv_layout=kv_layout)
+
+    def _meta(self) -> CtxmemConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, CtxmemConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta is not None and self.worker is not None and meta.loads:
+            self.worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # whole blocks of all layers are put once the step is done
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if self.worker is None:
+            return
+        self.worker.finish_loads()
+        if meta is not None and meta.saves:
+            self.worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        if self.worker is None:
+            return None, None
+        done = self.worker.take_finished_loads()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+
+    # -- scheduler side --------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        if self.scheduler is None:
+            return
+        self._requests[request.request_id] = request
+        self.scheduler.on_new_request(request.request_id, request.block_hashes,
+                                      getattr(request, "cache_salt", None))
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        self._requests[request.request_id] = request
+        n = self.scheduler.num_new_matched_tokens(
+            request.request_id, request.block_hashes, int(request.num_tokens),
+            int(num_computed_tokens), getattr(request, "cache_salt", None))
+        return n, bool(n and self.scheduler.async_load)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_after_alloc(request.request_id, blocks.get_block_ids()[0],
+                                          num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        scheduled = scheduler_output.num_scheduled_tokens
+        new = [(r.req_id, r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs]
+        tokens = {r.req_id: r.num_computed_tokens + scheduled.get(r.req_id, 0)
+                  for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = set(getattr(cached, "resumed_req_ids", None) or ())
+        cached_list: list[tuple[str, list[int] | None, bool]] = []
+        for i, req_id in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            cached_list.append((req_id, ids[0] if ids is not None else None, req_id in resumed))
+            tokens[req_id] = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+
+        def hashes_of(req_id: str) -> tuple[list[Any], int, int]:
+            req = self._requests.get(req_id)
+            if req is None:
+                return [], 0, 0
+            hashes = list(req.block_hashes)
+            publishable = int(getattr(req, "num_publishable_block_hashes", len(hashes)))
+            return hashes, publishable, int(req.num_prompt_tokens)
+
+        core = self.scheduler.build(new, cached_list, tokens, hashes_of)
+        return CtxmemConnectorMetadata(loads=core.loads, saves=core.saves)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is not None:
+            self.scheduler.request_finished(request.request_id)
+        self._requests.pop(request.request_id, None)
+        return False, None

@@ -1,0 +1,403 @@
+"""The vLLM connector's logic, free of vLLM imports (tested without vLLM installed).
+
+:mod:`ctxmem.integrations.vllm` adapts vLLM's objects (``Request``, ``SchedulerOutput``,
+``KVCacheBlocks``, the forward context) to the two classes here:
+
+* :class:`SchedulerCore` -- answers "how many more tokens can be loaded" from a Lookup
+  per TP rank (side-effect free; the minimum over ranks, so every rank can load what the
+  scheduler promised), sends Prefetch once per request, and plans loads and saves.
+* :class:`WorkerCore` -- gathers full blocks out of the paged cache and puts them, gets
+  matched blocks and scatters them in (all layers at once, or layer by layer), and
+  reports blocks that failed to load so ``kv_load_failure_policy="recompute"`` recovers.
+
+Keys are vLLM's own block hashes (``request.block_hashes``): a chain over the tokens
+(and vLLM's extra keys: ``cache_salt``, LoRA, multimodal hashes). The namespace adds the
+model, the TP rank/size (in the layout), the KV dtype, the hash algorithm and a digest
+of the request's ``cache_salt``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctxmem.client import Client, Namespace
+from ctxmem.integrations._common import RateLimitedLog, fit_key, open_namespace, salt_tag
+from ctxmem_common.errors import CtxmemError
+from ctxmem_common.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferSpec:
+    """Blocks of one request to load or save: ``keys[i]`` <-> paged block ``block_ids[i]``."""
+
+    req_id: str
+    salt: str | None
+    keys: list[bytes]
+    block_ids: list[int]
+    is_async: bool = False
+    """Load between scheduler steps; completion is reported through ``get_finished``."""
+
+
+@dataclass
+class CoreMetadata:
+    """What the scheduler tells the workers for one step."""
+
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
+
+
+@dataclass
+class NamespaceSpec:
+    """Everything that names the namespaces of one model deployment."""
+
+    model_id: str
+    tenant: str
+    tp_size: int
+    tags: dict[str, str]
+    layout_for_rank: Callable[[int], KVLayout]
+
+
+def block_keys(hashes: Sequence[Any]) -> list[bytes]:
+    """vLLM block hashes (``BlockHash`` bytes; ints in old versions) as ctxmem keys."""
+    out: list[bytes] = []
+    for h in hashes:
+        if isinstance(h, (bytes, bytearray)):
+            out.append(fit_key(bytes(h)))
+        elif isinstance(h, int):
+            out.append(h.to_bytes(max(8, (h.bit_length() + 8) // 8), "big", signed=True))
+        else:  # an old BlockHash named tuple: its hash_value is the chain hash
+            out.append(block_keys([getattr(h, "hash_value", h)])[0])
+    return out
+
+
+class _Namespaces:
+    def __init__(self, client: Client, spec: NamespaceSpec) -> None:
+        self.client = client
+        self.spec = spec
+        self._ns: dict[tuple[int, str | None], Namespace] = {}
+        self._lock = threading.Lock()
+
+    def get(self, rank: int, salt: str | None) -> Namespace:
+        ident = (rank, salt)
+        ns = self._ns.get(ident)
+        if ns is None:
+            with self._lock:
+                ns = self._ns.get(ident)
+                if ns is None:
+                    tags = dict(self.spec.tags)
+                    if salt is not None:
+                        tags["cache_salt"] = salt_tag(salt)
+                    ns = open_namespace(self.client, self.spec.layout_for_rank(rank),
+                                        model_id=self.spec.model_id, tenant=self.spec.tenant,
+                                        tags=tags)
+                    self._ns[ident] = ns
+        return ns
+
+
+@dataclass
+class _ReqState:
+    salt: str | None
+    keys: list[bytes]
+    local_blocks: int = 0
+    hit_blocks: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = -1
+    prefetched: bool = False
+
+
+class SchedulerCore:
+    """Scheduler-side logic. ``block_size`` is vLLM's (tokens per block)."""
+
+    def __init__(self, client: Client, spec: NamespaceSpec, block_size: int, *,
+                 save_decode: bool = True, prefetch: bool = True,
+                 async_load: bool = False) -> None:
+        self.namespaces = _Namespaces(client, spec)
+        self.async_load = async_load
+        self.spec = spec
+        self.block_size = block_size
+        self.save_decode = save_decode
+        self.prefetch_enabled = prefetch
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_loads: dict[str, TransferSpec] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxmem-prefetch")
+        self._warn = RateLimitedLog(log)
+
+    def _state(self, req_id: str, hashes: Sequence[Any], salt: str | None) -> _ReqState:
+        st = self._reqs.get(req_id)
+        if st is None:
+            st = _ReqState(salt=salt, keys=block_keys(hashes))
+            self._reqs[req_id] = st
+        elif len(st.keys) < len(hashes):
+            st.keys.extend(block_keys(hashes[len(st.keys):]))
+        return st
+
+    def on_new_request(self, req_id: str, hashes: Sequence[Any], salt: str | None) -> None:
+        """First sight of a request: ask the service to stage its blocks in DRAM."""
+        st = self._state(req_id, hashes, salt)
+        if self.prefetch_enabled and not st.prefetched and st.keys:
+            st.prefetched = True
+            keys = list(st.keys)
+            self._pool.submit(self._prefetch, keys, salt)
+
+    def _prefetch(self, keys: list[bytes], salt: str | None) -> None:
+        try:
+            for rank in range(self.spec.tp_size):
+                self.namespaces.get(rank, salt).prefetch(keys)
+        except CtxmemError as exc:
+            self._warn.warning("prefetch", "ctxmem prefetch failed: %s", exc)
+
+    def lookup_hits(self, keys: Sequence[bytes], salt: str | None) -> int:
+        """Leading ``keys`` stored on every TP rank (0 when the service is unreachable)."""
+        if not keys:
+            return 0
+        hits = len(keys)
+        try:
+            for rank in range(self.spec.tp_size):
+                hits = min(hits, self.namespaces.get(rank, salt).lookup(keys).num_hits)
+                if hits == 0:
+                    break
+        except CtxmemError as exc:
+            self._warn.warning("lookup", "ctxmem lookup failed (no external hit): %s", exc)
+            return 0
+        return hits
+
+    def num_new_matched_tokens(self, req_id: str, hashes: Sequence[Any], num_tokens: int,
+                               num_computed_tokens: int, salt: str | None) -> int:
+        """Tokens beyond ``num_computed_tokens`` that ctxmem can supply. Side-effect free
+        towards the service (a Lookup); may be called repeatedly. At least the last
+        prompt token is always left for the engine to compute."""
+        st = self._state(req_id, hashes, salt)
+        if not st.prefetched:
+            self.on_new_request(req_id, hashes, salt)
+        max_blocks = min(len(st.keys), max(0, num_tokens - 1) // self.block_size)
+        local = num_computed_tokens // self.block_size
+        st.local_blocks = local
+        st.hit_blocks = 0
+        if local >= max_blocks:
+            return 0
+        st.hit_blocks = self.lookup_hits(st.keys[local:max_blocks], salt)
+        return max(0, (local + st.hit_blocks) * self.block_size - num_computed_tokens)
+
+    def update_after_alloc(self, req_id: str, block_ids: Sequence[int],
+                           num_external_tokens: int) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        st.block_ids = list(block_ids)
+        if num_external_tokens <= 0 or req_id in self._pending_loads:
+            return
+        n = min(num_external_tokens // self.block_size, st.hit_blocks)
+        start = st.local_blocks
+        self._pending_loads[req_id] = TransferSpec(
+            req_id, st.salt, st.keys[start:start + n], list(block_ids[start:start + n]),
+            is_async=self.async_load)
+        st.saved_upto = max(st.saved_upto, start + n)
+
+    def build(self, new_reqs: Sequence[tuple[str, Sequence[int]]],
+              cached_reqs: Sequence[tuple[str, Sequence[int] | None, bool]],
+              tokens_after_step: Mapping[str, int],
+              hashes_of: Callable[[str], tuple[Sequence[Any], int, int]]) -> CoreMetadata:
+        """Plan this step. ``new_reqs``: (id, all block ids); ``cached_reqs``: (id, new
+        block ids or None, resumed from preemption); ``tokens_after_step``: computed
+        tokens once this step ran; ``hashes_of(id)`` -> (block hashes, publishable count,
+        prompt length)."""
+        meta = CoreMetadata()
+        for req_id, block_ids in new_reqs:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.block_ids = list(block_ids)
+        for req_id, new_ids, resumed in cached_reqs:
+            st = self._reqs.get(req_id)
+            if st is None or new_ids is None:
+                continue
+            st.block_ids = list(new_ids) if resumed else st.block_ids + list(new_ids)
+        meta.loads = list(self._pending_loads.values())
+        self._pending_loads.clear()
+        for req_id, tokens in tokens_after_step.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            hashes, publishable, prompt_len = hashes_of(req_id)
+            self._state(req_id, hashes, st.salt)
+            limit = tokens if self.save_decode else min(tokens, prompt_len)
+            full = min(limit // self.block_size, len(st.keys), publishable, len(st.block_ids))
+            if st.saved_upto < 0:
+                # First save of this request: blocks before the ctxmem hit may be missing
+                # there (they came from vLLM's own prefix cache); find where to start.
+                st.saved_upto = self.lookup_hits(st.keys[:st.local_blocks], st.salt) \
+                    if st.local_blocks else 0
+                if st.saved_upto == st.local_blocks:
+                    st.saved_upto += st.hit_blocks
+            if full > st.saved_upto:
+                meta.saves.append(TransferSpec(req_id, st.salt, st.keys[st.saved_upto:full],
+                                               st.block_ids[st.saved_upto:full]))
+                st.saved_upto = full
+        return meta
+
+    def request_finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class WorkerCore:
+    """Worker-side logic for one TP rank."""
+
+    def __init__(self, client: Client, spec: NamespaceSpec, tp_rank: int, *,
+                 layerwise: bool = False) -> None:
+        self.namespaces = _Namespaces(client, spec)
+        self.tp_rank = tp_rank
+        self.layerwise = layerwise
+        self.layer_names: list[str] = []
+        self.caches: list[Any] = []
+        self.fmt: Any = None
+        self._errors: set[int] = set()
+        self._errors_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxmem-load")
+        self._layer_loads: list[tuple[Future[int], TransferSpec, Any]] = []
+        self._layer_index: dict[str, int] = {}
+        self._async_done: set[str] = set()
+        self._async_lock = threading.Lock()
+        self._warn = RateLimitedLog(log)
+        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0}
+
+    def register(self, caches: Mapping[str, Any], *, hint: str | None = None,
+                 kv_layout: str = "NHD", num_kv_heads: int | None = None) -> KVLayout:
+        from ctxmem.integrations.vllm_layout import detect_format
+
+        self.layer_names = list(caches)
+        self.caches = [caches[n] for n in self.layer_names]
+        self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
+        self.fmt = detect_format(self.caches[0], hint=hint, kv_layout=kv_layout,
+                                 num_kv_heads=num_kv_heads)
+        layout = self.namespaces.spec.layout_for_rank(self.tp_rank)
+        got = len(self.caches) * self.fmt.layer_block_nbytes
+        if got != layout.block_nbytes:
+            raise CtxmemError(
+                f"ctxmem: the paged KV cache gives {got} bytes per block "
+                f"({len(self.caches)} layers of {self.fmt}), the namespace layout "
+                f"{layout} expects {layout.block_nbytes}; set ctxmem.kv_format or report "
+                f"this layout")
+        return layout
+
+    # -- loads -----------------------------------------------------------------------
+    def _fetch(self, spec: TransferSpec, staging: Any) -> int:
+        from ctxmem.integrations.vllm_layout import block_views
+
+        try:
+            ns = self.namespaces.get(self.tp_rank, spec.salt)
+            return ns.get(spec.keys, block_views(staging))
+        except CtxmemError as exc:
+            self._warn.warning("get", "ctxmem get failed (blocks will be recomputed): %s", exc)
+            return 0
+
+    def _fail(self, spec: TransferSpec, n: int) -> None:
+        if n < len(spec.block_ids):
+            with self._errors_lock:
+                self._errors.update(spec.block_ids[n:])
+            self.stats["failed_blocks"] += len(spec.block_ids) - n
+        self.stats["loaded_blocks"] += n
+
+    def start_load(self, meta: CoreMetadata) -> None:
+        """All layers now (sync), or fetch in the background and scatter per layer."""
+        import torch
+
+        from ctxmem.integrations.vllm_layout import scatter_blocks
+
+        self._layer_loads = []
+        for spec in meta.loads:
+            if not spec.keys:
+                continue
+            staging = torch.empty((len(spec.keys), len(self.caches), *self.fmt.block_shape),
+                                  dtype=self.fmt.dtype)
+            if spec.is_async:
+                self._pool.submit(self._load_async, spec, staging)
+                continue
+            if self.layerwise:
+                fut = self._pool.submit(self._fetch, spec, staging)
+                self._layer_loads.append((fut, spec, staging))
+                continue
+            n = self._fetch(spec, staging)
+            scatter_blocks(self.caches, self.fmt, spec.block_ids[:n], staging[:n])
+            self._fail(spec, n)
+
+    def _load_async(self, spec: TransferSpec, staging: Any) -> None:
+        from ctxmem.integrations.vllm_layout import scatter_blocks
+
+        n = 0
+        try:
+            n = self._fetch(spec, staging)
+            scatter_blocks(self.caches, self.fmt, spec.block_ids[:n], staging[:n])
+        except Exception as exc:  # never leave the request waiting: report and recompute
+            self._warn.warning("async", "ctxmem async load failed: %s", exc)
+            n = 0
+        finally:
+            self._fail(spec, n)
+            with self._async_lock:
+                self._async_done.add(spec.req_id)
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load finished (their failed blocks, if any, are
+        already in :meth:`take_load_errors`)."""
+        with self._async_lock:
+            done, self._async_done = self._async_done, set()
+        return done
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        from ctxmem.integrations.vllm_layout import scatter_blocks
+
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._layer_loads:
+            return
+        for fut, spec, staging in self._layer_loads:
+            n = fut.result()
+            scatter_blocks(self.caches, self.fmt, spec.block_ids[:n], staging[:n],
+                           layers=[layer])
+        if layer == len(self.caches) - 1:
+            for fut, spec, _ in self._layer_loads:
+                self._fail(spec, fut.result())
+            self._layer_loads = []
+
+    def finish_loads(self) -> None:
+        """Account layer-wise loads whose last layer was never waited for."""
+        for fut, spec, staging in self._layer_loads:
+            from ctxmem.integrations.vllm_layout import scatter_blocks
+
+            n = fut.result()
+            scatter_blocks(self.caches, self.fmt, spec.block_ids[:n], staging[:n])
+            self._fail(spec, n)
+        self._layer_loads = []
+
+    def take_load_errors(self) -> set[int]:
+        with self._errors_lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    # -- saves -----------------------------------------------------------------------
+    def save(self, meta: CoreMetadata) -> None:
+        """Put this step's full blocks (after the forward wrote them). A failed put is
+        logged and dropped: a dropped save is just a future miss."""
+        from ctxmem.integrations.vllm_layout import block_views, gather_blocks
+
+        for spec in meta.saves:
+            if not spec.keys:
+                continue
+            try:
+                ns = self.namespaces.get(self.tp_rank, spec.salt)
+                staging = gather_blocks(self.caches, self.fmt, spec.block_ids)
+                res = ns.put(spec.keys, block_views(staging))
+                self.stats["saved_blocks"] += res.stored
+            except CtxmemError as exc:
+                self._warn.warning("put", "ctxmem put failed (blocks not saved): %s", exc)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

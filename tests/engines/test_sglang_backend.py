@@ -1,0 +1,171 @@
+"""The SGLang HiCache backend, built by SGLang's own ``StorageBackendFactory``.
+
+Real here (where ``sglang`` imports): ``HiCacheStorage``, ``HiCacheStorageConfig`` and
+``StorageBackendFactory.create_backend("dynamic", ...)`` with ``backend_name`` /
+``module_path`` / ``class_name`` in ``extra_config`` -- the same call SGLang's
+``HiCacheController.attach_storage_backend`` makes -- and a real ctxmem service. The host
+memory pool is a stand-in with the page API the backend uses (``get_data_page``,
+``set_from_flat_data_page``, ``get_dummy_flat_data_page``), in SGLang's ``page_first``
+and ``layer_first`` layouts, because SGLang's ``MHATokenToKVPoolHost`` cannot be imported
+without its CUDA stack (its configs import torchvision, whose PyPI build needs CUDA torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="SGLang is not installed here: sglang==0.5.23 requires torch==2.14.1 (a CUDA "
+    "build, several GB) and CUDA-only packages (flashinfer, sglang-kernel, cuda-tile, "
+    "whose wheel downloads from NVIDIA); run this test where `pip install --no-deps "
+    "sglang==0.5.23` plus its Python-only imports is available (docs/engines.md)",
+)
+torch = pytest.importorskip("torch")
+
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorage,
+    HiCacheStorageConfig,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+import ctxmem  # noqa: E402
+from ctxmem.integrations.sglang import CtxmemHiCacheStorage, page_key  # noqa: E402
+
+PAGE, LAYERS, HEADS, HEAD, SLOTS = 16, 3, 2, 8, 8 * 16
+
+
+class HostPool:
+    """SGLang-like MHA host pool: ``kv_buffer`` [2, tokens, L, H, D] (page_first) or
+    [2, L, tokens, H, D] (layer_first); the same page methods as SGLang's."""
+
+    def __init__(self, layout: str = "page_first", dtype: Any = torch.bfloat16) -> None:
+        self.layout, self.dtype, self.page_size = layout, dtype, PAGE
+        self.layer_num, self.head_num, self.head_dim = LAYERS, HEADS, HEAD
+        shape = (2, SLOTS, LAYERS, HEADS, HEAD) if layout == "page_first" else \
+            (2, LAYERS, SLOTS, HEADS, HEAD)
+        self.kv_buffer = torch.zeros(shape, dtype=dtype)
+
+    def get_data_page(self, index: int, flat: bool = True) -> Any:
+        if self.layout == "page_first":
+            page = self.kv_buffer[:, index : index + PAGE]
+        else:
+            page = self.kv_buffer[:, :, index : index + PAGE]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> Any:
+        return torch.zeros(2 * LAYERS * PAGE * HEADS * HEAD, dtype=self.dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: Any) -> None:
+        if self.layout == "page_first":
+            self.kv_buffer[:, index : index + PAGE] = data_page.reshape(2, PAGE, LAYERS,
+                                                                         HEADS, HEAD)
+        else:
+            self.kv_buffer[:, :, index : index + PAGE] = data_page.reshape(2, LAYERS, PAGE,
+                                                                            HEADS, HEAD)
+
+
+def _config(endpoint: str, *, tp_rank: int = 0, tp_size: int = 1, v1: bool = True,
+            model: str = "tiny-llama") -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+        is_page_first_layout=True, model_name=model,
+        extra_config={"backend_name": "ctxmem", "module_path": "ctxmem.integrations.sglang",
+                      "class_name": "CtxmemHiCacheStorage", "interface_v1": int(v1),
+                      "ctxmem.endpoint": endpoint, "ctxmem.timeout_s": 5})
+
+
+def _backend(endpoint: str, pool: HostPool, **kw: Any) -> HiCacheStorage:
+    backend = StorageBackendFactory.create_backend("dynamic", _config(endpoint, **kw), pool)
+    backend.register_mem_pool_host(pool)  # what HiCacheController does next
+    return backend
+
+
+def _hashes(n: int, seed: str = "") -> list[str]:
+    import hashlib
+
+    out, prev = [], seed.encode()
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        out.append(prev.hex())
+    return out
+
+
+def _indices(pages: list[int]) -> Any:
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_factory_builds_it_and_v1_round_trip_is_exact(service: Any, layout: str) -> None:
+    src = HostPool(layout)
+    src.kv_buffer.copy_(torch.randn(src.kv_buffer.shape).to(src.dtype))
+    writer = _backend(service.endpoint, src)
+    inner = getattr(writer, "_backend", writer)
+    assert isinstance(inner, CtxmemHiCacheStorage)
+    keys = _hashes(4)
+    assert writer.batch_exists(keys) == 0
+    assert all(writer.batch_set_v1(keys, _indices([0, 1, 2, 3])))
+    assert writer.batch_exists(keys) == 4
+    assert writer.batch_exists([*keys[:2], _hashes(1, "other")[0], keys[3]]) == 2
+
+    dst = HostPool(layout)
+    reader = _backend(service.endpoint, dst)
+    got = reader.batch_get_v1([*keys, *_hashes(1, "missing")], _indices([4, 5, 6, 7, 0]))
+    assert got == [True, True, True, True, False]
+    for s, d in zip([0, 1, 2, 3], [4, 5, 6, 7], strict=True):
+        assert torch.equal(src.get_data_page(s * PAGE), dst.get_data_page(d * PAGE))
+    assert not dst.get_data_page(0).any()
+
+
+def test_generic_interface_round_trip(service: Any) -> None:
+    pool = HostPool()
+    backend = _backend(service.endpoint, pool, v1=False)
+    pages = [torch.randn(pool.get_dummy_flat_data_page().shape).to(pool.dtype)
+             for _ in range(3)]
+    keys = _hashes(3, "generic")
+    assert backend.batch_set(keys, pages)
+    assert backend.exists(keys[1]) and not backend.exists(_hashes(1, "nope")[0])
+    out = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    assert all(torch.equal(a, b) for a, b in zip(out, pages, strict=True))
+    single = backend.get(keys[2], pool.get_dummy_flat_data_page())
+    assert single is not None and torch.equal(single, pages[2])
+    assert backend.get(_hashes(1, "nope")[0], pool.get_dummy_flat_data_page()) is None
+
+
+def test_tp_rank_and_model_separate_namespaces(service: Any) -> None:
+    pool = HostPool()
+    pool.kv_buffer.normal_()
+    keys = _hashes(2, "tp")
+    assert all(_backend(service.endpoint, pool, tp_rank=0, tp_size=2)
+               .batch_set_v1(keys, _indices([0, 1])))
+    assert _backend(service.endpoint, HostPool(), tp_rank=0, tp_size=2).batch_exists(keys) == 2
+    assert _backend(service.endpoint, HostPool(), tp_rank=1, tp_size=2).batch_exists(keys) == 0
+    assert _backend(service.endpoint, HostPool(), tp_rank=0, tp_size=1).batch_exists(keys) == 0
+    assert _backend(service.endpoint, HostPool(), tp_rank=0, tp_size=2,
+                    model="other-model").batch_exists(keys) == 0
+
+
+def test_survives_service_restart_and_degrades_when_down(service: Any) -> None:
+    pool = HostPool()
+    pool.kv_buffer.normal_()
+    backend = _backend(service.endpoint, pool)
+    keys = _hashes(2, "restart")
+    assert all(backend.batch_set_v1(keys, _indices([0, 1])))
+    service.restart()
+    dst = HostPool()
+    assert _backend(service.endpoint, dst).batch_get_v1(keys, _indices([2, 3])) == [True, True]
+    assert torch.equal(dst.get_data_page(2 * PAGE), pool.get_data_page(0))
+    service.kill()
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, _indices([2, 3])) == [False, False]
+    assert backend.batch_set_v1(keys, _indices([0, 1])) == [False, False]
+
+
+def test_page_keys() -> None:
+    h = _hashes(1)[0]
+    assert page_key(h) == bytes.fromhex(h)
+    assert len(page_key(h + ".mamba")) <= 64 and page_key(h + ".mamba") != page_key(h)
+    assert ctxmem.KVLayout  # the shim is importable alongside SGLang

