@@ -25,6 +25,7 @@ from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
 from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend, parse_device_spec
 from ctxmem_dpu.store import BlockStore
+from ctxmem_dpu.transport.rdma import RdmaServer
 from ctxmem_dpu.transport.shm import ShmServer
 from ctxmem_dpu.transport.tcp import TcpDataServer
 
@@ -85,6 +86,7 @@ class Service:
         self.server: grpc.aio.Server | None = None
         self.shm: ShmServer | None = None
         self.tcp: TcpDataServer | None = None
+        self.rdma: RdmaServer | None = None
         self.http: HttpEndpoint | None = None
         self.ready = False
         self.grpc_port = 0
@@ -92,7 +94,8 @@ class Service:
     def _device_specs(self) -> list[DeviceSpec]:
         specs = []
         for i, dev in enumerate(self.cfg.flash.devices):
-            raw = {k: v for k, v in asdict(dev).items() if v not in ({}, "", None)}
+            raw = {k: v for k, v in asdict(dev).items()
+                   if v not in ({}, "", None) and (k, v) != ("create", False)}
             if not raw.get("size"):
                 raw.pop("size", None)
             specs.append(parse_device_spec(raw, f"flash.devices[{i}]"))
@@ -126,6 +129,10 @@ class Service:
             self.shm = ShmServer(self.store, cfg.service.shm_socket)
             await self.shm.start()
             shm_path = cfg.service.shm_socket
+        if "rdma" in cfg.service.transports:  # RDMA (issue 3): opens the verbs device
+            self.rdma = RdmaServer(self.store, cfg.service.rdma_listen, cfg.service.rdma_device,
+                                   cfg.service.rdma_gid_index)
+            await self.rdma.start()
 
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", 64 << 20),
@@ -135,6 +142,9 @@ class Service:
         servicer = ContextMemoryServicer(self.store, self.instance_id, shm_path, data_endpoint,
                                          self.health)
         pb_grpc.add_ContextMemoryServicer_to_server(servicer, self.server)
+        if self.rdma is not None:  # RDMA (issue 3): QP exchange rides the control plane
+            servicer.rdma = self.rdma
+            self.server.add_generic_rpc_handlers((self.rdma.rpc_handler(),))
         listen = cfg.service.listen
         self.grpc_port = self.server.add_insecure_port(listen)
         if self.grpc_port == 0:
@@ -156,6 +166,8 @@ class Service:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self.ready = False
+        if self.rdma is not None:  # RDMA (issue 3): first, so its long-lived Attach calls end
+            await self.rdma.close()
         if self.server is not None:
             await self.server.stop(grace_s)
         for srv in (self.http, self.tcp, self.shm):

@@ -190,7 +190,7 @@ def run(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ctxmem bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write results as JSON here")
-    p.add_argument("--transport", default="shm", choices=["shm", "tcp"])
+    p.add_argument("--transport", default="shm", choices=["shm", "tcp", "rdma"])
     p.add_argument("--workdir", default=None,
                    help="where the flash file goes (default: a temp dir under /var/tmp; must "
                         "support O_DIRECT)")
@@ -212,7 +212,8 @@ def run(argv: list[str] | None = None) -> int:
     for tag, enc in (("xts", True), ("plain", False)):
         cfg = local_config(base / tag, encryption=enc, dram_size=f"{4 * args.batch_mib}MiB",
                            dram_slab="32MiB", flash_size=flash_size, flash_slab="64MiB",
-                           transports=[args.transport])
+                           transports=[args.transport], service={"rdma_listen": os.environ.get(
+                               "CTXMEM_RDMA_LISTEN", "0.0.0.0:0")})  # rdma: any RoCE v2 GID
         with ServiceProcess(base / tag, cfg) as svc:
             for block in (2 * MiB, 64 * 1024):
                 bench_service(svc, args.transport, block, batch_bytes // block, rounds, tag,

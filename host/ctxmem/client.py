@@ -193,6 +193,11 @@ class Client:
             if host in ("", "0.0.0.0", "::", "[::]"):
                 host = self.endpoint.rpartition(":")[0].strip("[]") or "127.0.0.1"
             return TcpChannel(host, int(port), session_id, token, self.timeout_s)
+        if name == "rdma":  # RDMA (issue 3): QPs connected over this gRPC channel
+            from ctxmem.transport.rdma import RdmaChannel
+
+            assert self._channel is not None
+            return RdmaChannel(self._channel, session_id, token, self.timeout_s)
         raise InvalidArgument(f"transport {name!r} is not available in this build of the shim")
 
     def _session(self, tenant: str, stale: _Session | None = None) -> _Session:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -19,6 +19,9 @@ from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu.store import TIER_DRAM, TIER_FLASH, BlockStore
+
+if TYPE_CHECKING:
+    from ctxmem_dpu.transport.rdma import RdmaServer
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +73,16 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         self.shm_socket = shm_socket
         self.data_endpoint = data_endpoint
         self.health = health
+        self.rdma: RdmaServer | None = None  # RDMA (issue 3): set by the app when enabled
 
-    def _slot(self, ref: Any, nbytes: int) -> pb.Slot:
+    def _slot(self, ref: Any, nbytes: int, s: Any = None) -> pb.Slot:
         dram = self.store.dram
-        return pb.Slot(region=ref.slab, generation=dram.generation(ref.slab),
+        slot = pb.Slot(region=ref.slab, generation=dram.generation(ref.slab),
                        offset=dram.offset(ref), length=nbytes)
+        # RDMA (issue 3): the address and rkey of the slot in session s's own MR of the slab.
+        if s is not None and s.transport == "rdma" and self.rdma is not None:
+            slot.remote_addr, slot.rkey = self.rdma.remote_key(s, ref.slab, slot.offset)
+        return slot
 
     @_rpc
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
@@ -132,7 +140,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         a, exists = await self.store.allocate(s, ns, request.keys)
         return pb.AllocateResponse(
             allocation_id=a.id, exists=exists,
-            slots=[self._slot(r, ns.block_nbytes) for r in a.slots],
+            slots=[self._slot(r, ns.block_nbytes, s) for r in a.slots],
             expires_in_ms=int(self.store.cfg.service.allocation_ttl_s * 1000),
         )
 
@@ -150,7 +158,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         slots = []
         for b in lease.blocks:
             assert b.dram is not None
-            slots.append(self._slot(b.dram, b.length))
+            slots.append(self._slot(b.dram, b.length, s))
         return pb.AcquireResponse(
             lease_id=lease.id, num_acquired=len(lease.blocks), slots=slots,
             crc32c=[b.crc for b in lease.blocks], source_tiers=[TIER_PB[t] for t in sources],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
 
@@ -65,6 +65,9 @@ class DramTier:
             on_assign=self._assign,
             on_release=self._release,
         )
+        # RDMA (issue 3): called with (slab_id, generation) just before a slab's memory is
+        # unmapped to go to another tenant, so memory regions over it are deregistered first.
+        self.on_retire: list[Callable[[int, int], None]] = []
         if prefault:
             # Allocate and fault in the whole tier now (tenant None: never seen by anyone),
             # so no request pays for zeroing fresh pages.
@@ -81,6 +84,8 @@ class DramTier:
             self.regions[slab.id] = kept[1]
             return
         if kept is not None:
+            for hook in self.on_retire:
+                hook(slab.id, kept[1].generation)
             kept[1].close()
         self._generations[slab.id] += 1
         self.regions[slab.id] = DramRegion(slab.id, self.slab_size, self._generations[slab.id])

@@ -1,0 +1,739 @@
+"""RDMA channel: one-sided RDMA WRITE (put) and READ (get) into the service's slots.
+
+One RC queue pair per session, connected over the control plane (``Info`` then a
+long-lived ``Attach`` call; framing in :mod:`ctxmem_common.rdma_wire`). Each slot that
+Allocate or Acquire returns carries the service's virtual address and an rkey of the
+session's own memory region over that slab; the channel posts one work request per
+slot, straight from (put) or into (get) the caller's buffer:
+
+* **registration cache** — a caller buffer of at least ``reg_min_bytes`` is registered
+  once, as the whole contiguous buffer that owns it (a KV pool registered once serves
+  every block sliced out of it), and kept registered (LRU, ``reg_cache_bytes`` in all).
+  The cache holds a reference to each registered buffer, so its memory can never be
+  freed and reused under a live registration (the classic registration-cache hazard).
+  Smaller buffers, or ones that cannot be registered (read-only mappings, memlock
+  limit), are staged through a registered **bounce buffer** (one memcpy each way).
+* **batched, selectively signalled work requests** — up to ``signal_every`` WRs are
+  linked into one chain and posted with one ``ibv_post_send``; only the chain's last WR
+  asks for a completion (RC completes in order, so it retires the whole chain). At most
+  ``sq_depth`` WRs are outstanding.
+* **bounded completion waits** — the CQ is polled for a few microseconds, then the
+  thread sleeps on the completion channel's fd with ``select``; every wait ends within
+  ``timeout_s`` of the last progress, and also as soon as the service ends the
+  ``Attach`` call (restart, crash).
+* **failure** — a failed completion (remote access error, retry exceeded) or a timeout
+  destroys the QP at once (no late DMA into the caller's buffers), and raises
+  :class:`RdmaError`, a :class:`~ctxmem.transport.base.TransportError`: the client then
+  reconnects with a new session and retries once; a get that still fails is a miss.
+
+The shim's own memory is never exposed: its QP and MRs grant no remote access.
+pyverbs is imported when the first channel opens, never by ``import ctxmem``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import mmap
+import os
+import secrets
+import select
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem_common import rdma_wire as rw
+from ctxmem_common.proto import ctxmem_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# Client-side knobs (environment, so a deployment can tune them without code changes).
+ENV_DEVICE = "CTXMEM_RDMA_DEVICE"  # verbs device of this host (default: by route)
+ENV_GID_INDEX = "CTXMEM_RDMA_GID_INDEX"  # GID index on it (default: the RoCE v2 one)
+ENV_REG_MIN_KB = "CTXMEM_RDMA_REG_MIN_KB"
+ENV_REG_CACHE_MB = "CTXMEM_RDMA_REG_CACHE_MB"
+ENV_BOUNCE_MB = "CTXMEM_RDMA_BOUNCE_MB"
+ENV_SIGNAL_EVERY = "CTXMEM_RDMA_SIGNAL_EVERY"
+
+INITIATOR_DEPTH = 16  # outstanding RDMA READs (max_rd_atomic), capped by both ends
+SQ_DEPTH = 256
+SPIN_S = 50e-6  # busy-poll this long before sleeping on the completion channel
+# RC timers, as on the service (ctxmem_dpu.transport.rdma): ~2 s to declare a peer gone.
+ACK_TIMEOUT = 16
+RETRY_CNT = 7
+RNR_RETRY = 7
+MIN_RNR_TIMER = 12
+
+OP_WRITE = "write"
+OP_READ = "read"
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise TransportError(f"{name}={raw!r} is not an integer") from None
+
+
+def _verbs() -> Any:
+    try:
+        import pyverbs.addr
+        import pyverbs.cq
+        import pyverbs.device
+        import pyverbs.libibverbs_enums
+        import pyverbs.mr
+        import pyverbs.pd
+        import pyverbs.pyverbs_error
+        import pyverbs.qp
+        import pyverbs.wr
+    except ImportError as exc:
+        raise TransportError(
+            f"transport 'rdma' needs pyverbs, which cannot be imported ({exc}); install it "
+            f"with `pip install ctxmem[rdma]` (deploy/ci/pyverbs-wheel.sh) or use "
+            f"transport='tcp'") from None
+    return pyverbs
+
+
+def _errno(exc: BaseException) -> int:
+    code = getattr(exc, "error_code", -1)
+    return code if isinstance(code, int) and code > 0 else 0
+
+
+class RdmaError(TransportError):
+    """An RDMA operation failed. ``errno`` (a verbs call) or ``wc_status`` (a work
+    completion) says how; the message says what to check."""
+
+    def __init__(self, message: str, errno: int = 0, wc_status: int = 0) -> None:
+        if errno:
+            message = f"{message} (errno {errno}: {os.strerror(errno)}); {rw.verbs_hint(errno)}"
+        super().__init__(message)
+        self.errno = errno
+        self.wc_status = wc_status
+
+
+# Work-completion statuses worth a specific hint (values of enum ibv_wc_status).
+_WC_HINTS = {
+    10: "remote access error: the address/rkey is outside this session's memory regions "
+        "(another tenant's, a retired slab, or past the slot) — the service refused it",
+    12: "transport retry count exceeded: the service's queue pair is gone (service "
+        "restarted or crashed) or the path is down — check the port state, GID index, MTU",
+    13: "RNR retry count exceeded: the service's queue pair is not ready",
+    4: "local protection error: the local buffer's registration does not cover it",
+    9: "remote invalid request: the service's QP refused the operation (access flags, "
+       "length, or a READ deeper than its responder depth)",
+    11: "remote operation error at the service",
+    5: "work request flushed: the queue pair was already in error",
+}
+
+
+def wc_status_text(status: int) -> str:
+    try:
+        name = _verbs().libibverbs_enums.ibv_wc_status(status).name
+    except Exception:
+        name = f"status {status}"
+    hint = _WC_HINTS.get(status, "check the device and port state")
+    return f"{name}: {hint}"
+
+
+# ---------------------------------------------------------------------------------------
+# Buffers: addresses, owners, the registration cache and the bounce plan (no verbs here)
+# ---------------------------------------------------------------------------------------
+
+
+def address_of(view: memoryview) -> int:
+    """Virtual address of a (possibly read-only) contiguous buffer's first byte."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def owner_view(view: memoryview) -> memoryview:
+    """A byte view of the largest contiguous buffer that ``view`` is part of.
+
+    numpy views are followed up their ``base`` chain (a block sliced out of a KV pool
+    leads to the pool); the result always contains ``view``, else ``view`` itself.
+    """
+    obj: Any = view.obj
+    best = memoryview(view)  # our own view object: the caller may release theirs
+    if best.format != "B" or best.ndim != 1:
+        best = best.cast("B")
+    candidates: list[Any] = []
+    while obj is not None and len(candidates) < 16:
+        candidates.append(obj)
+        obj = obj.base if isinstance(obj, np.ndarray) else None
+    start, end = address_of(view), address_of(view) + view.nbytes
+    for cand in candidates:
+        try:
+            mv = memoryview(cand)
+        except TypeError:
+            continue
+        if not mv.c_contiguous or mv.nbytes <= best.nbytes:
+            continue
+        mv = mv.cast("B")
+        a = address_of(mv)
+        if a <= start and end <= a + mv.nbytes:
+            best = mv
+    return best
+
+
+@dataclass
+class Registration:
+    start: int
+    end: int
+    lkey: int
+    writable: bool
+    handle: Any  # the MR
+    pin: memoryview  # keeps the registered memory alive (and unmovable) while cached
+
+
+class RegistrationCache:
+    """Registered caller buffers, found by address containment, LRU-bounded by bytes.
+
+    ``register(addr, nbytes, writable) -> (lkey, handle)`` and ``deregister(handle)``
+    are the verbs calls (injected, so the policy is testable without a device);
+    ``register`` raises :class:`RdmaError` when the memory cannot be registered.
+    """
+
+    def __init__(self, register: Callable[[int, int, bool], tuple[int, Any]],
+                 deregister: Callable[[Any], None], *, min_bytes: int, max_bytes: int) -> None:
+        self._register = register
+        self._deregister = deregister
+        self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
+        self._regs: collections.OrderedDict[tuple[int, int], Registration] = \
+            collections.OrderedDict()
+        self._failed: set[tuple[int, int]] = set()
+        self.registered_bytes = 0
+        self.registrations = 0  # count of register() calls that succeeded
+
+    def __len__(self) -> int:
+        return len(self._regs)
+
+    def find(self, addr: int, nbytes: int, need_write: bool) -> Registration | None:
+        for key, reg in reversed(self._regs.items()):
+            if reg.start <= addr and addr + nbytes <= reg.end and (reg.writable or not need_write):
+                self._regs.move_to_end(key)
+                return reg
+        return None
+
+    def lookup(self, view: memoryview, need_write: bool) -> tuple[int, int] | None:
+        """(address, lkey) to use for ``view`` directly, or ``None``: stage it."""
+        addr, n = address_of(view), view.nbytes
+        reg = self.find(addr, n, need_write)
+        if reg is not None:
+            return addr, reg.lkey
+        owner = owner_view(view)
+        oaddr, on = address_of(owner), owner.nbytes
+        if self.min_bytes <= on <= self.max_bytes:
+            start, length = oaddr, on
+        elif self.min_bytes <= n <= self.max_bytes:
+            start, length = addr, n  # the owner is too big to pin whole: just this view
+        else:
+            return None
+        writable = not owner.readonly
+        if need_write and not writable:
+            return None
+        if (start, length) in self._failed:
+            return None
+        while self._regs and self.registered_bytes + length > self.max_bytes:
+            self._evict_lru()
+        try:
+            lkey, handle = self._register(start, length, writable)
+        except RdmaError as exc:
+            log.info("ctxmem rdma: cannot register %d bytes at %#x (%s); staging through the "
+                     "bounce buffer instead", length, start, exc)
+            self._failed.add((start, length))
+            return None
+        self._regs[(start, length)] = Registration(start, start + length, lkey, writable,
+                                                   handle, owner)
+        self.registered_bytes += length
+        self.registrations += 1
+        return addr, lkey
+
+    def _evict_lru(self) -> None:
+        _key, reg = self._regs.popitem(last=False)
+        self.registered_bytes -= reg.end - reg.start
+        try:
+            self._deregister(reg.handle)
+        finally:
+            reg.pin.release()
+
+    def clear(self) -> None:
+        while self._regs:
+            self._evict_lru()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``length`` bytes of item ``item`` at ``offset``, staged at ``bounce_offset``."""
+
+    item: int
+    offset: int
+    length: int
+    bounce_offset: int
+
+
+def bounce_plan(lengths: Sequence[int], capacity: int) -> list[list[Piece]]:
+    """Rounds of pieces that each fit the bounce buffer; an item bigger than the buffer
+    is split across rounds. Pieces start 64-byte aligned in the buffer."""
+    rounds: list[list[Piece]] = []
+    cur: list[Piece] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        off = 0
+        while off < n:
+            if used >= capacity:
+                rounds.append(cur)
+                cur, used = [], 0
+            take = min(n - off, capacity - used)
+            cur.append(Piece(i, off, take, used))
+            used += (take + 63) // 64 * 64
+            off += take
+    if cur:
+        rounds.append(cur)
+    return rounds
+
+
+def chains(n: int, signal_every: int) -> list[tuple[int, int]]:
+    """[start, stop) of each chain of WRs; the last WR of each is the signalled one."""
+    per = max(1, signal_every)
+    return [(i, min(i + per, n)) for i in range(0, n, per)]
+
+
+# ---------------------------------------------------------------------------------------
+# The channel
+# ---------------------------------------------------------------------------------------
+
+_LIVE: weakref.WeakSet[RdmaChannel] = weakref.WeakSet()
+_INHERITED: list[Any] = []  # verbs objects a forked child must never destroy
+
+
+def _orphan_in_child() -> None:
+    # A forked child shares the parent's verbs context (the same uverbs file): destroying
+    # "its" QP or MRs would destroy the parent's. Keep them referenced forever instead.
+    for ch in list(_LIVE):
+        ch._orphan()
+
+
+os.register_at_fork(after_in_child=_orphan_in_child)
+
+
+@dataclass(frozen=True)
+class Work:
+    laddr: int
+    length: int
+    lkey: int
+    raddr: int
+    rkey: int
+
+
+class RdmaChannel(DataChannel):
+    name = "rdma"
+
+    def __init__(self, grpc_channel: Any, session_id: int, token: bytes, timeout_s: float,
+                 *, device: str = "", gid_index: int = -1) -> None:
+        pv = _verbs()
+        self._pv = pv
+        self._lock = threading.Lock()
+        self.timeout_s = timeout_s
+        self.session_id = session_id
+        self.signal_every = max(1, _env_int(ENV_SIGNAL_EVERY, 16))
+        self._broken = ""
+        self._closed = False
+        self._pid = os.getpid()
+        self._peer_gone = threading.Event()
+        self._attach_call: Any = None
+        self.ctx: Any = None
+        self.pd: Any = None
+        self.comp_channel: Any = None
+        self.cq: Any = None
+        self.qp: Any = None
+        self._bounce_mr: Any = None
+        self._bounce: mmap.mmap | None = None
+        self._bounce_view: memoryview | None = None
+        self.cache = RegistrationCache(self._reg, self._dereg,
+                                       min_bytes=_env_int(ENV_REG_MIN_KB, 256) << 10,
+                                       max_bytes=_env_int(ENV_REG_CACHE_MB, 1024) << 20)
+        self.stats = collections.Counter[str]()
+        try:
+            server = self._info(grpc_channel, token)
+            self.choice = self._choose_device(server, device, gid_index)
+            self._open_verbs(server)
+            self._attach(grpc_channel, token, server)
+        except BaseException:
+            self._teardown()
+            raise
+        _LIVE.add(self)
+
+    # -- setup -----------------------------------------------------------------------
+    def _info(self, grpc_channel: Any, token: bytes) -> rw.InfoResponse:
+        import grpc
+
+        call = grpc_channel.unary_unary(rw.INFO_METHOD)
+        try:
+            raw = call(rw.InfoRequest(self.session_id, token).pack(), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise TransportError("the service has no RDMA exchange (older version, or "
+                                     "'rdma' not in service.transports)") from None
+            raise TransportError(f"RDMA Info call failed: {exc}") from None
+        resp = rw.InfoResponse.unpack(raw)
+        if resp.status != rw.RdmaStatus.OK:
+            raise TransportError(f"RDMA channel refused: {rw.status_text(resp.status)}"
+                                 f"{': ' + resp.message if resp.message else ''}")
+        return resp
+
+    def _choose_device(self, server: rw.InfoResponse, device: str, gid_index: int
+                       ) -> rw.GidChoice:
+        device = device or os.environ.get(ENV_DEVICE, "")
+        if gid_index < 0:
+            gid_index = _env_int(ENV_GID_INDEX, -1)
+        peer_ip = rw.gid_ipv4(server.gid)
+        try:
+            if peer_ip is None:
+                # An IPv6 GID: no route lookup here; the device must be named.
+                return rw.find_gid("", device, gid_index)
+            return rw.find_gid(rw.local_ip_towards(peer_ip), device, gid_index)
+        except rw.RdmaDeviceError as exc:
+            raise RdmaError(f"no local RDMA device/GID to reach the service at {peer_ip}: "
+                            f"{exc.message} (or set {ENV_DEVICE} / {ENV_GID_INDEX})",
+                            exc.errno or 0) from None
+        except OSError as exc:
+            raise RdmaError(f"no route to the service's RDMA address {peer_ip}",
+                            exc.errno or 0) from None
+
+    def _open_verbs(self, server: rw.InfoResponse) -> None:
+        pv = self._pv
+        e = pv.libibverbs_enums
+        c = self.choice
+        try:
+            self.ctx = pv.device.Context(name=c.device)
+            port_attr = self.ctx.query_port(c.port)
+            dev_attr = self.ctx.query_device()
+            self.pd = pv.pd.PD(self.ctx)
+            self.comp_channel = pv.cq.CompChannel(self.ctx)
+            self.sq_depth = max(2, min(SQ_DEPTH, int(dev_attr.max_qp_wr)))
+            self.signal_every = min(self.signal_every, self.sq_depth)
+            self.cq = pv.cq.CQ(self.ctx, self.sq_depth + 16, None, self.comp_channel, 0)
+            cap = pv.qp.QPCap(max_send_wr=self.sq_depth, max_recv_wr=1, max_send_sge=1,
+                              max_recv_sge=1)
+            init = pv.qp.QPInitAttr(qp_type=e.ibv_qp_type.IBV_QPT_RC, scq=self.cq,
+                                    rcq=self.cq, cap=cap, sq_sig_all=0)
+            attr = pv.qp.QPAttr(port_num=c.port)
+            attr.qp_access_flags = 0  # nothing of ours is remotely accessible
+            self.qp = pv.qp.QP(self.pd, init, attr)  # RESET -> INIT
+            bounce_bytes = max(1, _env_int(ENV_BOUNCE_MB, 8)) << 20
+            self._bounce = mmap.mmap(-1, bounce_bytes)
+            self._bounce_view = memoryview(self._bounce)
+            self._bounce_mr = pv.mr.MR(self.pd, bounce_bytes,
+                                       e.ibv_access_flags.IBV_ACCESS_LOCAL_WRITE,
+                                       address=address_of(self._bounce_view))
+        except pv.pyverbs_error.PyverbsError as exc:
+            raise RdmaError(f"setting up RDMA on {c.describe()} failed: {exc}",
+                            _errno(exc)) from None
+        self.lid = int(port_attr.lid)
+        self.mtu = int(port_attr.active_mtu)
+        self.psn = secrets.randbits(24)
+        self.depth = max(1, min(INITIATOR_DEPTH, int(dev_attr.max_qp_init_rd_atom),
+                                server.rd_atomic or 1))
+
+    def _attach(self, grpc_channel: Any, token: bytes, server: rw.InfoResponse) -> None:
+        import grpc
+
+        mine = rw.QpInfo(self.qp.qp_num, self.psn, self.choice.gid, self.lid, self.mtu,
+                         self.depth)
+        stream = grpc_channel.unary_stream(rw.ATTACH_METHOD)
+        call = stream(rw.AttachRequest(self.session_id, token, mine).pack())
+        self._attach_call = call
+        # The call lives as long as the connection (no deadline); only the first answer's
+        # wait is bounded, by cancelling the call if it has not come in time.
+        timer = threading.Timer(self.timeout_s, call.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            raw = next(call)
+        except grpc.RpcError as exc:
+            raise TransportError(f"RDMA Attach call failed (or got no answer within "
+                                 f"{self.timeout_s:g} s): {exc}") from None
+        except StopIteration:
+            raise TransportError("RDMA Attach call ended without an answer") from None
+        finally:
+            timer.cancel()
+        resp = rw.AttachResponse.unpack(raw)
+        if resp.status != rw.RdmaStatus.OK or resp.qp is None:
+            raise TransportError(f"RDMA Attach refused: {rw.status_text(resp.status)}"
+                                 f"{': ' + resp.message if resp.message else ''}")
+        call.add_done_callback(lambda _c: self._peer_gone.set())
+        self._connect(resp.qp)
+        log.info("ctxmem rdma: session %d on %s, QP %d -> service QP %d, MTU enum %d, "
+                 "READ depth %d", self.session_id, self.choice.describe(), self.qp.qp_num,
+                 resp.qp.qpn, min(self.mtu, resp.qp.mtu), self.depth)
+
+    def _connect(self, peer: rw.QpInfo) -> None:
+        pv = self._pv
+        c = self.choice
+        attr = pv.qp.QPAttr(port_num=c.port)
+        attr.qp_access_flags = 0
+        attr.path_mtu = min(self.mtu, peer.mtu) if peer.mtu else self.mtu
+        attr.dest_qp_num = peer.qpn
+        attr.rq_psn = self.psn
+        attr.sq_psn = peer.psn
+        attr.max_dest_rd_atomic = 1
+        attr.max_rd_atomic = min(self.depth, peer.rd_atomic or 1)
+        attr.min_rnr_timer = MIN_RNR_TIMER
+        attr.timeout = ACK_TIMEOUT
+        attr.retry_cnt = RETRY_CNT
+        attr.rnr_retry = RNR_RETRY
+        try:
+            gr = pv.addr.GlobalRoute(dgid=pv.addr.GID(rw.gid_to_str(peer.gid)),
+                                     sgid_index=c.gid_index, hop_limit=64)
+            attr.ah_attr = pv.addr.AHAttr(port_num=c.port, is_global=1, gr=gr, dlid=peer.lid)
+            self.qp.to_rts(attr)
+        except pv.pyverbs_error.PyverbsError as exc:
+            raise RdmaError(f"connecting QP {self.qp.qp_num} to the service's QP {peer.qpn} "
+                            f"(GID {rw.gid_to_str(peer.gid)}, local {c.describe()}) failed: "
+                            f"{exc}", _errno(exc) or 22) from None
+
+    # -- registration (the cache's verbs calls) --------------------------------------
+    def _reg(self, addr: int, nbytes: int, writable: bool) -> tuple[int, Any]:
+        pv = self._pv
+        access = pv.libibverbs_enums.ibv_access_flags.IBV_ACCESS_LOCAL_WRITE if writable else 0
+        try:
+            mr = pv.mr.MR(self.pd, nbytes, access, address=addr)
+        except pv.pyverbs_error.PyverbsError as exc:
+            raise RdmaError(f"registering {nbytes} bytes at {addr:#x}", _errno(exc)) from None
+        return mr.lkey, mr
+
+    @staticmethod
+    def _dereg(handle: Any) -> None:
+        handle.close()
+
+    # -- DataChannel -----------------------------------------------------------------
+    def write(self, allocation_id: int, slots: Sequence[pb.Slot],
+              views: Sequence[memoryview]) -> None:
+        self._slots(OP_WRITE, slots, views, f"allocation {allocation_id}")
+
+    def read(self, lease_id: int, slots: Sequence[pb.Slot],
+             views: Sequence[memoryview]) -> None:
+        self._slots(OP_READ, slots, views, f"lease {lease_id}")
+
+    def _slots(self, op: str, slots: Sequence[pb.Slot], views: Sequence[memoryview],
+               what: str) -> None:
+        if len(slots) < len(views):
+            raise TransportError(f"RDMA {op} of {what}: {len(views)} buffers, {len(slots)} "
+                                 f"slots")
+        items = []
+        for i, view in enumerate(views):
+            slot = slots[i]
+            if not slot.rkey or not slot.remote_addr:
+                raise TransportError(f"RDMA {op} of {what}: slot {i} carries no RDMA address "
+                                     f"or rkey (the session is not attached over RDMA)")
+            if slot.length != view.nbytes:
+                raise TransportError(f"RDMA {op} of {what}: slot {i} is {slot.length} bytes, "
+                                     f"the buffer {view.nbytes}")
+            items.append((view, slot.remote_addr, slot.rkey))
+        self.transfer(op, items)
+
+    def transfer(self, op: str, items: Sequence[tuple[memoryview, int, int]]) -> None:
+        """RDMA ``op`` (``"write"``: local -> remote, ``"read"``: remote -> local) of each
+        ``(local view, remote address, rkey)``; returns when all completed.
+
+        Raises:
+            RdmaError: a completion failed (e.g. remote access error) or none came within
+                ``timeout_s``; the channel is then broken (its QP destroyed).
+            TransportError: the channel was already broken or closed.
+        """
+        with self._lock:
+            self._check_usable()
+            need_write = op == OP_READ
+            direct: list[Work] = []
+            staged: list[tuple[memoryview, int, int]] = []
+            for view, raddr, rkey in items:
+                hit = self.cache.lookup(view, need_write)
+                if hit is None:
+                    staged.append((view, raddr, rkey))
+                else:
+                    direct.append(Work(hit[0], view.nbytes, hit[1], raddr, rkey))
+            self._run(op, direct)
+            if staged:
+                self._run_staged(op, staged)
+            self.stats[f"{op}_ops"] += len(items)
+            self.stats[f"{op}_bytes"] += sum(v.nbytes for v, _a, _k in items)
+            self.stats[f"{op}_staged"] += len(staged)
+
+    def _run_staged(self, op: str, staged: list[tuple[memoryview, int, int]]) -> None:
+        assert self._bounce_view is not None and self._bounce_mr is not None
+        bounce = self._bounce_view
+        base, lkey = address_of(bounce), self._bounce_mr.lkey
+        for rnd in bounce_plan([v.nbytes for v, _a, _k in staged], bounce.nbytes):
+            work = []
+            for p in rnd:
+                view, raddr, rkey = staged[p.item]
+                if op == OP_WRITE:
+                    bounce[p.bounce_offset : p.bounce_offset + p.length] = \
+                        view[p.offset : p.offset + p.length]
+                work.append(Work(base + p.bounce_offset, p.length, lkey, raddr + p.offset, rkey))
+            self._run(op, work)
+            if op == OP_READ:
+                for p in rnd:
+                    view = staged[p.item][0]
+                    view[p.offset : p.offset + p.length] = \
+                        bounce[p.bounce_offset : p.bounce_offset + p.length]
+
+    def _run(self, op: str, work: Sequence[Work]) -> None:
+        """Post ``work`` in signalled chains, at most ``sq_depth`` WRs outstanding."""
+        if not work:
+            return
+        pv = self._pv
+        e = pv.libibverbs_enums
+        opcode = (e.ibv_wr_opcode.IBV_WR_RDMA_WRITE if op == OP_WRITE
+                  else e.ibv_wr_opcode.IBV_WR_RDMA_READ)
+        signaled = e.ibv_send_flags.IBV_SEND_SIGNALED
+        plan = chains(len(work), self.signal_every)
+        inflight: dict[int, int] = {}
+        outstanding = 0
+        nxt = 0
+        deadline = time.monotonic() + self.timeout_s
+        while nxt < len(plan) or inflight:
+            while nxt < len(plan):
+                start, stop = plan[nxt]
+                if outstanding + (stop - start) > self.sq_depth:
+                    break
+                wrs: list[Any] = []
+                follow = None
+                for j in range(stop - 1, start - 1, -1):  # build back to front to link
+                    w = work[j]
+                    sge = pv.wr.SGE(w.laddr, w.length, w.lkey)
+                    wr = pv.wr.SendWR(wr_id=nxt, opcode=opcode, num_sge=1, sg=[sge],
+                                      send_flags=signaled if j == stop - 1 else 0,
+                                      next_wr=follow)
+                    wr.set_wr_rdma(w.rkey, w.raddr)
+                    wrs.append(wr)
+                    follow = wr
+                try:
+                    self.qp.post_send(follow)
+                except pv.pyverbs_error.PyverbsError as exc:
+                    self._break(f"posting {stop - start} RDMA {op} WRs failed: {exc}")
+                    raise RdmaError(f"RDMA {op}: post_send failed", _errno(exc)) from None
+                inflight[nxt] = stop - start
+                outstanding += stop - start
+                nxt += 1
+            for wc in self._wait(deadline, op):
+                if wc.status != e.ibv_wc_status.IBV_WC_SUCCESS:
+                    text = wc_status_text(int(wc.status))
+                    self._break(f"RDMA {op} completion failed: {text}")
+                    raise RdmaError(f"RDMA {op} failed: {text}", wc_status=int(wc.status))
+                outstanding -= inflight.pop(int(wc.wr_id), 0)
+                deadline = time.monotonic() + self.timeout_s  # progress: a fresh bound
+
+    def _wait(self, deadline: float, op: str) -> list[Any]:
+        """Completions, polling briefly then sleeping on the completion channel."""
+        cq = self.cq
+        spin_until = time.monotonic() + SPIN_S
+        armed = False
+        while True:
+            n, wcs = cq.poll(16)
+            if n:
+                return list(wcs[:n])
+            now = time.monotonic()
+            if now < spin_until:
+                continue
+            if self._peer_gone.is_set():
+                self._break("the service ended the RDMA session mid-transfer")
+                raise RdmaError(f"RDMA {op} aborted: the service ended the session (it "
+                                f"restarted, crashed or is shutting down)")
+            if now >= deadline:
+                self._break(f"no RDMA {op} completion within {self.timeout_s:g} s")
+                raise RdmaError(f"RDMA {op}: no completion within {self.timeout_s:g} s; check "
+                                f"the port state (`rdma link show`), the GID index and the MTU")
+            if not armed:
+                cq.req_notify()
+                armed = True
+                continue  # poll once more: a completion may have landed before arming
+            ready, _, _ = select.select([self.comp_channel.fd], [], [],
+                                        min(deadline - now, 0.25))
+            if ready:
+                self.comp_channel.get_cq_event(cq)
+                cq.ack_events(1)
+                armed = False
+
+    # -- state -----------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise TransportError("RDMA channel is closed")
+        if self._broken:
+            raise TransportError(f"RDMA channel is broken ({self._broken}); reconnect")
+        if self._peer_gone.is_set():
+            self._break("the service ended the RDMA session")
+            raise TransportError("the service ended the RDMA session (it restarted, crashed or "
+                                 "is shutting down); reconnect")
+
+    def _break(self, why: str) -> None:
+        """Destroy the QP now: nothing may land in the caller's buffers after we return."""
+        self._broken = why
+        log.warning("ctxmem rdma: session %d: %s", self.session_id, why)
+        if self.qp is not None:
+            try:
+                self.qp.close()
+            except Exception:
+                log.exception("closing a broken QP failed")
+            self.qp = None
+
+    def _orphan(self) -> None:
+        _INHERITED.extend(o for o in (self.qp, self.cq, self._bounce_mr, self.cache, self.pd,
+                                      self.comp_channel, self.ctx, self._bounce) if o is not None)
+        self.qp = self.cq = self._bounce_mr = self.pd = self.comp_channel = self.ctx = None
+        self._bounce = None
+        self._bounce_view = None
+        self.cache = RegistrationCache(self._reg, self._dereg, min_bytes=0, max_bytes=0)
+        self._attach_call = None
+        self._closed = True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _LIVE.discard(self)
+            if os.getpid() != self._pid:  # a forked child: not ours to destroy
+                return
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """End the Attach call, then QP, CQ, MRs, PD, completion channel, context."""
+        if self._attach_call is not None:
+            self._attach_call.cancel()
+            self._attach_call = None
+        for name in ("qp", "cq"):
+            obj = getattr(self, name)
+            setattr(self, name, None)
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:
+                    log.exception("ctxmem rdma: closing %s failed", name.upper())
+        try:
+            self.cache.clear()
+        except Exception:
+            log.exception("ctxmem rdma: deregistering cached buffers failed")
+        for name in ("_bounce_mr", "pd", "comp_channel", "ctx"):
+            obj = getattr(self, name)
+            setattr(self, name, None)
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:
+                    log.exception("ctxmem rdma: closing %s failed", name.strip("_"))
+        if self._bounce_view is not None:
+            self._bounce_view.release()
+            self._bounce_view = None
+        if self._bounce is not None:
+            self._bounce.close()
+            self._bounce = None
