@@ -45,7 +45,7 @@ from ctxmem_common.errors import (
     UnknownSession,
     error_for_code,
 )
-from ctxmem_common.keys import validate_keys
+from ctxmem_common.keys import pack_keys, validate_keys
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
@@ -86,6 +86,16 @@ def _rpc_error(exc: grpc.RpcError, endpoint: str, method: str) -> CtxmemError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Unavailable(f"ctxmem {method} at {endpoint} timed out: {call.details()}")
     return CtxmemError(f"ctxmem {method} failed: {code.name}: {call.details()}")
+
+
+def _lookup_request(session_id: int, handle: int, keys: Sequence[bytes], prefix: bool
+                    ) -> pb.LookupRequest:
+    packed = pack_keys(keys) if len(keys) >= 64 else None
+    if packed is not None:
+        return pb.LookupRequest(session_id=session_id, namespace_handle=handle, prefix=prefix,
+                                packed_keys=packed[0], key_len=packed[1])
+    return pb.LookupRequest(session_id=session_id, namespace_handle=handle, keys=keys,
+                            prefix=prefix)
 
 
 class _Session:
@@ -305,8 +315,7 @@ class Namespace:
         Keys are validated by the service (same errors), not twice on this hot path."""
 
         def op(s: _Session) -> LookupResult:
-            r = self.client._rpc("Lookup", pb.LookupRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys, prefix=True))
+            r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, True))
             return LookupResult(r.num_hits, [_TIER_NAMES[t] for t in r.tiers])
 
         return self._retrying(op)
@@ -315,8 +324,7 @@ class Namespace:
         """Per-key presence (not prefix-based)."""
 
         def op(s: _Session) -> list[bool]:
-            r = self.client._rpc("Lookup", pb.LookupRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys, prefix=False))
+            r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, False))
             return [t != pb.TIER_UNSPECIFIED for t in r.tiers]
 
         return self._retrying(op)

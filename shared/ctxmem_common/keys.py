@@ -74,6 +74,23 @@ def _explain_bad_keys(keys: Sequence[bytes]) -> None:
             )
 
 
+def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int] | None:
+    """``(concatenation, key length)`` when every key has the same length, else None."""
+    if not keys or len(set(map(len, keys))) != 1:
+        return None
+    return b"".join(keys), len(keys[0])
+
+
+def unpack_keys(packed: bytes, key_len: int) -> list[bytes]:
+    """Split :func:`pack_keys` output back into keys (one C-level pass via numpy)."""
+    if not 1 <= key_len <= MAX_KEY_BYTES or len(packed) % key_len:
+        raise InvalidArgument(
+            f"packed_keys is {len(packed)} bytes, not a multiple of key_len={key_len} "
+            f"(which must be 1..{MAX_KEY_BYTES})")
+    keys: list[bytes] = np.frombuffer(packed, dtype=f"V{key_len}").tolist()
+    return keys
+
+
 def chain_hashes(
     tokens: Sequence[int] | np.ndarray, tokens_per_block: int, *, salt: bytes = b""
 ) -> list[bytes]:

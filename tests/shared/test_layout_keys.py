@@ -69,3 +69,17 @@ def test_validate_keys_errors_name_the_index() -> None:
         validate_keys([b""])
     with pytest.raises(InvalidArgument, match="must be bytes"):
         validate_keys(["str"])  # type: ignore[list-item]
+
+
+def test_packed_keys_round_trip_and_errors() -> None:
+    from ctxmem_common.keys import pack_keys, unpack_keys
+
+    keys = chain_hashes(range(64), 1)
+    packed = pack_keys(keys)
+    assert packed is not None and packed[1] == 32
+    assert unpack_keys(*packed) == keys
+    assert pack_keys([b"a", b"bb"]) is None  # unequal lengths: send them repeated
+    with pytest.raises(InvalidArgument, match="not a multiple of key_len=32"):
+        unpack_keys(packed[0][:-1], 32)
+    with pytest.raises(InvalidArgument, match="key_len=65"):
+        unpack_keys(b"x" * 65, 65)

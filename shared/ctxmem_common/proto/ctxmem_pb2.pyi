@@ -143,16 +143,20 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_handle: _Optional[int] = ..., namespace_digest: _Optional[bytes] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_handle", "keys", "prefix")
+    __slots__ = ("session_id", "namespace_handle", "keys", "prefix", "packed_keys", "key_len")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_LEN_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prefix: bool
-    def __init__(self, session_id: _Optional[int] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: _Optional[bool] = ...) -> None: ...
+    packed_keys: bytes
+    key_len: int
+    def __init__(self, session_id: _Optional[int] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: _Optional[bool] = ..., packed_keys: _Optional[bytes] = ..., key_len: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_hits", "tiers")

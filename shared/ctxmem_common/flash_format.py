@@ -1,0 +1,290 @@
+"""The on-flash format: self-describing, so the index can be rebuilt from the device.
+
+Pure format code (no I/O): the service's flash tier, ``ctxmem check``, the recovery
+benchmark and the chaos campaign all read and write devices through these definitions.
+
+Device layout (all offsets and sizes multiples of 4 KiB; every service I/O is O_DIRECT)::
+
+    0          superblock (4 KiB): magic "CTXMEMSB", version, slab size, slab count,
+               device UUID, CRC32C
+    4 KiB      backup superblock (identical copy; used when the first one is damaged)
+    8 KiB      probe sector (scratch: the health probe writes and reads it back)
+    1 MiB      slab 0 | slab 1 | ... (flash.slab_size each)
+
+    slab:      slab header (4 KiB): magic "CTXSLAB1", version, slot size, slot count, CRC
+               record-header table: slot count x 4 KiB (one header per slot)
+               payload area: slot count x slot size
+
+    record header (first bytes of its 4 KiB entry, little-endian):
+        magic "CTXREC01" | version u16 | flags u16 (bit 0: payload encrypted) | pad u32 |
+        namespace digest 16 B | key length u8 | key 64 B | payload length u64 |
+        CRC32C of the plaintext payload u32 | sequence number u64 | write time ns u64 |
+        CRC32C of everything before it u32
+
+Why the headers sit in a table and not in front of each payload: a warm restart reads
+one contiguous table per slab instead of one 4 KiB read per block (1M blocks is 4 GiB of
+tables, read at device speed). Why each header has a whole 4 KiB sector: a sector write
+is the unit a device writes atomically, so a torn header write can never damage another
+block's header.
+
+Write ordering (see docs/reliability.md): payload → ``fdatasync`` → header →
+``fdatasync``. A valid header therefore always names a payload that is on stable
+storage, so after any crash or power cut every record the rebuild finds is complete; a
+torn header fails its own CRC and is an empty slot. An extent's header is zeroed (and
+synced) before the extent is freed for reuse (delete, flash eviction), and a slab's header
+table is zeroed when the slab is assigned, so a freed or reassigned extent never carries a
+stale record.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import crc32c as _crc32c
+import numpy as np
+
+from ctxmem_common.codecs import crc32c
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+SECTOR = 4096
+DATA_START = 1 << 20
+FORMAT_VERSION = 1
+SB_OFFSET = 0
+SB_BACKUP_OFFSET = SECTOR
+PROBE_OFFSET = 2 * SECTOR
+
+SB_MAGIC = b"CTXMEMSB"
+SLAB_MAGIC = b"CTXSLAB1"
+REC_MAGIC = b"CTXREC01"
+
+_SB = struct.Struct("<8sIQI16s")  # magic, version, slab_size, num_slabs, uuid
+_SLAB = struct.Struct("<8sIQI")  # magic, version, slot_size, slots
+_REC = struct.Struct("<8sHHI16sB64sQIQQ")
+_CRC = struct.Struct("<I")
+FLAG_ENCRYPTED = 1
+REC_BODY = _REC.size  # bytes covered by the header CRC
+REC_SIZE = _REC.size + _CRC.size
+# Byte offsets of record-header fields (for tools that patch headers on purpose).
+REC_OFF_NAMESPACE = 16
+REC_OFF_KEYLEN = 32
+REC_OFF_KEY = 33
+REC_OFF_LENGTH = 97
+REC_OFF_CRC = 105
+REC_OFF_SEQ = 109
+_REC_MAGIC_U64 = int.from_bytes(REC_MAGIC, "little")
+
+
+@dataclass(frozen=True, slots=True)
+class Superblock:
+    slab_size: int
+    num_slabs: int
+    device_uuid: bytes
+
+    def pack(self) -> bytes:
+        body = _SB.pack(SB_MAGIC, FORMAT_VERSION, self.slab_size, self.num_slabs, self.device_uuid)
+        return (body + _CRC.pack(crc32c(body))).ljust(SECTOR, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> Superblock | None:
+        body = bytes(raw[: _SB.size])
+        magic, version, slab_size, num_slabs, dev_uuid = _SB.unpack(body)
+        (crc,) = _CRC.unpack_from(raw, _SB.size)
+        if magic != SB_MAGIC or crc != crc32c(body) or version != FORMAT_VERSION:
+            return None
+        if slab_size < SECTOR or slab_size % SECTOR:
+            return None
+        return cls(slab_size, num_slabs, dev_uuid)
+
+    @classmethod
+    def new(cls, slab_size: int, device_bytes: int) -> Superblock:
+        num = max(0, (device_bytes - DATA_START) // slab_size)
+        return cls(slab_size, num, uuid.uuid4().bytes)
+
+    @property
+    def tweak_id(self) -> int:
+        """The device part of the XTS tweak: moving ciphertext between devices breaks it."""
+        return int.from_bytes(self.device_uuid[:8], "little")
+
+
+@dataclass(frozen=True, slots=True)
+class SlabHeader:
+    slot_size: int
+    slots: int
+
+    def pack(self) -> bytes:
+        body = _SLAB.pack(SLAB_MAGIC, FORMAT_VERSION, self.slot_size, self.slots)
+        return (body + _CRC.pack(crc32c(body))).ljust(SECTOR, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> SlabHeader | None:
+        body = bytes(raw[: _SLAB.size])
+        magic, version, slot_size, slots = _SLAB.unpack(body)
+        (crc,) = _CRC.unpack_from(raw, _SLAB.size)
+        if magic != SLAB_MAGIC or crc != crc32c(body) or version != FORMAT_VERSION:
+            return None
+        return cls(slot_size, slots)
+
+
+def slots_per_slab(slab_size: int, slot_size: int) -> int:
+    """Slots of ``slot_size`` that fit in a slab with its header and header table."""
+    if slot_size <= 0 or slot_size % SECTOR:
+        return 0
+    return max(0, (slab_size - SECTOR) // (SECTOR + slot_size))
+
+
+def slab_base(slab: int, slab_size: int) -> int:
+    return DATA_START + slab * slab_size
+
+
+def header_offset(slab: int, index: int, slab_size: int) -> int:
+    """Byte offset of slot ``index``'s record header in ``slab``."""
+    return slab_base(slab, slab_size) + SECTOR + index * SECTOR
+
+
+def payload_offset(slab: int, index: int, slab_size: int, slot_size: int) -> int:
+    """Byte offset of slot ``index``'s payload in a slab of ``slot_size`` slots."""
+    capacity = slots_per_slab(slab_size, slot_size)
+    return slab_base(slab, slab_size) + SECTOR + capacity * SECTOR + index * slot_size
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    namespace: bytes
+    key: bytes
+    length: int
+    crc: int
+    seq: int
+    encrypted: bool
+    committed_ns: int = 0
+
+    def pack(self) -> bytes:
+        body = _REC.pack(
+            REC_MAGIC,
+            FORMAT_VERSION,
+            FLAG_ENCRYPTED if self.encrypted else 0,
+            0,
+            self.namespace,
+            len(self.key),
+            self.key,
+            self.length,
+            self.crc,
+            self.seq,
+            self.committed_ns,
+        )
+        return (body + _CRC.pack(crc32c(body))).ljust(SECTOR, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> RecordHeader | None:
+        """The header in ``raw``, or ``None`` for an empty, torn or foreign entry."""
+        if len(raw) < REC_SIZE or bytes(raw[:8]) != REC_MAGIC:
+            return None
+        body = bytes(raw[: _REC.size])
+        (crc,) = _CRC.unpack_from(raw, _REC.size)
+        if crc != crc32c(body):
+            return None
+        _m, version, flags, _pad, ns, klen, key, length, dcrc, seq, ts = _REC.unpack(body)
+        if version != FORMAT_VERSION or not 1 <= klen <= 64:
+            return None
+        return cls(ns, key[:klen], length, dcrc, seq, bool(flags & FLAG_ENCRYPTED), ts)
+
+
+# One parsed table entry: (slot index, namespace, key, length, crc, seq, encrypted, time ns)
+TableEntry = tuple[int, bytes, bytes, int, int, int, bool, int]
+
+# The record header as a numpy record over a 4 KiB table entry (same layout as _REC + CRC).
+_REC_DTYPE = np.dtype({
+    "names": ["magic", "version", "flags", "ns", "klen", "key", "length", "crc", "seq", "ts",
+              "hcrc"],
+    "formats": ["<u8", "<u2", "<u2", "V16", "u1", "V64", "<u8", "<u4", "<u8", "<u8", "<u4"],
+    "offsets": [0, 8, 10, REC_OFF_NAMESPACE, REC_OFF_KEYLEN, REC_OFF_KEY, REC_OFF_LENGTH,
+                REC_OFF_CRC, REC_OFF_SEQ, 117, REC_BODY],
+    "itemsize": SECTOR,
+})
+
+
+class TableColumns(NamedTuple):
+    """The valid records of a header table, column-wise (one list per field)."""
+
+    slot: list[int]
+    namespace: list[bytes]
+    key: list[bytes]
+    length: list[int]
+    crc: list[int]
+    seq: list[int]
+    encrypted: list[bool]
+    time_ns: list[int]
+
+
+_EMPTY = TableColumns([], [], [], [], [], [], [], [])
+
+
+def parse_header_columns(table: Buffer, slots: int) -> TableColumns:
+    """Every valid record header in a slab's header table (``slots`` x 4 KiB), by column.
+
+    The hot loop of a warm restart: numpy selects the entries that carry the record
+    magic and pulls their fields out column-wise; the only per-record Python work left is
+    the header CRC32C (one C call) and cutting the key to its length.
+    """
+    if slots <= 0:
+        return _EMPTY
+    mv = memoryview(table).cast("B")
+    rec = np.frombuffer(mv, dtype=_REC_DTYPE, count=slots)
+    cand = np.flatnonzero(rec["magic"] == _REC_MAGIC_U64)
+    if not len(cand):
+        return _EMPTY
+    crc = _crc32c.crc32c
+    computed = np.fromiter((crc(mv[o : o + REC_BODY]) for o in (cand * SECTOR).tolist()),
+                           dtype=np.uint32, count=len(cand))
+
+    def col(name: str, idx: np.ndarray) -> np.ndarray:
+        return rec[name][idx]  # a strided field view, gathered: no 4 KiB row copies
+
+    klen = col("klen", cand)
+    ok = ((computed == col("hcrc", cand)) & (col("version", cand) == FORMAT_VERSION)
+          & (klen >= 1) & (klen <= 64))
+    if not ok.all():
+        cand = cand[ok]
+        klen = klen[ok]
+    keys = [k[:n] for k, n in zip(col("key", cand).tolist(), klen.tolist(), strict=True)]
+    return TableColumns(
+        cand.tolist(), col("ns", cand).tolist(), keys, col("length", cand).tolist(),
+        col("crc", cand).tolist(), col("seq", cand).tolist(),
+        ((col("flags", cand) & FLAG_ENCRYPTED) != 0).tolist(), col("ts", cand).tolist())
+
+
+def parse_header_table(table: Buffer, slots: int) -> list[TableEntry]:
+    """Every valid record header in a slab's header table, one tuple per record."""
+    return list(zip(*parse_header_columns(table, slots), strict=True))
+
+
+def pack_header_table(slots: int, namespace: bytes, keys: np.ndarray, length: int, crc: int,
+                      seqs: np.ndarray, encrypted: bool = False, time_ns: int = 0) -> bytearray:
+    """A slab's header table holding ``len(keys)`` records in slots 0.. (the rest empty),
+    built column-wise: for tools that generate large images (``ctxmem bench recovery``).
+    ``keys``: a (n, key length) uint8 array; ``seqs``: n sequence numbers."""
+    n, klen = keys.shape
+    if not 1 <= klen <= 64 or n > slots or len(namespace) != 16:
+        raise ValueError("pack_header_table: bad key length, count or namespace")
+    table = bytearray(slots * SECTOR)
+    rec = np.frombuffer(table, dtype=_REC_DTYPE, count=slots)[:n]
+    rec["magic"] = _REC_MAGIC_U64
+    rec["version"] = FORMAT_VERSION
+    rec["flags"] = FLAG_ENCRYPTED if encrypted else 0
+    rec["ns"] = np.frombuffer(namespace, dtype="V16")[0]
+    rec["klen"] = klen
+    raw = np.frombuffer(table, dtype=np.uint8).reshape(slots, SECTOR)
+    raw[:n, REC_OFF_KEY:REC_OFF_KEY + klen] = keys
+    rec["length"] = length
+    rec["crc"] = crc
+    rec["seq"] = seqs
+    rec["ts"] = time_ns
+    mv = memoryview(table)
+    crc_fn = _crc32c.crc32c
+    rec["hcrc"] = np.fromiter((crc_fn(mv[i * SECTOR : i * SECTOR + REC_BODY]) for i in range(n)),
+                              dtype=np.uint32, count=n)
+    return table
