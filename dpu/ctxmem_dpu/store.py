@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import itertools
 import logging
+import mmap
+import os
+import secrets
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from itertools import repeat
 from typing import Any, TypeVar
 
 from ctxmem_common.codecs import XtsCipher, crc32c, derive_namespace_key
@@ -42,12 +47,21 @@ from ctxmem_common.errors import (
 )
 from ctxmem_common.keys import namespace_digest, validate_keys
 from ctxmem_common.layout import KVLayout
+from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
 from ctxmem_dpu.policy import SegmentedLRU
+from ctxmem_dpu.tiers import flash as flash_mod
 from ctxmem_dpu.tiers.dram import DramTier, round_up
-from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError, FlashTier, ReadFailure
-from ctxmem_dpu.tiers.flash_format import RecordHeader
+from ctxmem_dpu.tiers.flash import (
+    Extent,
+    FlashDevice,
+    FlashIOError,
+    FlashTier,
+    ReadFailure,
+    ShortRead,
+)
+from ctxmem_dpu.tiers.flash_format import RecordHeader, TableColumns, slots_per_slab
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,8 +78,11 @@ COUNTERS = (
     "evictions_dram", "evictions_flash", "deleted_blocks", "integrity_failures",
     "flash_read_errors", "flash_write_errors", "flash_device_failures", "flash_full",
     "dram_full", "expired_allocations", "expired_leases", "recovered_blocks",
-    "recovery_seconds_x1e6",
+    "recovery_seconds_x1e6", "quarantined_extents", "dirty_dropped", "flash_device_recoveries",
 )
+# How often failed flash devices are probed (see FlashDevice.probe). Tests and the chaos
+# campaign lower it with CTXMEM_FLASH_PROBE_INTERVAL_S.
+PROBE_INTERVAL_S = float(os.environ.get("CTXMEM_FLASH_PROBE_INTERVAL_S", "2.0"))
 
 
 class BlockStore:
@@ -94,7 +111,11 @@ class BlockStore:
             cfg.eviction.protect_after_hits, cfg.eviction.protected_fraction
         )
         self._dirty: dict[Block, None] = {}  # committed, DRAM only, waiting for demotion
-        self._ids = itertools.count(1)
+        # Session, allocation and lease ids start at a random point per service instance:
+        # after a restart a client still holding an old session id must get "unknown
+        # session" (and reconnect), never alias a new session of another tenant — ids that
+        # restarted at 1 did exactly that (found by ``ctxmem chaos``).
+        self._ids = itertools.count(secrets.randbits(48) + 1)
         self._seq = itertools.count(1)
         self._ciphers: dict[bytes, XtsCipher | None] = {}
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
@@ -103,9 +124,15 @@ class BlockStore:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        # Extents whose header may still hold a record (a write or an invalidation failed
+        # on a failing device): never reused until the header is zeroed, which the reaper
+        # does once the device is healthy again.
+        self._needs_zero: dict[int, list[Extent]] = {}
+        self._slow_seen: dict[int, int] = {}
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        faults.install_from_env()
         devices = []
         for i, (name, path) in enumerate(self._flash_paths):
             devices.append(
@@ -143,6 +170,12 @@ class BlockStore:
                 await self._demote(list(self._dirty))
             except Exception:
                 log.exception("flushing dirty blocks to flash at shutdown failed")
+        for d in list(self._needs_zero):  # headers a failed write may have left behind
+            if self.flash.devices[d].healthy:
+                try:
+                    await self._invalidate(self._needs_zero.pop(d))
+                except Exception:
+                    log.exception("invalidating parked extents at shutdown failed")
         self._pool.shutdown(wait=True)
         self.flash.close()
         self.dram.close()
@@ -165,45 +198,144 @@ class BlockStore:
 
     # -- rebuild ---------------------------------------------------------------------
     async def _rebuild(self) -> None:
-        """Rebuild the index from the self-describing records on every flash device."""
+        """Rebuild the index from the self-describing records on every flash device.
+
+        Reads each used slab's header table (one read per slab, up to ``io_threads`` slabs
+        in flight) while the loop indexes the previous one. Every valid header names a
+        payload that was synced before it (see ``_demote``), so every record found is a
+        complete, durable block. Two records for one key (a crash between rewriting and
+        invalidating, or a copied record): the higher sequence number wins; on a tie, the
+        one whose payload verifies. Losers' headers are zeroed and their extents freed.
+        """
         t0 = time.perf_counter()
-        found = 0
-        max_seq = 0
-        for dev in self.flash.devices:
-            records = await self._io(lambda d=dev: list(d.scan()))
-            for slot, slot_size, rec in records:
-                found += 1
-                max_seq = max(max_seq, rec.seq)
-                ext = Extent(dev.index, slot)
-                dev.alloc.claim(slot_size, slot_size, slot)
-                per_ns = self.index.setdefault(rec.namespace, {})
-                old = per_ns.get(rec.key)
-                if old is not None:
-                    # Two records for one key (a crash between rewriting and invalidating):
-                    # the newer sequence number wins; the other extent is recycled.
-                    loser, winner_rec = (old, rec) if old.seq < rec.seq else (None, None)
-                    if loser is None:
-                        await self._io(dev.invalidate, slot)
-                        dev.alloc.free(slot)
-                        continue
-                    self.flash_lru.remove(loser)
-                    assert loser.flash is not None
-                    lose_dev = self.flash.devices[loser.flash.device]
-                    await self._io(lose_dev.invalidate, loser.flash.slot)
-                    self.flash.free(loser.flash)
-                    del per_ns[rec.key]
-                    rec = winner_rec
-                assert rec is not None
-                b = Block(rec.namespace, rec.key, rec.length, slot_size, rec.crc, rec.seq,
-                          flash=ext, durable=True)
-                per_ns[rec.key] = b
-                self.flash_lru.add(b)
-        self._seq = itertools.count(max_seq + 1)
+        # No cyclic GC while a million long-lived objects are created (each collection
+        # would walk all of them: quadratic), and, for a large index, afterwards move them
+        # to the permanent generation so later collections on the event loop do not walk
+        # them either (they are freed by reference counting when they go).
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            await self._rebuild_index()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+            if sum(len(v) for v in self.index.values()) >= 100_000:
+                gc.freeze()
         self.counters["recovered_blocks"] = sum(len(v) for v in self.index.values())
         self.counters["recovery_seconds_x1e6"] = int((time.perf_counter() - t0) * 1e6)
-        if found:
+        if self.counters["recovered_blocks"]:
             log.info("rebuilt index from flash: %d blocks in %.3f s",
                      self.counters["recovered_blocks"], time.perf_counter() - t0)
+
+    async def _rebuild_index(self) -> None:
+        found = 0
+        max_seq = 0
+        losers: list[Extent] = []
+        ties: list[tuple[Block, Block]] = []
+        index = self.index
+        # Bulk insert into the flash LRU's probation segment: every rebuilt block is new
+        # and unhit, and SegmentedLRU.add per block costs a remove + insert each.
+        probation = self.flash_lru._probation
+        for dev in self.flash.devices:
+            dev_index = dev.index
+            async for slab_id, slot_size, cols in self._scan(dev):
+                dev.alloc.claim_slots(slab_id, slot_size, cols.slot)
+                found += len(cols.slot)
+                max_seq = max(max_seq, max(cols.seq))
+                exts = list(map(Extent, repeat(dev_index), map(SlotRef, repeat(slab_id),
+                                                                cols.slot)))
+                blocks = list(map(Block, cols.namespace, cols.key, cols.length,
+                                  repeat(slot_size), cols.crc, cols.seq, repeat(None), exts,
+                                  repeat(True)))
+                ns0 = cols.namespace[0]
+                per_ns = index.get(ns0)
+                if per_ns is None:
+                    per_ns = index[ns0] = {}
+                if (cols.namespace.count(ns0) == len(blocks) and len(set(cols.key)) == len(blocks)
+                        and per_ns.keys().isdisjoint(cols.key)):
+                    # The common case: one namespace, no key seen before.
+                    per_ns.update(zip(cols.key, blocks, strict=True))
+                    probation.update(dict.fromkeys(blocks))
+                    continue
+                for b in blocks:
+                    per_ns = index.get(b.ns)
+                    if per_ns is None:
+                        per_ns = index[b.ns] = {}
+                    old = per_ns.get(b.key)
+                    if old is not None:
+                        assert b.flash is not None and old.flash is not None
+                        if old.seq > b.seq:
+                            losers.append(b.flash)
+                            continue
+                        if old.seq == b.seq:
+                            ties.append((old, b))
+                            continue
+                        losers.append(old.flash)
+                        self.flash_lru.remove(old)
+                    per_ns[b.key] = b
+                    probation[b] = None
+            faults.point("rebuild.after_scan")
+        flash_mod.scan_buffers.clear()
+        for keep, other in ties:
+            if self.index[keep.ns].get(keep.key) is not keep:  # superseded by a newer seq
+                assert other.flash is not None
+                losers.append(other.flash)
+                continue
+            # One version on two extents (a copied record): keep the one that verifies.
+            log.debug("rebuild: key %s on %s and %s", keep.key.hex()[:16], keep.flash,
+                      other.flash)
+            if not await self._verify(keep) and await self._verify(other):
+                keep, other = other, keep
+                self.index[keep.ns][keep.key] = keep
+                self.flash_lru.remove(other)
+                self.flash_lru.add(keep)
+            assert other.flash is not None
+            losers.append(other.flash)
+        if losers:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("rebuild: shadowed records invalidated: %s", losers)
+            await self._invalidate(losers)
+        self._seq = itertools.count(max_seq + 1)
+        if losers:
+            log.info("rebuild: %d of %d records were shadowed by newer ones (invalidated)",
+                     len(losers), found)
+
+    async def _scan(self, dev: FlashDevice) -> AsyncIterator[tuple[int, int, TableColumns]]:
+        """The used slabs of ``dev`` with their records, in slab order; up to
+        ``io_threads`` (at least 2) slab reads in flight while the caller indexes."""
+        loop = asyncio.get_running_loop()
+        pending: deque[asyncio.Future[tuple[int, int, TableColumns] | None]] = deque()
+        slabs = iter(range(dev.num_slabs))
+        depth = max(2, self.cfg.service.io_threads)
+        while True:
+            while len(pending) < depth and (slab := next(slabs, None)) is not None:
+                pending.append(loop.run_in_executor(self._pool, dev.scan_slab, slab))
+            if not pending:
+                return
+            res = await pending.popleft()
+            if res is not None and res[2].slot:
+                yield res
+
+    async def _verify(self, b: Block) -> bool:
+        """Does ``b``'s flash record read back and check (header, payload CRC)?"""
+        assert b.flash is not None
+        dev = self.flash.devices[b.flash.device]
+        cipher = self._cipher(b.ns)
+
+        def work() -> bool:
+            buf = mmap.mmap(-1, max(b.slot_size, 4096))
+            view = memoryview(buf)[: b.slot_size]
+            try:
+                dev.read_record(b.flash.slot, view, b.ns, b.key, b.length, b.crc,  # type: ignore[union-attr]
+                                b.seq, cipher)
+                return True
+            except (ReadFailure, FlashIOError, ValueError):
+                return False
+            finally:
+                view.release()
+                buf.close()
+
+        return await self._io(work)
 
     # -- sessions and namespaces -----------------------------------------------------
     def connect(self, tenant: str, token: str, transport: str, client_name: str) -> Session:
@@ -317,6 +449,7 @@ class BlockStore:
                        time.monotonic() + self.cfg.service.allocation_ttl_s)
         self.allocations[a.id] = a
         s.allocations[a.id] = a
+        faults.point("allocate.after_reserve")
         return a, exists
 
     def allocation(self, s: Session, allocation_id: int) -> Allocation:
@@ -347,6 +480,7 @@ class BlockStore:
         crcs = await self._io(lambda: [crc32c(v) for v in views])
         for v in views:
             v.release()
+        faults.point("commit.after_crc")
         self._forget_allocation(a)
         per_ns = self.index.setdefault(a.ns.digest, {})
         committed: list[Block] = []
@@ -367,6 +501,7 @@ class BlockStore:
             committed.append(b)
         self.counters["put_blocks"] += len(committed)
         self.counters["put_bytes"] += len(committed) * a.ns.block_nbytes
+        faults.point("commit.after_index")
         if not self.flash.enabled:
             return len(committed)
         if self.cfg.flash.write_policy == "write_through":
@@ -510,22 +645,28 @@ class BlockStore:
         return len(cold), in_dram
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Remove ``keys``; returns how many were stored. When this returns, the deleted
+        blocks' flash headers are zeroed and synced: a restart cannot bring them back."""
         validate_keys(keys)
         per_ns = self.index.get(ns.digest, {})
         gone = [b for k in keys if (b := per_ns.pop(k, None)) is not None]
-        to_invalidate = []
         for b in gone:
             b.deleted = True
+            b.pins += 1  # ours until the header is dead; the last unpin frees the storage
             self.dram_lru.remove(b)
             self.flash_lru.remove(b)
             self._dirty.pop(b, None)
-            if b.pins == 0 and b.io is None:
-                if b.flash is not None:
-                    to_invalidate.append(b.flash)
-                    b.flash = None
-                self._release_storage(b)
-        if to_invalidate:
-            await self._invalidate(to_invalidate)
+        try:
+            faults.point("delete.after_index")
+            await self._wait_io(gone)  # a demotion in flight finishes (and sets b.flash)
+            dead = [b.flash for b in gone if b.flash is not None]
+            for b in gone:
+                b.flash = None
+            if dead:
+                await self._invalidate(dead, stage="delete")
+        finally:
+            for b in gone:
+                self._unpin(b)
         self.counters["deleted_blocks"] += len(gone)
         return len(gone)
 
@@ -540,6 +681,9 @@ class BlockStore:
         blocks = [b for k in keys if (b := per_ns.get(k)) is not None and b.dram is not None]
         await self._wait_io(blocks)
         await self._demote([b for b in blocks if b.flash is None])
+        # Some may have been taken by a background demotion meanwhile: let it finish.
+        await self._wait_io(blocks)
+        faults.point("evict.after_demote")
         n = 0
         for b in blocks:
             if b.dram is not None and b.flash is not None and b.durable and b.pins == 0:
@@ -548,34 +692,71 @@ class BlockStore:
         return n
 
     # -- storage primitives ----------------------------------------------------------
+    def _spawn(self, coro: Any) -> None:
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(coro))
+
     def _release_storage(self, b: Block) -> None:
-        """Free a deleted block's DRAM slot and flash extent (header already invalid)."""
+        """Free a deleted block's DRAM slot and flash extent. ``delete`` zeroed the flash
+        header already and cleared ``b.flash``; a header still named here is zeroed first."""
         if b.dram is not None:
             self.dram.free(b.dram)
             b.dram = None
         if b.flash is not None:
             ext = b.flash
             b.flash = None
-            self._tasks.append(asyncio.create_task(self._invalidate([ext])))
+            self._spawn(self._invalidate([ext]))
 
-    async def _invalidate(self, extents: list[Extent]) -> None:
-        def work() -> None:
-            touched = set()
-            for ext in extents:
-                dev = self.flash.devices[ext.device]
-                dev.invalidate(ext.slot)
-                touched.add(dev)
-            for dev in touched:
-                dev.sync()
-
-        try:
-            await self._io(work)
-        except FlashIOError as exc:
-            log.error("invalidating %d flash records failed: %s", len(extents), exc)
-            for ext in extents:
-                self.flash.quarantine(ext)  # cannot prove they are dead: never reuse
+    async def _invalidate(self, extents: list[Extent], stage: str = "", free: bool = True
+                          ) -> bool:
+        """Zero the headers of ``extents``, sync, then (``free``) return them to the
+        allocator. An extent is never freed while its header may still hold a record: on a
+        device error its extents wait in ``_needs_zero`` until the device is healthy
+        again (the reaper retries). Returns whether every header is now dead."""
+        by_dev: dict[int, list[Extent]] = {}
         for ext in extents:
-            self.flash.free(ext)
+            by_dev.setdefault(ext.device, []).append(ext)
+
+        def zero() -> dict[int, BaseException]:
+            failed: dict[int, BaseException] = {}
+            for d, exts in by_dev.items():
+                dev = self.flash.devices[d]
+                try:
+                    if not dev.healthy:
+                        raise FlashIOError(5, f"flash device {dev.name!r} is marked failed")
+                    for ext in exts:
+                        dev.invalidate(ext.slot)
+                except FlashIOError as exc:
+                    failed[d] = exc
+            return failed
+
+        def sync(devs: list[int]) -> dict[int, BaseException]:
+            failed: dict[int, BaseException] = {}
+            for d in devs:
+                try:
+                    self.flash.devices[d].sync()
+                except FlashIOError as exc:
+                    failed[d] = exc
+            return failed
+
+        failed = await self._io(zero)
+        if stage:
+            faults.point(f"{stage}.after_zero")
+        failed.update(await self._io(sync, [d for d in by_dev if d not in failed]))
+        if stage:
+            faults.point(f"{stage}.after_sync")
+        for d, exc in failed.items():
+            log.error("invalidating %d flash records on %s failed: %s", len(by_dev[d]),
+                      self.flash.devices[d].name, exc)
+            self._mark_unhealthy(d, exc)
+            if free:
+                self._needs_zero.setdefault(d, []).extend(by_dev[d])
+        if free:
+            for d, exts in by_dev.items():
+                if d not in failed:
+                    for ext in exts:
+                        self.flash.free(ext)
+        return not failed
 
     def _drop_dram(self, b: Block) -> None:
         assert b.dram is not None and b.pins == 0
@@ -614,15 +795,20 @@ class BlockStore:
             )
         for _round in range(3):
             need_demote: list[Block] = []
+            usable = self._flash_usable()
             for b in self.dram_lru.victims(skip=lambda b: b.pins > 0 or b.io is not None):
                 if b.flash is not None and b.durable:
                     self._drop_dram(b)
-                elif self.flash.enabled:
+                elif usable:
                     need_demote.append(b)
                     if len(need_demote) >= max(n, self.cfg.flash.demote_batch):
                         break
                     continue
                 else:
+                    # No flash to demote to (none configured, or every device failed):
+                    # the tier degrades to a DRAM-only cache and drops its LRU block.
+                    if b in self._dirty:
+                        self.counters["dirty_dropped"] += 1
                     self._drop_dram(b)
                 refs = self.dram.allocate(ns.tenant, ns.slot_size, n)
                 if refs is not None:
@@ -643,68 +829,156 @@ class BlockStore:
             f"or raise dram.size"
         )
 
-    def _reserve_flash(self, slot_size: int, n: int) -> list[Extent] | None:
-        exts = self.flash.allocate(slot_size, n)
-        if exts is not None:
-            return exts
-        # Never evict from a failed device: that frees no usable space, it only drops
-        # blocks that come back when the device does.
-        for b in self.flash_lru.victims(skip=lambda b: b.pins > 0 or b.io is not None or (
-                b.flash is not None and not self.flash.devices[b.flash.device].healthy)):
-            assert b.flash is not None
-            ext = b.flash
-            b.flash = None
-            b.durable = False
-            self.flash_lru.remove(b)
-            self.counters["evictions_flash"] += 1
-            # No header invalidation: a restart may bring the block back, which is
-            # correct data under its key; a newer record for the key wins by sequence.
-            self.flash.free(ext)
-            if b.dram is None:
-                self._forget(b)
-            else:
-                self._dirty[b] = None
+    def _flash_usable(self) -> bool:
+        return any(d.healthy for d in self.flash.devices)
+
+    async def _reserve_flash(self, slot_size: int, n: int) -> list[Extent] | None:
+        """``n`` extents of ``slot_size``, evicting flash blocks (LRU) to make room.
+
+        A victim's header is zeroed and synced before its extent is freed, so a crash or
+        power cut can never bring an evicted block back over an extent reused since, and
+        a later delete of the key never misses a copy on flash."""
+        for _round in range(3):
             exts = self.flash.allocate(slot_size, n)
             if exts is not None:
                 return exts
-        return None
+            room = self._flash_room(slot_size)
+            per_slab: Counter[tuple[int, int]] = Counter()
+            evicted: list[Extent] = []
+            # Never evict from a failed device: that frees no usable space, it only drops
+            # blocks that come back when the device does.
+            for b in self.flash_lru.victims(skip=lambda b: b.pins > 0 or b.io is not None or (
+                    b.flash is not None and not self.flash.devices[b.flash.device].healthy)):
+                if room >= n:
+                    break
+                assert b.flash is not None
+                ext = b.flash
+                b.flash = None
+                b.durable = False
+                self.flash_lru.remove(b)
+                self.counters["evictions_flash"] += 1
+                if b.dram is None:
+                    self._forget(b)
+                else:
+                    self._dirty[b] = None
+                evicted.append(ext)
+                dev = self.flash.devices[ext.device]
+                slab = dev.alloc.slabs[ext.slot.slab]
+                if slab.klass == slot_size:
+                    room += 1
+                else:
+                    per_slab[(ext.device, ext.slot.slab)] += 1
+                    if per_slab[(ext.device, ext.slot.slab)] == slab.used:
+                        room += slots_per_slab(dev.slab_size, slot_size)
+            if not evicted:
+                return None
+            await self._invalidate(evicted, stage="flash_evict")
+        return self.flash.allocate(slot_size, n)
+
+    def _flash_room(self, slot_size: int) -> int:
+        room = 0
+        for dev in self.flash.devices:
+            if dev.healthy:
+                per = slots_per_slab(dev.slab_size, slot_size)
+                room += dev.alloc.free_slots(slot_size) + dev.alloc.free_slabs * per
+        return room
 
     async def _demote(self, blocks: list[Block]) -> None:
-        """Write DRAM-only blocks to flash and make them durable."""
+        """Write DRAM-only blocks to flash and make them durable.
+
+        Write ordering (docs/reliability.md): payloads → fdatasync → headers → fdatasync.
+        A header therefore never reaches stable storage before its payload, so after a
+        crash or power cut every valid header on flash names a complete payload; a block
+        is durable (and its extent recorded in the index) only after the second sync.
+        """
         blocks = [b for b in blocks
                   if b.dram is not None and b.flash is None and not b.deleted and b.io is None]
         if not blocks or not self.flash.enabled:
             return
-        by_size: dict[int, list[Block]] = {}
-        for b in blocks:
-            by_size.setdefault(b.slot_size, []).append(b)
-        plan: list[tuple[Block, Extent]] = []
-        for size, group in by_size.items():
-            exts = self._reserve_flash(size, len(group))
-            if exts is None:
-                self.counters["flash_full"] += 1
-                log.warning("flash tier full: %d blocks stay in DRAM only", len(group))
-                continue
-            plan.extend(zip(group, exts, strict=True))
-        if not plan:
-            return
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        jobs = []
-        for b, ext in plan:
+        for b in blocks:  # claimed before any await: no concurrent demotion takes them
             b.pins += 1
             b.io = fut
-            assert b.dram is not None
-            header = RecordHeader(b.ns, b.key, b.length, b.crc, b.seq,
-                                  self._cipher(b.ns) is not None, time.time_ns())
-            jobs.append((self.flash.devices[ext.device], ext.slot, header,
-                         self.dram.slot_view(b.dram), self._cipher(b.ns)))
+        plan: list[tuple[Block, Extent]] = []
+        jobs: list[tuple[FlashDevice, SlotRef, RecordHeader, memoryview, Any]] = []
+        results: list[BaseException | None] = []
+        ok = False
+        try:
+            by_size: dict[int, list[Block]] = {}
+            for b in blocks:
+                by_size.setdefault(b.slot_size, []).append(b)
+            for size, group in by_size.items():
+                exts = await self._reserve_flash(size, len(group))
+                if exts is None:
+                    self.counters["flash_full"] += 1
+                    log.warning("flash tier full: %d blocks stay in DRAM only", len(group))
+                    continue
+                plan.extend(zip(group, exts, strict=True))
+            for b, ext in plan:
+                assert b.dram is not None
+                header = RecordHeader(b.ns, b.key, b.length, b.crc, b.seq,
+                                      self._cipher(b.ns) is not None, time.time_ns())
+                jobs.append((self.flash.devices[ext.device], ext.slot, header,
+                             self.dram.slot_view(b.dram), self._cipher(b.ns)))
+            if jobs:
+                faults.point("demote.before_write")
+                results = await self._write_records(jobs)
+            ok = True
+        finally:
+            for job in jobs:
+                job[3].release()
+            fut.set_result(None)
+            if not ok:  # cancelled or failed before the records were written
+                for _b, ext in plan:
+                    self._needs_zero.setdefault(ext.device, []).append(ext)
+                for b in blocks:
+                    b.io = None
+                    self._unpin(b)
+        written = 0
+        for (b, ext), err in zip(plan, results or [None] * len(plan), strict=True):
+            if err is not None:
+                self.counters["flash_write_errors"] += 1
+                # The header may or may not have landed: zero it before reuse.
+                self._needs_zero.setdefault(ext.device, []).append(ext)
+                self._mark_unhealthy(ext.device, err)
+            else:
+                # Durable. A block deleted meanwhile keeps its extent until ``delete``
+                # (waiting on ``b.io``) zeroes the header.
+                b.flash = ext
+                if not b.deleted:
+                    b.durable = True
+                    self._dirty.pop(b, None)
+                    self.flash_lru.add(b, b.hits)
+                    written += 1
+                    self.counters["demoted_bytes"] += b.length
+        for b in blocks:
+            b.io = None
+            self._unpin(b)
+        self.counters["demoted_blocks"] += written
+        self._check_slow({ext.device for _b, ext in plan})
 
-        def write(part: list[Any]) -> list[BaseException | None]:
+    async def _write_records(self, jobs: list[Any]) -> list[BaseException | None]:
+        """The four I/O phases of a demotion; one result per job (None: durable)."""
+
+        def payloads(part: list[Any]) -> list[BaseException | None]:
             out: list[BaseException | None] = []
-            for dev, slot, header, view, cipher in part:
+            for dev, slot, _header, view, cipher in part:
                 try:
-                    dev.write_record(slot, header, view, cipher)
+                    dev.write_payload(slot, view, cipher)
+                    out.append(None)
+                except (FlashIOError, ValueError) as exc:
+                    out.append(exc)
+            return out
+
+        def headers(part: list[Any]) -> list[BaseException | None]:
+            out: list[BaseException | None] = []
+            for (dev, slot, header, _view, _cipher), err in part:
+                if err is not None:
+                    out.append(err)
+                    continue
+                try:
+                    dev.write_header(slot, header)
                     out.append(None)
                 except (FlashIOError, ValueError) as exc:
                     out.append(exc)
@@ -719,41 +993,39 @@ class BlockStore:
                     failed[dev] = exc
             return failed
 
-        try:
-            results = await self._io_parallel(write, jobs)
-            # Durable only after the flush: a sync failure fails every write on that device.
-            failed = await self._io(sync, list({j[0] for j, r in zip(jobs, results,
-                                                                      strict=True) if r is None}))
-            results = [failed.get(j[0], r) if r is None else r
-                       for j, r in zip(jobs, results, strict=True)]
-        finally:
-            for _dev, _slot, _h, view, _c in jobs:
-                view.release()
-            fut.set_result(None)
-        written = 0
-        for (b, ext), err in zip(plan, results, strict=True):
-            b.io = None
-            if err is not None:
-                self.counters["flash_write_errors"] += 1
-                self.flash.free(ext)
-                self._mark_unhealthy(ext.device, err)
-            elif b.deleted:
-                self._tasks.append(asyncio.create_task(self._invalidate([ext])))
-            else:
-                b.flash = ext
-                b.durable = True
-                self._dirty.pop(b, None)
-                self.flash_lru.add(b, b.hits)
-                written += 1
-            self._unpin(b)
-        self.counters["demoted_blocks"] += written
-        self.counters["demoted_bytes"] += sum(b.length for b, _ in plan[:written])
+        async def synced(results: list[BaseException | None]) -> list[BaseException | None]:
+            # A sync failure fails every write on that device.
+            devs = list({j[0] for j, r in zip(jobs, results, strict=True) if r is None})
+            failed = await self._io(sync, devs)
+            return [failed.get(j[0], r) if r is None else r
+                    for j, r in zip(jobs, results, strict=True)]
 
-    def _mark_unhealthy(self, device: int, err: BaseException) -> None:
+        results = await self._io_parallel(payloads, jobs)
+        faults.point("demote.after_payload")
+        results = await synced(results)
+        faults.point("demote.after_payload_sync")
+        results = await self._io_parallel(headers, list(zip(jobs, results, strict=True)))
+        faults.point("demote.after_header")
+        results = await synced(results)
+        faults.point("demote.after_sync")
+        return results
+
+    def _check_slow(self, devices: Iterable[int]) -> None:
+        for d in devices:
+            dev = self.flash.devices[d]
+            if dev.slow_ios > self._slow_seen.get(d, 0):
+                self._slow_seen[d] = dev.slow_ios
+                self._mark_unhealthy(d, FlashIOError(
+                    0, f"I/O slower than {flash_mod.SLOW_IO_S:g} s"), reason="slow")
+
+    def _mark_unhealthy(self, device: int, err: BaseException, reason: str = "failed"
+                        ) -> None:
         dev = self.flash.devices[device]
         if dev.healthy:
-            log.error("flash device %s failed (%s); serving from DRAM without it", dev.name, err)
+            log.error("flash device %s %s (%s); serving from DRAM without it", dev.name,
+                      reason, err)
             dev.healthy = False
+            dev.health_reason = reason
             self.counters["flash_device_failures"] += 1
 
     class _PromoteResult:
@@ -764,7 +1036,9 @@ class BlockStore:
         """Bring flash-only blocks into DRAM, verifying each; failures end up in ``failed``.
 
         Callers pin ``blocks`` beforehand. A block whose record fails a check is removed
-        from the index and its extent quarantined: it is a miss from now on.
+        from the index and its extent quarantined: it is a miss from now on. When the
+        failing device's superblock is no longer its own (swapped), the device is marked
+        failed instead and nothing on it is touched.
         """
         result = BlockStore._PromoteResult()
         await self._wait_io(blocks)
@@ -772,6 +1046,16 @@ class BlockStore:
         if not blocks:
             return result
         refs = await self._reserve_dram(ns, len(blocks))
+        # Deleted or promoted by someone else while DRAM was being made: skip those.
+        keep = [b.dram is None and b.flash is not None and not b.deleted and b.io is None
+                for b in blocks]
+        for ref, k in zip(refs, keep, strict=True):
+            if not k:
+                self.dram.free(ref)
+        refs = [r for r, k in zip(refs, keep, strict=True) if k]
+        blocks = [b for b, k in zip(blocks, keep, strict=True) if k]
+        if not blocks:
+            return result
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         jobs = []
@@ -780,25 +1064,41 @@ class BlockStore:
             b.io = fut
             jobs.append((self.flash.devices[b.flash.device], b.flash.slot, self.dram.slot_view(ref),
                          b, self._cipher(b.ns)))
+        block_nbytes = ns.block_nbytes
 
         def work(part: list[Any]) -> list[BaseException | None]:
             out: list[BaseException | None] = []
+            identity: dict[FlashDevice, FlashIOError | None] = {}
             for dev, slot, view, b, cipher in part:
                 try:
                     if not dev.healthy:
                         raise FlashIOError(5, f"flash device {dev.name!r} is marked failed")
+                    if b.length != block_nbytes:
+                        raise ReadFailure("record length does not match the namespace's "
+                                          "block size", ours=True)
                     dev.read_record(slot, view, b.ns, b.key, b.length, b.crc, b.seq, cipher)
                     out.append(None)
-                except (ReadFailure, FlashIOError, ValueError) as exc:
+                except ReadFailure as exc:
+                    # Is it the record, or is the whole device not ours any more?
+                    if dev not in identity:
+                        try:
+                            dev.check_identity()
+                            identity[dev] = None
+                        except FlashIOError as id_exc:
+                            identity[dev] = id_exc
+                    out.append(identity[dev] or exc)
+                except (FlashIOError, ValueError) as exc:
                     out.append(exc)
             return out
 
         try:
             results = await self._io_parallel(work, jobs)
+            faults.point("promote.after_read")
         finally:
             for job in jobs:
                 job[2].release()
             fut.set_result(None)
+        dead: list[Extent] = []
         for (dev, _slot, _v, b, _c), ref, err in zip(jobs, refs, results, strict=True):
             b.io = None
             if err is None and not b.deleted:
@@ -810,16 +1110,24 @@ class BlockStore:
             result.failed.add(id(b))
             if isinstance(err, ReadFailure):
                 self.counters["integrity_failures"] += 1
+                self.counters["quarantined_extents"] += 1
                 log.warning("block %s on %s failed its check (%s): quarantined, served as miss",
                             b.key.hex()[:16], dev.name, err.reason)
                 assert b.flash is not None
                 self.flash.quarantine(b.flash)
                 self.flash.free(b.flash)
+                if err.ours:
+                    dead.append(b.flash)  # its own record, bad payload: zero the header
                 b.flash = None
                 self._forget(b)
             elif err is not None:
                 self.counters["flash_read_errors"] += 1
-                self._mark_unhealthy(dev.index, err)
+                reason = ("truncated" if isinstance(err, ShortRead) else
+                          "swapped or unreadable" if "superblock" in str(err) else "failed")
+                self._mark_unhealthy(dev.index, err, reason)
+        if dead:
+            self._spawn(self._invalidate(dead, free=False))
+        self._check_slow({j[0].index for j in jobs})
         return result
 
     # -- background ------------------------------------------------------------------
@@ -843,7 +1151,7 @@ class BlockStore:
         """Expire allocations and leases; re-probe failed flash devices."""
         probe_at = 0.0
         while True:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(min(0.2, PROBE_INTERVAL_S))
             now = time.monotonic()
             for a in [a for a in self.allocations.values() if a.expires < now and not a.done]:
                 self.counters["expired_allocations"] += 1
@@ -852,15 +1160,60 @@ class BlockStore:
                 self.counters["expired_leases"] += 1
                 self._end_lease(lease, valid=False)
             if now >= probe_at:
-                probe_at = now + 2.0
+                probe_at = now + PROBE_INTERVAL_S
                 for dev in self.flash.devices:
                     if not dev.healthy:
                         try:
                             await self._io(dev.probe)
-                            dev.healthy = True
-                            log.info("flash device %s is healthy again", dev.name)
+                            await self._io(dev.scrub_slab_headers)
                         except FlashIOError:
-                            pass
+                            continue
+                        dev.healthy = True
+                        dev.health_reason = ""
+                        self._slow_seen[dev.index] = dev.slow_ios
+                        self.counters["flash_device_recoveries"] += 1
+                        log.info("flash device %s is healthy again", dev.name)
+            for d in list(self._needs_zero):
+                # Extents a failed write or invalidation left behind: zero their headers,
+                # then free them, once their device works.
+                if self.flash.devices[d].healthy:
+                    await self._invalidate(self._needs_zero.pop(d))
+
+    # -- consistency -----------------------------------------------------------------
+    def audit(self) -> list[str]:
+        """Cross-check the index against the flash allocators (tests, ``ctxmem check``
+        against a live store): every extent the index names is allocated, to a slab of
+        the block's slot size, and named once; every allocated slot is accounted for (an
+        indexed block, a quarantined slot, or one waiting for its header to be zeroed).
+        Meaningful when no I/O is in flight. Returns the problems found (empty: sound)."""
+        problems: list[str] = []
+        owners: dict[Extent, Block] = {}
+        for per_ns in self.index.values():
+            for b in per_ns.values():
+                if b.flash is None:
+                    continue
+                other = owners.get(b.flash)
+                if other is not None:
+                    problems.append(f"extent {b.flash} is named by {other.key.hex()[:16]} and "
+                                    f"{b.key.hex()[:16]}: allocated twice")
+                owners[b.flash] = b
+                dev = self.flash.devices[b.flash.device]
+                slab = dev.alloc.slabs[b.flash.slot.slab]
+                if slab.klass != b.slot_size:
+                    problems.append(f"extent {b.flash} of a {b.slot_size}-byte block lies in a "
+                                    f"slab of class {slab.klass}")
+                elif b.flash.slot.index in slab.free:
+                    problems.append(f"extent {b.flash} is in use but free in the allocator")
+        for dev in self.flash.devices:
+            used = dev.alloc.used_slots()
+            named = sum(1 for e in owners if e.device == dev.index)
+            parked = len(self._needs_zero.get(dev.index, ()))
+            quarantined = len(dev.alloc.quarantined)
+            if used != named + parked + quarantined:
+                problems.append(f"device {dev.name}: {used} slots allocated, but {named} "
+                                f"indexed + {parked} parked + {quarantined} quarantined "
+                                f"(leak of {used - named - parked - quarantined})")
+        return problems
 
     # -- stats -----------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -877,6 +1230,8 @@ class BlockStore:
             allocations=float(len(self.allocations)),
             sessions=float(len(self.sessions)),
             dirty_blocks=float(len(self._dirty)),
+            flash_quarantined_slots=float(sum(len(d.alloc.quarantined)
+                                              for d in self.flash.devices)),
             flash_devices_healthy=float(sum(d.healthy for d in self.flash.devices)),
         )
         return out

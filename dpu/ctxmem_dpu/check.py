@@ -1,0 +1,460 @@
+"""``ctxmem check``: an fsck for ctxmem flash devices.
+
+Reads every device named by the config (or ``--device``) the way a warm restart does and
+more strictly: both superblock copies, each slab header, every record header, every
+record's payload (decrypted with the namespace key derived from the master key, then
+CRC32C-checked against its header), duplicate keys across slots and devices, and the
+device's length against its geometry. It reports what it finds; with ``--repair`` it
+fixes what can be fixed without guessing — it never makes up data:
+
+* a damaged superblock copy is rewritten from the good one;
+* a record that fails a check (torn or corrupt header, bad length, payload CRC mismatch,
+  payload beyond the end of the device) is invalidated (its header zeroed), so it is an
+  empty slot and its space is reused;
+* of several records for one key, all but the one the service would serve (highest
+  sequence number) are invalidated — and when that one is bad, every record of the key
+  is, so an older version never resurfaces;
+* records in a slab whose header is damaged are invalidated (they cannot be placed).
+
+Space accounting: on this format a slot is in use exactly when it holds a valid record,
+and a restart claims exactly those slots, so "leaked" space is space held by records that
+no restart would serve (shadowed duplicates, bad records): the report counts it and
+``--repair`` frees it. ``used_bytes`` in the JSON equals the service's
+``flash_used_bytes`` right after a restart on a repaired device.
+
+Exit status (as fsck): 0 clean, 1 problems found and all repaired, 4 problems left,
+8 operational error (cannot read the config or a device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ctxmem_common.codecs import XtsCipher, crc32c, derive_namespace_key, xts_tweak
+from ctxmem_common.config import Config, load_config
+from ctxmem_common.errors import CtxmemError
+from ctxmem_common.flash_format import (
+    DATA_START,
+    REC_MAGIC,
+    SB_BACKUP_OFFSET,
+    SECTOR,
+    SlabHeader,
+    Superblock,
+    header_offset,
+    parse_header_table,
+    payload_offset,
+    slab_base,
+    slots_per_slab,
+)
+
+# Problem kinds. "warning" kinds are reported but are not errors.
+KINDS = {
+    "superblock_copy_damaged": "one superblock copy is damaged; the other is good",
+    "no_superblock": "no valid superblock: the device is unformatted or destroyed",
+    "truncated": "the device is shorter than its formatted slabs",
+    "slab_header_damaged": "a slab header is damaged but its table holds records",
+    "record_header_corrupt": "a slot's header carries the record magic but fails its CRC "
+                             "(a torn or damaged header: the slot is empty to the service)",
+    "record_bad_length": "a record's length is 0 or exceeds its slot",
+    "payload_crc": "a record's payload does not match its CRC32C",
+    "payload_truncated": "a record's payload lies beyond the end of the device",
+    "encryption_mismatch": "an encrypted record, and no master key to read it",
+    "duplicate": "an older or redundant record of a key another record supersedes",
+    "superseded_by_bad": "a key's newest record is bad; its older records must not serve",
+}
+# Reported, not errors: a torn header is an empty slot to the service (nothing is served
+# from it and its space is reused); an encrypted record without a key cannot be checked.
+WARNINGS = {"encryption_mismatch", "record_header_corrupt"}
+
+
+@dataclass
+class Problem:
+    kind: str
+    device: str
+    slab: int = -1
+    slot: int = -1
+    detail: str = ""
+    repaired: bool = False
+
+
+@dataclass
+class DeviceReport:
+    name: str
+    path: str
+    size: int = 0
+    slab_size: int = 0
+    slabs: int = 0
+    slabs_used: int = 0
+    records: int = 0
+    records_ok: int = 0
+    used_bytes: int = 0
+    reclaimable_bytes: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    devices: list[DeviceReport] = field(default_factory=list)
+    blocks: int = 0
+    errors: int = 0
+    warnings: int = 0
+    repaired: int = 0
+    payloads_verified: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return self.errors == 0
+
+    def to_json(self) -> dict[str, object]:
+        out = asdict(self)
+        out["clean"] = self.clean
+        return out
+
+
+@dataclass
+class _Rec:
+    dev: DeviceReport
+    slab: int
+    slot: int
+    slot_size: int
+    seq: int
+    good: bool
+
+
+class _Device:
+    def __init__(self, name: str, path: str, repair: bool) -> None:
+        self.name = name
+        self.path = path
+        self.repair = repair
+        self.fd = os.open(path, (os.O_RDWR if repair else os.O_RDONLY) | os.O_CLOEXEC)
+        self.in_use = False
+        try:
+            fcntl.flock(self.fd, (fcntl.LOCK_EX if repair else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except OSError:
+            if repair:
+                os.close(self.fd)
+                raise OSError(errno.EBUSY, f"{path} is in use (a running ctxmem service?); "
+                                           f"stop it before --repair") from None
+            self.in_use = True
+        self.size = os.lseek(self.fd, 0, os.SEEK_END)
+        self.dirty = False
+
+    def read(self, offset: int, n: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+    def zero(self, offset: int, n: int = SECTOR) -> None:
+        os.pwrite(self.fd, bytes(n), offset)
+        self.dirty = True
+
+    def close(self) -> None:
+        if self.dirty:
+            os.fsync(self.fd)
+        os.close(self.fd)
+
+
+def check_devices(devices: list[tuple[str, str]], master_key: bytes | None,
+                  repair: bool = False, verify_payloads: bool = True,
+                  log: list[str] | None = None) -> Report:
+    """Check (and with ``repair``, fix) ``devices`` = [(name, path)]."""
+    report = Report()
+    lines = log if log is not None else []
+    opened: list[_Device] = []
+    by_key: dict[tuple[bytes, bytes], list[_Rec]] = {}
+    ciphers: dict[bytes, XtsCipher] = {}
+    try:
+        for name, path in devices:
+            dev = _Device(name, path, repair)
+            opened.append(dev)
+            rep = DeviceReport(name, path, size=dev.size)
+            report.devices.append(rep)
+            if dev.in_use:
+                lines.append(f"{name}: in use by a running service: a live check may see "
+                             f"writes in flight")
+            _check_device(dev, rep, master_key, verify_payloads, by_key, ciphers, report)
+        _resolve_duplicates(by_key, {d.name: d for d in opened}, repair)
+        for rep in report.devices:
+            for p in rep.problems:
+                if p.kind in WARNINGS:
+                    report.warnings += 1
+                else:
+                    report.errors += 1
+                report.repaired += p.repaired
+                where = f" slab {p.slab}" if p.slab >= 0 else ""
+                where += f" slot {p.slot}" if p.slot >= 0 else ""
+                lines.append(f"{p.device}{where}: {p.kind}: {p.detail}"
+                             f"{' (repaired)' if p.repaired else ''}")
+        report.blocks = sum(1 for recs in by_key.values() if any(r.good for r in recs))
+        for rep in report.devices:
+            lines.append(
+                f"{rep.name}: {rep.slabs} slabs of {rep.slab_size} bytes, {rep.slabs_used} "
+                f"used; {rep.records_ok}/{rep.records} records sound; {rep.used_bytes} bytes "
+                f"in use, {rep.reclaimable_bytes} held by records no restart would serve")
+    finally:
+        for dev in opened:
+            dev.close()
+    return report
+
+
+def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
+                  verify_payloads: bool, by_key: dict[tuple[bytes, bytes], list[_Rec]],
+                  ciphers: dict[bytes, XtsCipher], report: Report) -> None:
+    def problem(kind: str, detail: str, slab: int = -1, slot: int = -1,
+                repaired: bool = False) -> Problem:
+        p = Problem(kind, rep.name, slab, slot, detail, repaired)
+        rep.problems.append(p)
+        return p
+
+    raw = dev.read(0, 2 * SECTOR)
+    primary = Superblock.unpack(raw[:SECTOR]) if len(raw) >= SECTOR else None
+    backup = Superblock.unpack(raw[SECTOR:]) if len(raw) >= 2 * SECTOR else None
+    sb = primary or backup
+    if sb is None:
+        problem("no_superblock", "neither superblock copy is valid; the service would "
+                                 "format this device (all its blocks lost)")
+        return
+    if primary != sb or backup != sb:
+        which = "primary" if primary != sb else "backup"
+        p = problem("superblock_copy_damaged", f"the {which} copy is damaged or missing")
+        if dev.repair:
+            os.pwrite(dev.fd, sb.pack(), 0 if which == "primary" else SB_BACKUP_OFFSET)
+            dev.dirty = True
+            p.repaired = True
+    rep.slab_size = sb.slab_size
+    rep.slabs = sb.num_slabs
+    fits = max(0, (dev.size - DATA_START) // sb.slab_size)
+    if fits < sb.num_slabs:
+        problem("truncated", f"{dev.size} bytes hold {fits} of {sb.num_slabs} slabs; the "
+                             f"rest (and their blocks) are gone")
+    for slab in range(min(fits + 1, sb.num_slabs)):
+        orphaned = False  # records of a slab whose header is damaged (not repaired)
+        base = slab_base(slab, sb.slab_size)
+        sh_raw = dev.read(base, SECTOR)
+        sh = SlabHeader.unpack(sh_raw) if len(sh_raw) == SECTOR else None
+        if sh is None or sh.slots != slots_per_slab(sb.slab_size, sh.slot_size):
+            # No (valid) slab header: the slab is free to the service, and records left in
+            # its table are lost to it. Their lengths tell the slot size (a slab holds one
+            # size, rounded up to 4 KiB), so --repair can write the header back.
+            cap = (sb.slab_size - SECTOR) // (2 * SECTOR)
+            table = dev.read(base + SECTOR, cap * SECTOR)
+            n = len(table) // SECTOR
+            orphans = parse_header_table(table, n) if n else []
+            if not orphans:
+                continue
+            sizes = {(e[3] + SECTOR - 1) // SECTOR * SECTOR for e in orphans}
+            slot = sizes.pop() if len(sizes) == 1 else 0
+            slots = slots_per_slab(sb.slab_size, slot) if slot else 0
+            placeable = slots > 0 and max(e[0] for e in orphans) < slots
+            p = problem("slab_header_damaged",
+                        f"{len(orphans)} records in a slab without a valid header"
+                        + (f"; their lengths give slot size {slot}: --repair rewrites the "
+                           f"header" if placeable else "; no consistent slot size: --repair "
+                                                  "invalidates them"), slab)
+            if not placeable:
+                if dev.repair:
+                    p.repaired = True
+                    for e in orphans:
+                        dev.zero(header_offset(slab, e[0], sb.slab_size))
+                continue
+            sh = SlabHeader(slot, slots)
+            if dev.repair:
+                p.repaired = True
+                os.pwrite(dev.fd, sh.pack(), base)
+                dev.dirty = True
+            else:
+                orphaned = True  # check its records too; the service does not use them
+        if not orphaned:
+            rep.slabs_used += 1
+        table = dev.read(base + SECTOR, sh.slots * SECTOR)
+        n = len(table) // SECTOR
+        entries = parse_header_table(table, n)
+        valid = {e[0] for e in entries}
+        for i in range(n):  # magic but no valid header: torn or corrupt
+            if i not in valid and table[i * SECTOR: i * SECTOR + 8] == REC_MAGIC:
+                p = problem("record_header_corrupt",
+                            "the record magic is there but the header fails its CRC32C "
+                            "(torn or corrupt); the service ignores it", slab, i)
+                if dev.repair:
+                    dev.zero(header_offset(slab, i, sb.slab_size))
+                    p.repaired = True
+        for i, ns, key, length, crc, seq, enc, _ts in entries:
+            if orphaned:
+                # Report bad records, but these are not the service's: no accounting.
+                if 0 < length <= sh.slot_size and verify_payloads:
+                    bad_crc = _payload_bad(dev, sb, slab, i, sh.slot_size, ns, length, crc,
+                                           enc, master_key, ciphers)
+                    if bad_crc:
+                        problem("payload_crc", f"key {key.hex()[:16]} (orphaned record): "
+                                               f"{bad_crc}", slab, i)
+                continue
+            rep.records += 1
+            hoff = header_offset(slab, i, sb.slab_size)
+            bad: tuple[str, str] | None = None
+            if not 0 < length <= sh.slot_size:
+                bad = ("record_bad_length", f"length {length} in a {sh.slot_size}-byte slot")
+            elif verify_payloads:
+                poff = payload_offset(slab, i, sb.slab_size, sh.slot_size)
+                data = dev.read(poff, sh.slot_size)
+                if len(data) < sh.slot_size:
+                    bad = ("payload_truncated", "payload beyond the end of the device")
+                elif enc and master_key is None:
+                    problem("encryption_mismatch", "encrypted record; no master key given, "
+                                                   "payload not verified", slab, i)
+                else:
+                    if enc:
+                        assert master_key is not None
+                        cipher = ciphers.get(ns)
+                        if cipher is None:
+                            cipher = ciphers[ns] = XtsCipher(derive_namespace_key(master_key,
+                                                                                  ns))
+                        plain = bytearray(len(data))
+                        cipher.decrypt_into(data, plain, xts_tweak(sb.tweak_id, poff))
+                        data = bytes(plain)
+                    report.payloads_verified += 1
+                    if crc32c(data[:length]) != crc:
+                        bad = ("payload_crc", f"key {key.hex()[:16]}: payload CRC32C mismatch")
+            by_key.setdefault((ns, key), []).append(
+                _Rec(rep, slab, i, sh.slot_size, seq, bad is None))
+            if bad is not None:
+                p = problem(bad[0], bad[1], slab, i)
+                if dev.repair:
+                    dev.zero(hoff)
+                    p.repaired = True
+                    continue
+                rep.reclaimable_bytes += sh.slot_size
+            else:
+                rep.records_ok += 1
+            rep.used_bytes += sh.slot_size
+
+
+def _payload_bad(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: int, ns: bytes,
+                 length: int, crc: int, enc: bool, master_key: bytes | None,
+                 ciphers: dict[bytes, XtsCipher]) -> str:
+    """Why the record's payload is bad ("" when it checks, or cannot be checked)."""
+    poff = payload_offset(slab, i, sb.slab_size, slot_size)
+    data = dev.read(poff, slot_size)
+    if len(data) < slot_size:
+        return "payload beyond the end of the device"
+    if enc:
+        if master_key is None:
+            return ""
+        cipher = ciphers.get(ns)
+        if cipher is None:
+            cipher = ciphers[ns] = XtsCipher(derive_namespace_key(master_key, ns))
+        plain = bytearray(len(data))
+        cipher.decrypt_into(data, plain, xts_tweak(sb.tweak_id, poff))
+        data = bytes(plain)
+    return "payload CRC32C mismatch" if crc32c(data[:length]) != crc else ""
+
+
+def _resolve_duplicates(by_key: dict[tuple[bytes, bytes], list[_Rec]],
+                        devs: dict[str, _Device], repair: bool) -> None:
+    for (_ns, key), recs in by_key.items():
+        if len(recs) < 2 and all(r.good for r in recs):
+            continue
+        recs.sort(key=lambda r: r.seq, reverse=True)
+        newest = recs[0].seq
+        winners = [r for r in recs if r.seq == newest and r.good]
+        keep = winners[0] if winners else None
+        for r in recs:
+            if r is keep or not r.good:
+                continue
+            kind = "duplicate" if keep is not None else "superseded_by_bad"
+            detail = (f"key {key.hex()[:16]} seq {r.seq}: "
+                      + (f"superseded by seq {keep.seq}" if keep is not None
+                         else f"its newest record (seq {newest}) is bad"))
+            p = Problem(kind, r.dev.name, r.slab, r.slot, detail)
+            r.dev.problems.append(p)
+            r.dev.reclaimable_bytes += r.slot_size
+            if repair:
+                dev = devs[r.dev.name]
+                dev.zero(header_offset(r.slab, r.slot, r.dev.slab_size))
+                p.repaired = True
+                r.dev.used_bytes -= r.slot_size
+                r.dev.reclaimable_bytes -= r.slot_size
+            r.good = False
+
+
+def read_master_key(cfg: Config) -> bytes | None:
+    """The master key the service would use, without creating one; None if unavailable."""
+    enc = cfg.encryption
+    if not enc.enabled:
+        return None
+    raw = ""
+    if enc.key_env and os.environ.get(enc.key_env):
+        raw = os.environ[enc.key_env].strip()
+    elif enc.key_file and Path(enc.key_file).exists():
+        raw = Path(enc.key_file).read_text().strip()
+    try:
+        key = bytes.fromhex(raw)
+    except ValueError:
+        return None
+    return key if len(key) == 32 else None
+
+
+def check_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="ctxmem check",
+        description="Check (and repair) ctxmem flash devices, like fsck. Exit status: 0 "
+                    "clean, 1 problems found and repaired, 4 problems left, 8 cannot check.")
+    p.add_argument("--config", help="the service's YAML config (devices, master key)")
+    p.add_argument("--device", action="append", default=[], metavar="[NAME=]PATH",
+                   help="check this device instead of the config's (repeatable)")
+    p.add_argument("--repair", action="store_true",
+                   help="invalidate bad and shadowed records, restore a damaged superblock "
+                        "copy (the service must be stopped)")
+    p.add_argument("--headers-only", action="store_true",
+                   help="skip reading and verifying payloads (fast)")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("-q", "--quiet", action="store_true", help="print the summary line only")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config) if args.config else None
+    except CtxmemError as exc:
+        print(f"ctxmem check: invalid config: {exc}", file=sys.stderr)
+        return 8
+    devices: list[tuple[str, str]] = []
+    for i, spec in enumerate(args.device):
+        name, sep, path = spec.partition("=")
+        devices.append((name, path) if sep else (f"device{i}", spec))
+    if not devices and cfg is not None:
+        for d in cfg.flash.devices:
+            if d.backend != "local" or not d.path:
+                print(f"ctxmem check: device {d.name!r} uses backend {d.backend!r}; attach it "
+                      f"and pass its path with --device {d.name}=PATH", file=sys.stderr)
+                return 8
+            devices.append((d.name, d.path))
+    if not devices:
+        print("ctxmem check: no devices: pass --config or --device", file=sys.stderr)
+        return 8
+    master = read_master_key(cfg) if cfg is not None else None
+    if master is None and os.environ.get("CTXMEM_MASTER_KEY"):
+        try:
+            master = bytes.fromhex(os.environ["CTXMEM_MASTER_KEY"].strip())
+        except ValueError:
+            master = None
+    lines: list[str] = []
+    try:
+        report = check_devices(devices, master, args.repair, not args.headers_only, lines)
+    except OSError as exc:
+        print(f"ctxmem check: {exc}", file=sys.stderr)
+        return 8
+    if not args.quiet:
+        for line in lines:
+            print(line)
+    print(f"ctxmem check: {len(report.devices)} device(s), {report.blocks} blocks, "
+          f"{report.payloads_verified} payloads verified: {report.errors} problem(s), "
+          f"{report.repaired} repaired, {report.warnings} warning(s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+    if report.errors == 0:
+        return 0
+    unrepaired = sum(1 for d in report.devices for q in d.problems
+                     if q.kind not in WARNINGS and not q.repaired)
+    return 1 if unrepaired == 0 else 4

@@ -1,0 +1,168 @@
+"""Helpers for the reliability tests: a live service with its fault layer reachable, and
+content-addressed blocks (a key's bytes are a function of the key, so any served block can
+be checked byte for byte)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ctxmem.chaos import fresh_client
+from ctxmem.client import Client, Namespace
+from ctxmem.launcher import ServiceProcess, local_config
+from ctxmem_common.layout import KVLayout
+from ctxmem_dpu.check import Report, check_devices, read_master_key
+
+BLOCK = 16 << 10
+LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
+                  tokens_per_block=1)
+FAULT_ENV = {"CTXMEM_FLASH_PROBE_INTERVAL_S": "0.05", "CTXMEM_FLASH_SLOW_IO_S": "1.0",
+             "CTXMEM_FAULT_JOURNAL": "1"}
+
+
+def keys(tag: str, n: int, start: int = 0) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(start, start + n)]
+
+
+def content(key: bytes) -> bytes:
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    return rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+
+
+class FaultyService(ServiceProcess):
+    """A real ``ctxmem serve`` child whose fault layer is driven through a control file."""
+
+    def __init__(self, workdir: Path, **config: Any) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.ctl = workdir / "faults.json"
+        self.gen = 0
+        self._write({})
+        cfg = local_config(workdir, dram_size=config.pop("dram_size", "8MiB"),
+                           dram_slab=config.pop("dram_slab", "2MiB"),
+                           flash_size=config.pop("flash_size", "48MiB"),
+                           flash_slab=config.pop("flash_slab", "4MiB"),
+                           transports=["shm"], logging={"level": "info"}, **config)
+        cfg["metrics"]["listen"] = ""
+        self.client: Client | None = None
+        super().__init__(workdir, cfg, start=False)
+
+    def start(self, timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
+        self._write({})  # a new process starts with no fault armed
+        if self.client is not None:  # its channel may sit in reconnect backoff: start over
+            self.client.close()
+            self.client = None
+        extra = {**FAULT_ENV, "CTXMEM_FAULT_CTL": str(self.ctl), **(env or {})}
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            super().start(timeout_s)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    # -- fault control --------------------------------------------------------------------
+    def _write(self, body: dict[str, Any]) -> None:
+        self.gen += 1
+        tmp = self.ctl.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"gen": self.gen, "journal": True, **body}))
+        os.replace(tmp, self.ctl)
+
+    def faults(self, points: str = "", devices: dict[str, Any] | None = None) -> None:
+        """Apply faults and wait until the service has them in force."""
+        self._write({"points": points, "devices": devices or {}})
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                ack = json.loads(Path(f"{self.ctl}.ack").read_text())
+                if ack.get("gen", -1) >= self.gen:
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.005)
+        raise AssertionError("the service did not apply the fault control file")
+
+    def injected(self) -> dict[str, int]:
+        try:
+            return dict(json.loads(Path(f"{self.ctl}.ack").read_text()).get("injected", {}))
+        except (OSError, ValueError):
+            return {}
+
+    def wait_dead(self, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                return True
+            time.sleep(0.01)
+        return False
+
+    # -- client ---------------------------------------------------------------------------
+    def ns(self, tenant: str = "t") -> Namespace:
+        if self.client is None:
+            self.client = fresh_client(self.endpoint)
+        return self.client.open_namespace(LAYOUT, model_id="rel", tenant=tenant)
+
+    def stats(self) -> dict[str, float]:
+        assert self.client is not None
+        return self.client.stats()
+
+    def wait_stat(self, name: str, value: float, timeout: float = 10.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            if st[name] == value or time.monotonic() > deadline:
+                return st
+            time.sleep(0.02)
+
+    def check(self, repair: bool = False) -> Report:
+        from ctxmem_common.config import load_config
+
+        cfg = load_config(self.config_path)
+        return check_devices([(d.name, d.path) for d in cfg.flash.devices],
+                             read_master_key(cfg), repair=repair)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        self.stop()
+
+
+def put(ns: Namespace, ks: list[bytes]) -> None:
+    r = ns.put(ks, [content(k) for k in ks])
+    assert r.stored + r.existing == len(ks)
+
+
+def served(ns: Namespace, ks: list[bytes]) -> dict[bytes, bool]:
+    """Get each key (not a chain); assert every served block is exact. Returns key ->
+    served?"""
+    out: dict[bytes, bool] = {}
+    for k in ks:
+        buf = bytearray(BLOCK)
+        n = ns.get([k], [buf])
+        if n:
+            assert bytes(buf) == content(k), f"WRONG BLOCK served for {k.hex()[:16]}"
+        out[k] = bool(n)
+    return out
+
+
+def tiers(ns: Namespace, ks: list[bytes]) -> list[str]:
+    """Per-key tier ("dram", "flash" or "") without the prefix rule."""
+    from ctxmem_common.proto import ctxmem_pb2 as pb
+
+    names = {pb.TIER_DRAM: "dram", pb.TIER_FLASH: "flash", pb.TIER_UNSPECIFIED: ""}
+
+    def op(s: Any) -> list[str]:
+        r = ns.client._rpc("Lookup", pb.LookupRequest(
+            session_id=s.id, namespace_handle=ns.handle, keys=ks, prefix=False))
+        return [names[t] for t in r.tiers]
+
+    return ns._retrying(op)

@@ -1,0 +1,165 @@
+"""ENOSPC, EIO and a slow device, through the fault-injecting file layer: the service
+degrades (flash blocks are misses, new blocks stay in DRAM, DRAM keeps serving), never
+blocks or crashes, and recovers when the device is healthy again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ctxmem_dpu import faults
+from ctxmem_dpu.store import BlockStore
+
+from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
+from .kit import FaultyService, keys, served, tiers
+from .kit import put as put_live
+
+K = [bytes([i]) * 8 for i in range(1, 200)]
+
+
+@pytest.fixture(autouse=True)
+def _fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr("ctxmem_dpu.store.PROBE_INTERVAL_S", 0.05)
+    monkeypatch.setattr("ctxmem_dpu.tiers.flash.SLOW_IO_S", 0.2)
+    faults.reset()
+    yield
+    faults.reset()
+
+
+async def _healthy(store: BlockStore, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(d.healthy for d in store.flash.devices):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("fault", [{"read": "eio"}, {"read": "eio", "prob": 0.5}])
+async def test_read_errors_are_misses_and_the_device_recovers(tmp_path: Path,
+                                                              fault: dict) -> None:
+    store = await open_store(store_config(), make_flash(tmp_path / "f.img"))
+    try:
+        s, ns = session(store)
+        on_flash = {K[i]: payload(i + 1) for i in range(8)}
+        await put(store, s, ns, on_flash)
+        assert await store.evict(ns, list(on_flash), "dram") == 8
+        in_dram = {K[20]: payload(21)}
+        await put(store, s, ns, in_dram)
+        faults.configure(devices={"flash0": fault})
+        t = time.monotonic()
+        got = await get(store, s, ns, list(on_flash))
+        assert got == [on_flash[k] for k in list(on_flash)[: len(got)]]  # exact or cut short
+        assert time.monotonic() - t < 5  # degraded, not stuck
+        dev = store.flash.devices[0]
+        if len(got) < 8:
+            assert not dev.healthy and store.counters["flash_read_errors"] >= 1
+        assert await get(store, s, ns, [K[20]]) == [payload(21)]  # DRAM still serves
+        await put(store, s, ns, {K[21]: payload(22)})  # and takes new blocks
+        assert store.counters["integrity_failures"] == 0  # an I/O error is not corruption
+        faults.configure(devices={})
+        assert await _healthy(store)
+        assert await get(store, s, ns, list(on_flash)) == list(on_flash.values())
+        assert store.audit() == []
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("fault", [{"write": "enospc"}, {"write": "eio"}, {"sync": "eio"}])
+async def test_write_errors_keep_blocks_in_dram_until_the_device_is_back(
+        tmp_path: Path, fault: dict) -> None:
+    store = await open_store(store_config(), make_flash(tmp_path / "f.img"))
+    try:
+        s, ns = session(store)
+        faults.configure(devices={"flash0": fault})
+        data = {K[i]: payload(i + 1) for i in range(8)}
+        await put(store, s, ns, data)
+        assert await store.evict(ns, list(data), "dram") == 0  # cannot be made durable
+        assert not store.flash.devices[0].healthy
+        assert store.counters["flash_write_errors"] >= 1
+        assert store.lookup(ns, list(data), prefix=True) == (8, ["dram"] * 8)
+        assert await get(store, s, ns, list(data)) == list(data.values())
+        faults.configure(devices={})
+        assert await _healthy(store)
+        for _ in range(100):  # parked extents get their headers zeroed, then freed
+            if not store._needs_zero:
+                break
+            await asyncio.sleep(0.02)
+        assert await store.evict(ns, list(data), "dram") == 8  # durable now
+        assert await get(store, s, ns, list(data)) == list(data.values())
+        assert store.audit() == []
+    finally:
+        await store.close()
+
+
+async def test_all_flash_failed_degrades_to_a_dram_only_cache(tmp_path: Path) -> None:
+    """With every flash device failed, a full DRAM tier drops its oldest non-durable
+    blocks (counted) instead of refusing every put."""
+    store = await open_store(store_config(dram_size="2MiB"), make_flash(tmp_path / "f.img"))
+    try:
+        s, ns = session(store)
+        faults.configure(devices={"flash0": {"write": "eio", "read": "eio"}})
+        await put(store, s, ns, {K[0]: payload(1)})
+        await store.evict(ns, [K[0]], "dram")  # fails: marks the device failed
+        assert not store.flash.devices[0].healthy
+        for i in range(1, 60):  # 2 MiB of DRAM holds 32 blocks of 64 KiB
+            await put(store, s, ns, {K[i]: payload(i + 1)})
+        assert store.counters["dirty_dropped"] > 0
+        assert await get(store, s, ns, [K[59]]) == [payload(60)]
+    finally:
+        await store.close()
+
+
+async def test_slow_device_is_taken_out_and_comes_back(tmp_path: Path) -> None:
+    store = await open_store(store_config(), make_flash(tmp_path / "f.img"))
+    try:
+        s, ns = session(store)
+        data = {K[i]: payload(i + 1) for i in range(4)}
+        await put(store, s, ns, data)
+        assert await store.evict(ns, list(data), "dram") == 4
+        faults.configure(devices={"flash0": {"delay_s": 0.3}})
+        got = await get(store, s, ns, [K[0]])
+        assert got in ([], [data[K[0]]])  # slow, but exact
+        dev = store.flash.devices[0]
+        assert not dev.healthy and dev.health_reason == "slow"
+        t = time.monotonic()
+        assert await get(store, s, ns, [K[1]]) == []  # no more waits on it: a miss
+        assert time.monotonic() - t < 0.2
+        faults.configure(devices={})
+        assert await _healthy(store)
+        assert await get(store, s, ns, list(data)) == list(data.values())
+    finally:
+        await store.close()
+
+
+def test_enospc_on_a_live_service_degrades_and_recovers(tmp_path: Path) -> None:
+    """End to end through the shim: health says degraded while the device refuses writes,
+    puts and gets keep working from DRAM, and it serves again once space is back."""
+    svc = FaultyService(tmp_path / "svc")
+    svc.start()
+    try:
+        ns = svc.ns()
+        assert svc.client is not None
+        before = keys("enospc/before", 8)
+        put_live(ns, before)
+        assert ns.evict(before) == 8
+        svc.faults(devices={"flash0": {"write": "enospc"}})
+        during = keys("enospc/during", 8)
+        put_live(ns, during)
+        ns.evict(during)  # cannot make them durable
+        assert svc.client.health().status.startswith("degraded")
+        assert set(tiers(ns, during)) == {"dram"}
+        assert all(served(ns, during).values())
+        assert svc.injected().get("write:enospc", 0) >= 1
+        svc.faults()
+        st = svc.wait_stat("flash_devices_healthy", 1)
+        assert st["flash_devices_healthy"] == 1 and st["flash_device_recoveries"] >= 1
+        assert svc.client.health().status == "serving"
+        assert ns.evict(during) == 8
+        assert all(served(ns, before + during).values())
+    finally:
+        svc.close()
