@@ -32,7 +32,7 @@ Transport = Literal["shm", "tcp", "rdma"]
 class ServiceConfig:
     listen: str = "127.0.0.1:50051"
     data_listen: str = "127.0.0.1:50052"
-    shm_socket: str = "/tmp/ctxmem/data.sock"
+    shm_socket: str = "/tmp/ctxmem.d/data.sock"
     transports: list[Transport] = field(default_factory=lambda: ["shm", "tcp"])
     lease_ttl_s: float = 30.0
     allocation_ttl_s: float = 30.0
@@ -123,7 +123,7 @@ mode: fallback
 service:
   listen: "127.0.0.1:50051"
   data_listen: "127.0.0.1:50052"
-  shm_socket: /tmp/ctxmem/data.sock
+  shm_socket: /tmp/ctxmem.d/data.sock
   transports: [shm, tcp]
 metrics:
   listen: "127.0.0.1:9464"
