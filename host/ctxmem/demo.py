@@ -56,7 +56,9 @@ def run_demo(endpoint: str, prompt_tokens: int, new_tokens: int, transport: str)
         keys_total = saved.num_blocks
         print(f"request 1: prefilled {prompt_tokens} tokens in {prefill_prefix_s:.2f} s, stored "
               f"{saved.stored} blocks ({saved.nbytes / 2**20:.1f} MiB) in {saved.seconds:.3f} s "
-              f"via {client.transport_in_use}")
+              f"via {client.transport_in_use}"
+              + (f"; {saved.already_stored} blocks were already stored (kept on flash by an "
+                 f"earlier run: warm restart)" if saved.already_stored else ""))
 
         # Reference: request 2 computed from scratch.
         t = time.perf_counter()
@@ -86,7 +88,8 @@ def run_demo(endpoint: str, prompt_tokens: int, new_tokens: int, transport: str)
         ok = True
         for source, got, total, tiers, gbs, ttft_s, equal, maxdiff in rows:
             hit_rate = got / max(total, 1)
-            print(f"  from {source:5}: hit rate {hit_rate:.0%} ({got}/{total} blocks, tier "
+            how = "cold, evicted to flash first" if source == "flash" else "as stored"
+            print(f"  {how:29}: hit rate {hit_rate:.0%} ({got}/{total} blocks, from "
                   f"{tiers[0] if tiers else '-'}), load {gbs:.2f} GB/s, first token "
                   f"{ttft_s:.2f} s, prefill time saved {recompute_s - ttft_s:.2f} s "
                   f"({recompute_s / ttft_s:.1f}x), logits equal to recompute: {equal} "
