@@ -166,3 +166,22 @@ def tiers(ns: Namespace, ks: list[bytes]) -> list[str]:
         return [names[t] for t in r.tiers]
 
     return ns._retrying(op)
+
+
+async def settled_audit(store: Any, timeout_s: float = 10.0) -> list[str]:
+    """``store.audit()`` once background work has settled.
+
+    The audit counts every allocated extent against the index; an extent reserved by a
+    demotion still in flight (the write-back demoter runs concurrently) is in neither yet,
+    so a check taken mid-demotion reports a transient "leak". Poll until the audit is
+    clean or ``timeout_s`` passes, and return the last problems seen (a real leak stays).
+    """
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    problems: list[str] = store.audit()
+    while problems and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        problems = store.audit()
+    return problems

@@ -20,6 +20,7 @@ from ctxmem_dpu.check import check_command, check_devices
 from ctxmem_dpu.store import BlockStore
 
 from ..dpu.storekit import MASTER, get, make_flash, open_store, payload, put, session, store_config
+from .kit import settled_audit
 
 K = [bytes([i]) * 8 for i in range(1, 120)]
 
@@ -82,7 +83,7 @@ async def test_bit_flip_is_a_counted_quarantined_miss(tmp_path: Path, where: str
         _patch(tmp_path / "f.img", off, bytes([_read(tmp_path / "f.img", off, 1)[0] ^ 0x08]))
         others = {k: v for k, v in data.items() if k != K[2]}
         await _is_miss_counted_quarantined(store, s, ns, K[2], others)
-        assert store.audit() == []
+        assert await settled_audit(store) == []
     finally:
         await store.close()
     # After a restart the damaged record is not served either, and nothing else is lost.

@@ -15,7 +15,7 @@ from ctxmem_dpu import faults
 from ctxmem_dpu.store import BlockStore
 
 from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
-from .kit import FaultyService, keys, served, tiers
+from .kit import FaultyService, keys, served, settled_audit, tiers
 from .kit import put as put_live
 
 K = [bytes([i]) * 8 for i in range(1, 200)]
@@ -64,7 +64,7 @@ async def test_read_errors_are_misses_and_the_device_recovers(tmp_path: Path,
         faults.configure(devices={})
         assert await _healthy(store)
         assert await get(store, s, ns, list(on_flash)) == list(on_flash.values())
-        assert store.audit() == []
+        assert await settled_audit(store) == []
     finally:
         await store.close()
 
@@ -91,7 +91,7 @@ async def test_write_errors_keep_blocks_in_dram_until_the_device_is_back(
             await asyncio.sleep(0.02)
         assert await store.evict(ns, list(data), "dram") == 8  # durable now
         assert await get(store, s, ns, list(data)) == list(data.values())
-        assert store.audit() == []
+        assert await settled_audit(store) == []
     finally:
         await store.close()
 
