@@ -80,10 +80,36 @@ class ServiceProcess:
         self.flash_path = Path(devices[0]["path"]) if devices and "path" in devices[0] else None
         self.log_path = workdir / "service.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started_once = False
         if start:
             self.start()
 
+    def _repick_ports(self) -> None:
+        """New free loopback ports for the gRPC and metrics listeners (first start only)."""
+        for section in ("service", "metrics"):
+            listen = (self.config.get(section) or {}).get("listen", "")
+            if listen.startswith("127.0.0.1:"):
+                self.config[section]["listen"] = f"127.0.0.1:{free_port()}"
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        self.endpoint = self.config["service"]["listen"]
+        self.metrics_listen = (self.config.get("metrics") or {}).get("listen", "")
+
     def start(self, timeout_s: float = 60.0) -> None:
+        # A port picked by free_port() can be taken by someone else's ephemeral bind before
+        # the service binds it; on the first start, pick new ports and try again.
+        for attempt in range(3):
+            try:
+                self._start_once(timeout_s)
+                self._started_once = True
+                return
+            except RuntimeError as exc:
+                retry = (not self._started_once and attempt < 2
+                         and ("address already in use" in str(exc) or "cannot bind" in str(exc)))
+                if not retry:
+                    raise
+                self._repick_ports()
+
+    def _start_once(self, timeout_s: float) -> None:
         ready = self.workdir / "ready"
         ready.unlink(missing_ok=True)
         args = [sys.executable, "-m", "ctxmem_dpu", "serve", "--ready-file", str(ready)]
