@@ -128,6 +128,9 @@ class BlockStore:
         # on a failing device): never reused until the header is zeroed, which the reaper
         # does once the device is healthy again.
         self._needs_zero: dict[int, list[Extent]] = {}
+        # Extents allocated but named by no block for the moment: a demotion's, between
+        # reservation and completion; an invalidation's, between zeroing and freeing.
+        self._in_flight: Counter[Extent] = Counter()
         self._slow_seen: dict[int, int] = {}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -739,12 +742,19 @@ class BlockStore:
                     failed[d] = exc
             return failed
 
-        failed = await self._io(zero)
-        if stage:
-            faults.point(f"{stage}.after_zero")
-        failed.update(await self._io(sync, [d for d in by_dev if d not in failed]))
-        if stage:
-            faults.point(f"{stage}.after_sync")
+        if free:
+            self._in_flight.update(extents)
+        try:
+            failed = await self._io(zero)
+            if stage:
+                faults.point(f"{stage}.after_zero")
+            failed.update(await self._io(sync, [d for d in by_dev if d not in failed]))
+            if stage:
+                faults.point(f"{stage}.after_sync")
+        finally:
+            if free:
+                self._in_flight.subtract(extents)
+                self._in_flight = +self._in_flight
         for d, exc in failed.items():
             log.error("invalidating %d flash records on %s failed: %s", len(by_dev[d]),
                       self.flash.devices[d].name, exc)
@@ -915,6 +925,7 @@ class BlockStore:
                     log.warning("flash tier full: %d blocks stay in DRAM only", len(group))
                     continue
                 plan.extend(zip(group, exts, strict=True))
+                self._in_flight.update(exts)
             for b, ext in plan:
                 assert b.dram is not None
                 header = RecordHeader(b.ns, b.key, b.length, b.crc, b.seq,
@@ -929,6 +940,8 @@ class BlockStore:
             for job in jobs:
                 job[3].release()
             fut.set_result(None)
+            self._in_flight.subtract(ext for _b, ext in plan)
+            self._in_flight = +self._in_flight
             if not ok:  # cancelled or failed before the records were written
                 for _b, ext in plan:
                     self._needs_zero.setdefault(ext.device, []).append(ext)
@@ -1181,11 +1194,12 @@ class BlockStore:
 
     # -- consistency -----------------------------------------------------------------
     def audit(self) -> list[str]:
-        """Cross-check the index against the flash allocators (tests, ``ctxmem check``
-        against a live store): every extent the index names is allocated, to a slab of
-        the block's slot size, and named once; every allocated slot is accounted for (an
-        indexed block, a quarantined slot, or one waiting for its header to be zeroed).
-        Meaningful when no I/O is in flight. Returns the problems found (empty: sound)."""
+        """Cross-check the index against the flash allocators (tests): every extent the
+        index names is allocated, to a slab of the block's slot size, and named once;
+        every allocated slot is accounted for (an indexed block, a quarantined slot, one
+        parked until its header is zeroed, or one a demotion or invalidation has in
+        flight). Call it on the event loop between awaits. Returns the problems found
+        (empty: sound)."""
         problems: list[str] = []
         owners: dict[Extent, Block] = {}
         for per_ns in self.index.values():
@@ -1209,10 +1223,12 @@ class BlockStore:
             named = sum(1 for e in owners if e.device == dev.index)
             parked = len(self._needs_zero.get(dev.index, ()))
             quarantined = len(dev.alloc.quarantined)
-            if used != named + parked + quarantined:
+            moving = sum(n for e, n in self._in_flight.items() if e.device == dev.index)
+            accounted = named + parked + quarantined + moving
+            if used != accounted:
                 problems.append(f"device {dev.name}: {used} slots allocated, but {named} "
-                                f"indexed + {parked} parked + {quarantined} quarantined "
-                                f"(leak of {used - named - parked - quarantined})")
+                                f"indexed + {parked} parked + {quarantined} quarantined + "
+                                f"{moving} in flight (leak of {used - accounted})")
         return problems
 
     # -- stats -----------------------------------------------------------------------
