@@ -131,7 +131,7 @@ class Service:
             shm_path = cfg.service.shm_socket
         if "rdma" in cfg.service.transports:  # RDMA (issue 3): opens the verbs device
             self.rdma = RdmaServer(self.store, cfg.service.rdma_listen, cfg.service.rdma_device,
-                                   cfg.service.rdma_gid_index)
+                                   cfg.service.rdma_gid_index, cfg.service.rdma_access)
             await self.rdma.start()
 
         self.server = grpc.aio.server(options=[

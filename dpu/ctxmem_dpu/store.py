@@ -132,6 +132,9 @@ class BlockStore:
         # reservation and completion; an invalidation's, between zeroing and freeing.
         self._in_flight: Counter[Extent] = Counter()
         self._slow_seen: dict[int, int] = {}
+        # Called with an allocation's or lease's id when it ends (commit, abort, release,
+        # expiry, session close), before its slots are unpinned: see _grant_ended.
+        self.on_grant_end: list[Callable[[int], None]] = []
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -476,6 +479,9 @@ class BlockStore:
                 f"commit of allocation {a.id} carries {len(client_crcs)} CRCs for "
                 f"{len(a.slots)} slots; send one per slot or none"
             )
+        # The client's write access ends before the service reads what it wrote: no byte
+        # can change between the CRC below and the index.
+        self._grant_ended(a.id)
         # The allocation stays registered while its CRCs are computed so the reaper
         # cannot recycle its slots underneath; then it is retired.
         a.done = True
@@ -515,6 +521,7 @@ class BlockStore:
         return len(committed)
 
     def _forget_allocation(self, a: Allocation) -> None:
+        self._grant_ended(a.id)
         self.allocations.pop(a.id, None)
         sess = self.sessions.get(a.session_id)
         if sess is not None:
@@ -607,7 +614,17 @@ class BlockStore:
             )
         return lease
 
+    def _grant_ended(self, grant_id: int) -> None:
+        """An allocation or lease ended: transports revoke the client's access to its
+        slots (RDMA memory windows) before the slots can be freed or reused."""
+        for hook in self.on_grant_end:
+            try:
+                hook(grant_id)
+            except Exception:
+                log.exception("revoking access to grant %d failed", grant_id)
+
     def _end_lease(self, lease: Lease, valid: bool) -> None:
+        self._grant_ended(lease.id)
         lease.valid = valid
         self.leases.pop(lease.id, None)
         sess = self.sessions.get(lease.session_id)

@@ -219,7 +219,7 @@ def run(argv: list[str] | None = None) -> int:
         cfg = local_config(base / tag, encryption=enc, dram_size=f"{4 * args.batch_mib}MiB",
                            dram_slab="32MiB", flash_size=flash_size, flash_slab="64MiB",
                            transports=[args.transport], service={"rdma_listen": os.environ.get(
-                               "CTXMEM_RDMA_LISTEN", "0.0.0.0:0")})  # rdma: any RoCE v2 GID
+                               "CTXMEM_RDMA_LISTEN", "0.0.0.0")})  # rdma: any RoCE v2 GID
         with ServiceProcess(base / tag, cfg) as svc:
             for block in (2 * MiB, 64 * 1024):
                 bench_service(svc, args.transport, block, batch_bytes // block, rounds, tag,

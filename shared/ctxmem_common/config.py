@@ -13,6 +13,7 @@ service's storage layer when the config is loaded for serving (it owns those bac
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from ctxmem_common.units import parse_size
 
 Size = typing.NewType("Size", int)
 Transport = Literal["shm", "tcp", "rdma"]
+RdmaAccess = Literal["auto", "mw", "mr"]
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,17 @@ class ServiceConfig:
     lease_ttl_s: float = 30.0
     allocation_ttl_s: float = 30.0
     io_threads: int = 2
-    # RDMA transport: where the service's RDMA CM listener binds (an IP of the RDMA
-    # device, e.g. the BlueField SF's or rxe0's address, and a port); the device can be
-    # named explicitly, else it is the one owning that IP. "" disables RDMA.
+    # RDMA transport: an IP address of the RDMA device (the BlueField SF's, the RNIC's,
+    # rxe0's netdev); it picks the device and its RoCE v2 GID. No port: queue pairs are
+    # connected over the gRPC control plane. The device can be named explicitly.
     rdma_listen: str = ""
     rdma_device: str = ""
     rdma_gid_index: int = -1  # -1: pick the RoCE v2 GID of the listen address
+    # How a client's rkeys are scoped to its own slots and end with its lease or
+    # allocation: "mw" binds a type-2 memory window per granted run of slots, "mr"
+    # registers a memory region per run; "auto" picks "mw" where the device has type-2
+    # windows, else "mr".
+    rdma_access: RdmaAccess = "auto"
     # Tenants and their tokens. Empty: tenants are named by clients (single trust domain,
     # e.g. one host). Non-empty: Connect must present the tenant's token.
     tenant_tokens: dict[str, str] = field(default_factory=dict)
@@ -241,8 +248,10 @@ def _check(cfg: Config) -> None:
     if not cfg.service.transports:
         raise ConfigError("service.transports: list at least one of ['shm', 'tcp', 'rdma']")
     if "rdma" in cfg.service.transports and not cfg.service.rdma_listen:
-        raise ConfigError("service.rdma_listen: required (IP:PORT of the RDMA device) when "
+        raise ConfigError("service.rdma_listen: required (an IP address of the RDMA device) when "
                           "'rdma' is in service.transports")
+    if cfg.service.rdma_listen:
+        rdma_ip(cfg.service.rdma_listen)
     if "shm" in cfg.service.transports and not cfg.service.shm_socket:
         raise ConfigError("service.shm_socket: required when 'shm' is in service.transports")
     if cfg.service.lease_ttl_s <= 0 or cfg.service.allocation_ttl_s <= 0:
@@ -251,6 +260,29 @@ def _check(cfg: Config) -> None:
         raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
     if cfg.eviction.protect_after_hits < 1:
         raise ConfigError("eviction.protect_after_hits: must be >= 1")
+
+
+def rdma_ip(listen: str) -> str:
+    """The IP address in ``service.rdma_listen`` (IPv4, IPv6, or ``[IPv6]``)."""
+    text = listen.strip()
+    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    host, sep, port = text.rpartition(":")
+    if sep and port.isdigit():
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            pass
+        else:
+            raise ConfigError(
+                f"service.rdma_listen: {listen!r} has a port; give the IP address only "
+                f"({host.strip('[]')!r}): queue pairs are connected over the gRPC control "
+                f"plane, so no RDMA port is listened on")
+    raise ConfigError(f"service.rdma_listen: {listen!r} is not an IP address (it selects the "
+                      f"RDMA device and GID by address; names are not resolved)")
 
 
 def config_from_dict(raw: Any) -> Config:

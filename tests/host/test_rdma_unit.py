@@ -277,7 +277,7 @@ def test_bounce_plan_example_and_chains() -> None:
 def store(tmp_path: Path) -> Any:
     from tests.dpu.storekit import open_store, store_config
 
-    cfg = store_config(service={"transports": ["rdma", "tcp"], "rdma_listen": "10.0.2.15:0"})
+    cfg = store_config(service={"transports": ["rdma", "tcp"], "rdma_listen": "10.0.2.15"})
     s = asyncio.run(open_store(cfg, None))
     yield s
     asyncio.run(s.close())
@@ -286,7 +286,7 @@ def store(tmp_path: Path) -> Any:
 def test_exchange_refuses_bad_tokens_and_non_rdma_sessions(store: Any) -> None:
     from ctxmem_dpu.transport.rdma import RdmaServer
 
-    srv = RdmaServer(store, "10.0.2.15:0")
+    srv = RdmaServer(store, "10.0.2.15")
     qp = rw.QpInfo(1, 2, GID_V4, 0, 3, 4)
     s = store.connect("alice", "", "rdma", "t")
     t = store.connect("alice", "", "tcp", "t")
@@ -306,7 +306,7 @@ def test_exchange_refuses_bad_tokens_and_non_rdma_sessions(store: Any) -> None:
     info = asyncio.run(srv._info(rw.InfoRequest(s.id, bytes(16)).pack(), None))
     assert rw.InfoResponse.unpack(info).status == rw.RdmaStatus.UNAUTHENTICATED
     with pytest.raises(Unavailable, match="no RDMA connection"):
-        srv.remote_key(s, 0, 0)
+        asyncio.run(srv.grant(s, 1, [], [], write=False))
 
 
 def test_rdma_listen_must_be_an_ip(store: Any) -> None:
@@ -314,9 +314,11 @@ def test_rdma_listen_must_be_an_ip(store: Any) -> None:
     from ctxmem_dpu.transport.rdma import RdmaServer
 
     with pytest.raises(ConfigError, match="not an IP address"):
-        RdmaServer(store, "rxe-host:4791")
-    with pytest.raises(ConfigError, match="IP:PORT"):
-        RdmaServer(store, "10.0.2.15")
+        RdmaServer(store, "rxe-host")
+    with pytest.raises(ConfigError, match="has a port"):
+        RdmaServer(store, "10.0.2.15:4791")
+    with pytest.raises(ConfigError, match="rdma_access"):
+        RdmaServer(store, "10.0.2.15", access="slab")
 
 
 def test_retire_hook_runs_before_a_slab_changes_tenant() -> None:
@@ -344,7 +346,7 @@ def test_service_without_rdma_device_fails_with_a_remedy(tmp_path: Path) -> None
     from ctxmem.launcher import ServiceProcess, local_config
 
     cfg = local_config(tmp_path, flash_size=None, transports=["rdma", "tcp"],
-                       service={"rdma_listen": "127.0.0.1:0"})
+                       service={"rdma_listen": "127.0.0.1"})
     with pytest.raises(RuntimeError) as info:
         ServiceProcess(tmp_path, cfg)
     assert "RDMA" in str(info.value) and ("rdma link add" in str(info.value)

@@ -8,9 +8,12 @@ tmpfs, which has no O_DIRECT on this kernel).
 
 * end to end: tensors put, evicted to flash, got back, byte-compared (registered and
   bounce-buffer paths);
-* isolation: another tenant's rkey, an address outside the session's memory regions,
-  and a retired slab's old rkey all end in a remote access error and never in another
+* isolation: another tenant's rkey, an address outside the session's grants, and a
+  retired slab's old rkey all end in a remote access error and never in another
   tenant's bytes; a bad token or a non-RDMA session cannot attach;
+* grant scoping, with memory windows (``rdma_access: mw``) and with per-grant memory
+  regions (``mr``): a key reaches only its own slots, in one direction, and stops at
+  Release, at lease expiry and at Commit;
 * failure: the service killed in the middle of a transfer gives an error or a miss and
   never wrong bytes; the restarted service is reconnected to transparently.
 """
@@ -85,8 +88,8 @@ def _start_service(workdir: Path, flash_dev: str, **over: Any) -> Any:
     cfg = local_config(
         workdir, transports=["rdma", "tcp"], dram_size=over.pop("dram_size", "16MiB"),
         dram_slab="8MiB", flash_size="64MiB", flash_slab="8MiB", flash_path=flash_dev,
-        service={"rdma_listen": f"{_env('CTXMEM_RDMA_IP')}:0",
-                 "rdma_device": _env("CTXMEM_RDMA_DEV")},
+        service={"rdma_listen": _env("CTXMEM_RDMA_IP"),
+                 "rdma_device": _env("CTXMEM_RDMA_DEV"), **over.pop("service", {})},
         **over)
     return ServiceProcess(workdir, cfg, start=False)
 
@@ -266,6 +269,102 @@ def test_isolation_between_tenants(service: Any) -> None:
             _release(cc, sc, lease_c.lease_id)
             nc.delete(kc)
         nb.delete(kb)
+
+
+# Leases live LEASE_TTL_S in the grant-scoping service, so expiry can be waited for.
+LEASE_TTL_S = 3.0
+
+
+@pytest.fixture(scope="module", params=["mw", "mr"])
+def scoped_service(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   loop_devices: Callable[[int], str]) -> Iterator[Any]:
+    mode = request.param
+    svc = _start_service(tmp_path_factory.mktemp(f"svc-{mode}"), loop_devices(72),
+                         service={"rdma_access": mode, "lease_ttl_s": LEASE_TTL_S})
+    svc.start(timeout_s=180)
+    assert f"access {mode}" in svc.log_path.read_text(), "the service chose another mode"
+    yield svc
+    svc.stop()
+    _keep_log(svc, f"scoped-{mode}")
+
+
+def test_access_ends_with_the_grant(scoped_service: Any) -> None:
+    """A key reaches only its own grant's slots, only in its direction, only while the
+    grant lives: a lease's key cannot reach the neighbouring slot (same tenant, same
+    slab, even one this session holds a lease on), cannot write, and stops working at
+    Release and at expiry; an allocation's key stops working at Commit. Each refusal is
+    a remote access error from the NIC, and the buffer keeps its sentinel."""
+    import ctxmem
+    from ctxmem_common.proto import ctxmem_pb2 as pb
+
+    block = 256 << 10
+    data = [t.view(np.uint8).reshape(-1) for t in _tensors(2, block, seed=5)]
+    keys = _keys(2, "scope")
+    buf = np.zeros(block, dtype=np.uint8)
+
+    def read_ok(s: Any, slot: Any, want: np.ndarray) -> None:
+        buf[:] = 0
+        s.channel.transfer("read", [(buf.data, slot.remote_addr, slot.rkey)])
+        assert buf.tobytes() == want.tobytes()
+
+    def refused(s: Any, op: str, slot: Any, addr: int | None = None) -> None:
+        buf[:] = 0x5A
+        _expect_remote_access_error(s.channel, op, buf.data,
+                                    slot.remote_addr if addr is None else addr, slot.rkey)
+        assert not np.any(buf != 0x5A), "bytes landed after a refused access"
+
+    with ctxmem.Client(scoped_service.endpoint, transport="rdma") as c:
+        ns = c.open_namespace(_layout(block), model_id="m", tenant="t")
+        assert ns.put(keys, data).stored == 2
+
+        # 1. Only its own slot: lease A's key on block B's slot (adjacent, same slab, and
+        # leased by this very session) is refused.
+        s, lease_a = _acquire(c, ns, keys[:1])
+        _s, lease_b = _acquire(c, ns, keys[1:])
+        slot_a, slot_b = lease_a.slots[0], lease_b.slots[0]
+        assert slot_b.region == slot_a.region, "both blocks should sit in one slab"
+        assert slot_a.rkey != slot_b.rkey
+        read_ok(s, slot_a, data[0])
+        read_ok(s, slot_b, data[1])
+        refused(s, "read", slot_a, addr=slot_b.remote_addr)
+
+        # 2. A lease's key cannot write; the block is unchanged.
+        s = ns._open(stale=s)
+        s, lease_a = _acquire(c, ns, keys[:1])
+        refused(s, "write", lease_a.slots[0])
+        out = np.zeros(block, dtype=np.uint8)
+        assert ns.get(keys[:1], [out]) == 1 and out.tobytes() == data[0].tobytes()
+
+        # 3. Access ends with Release ...
+        s = ns._open(stale=s)
+        s, lease_a = _acquire(c, ns, keys[:1])
+        read_ok(s, lease_a.slots[0], data[0])
+        _release(c, s, lease_a.lease_id)
+        refused(s, "read", lease_a.slots[0])
+
+        # 4. ... and with expiry (the service's reaper ends the lease).
+        s = ns._open(stale=s)
+        s, lease_a = _acquire(c, ns, keys[:1])
+        read_ok(s, lease_a.slots[0], data[0])
+        time.sleep(LEASE_TTL_S + 1.5)
+        refused(s, "read", lease_a.slots[0])
+
+        # 5. An allocation's key writes its slot, and stops at Commit: what was committed
+        # is what a later get returns, not what was written after.
+        s = ns._open(stale=s)
+        new_key = _keys(1, "scope-new")
+        alloc = c._rpc("Allocate", pb.AllocateRequest(
+            session_id=s.id, namespace_handle=ns.handle, keys=new_key))
+        slot = alloc.slots[0]
+        committed = data[1].copy()
+        s.channel.transfer("write", [(committed.data, slot.remote_addr, slot.rkey)])
+        done = c._rpc("Commit", pb.CommitRequest(session_id=s.id,
+                                                 allocation_id=alloc.allocation_id))
+        assert done.committed == 1
+        refused(s, "write", slot)
+        out[:] = 0
+        assert ns.get(new_key, [out]) == 1 and out.tobytes() == committed.tobytes()
+        ns.delete(keys + new_key)
 
 
 def test_attach_needs_the_session_token_and_an_rdma_session(service: Any) -> None:

@@ -6,9 +6,10 @@ code plus the ``ctxmem-error`` trailing metadata, so the shim re-raises the same
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -81,14 +82,19 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         self.health = health
         self.rdma: RdmaServer | None = None  # RDMA (issue 3): set by the app when enabled
 
-    def _slot(self, ref: Any, nbytes: int, s: Any = None) -> pb.Slot:
+    def _slot(self, ref: Any, nbytes: int) -> pb.Slot:
         dram = self.store.dram
-        slot = pb.Slot(region=ref.slab, generation=dram.generation(ref.slab),
+        return pb.Slot(region=ref.slab, generation=dram.generation(ref.slab),
                        offset=dram.offset(ref), length=nbytes)
-        # RDMA (issue 3): the address and rkey of the slot in session s's own MR of the slab.
-        if s is not None and s.transport == "rdma" and self.rdma is not None:
-            slot.remote_addr, slot.rkey = self.rdma.remote_key(s, ref.slab, slot.offset)
-        return slot
+
+    async def _grant_rdma(self, s: Any, grant_id: int, refs: Sequence[Any],
+                          slots: Sequence[pb.Slot], write: bool) -> None:
+        """RDMA sessions: the address and rkey of each slot, valid for this grant only."""
+        if s.transport != "rdma" or self.rdma is None or not slots:
+            return
+        keys = await self.rdma.grant(s, grant_id, refs, [x.length for x in slots], write)
+        for slot, (addr, rkey) in zip(slots, keys, strict=True):
+            slot.remote_addr, slot.rkey = addr, rkey
 
     @_rpc
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
@@ -148,9 +154,15 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         s = self.store.session(request.session_id)
         ns = self.store.namespace(s, request.namespace_handle)
         a, exists = await self.store.allocate(s, ns, list(request.keys))
+        slots = [self._slot(r, ns.block_nbytes) for r in a.slots]
+        try:
+            await self._grant_rdma(s, a.id, a.slots, slots, write=True)
+        except BaseException:
+            with contextlib.suppress(CtxmemError):  # frees the slots, unless already gone
+                await self.store.commit(s, a.id, [], abort=True)
+            raise
         return pb.AllocateResponse(
-            allocation_id=a.id, exists=exists,
-            slots=[self._slot(r, ns.block_nbytes, s) for r in a.slots],
+            allocation_id=a.id, exists=exists, slots=slots,
             expires_in_ms=int(self.store.cfg.service.allocation_ttl_s * 1000),
         )
 
@@ -165,10 +177,16 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         s = self.store.session(request.session_id)
         ns = self.store.namespace(s, request.namespace_handle)
         lease, sources = await self.store.acquire(s, ns, list(request.keys))
-        slots = []
+        refs = []
         for b in lease.blocks:
             assert b.dram is not None
-            slots.append(self._slot(b.dram, b.length, s))
+            refs.append(b.dram)
+        slots = [self._slot(ref, b.length) for ref, b in zip(refs, lease.blocks, strict=True)]
+        try:
+            await self._grant_rdma(s, lease.id, refs, slots, write=False)
+        except BaseException:
+            self.store.release(s, [lease.id])
+            raise
         return pb.AcquireResponse(
             lease_id=lease.id, num_acquired=len(lease.blocks), slots=slots,
             crc32c=[b.crc for b in lease.blocks], source_tiers=[TIER_PB[t] for t in sources],

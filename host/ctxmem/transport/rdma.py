@@ -121,8 +121,10 @@ class RdmaError(TransportError):
 
 # Work-completion statuses worth a specific hint (values of enum ibv_wc_status).
 _WC_HINTS = {
-    10: "remote access error: the address/rkey is outside this session's memory regions "
-        "(another tenant's, a retired slab, or past the slot) — the service refused it",
+    10: "remote access error: the address/rkey is not one the service granted this session "
+        "(another tenant's or session's key, an address outside the granted slots, a "
+        "lease that was released or expired, an allocation already committed, a write "
+        "with a lease's read-only key) — the service's NIC refused it",
     12: "transport retry count exceeded: the service's queue pair is gone (service "
         "restarted or crashed) or the path is down — check the port state, GID index, MTU",
     13: "RNR retry count exceeded: the service's queue pair is not ready",
