@@ -48,7 +48,7 @@ class ServiceConfig:
     # How a client's rkeys are scoped to its own slots and end with its lease or
     # allocation: "mw" binds a type-2 memory window per granted run of slots, "mr"
     # registers a memory region per run; "auto" picks "mw" where the device has type-2
-    # windows, else "mr".
+    # windows and checks their bounds (not Soft-RoCE), else "mr".
     rdma_access: RdmaAccess = "auto"
     # Tenants and their tokens. Empty: tenants are named by clients (single trust domain,
     # e.g. one host). Non-empty: Connect must present the tenant's token.

@@ -283,73 +283,100 @@ def scoped_service(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
                          service={"rdma_access": mode, "lease_ttl_s": LEASE_TTL_S})
     svc.start(timeout_s=180)
     assert f"access {mode}" in svc.log_path.read_text(), "the service chose another mode"
+    svc.access = mode
     yield svc
     svc.stop()
     _keep_log(svc, f"scoped-{mode}")
 
 
-def test_access_ends_with_the_grant(scoped_service: Any) -> None:
-    """A key reaches only its own grant's slots, only in its direction, only while the
-    grant lives: a lease's key cannot reach the neighbouring slot (same tenant, same
-    slab, even one this session holds a lease on), cannot write, and stops working at
-    Release and at expiry; an allocation's key stops working at Commit. Each refusal is
-    a remote access error from the NIC, and the buffer keeps its sentinel."""
-    import ctxmem
-    from ctxmem_common.proto import ctxmem_pb2 as pb
-
-    block = 256 << 10
+def _put_two(c: Any, block: int) -> tuple[Any, list[np.ndarray], list[bytes]]:
+    ns = c.open_namespace(_layout(block), model_id="m", tenant="t")
     data = [t.view(np.uint8).reshape(-1) for t in _tensors(2, block, seed=5)]
     keys = _keys(2, "scope")
-    buf = np.zeros(block, dtype=np.uint8)
+    assert ns.put(keys, data).stored == 2
+    return ns, data, keys
 
-    def read_ok(s: Any, slot: Any, want: np.ndarray) -> None:
-        buf[:] = 0
-        s.channel.transfer("read", [(buf.data, slot.remote_addr, slot.rkey)])
-        assert buf.tobytes() == want.tobytes()
 
-    def refused(s: Any, op: str, slot: Any, addr: int | None = None) -> None:
-        buf[:] = 0x5A
-        _expect_remote_access_error(s.channel, op, buf.data,
+class _Probe:
+    """RDMA READ/WRITE with a given slot's key, through a session's channel."""
+
+    def __init__(self, block: int) -> None:
+        self.buf = np.zeros(block, dtype=np.uint8)
+
+    def read_ok(self, s: Any, slot: Any, want: np.ndarray) -> None:
+        self.buf[:] = 0
+        s.channel.transfer("read", [(self.buf.data, slot.remote_addr, slot.rkey)])
+        assert self.buf.tobytes() == want.tobytes()
+
+    def refused(self, s: Any, op: str, slot: Any, addr: int | None = None) -> None:
+        self.buf[:] = 0x5A
+        _expect_remote_access_error(s.channel, op, self.buf.data,
                                     slot.remote_addr if addr is None else addr, slot.rkey)
-        assert not np.any(buf != 0x5A), "bytes landed after a refused access"
+        assert not np.any(self.buf != 0x5A), "bytes landed after a refused access"
 
+
+def test_a_key_reaches_only_its_own_slot(scoped_service: Any,
+                                         request: pytest.FixtureRequest) -> None:
+    """Lease A's key on block B's slot (adjacent, same slab, and leased by this very
+    session) is refused."""
+    import ctxmem
+
+    if scoped_service.access == "mw":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "rxe checks a memory window's rkey, QP, state and access, but the address range "
+            "against the underlying MR (the slab), not the window's bounds; hardware NICs "
+            "check them. This is why rdma_access: auto picks mr on Soft-RoCE")))
+    block = 256 << 10
+    probe = _Probe(block)
     with ctxmem.Client(scoped_service.endpoint, transport="rdma") as c:
-        ns = c.open_namespace(_layout(block), model_id="m", tenant="t")
-        assert ns.put(keys, data).stored == 2
-
-        # 1. Only its own slot: lease A's key on block B's slot (adjacent, same slab, and
-        # leased by this very session) is refused.
+        ns, data, keys = _put_two(c, block)
         s, lease_a = _acquire(c, ns, keys[:1])
         _s, lease_b = _acquire(c, ns, keys[1:])
         slot_a, slot_b = lease_a.slots[0], lease_b.slots[0]
         assert slot_b.region == slot_a.region, "both blocks should sit in one slab"
         assert slot_a.rkey != slot_b.rkey
-        read_ok(s, slot_a, data[0])
-        read_ok(s, slot_b, data[1])
-        refused(s, "read", slot_a, addr=slot_b.remote_addr)
+        probe.read_ok(s, slot_a, data[0])
+        probe.read_ok(s, slot_b, data[1])
+        try:
+            probe.refused(s, "read", slot_a, addr=slot_b.remote_addr)
+        finally:
+            ns.delete(keys)
 
-        # 2. A lease's key cannot write; the block is unchanged.
-        s = ns._open(stale=s)
+
+def test_access_ends_with_the_grant(scoped_service: Any) -> None:
+    """A key works only in its direction and only while its grant lives: a lease's key
+    cannot write, and stops working at Release and at expiry; an allocation's key stops
+    working at Commit. Each refusal is a remote access error from the NIC, and the buffer
+    keeps its sentinel."""
+    import ctxmem
+    from ctxmem_common.proto import ctxmem_pb2 as pb
+
+    block = 256 << 10
+    probe = _Probe(block)
+    read_ok, refused = probe.read_ok, probe.refused
+    with ctxmem.Client(scoped_service.endpoint, transport="rdma") as c:
+        ns, data, keys = _put_two(c, block)
+        # 1. A lease's key cannot write; the block is unchanged.
         s, lease_a = _acquire(c, ns, keys[:1])
         refused(s, "write", lease_a.slots[0])
         out = np.zeros(block, dtype=np.uint8)
         assert ns.get(keys[:1], [out]) == 1 and out.tobytes() == data[0].tobytes()
 
-        # 3. Access ends with Release ...
+        # 2. Access ends with Release ...
         s = ns._open(stale=s)
         s, lease_a = _acquire(c, ns, keys[:1])
         read_ok(s, lease_a.slots[0], data[0])
         _release(c, s, lease_a.lease_id)
         refused(s, "read", lease_a.slots[0])
 
-        # 4. ... and with expiry (the service's reaper ends the lease).
+        # 3. ... and with expiry (the service's reaper ends the lease).
         s = ns._open(stale=s)
         s, lease_a = _acquire(c, ns, keys[:1])
         read_ok(s, lease_a.slots[0], data[0])
         time.sleep(LEASE_TTL_S + 1.5)
         refused(s, "read", lease_a.slots[0])
 
-        # 5. An allocation's key writes its slot, and stops at Commit: what was committed
+        # 4. An allocation's key writes its slot, and stops at Commit: what was committed
         # is what a later get returns, not what was written after.
         s = ns._open(stale=s)
         new_key = _keys(1, "scope-new")

@@ -64,6 +64,12 @@ ACK_TIMEOUT = 16
 RETRY_CNT = 7
 RNR_RETRY = 7
 MIN_RNR_TIMER = 12
+# Soft-RoCE's vendor id. rxe (at least through Linux 6.1) checks a memory window's rkey,
+# QP, state and access flags on every request, but checks the address range against the
+# *underlying MR*, not the window's bounds: a window over one slot reaches the whole slab
+# behind it (tests/vm/test_rdma_transport.py::test_a_key_reaches_only_its_own_slot, an
+# expected failure there). Hardware NICs check the window's bounds, as the IB spec asks.
+RXE_VENDOR_ID = 0xFFFFFF
 # Memory-window binds posted at once on a session's send queue; the last is signalled.
 BIND_DEPTH = 64
 # A bind completes in microseconds (a local operation of the NIC); waiting longer than
@@ -152,6 +158,7 @@ class RdmaDevice:
         type2 = int(pv.libibverbs_enums.ibv_device_cap_flags.IBV_DEVICE_MEM_WINDOW_TYPE_2B)
         self.max_mw = int(dev_attr.max_mw)
         self.has_mw2 = bool(caps & type2) and self.max_mw > 0
+        self.window_bounds_checked = int(dev_attr.vendor_id) != RXE_VENDOR_ID
         self.bind_depth = max(1, min(BIND_DEPTH, self.max_qp_wr))
 
     def close(self) -> None:
@@ -444,7 +451,12 @@ class RdmaServer:
                 f"service.rdma_access: mw, but {choice.device} has no type-2 memory windows "
                 f"(max_mw {dev.max_mw}); set rdma_access: mr (or auto)")
         self.access = self.access_wanted if self.access_wanted != "auto" else (
-            "mw" if dev.has_mw2 else "mr")
+            "mw" if dev.has_mw2 and dev.window_bounds_checked else "mr")
+        if self.access == "mw" and not dev.window_bounds_checked:
+            log.warning("service.rdma_access: mw on %s (Soft-RoCE): this driver does not "
+                        "check a memory window's bounds, so a key reaches its whole slab "
+                        "(still only this session's, still revoked with the grant); use mr "
+                        "or auto for per-slot bounds", choice.device)
         self.dev = dev
         self.store.dram.on_retire.append(self._slab_retired)
         self.store.on_grant_end.append(self.revoke)
