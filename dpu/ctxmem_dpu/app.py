@@ -142,9 +142,7 @@ class Service:
         servicer = ContextMemoryServicer(self.store, self.instance_id, shm_path, data_endpoint,
                                          self.health)
         pb_grpc.add_ContextMemoryServicer_to_server(servicer, self.server)
-        if self.rdma is not None:  # RDMA (issue 3): QP exchange rides the control plane
-            servicer.rdma = self.rdma
-            self.server.add_generic_rpc_handlers((self.rdma.rpc_handler(),))
+        servicer.rdma = self.rdma  # RdmaInfo/RdmaAttach answer UNAVAILABLE without it
         listen = cfg.service.listen
         self.grpc_port = self.server.add_insecure_port(listen)
         if self.grpc_port == 0:
@@ -166,7 +164,7 @@ class Service:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         self.ready = False
-        if self.rdma is not None:  # RDMA (issue 3): first, so its long-lived Attach calls end
+        if self.rdma is not None:  # first, so its long-lived RdmaAttach calls end
             await self.rdma.close()
         if self.server is not None:
             await self.server.stop(grace_s)

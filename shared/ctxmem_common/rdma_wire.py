@@ -1,89 +1,45 @@
-"""What both ends of the RDMA data path agree on: the connection exchange and GID choice.
+"""What both ends of the RDMA data path agree on: queue-pair attributes and GID choice.
 
 The RDMA transport moves bytes with one-sided RDMA WRITE and READ on a reliable-connected
 (RC) queue pair per session. The two queue pairs are connected by exchanging their
-attributes over the *control plane*: two methods on the service's gRPC server, framed
-here (bytes in, bytes out, outside ``ctxmem.proto`` so the RDMA path needs no change to
-the shared protocol; see ``docs/rdma.md`` for why not rdma_cm)::
+attributes over the *control plane*, with two calls of ``ctxmem.v1.ContextMemory``
+(``ctxmem.proto`` is the schema; see ``docs/rdma.md`` for why not rdma_cm)::
 
-    /ctxmem.rdma.v1.Rdma/Info    unary   INFO_REQ   -> INFO_RESP   (+ UTF-8 message)
-    /ctxmem.rdma.v1.Rdma/Attach  stream  ATTACH_REQ -> ATTACH_RESP (+ UTF-8 message),
-                                         then nothing until either side ends the call
+    RdmaInfo    unary   RdmaInfoRequest   -> RdmaInfoResponse
+    RdmaAttach  stream  RdmaAttachRequest -> one RdmaAttachResponse, then nothing until
+                                             either side ends the call
 
-``Info`` tells the client the service's GID (so it can pick its own device and GID by
-route), ``Attach`` creates the session's protection domain and queue pair on the service
-and connects both. The ``Attach`` call stays open for the life of the RDMA connection:
-when the client goes away (close, crash, dropped connection) the service tears the
-session's verbs resources down, and when the service goes away the client sees the call
-end and reconnects. Both requests carry the session id and token from ``Connect``.
+``RdmaInfo`` tells the client the service's GID (so it can pick its own device and GID by
+route), ``RdmaAttach`` creates the session's protection domain and queue pair on the
+service and connects both. The ``RdmaAttach`` call stays open for the life of the RDMA
+connection: when the client goes away (close, crash, dropped connection) the service
+tears the session's verbs resources down, and when the service goes away the client sees
+the call end and reconnects. Both requests carry the session id and token from
+``Connect``; refusals are gRPC status codes from :mod:`ctxmem_common.errors`, as for
+every other call.
 
-All integers little-endian; GIDs are the 16 raw bytes of ``ibv_gid``.
-
-GID choice (:func:`find_gid`) reads sysfs (``/sys/class/infiniband``), not verbs, so it
-is the same code on both sides and testable without a device.
+:class:`QpInfo` is the checked, typed form of an ``RdmaQp`` message that both sides work
+with. GID choice (:func:`find_gid`) reads sysfs (``/sys/class/infiniband``), not verbs, so
+it is the same code on both sides and testable without a device.
 """
 
 from __future__ import annotations
 
-import enum
 import errno as errno_mod
 import ipaddress
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ctxmem_common.errors import Unavailable
-
-RDMA_SERVICE = "ctxmem.rdma.v1.Rdma"
-INFO_METHOD = f"/{RDMA_SERVICE}/Info"
-ATTACH_METHOD = f"/{RDMA_SERVICE}/Attach"
-VERSION = 1
-
-# magic, version, session_id, token
-INFO_REQ = struct.Struct("<4sHxxQ16s")
-# magic, version, status, gid, lid, mtu (ibv_mtu), responder depth (max_dest_rd_atomic)
-INFO_RESP = struct.Struct("<4sHH16sHBB")
-# magic, version, session_id, token, then the client's QP: qpn, psn, gid, lid, mtu,
-# initiator depth (max_rd_atomic)
-ATTACH_REQ = struct.Struct("<4sHxxQ16sII16sHBB")
-# magic, version, status, then the service's QP: qpn, psn, gid, lid, mtu, responder depth
-ATTACH_RESP = struct.Struct("<4sHHII16sHBB")
-
-INFO_REQ_MAGIC, INFO_RESP_MAGIC = b"CXRI", b"CXRi"
-ATTACH_REQ_MAGIC, ATTACH_RESP_MAGIC = b"CXRA", b"CXRa"
+from ctxmem_common.errors import InvalidArgument, Unavailable
+from ctxmem_common.proto import ctxmem_pb2 as pb
 
 SYSFS_IB = Path("/sys/class/infiniband")
 
-
-class RdmaStatus(enum.IntEnum):
-    OK = 0
-    BAD_REQUEST = 1
-    UNAUTHENTICATED = 2
-    WRONG_TRANSPORT = 3
-    ALREADY_ATTACHED = 4
-    DEVICE_ERROR = 5
-    SHUTTING_DOWN = 6
-    VERSION_MISMATCH = 7
-
-
-STATUS_TEXT = {
-    RdmaStatus.OK: "ok",
-    RdmaStatus.BAD_REQUEST: "malformed RDMA exchange message",
-    RdmaStatus.UNAUTHENTICATED: "unknown session or wrong session token (service restarted?)",
-    RdmaStatus.WRONG_TRANSPORT: "the session was not opened with transport 'rdma' (Connect)",
-    RdmaStatus.ALREADY_ATTACHED: "this session already has an RDMA connection",
-    RdmaStatus.DEVICE_ERROR: "the service could not create or connect its queue pair",
-    RdmaStatus.SHUTTING_DOWN: "the service is shutting down",
-    RdmaStatus.VERSION_MISMATCH: "shim and service speak different RDMA exchange versions",
-}
-
-
-def status_text(status: int) -> str:
-    try:
-        return STATUS_TEXT[RdmaStatus(status)]
-    except ValueError:
-        return f"unknown status {status}"
+# Upper bounds of RdmaQp's fields, from the verbs types they end up in: QPNs and PSNs are
+# 24 bits, a LID 16 bits, the MTU an enum ibv_mtu (0: not given, use the other end's),
+# the READ depths uint8_t.
+_QP_LIMITS = {"qpn": 0xFFFFFF, "psn": 0xFFFFFF, "lid": 0xFFFF, "mtu": 5, "rd_atomic": 0xFF}
 
 
 @dataclass(frozen=True)
@@ -97,100 +53,25 @@ class QpInfo:
     mtu: int
     rd_atomic: int
 
-
-@dataclass(frozen=True)
-class InfoRequest:
-    session_id: int
-    token: bytes
-
-    def pack(self) -> bytes:
-        return INFO_REQ.pack(INFO_REQ_MAGIC, VERSION, self.session_id, self.token)
-
     @staticmethod
-    def unpack(data: bytes) -> InfoRequest:
-        if len(data) != INFO_REQ.size:
-            raise ValueError(f"INFO request is {len(data)} bytes, expected {INFO_REQ.size}")
-        magic, version, session_id, token = INFO_REQ.unpack(data)
-        _check(magic, INFO_REQ_MAGIC, version)
-        return InfoRequest(session_id, token)
+    def from_pb(msg: pb.RdmaQp) -> QpInfo:
+        return QpInfo(msg.qpn, msg.psn, msg.gid, msg.lid, msg.mtu, msg.rd_atomic)
 
+    def to_pb(self) -> pb.RdmaQp:
+        return pb.RdmaQp(qpn=self.qpn, psn=self.psn, gid=self.gid, lid=self.lid, mtu=self.mtu,
+                         rd_atomic=self.rd_atomic)
 
-@dataclass(frozen=True)
-class InfoResponse:
-    status: int
-    gid: bytes = bytes(16)
-    lid: int = 0
-    mtu: int = 0
-    rd_atomic: int = 0
-    message: str = ""
-
-    def pack(self) -> bytes:
-        head = INFO_RESP.pack(INFO_RESP_MAGIC, VERSION, self.status, self.gid, self.lid,
-                              self.mtu, self.rd_atomic)
-        return head + self.message.encode()
-
-    @staticmethod
-    def unpack(data: bytes) -> InfoResponse:
-        if len(data) < INFO_RESP.size:
-            raise ValueError(f"INFO response is {len(data)} bytes, expected >= {INFO_RESP.size}")
-        magic, version, status, gid, lid, mtu, rd = INFO_RESP.unpack_from(data)
-        _check(magic, INFO_RESP_MAGIC, version)
-        return InfoResponse(status, gid, lid, mtu, rd,
-                            data[INFO_RESP.size:].decode(errors="replace"))
-
-
-@dataclass(frozen=True)
-class AttachRequest:
-    session_id: int
-    token: bytes
-    qp: QpInfo
-
-    def pack(self) -> bytes:
-        q = self.qp
-        return ATTACH_REQ.pack(ATTACH_REQ_MAGIC, VERSION, self.session_id, self.token,
-                               q.qpn, q.psn, q.gid, q.lid, q.mtu, q.rd_atomic)
-
-    @staticmethod
-    def unpack(data: bytes) -> AttachRequest:
-        if len(data) != ATTACH_REQ.size:
-            raise ValueError(f"ATTACH request is {len(data)} bytes, expected {ATTACH_REQ.size}")
-        magic, version, sid, token, qpn, psn, gid, lid, mtu, rd = ATTACH_REQ.unpack(data)
-        _check(magic, ATTACH_REQ_MAGIC, version)
-        return AttachRequest(sid, token, QpInfo(qpn, psn, gid, lid, mtu, rd))
-
-
-@dataclass(frozen=True)
-class AttachResponse:
-    status: int
-    qp: QpInfo | None = None
-    message: str = ""
-
-    def pack(self) -> bytes:
-        q = self.qp or QpInfo(0, 0, bytes(16), 0, 0, 0)
-        head = ATTACH_RESP.pack(ATTACH_RESP_MAGIC, VERSION, self.status, q.qpn, q.psn, q.gid,
-                                q.lid, q.mtu, q.rd_atomic)
-        return head + self.message.encode()
-
-    @staticmethod
-    def unpack(data: bytes) -> AttachResponse:
-        if len(data) < ATTACH_RESP.size:
-            raise ValueError(f"ATTACH response is {len(data)} bytes, expected >= "
-                             f"{ATTACH_RESP.size}")
-        magic, version, status, qpn, psn, gid, lid, mtu, rd = ATTACH_RESP.unpack_from(data)
-        _check(magic, ATTACH_RESP_MAGIC, version)
-        qp = QpInfo(qpn, psn, gid, lid, mtu, rd) if status == RdmaStatus.OK else None
-        return AttachResponse(status, qp, data[ATTACH_RESP.size:].decode(errors="replace"))
-
-
-class VersionMismatch(ValueError):
-    pass
-
-
-def _check(magic: bytes, want: bytes, version: int) -> None:
-    if magic != want:
-        raise ValueError(f"bad magic {magic!r}, expected {want!r}")
-    if version != VERSION:
-        raise VersionMismatch(f"RDMA exchange version {version}, this side speaks {VERSION}")
+    def check(self, what: str) -> QpInfo:
+        """``self`` if every field fits its verbs type, else :class:`InvalidArgument`
+        naming the field (``what``: where the QP came from, e.g. ``RdmaAttachRequest.qp``)."""
+        bad = [f"{name} {getattr(self, name)} > {limit}" for name, limit in _QP_LIMITS.items()
+               if getattr(self, name) > limit]
+        if len(self.gid) != 16:
+            bad.append(f"gid is {len(self.gid)} bytes, not 16")
+        if bad:
+            raise InvalidArgument(f"{what}: {'; '.join(bad)} (RdmaQp fields are the verbs "
+                                  f"values of the sender's queue pair)")
+        return self
 
 
 # ---------------------------------------------------------------------------------------

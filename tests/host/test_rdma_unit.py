@@ -1,15 +1,19 @@
-"""RDMA transport pieces that need no RDMA device: framing, GID choice from sysfs, the
-registration cache and bounce plan, the service's exchange checks, the slab-retire hook,
+"""RDMA transport pieces that need no RDMA device: the exchange's messages in
+ctxmem.proto, GID choice from sysfs, the registration cache and bounce plan, the
+service's exchange checks and the RdmaAttach call's life over gRPC, the slab-retire hook,
 and the errors a host without RDMA gets. The verbs path itself runs in the QEMU guest
 (tests/vm/test_rdma_transport.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -28,41 +32,61 @@ from ctxmem.transport.rdma import (
     wc_status_text,
 )
 from ctxmem_common import rdma_wire as rw
-from ctxmem_common.errors import Unavailable
+from ctxmem_common.errors import (
+    ERROR_METADATA_KEY,
+    CtxmemError,
+    ErrorCode,
+    InvalidArgument,
+    PermissionDenied,
+    Unavailable,
+    UnknownSession,
+)
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 
 MiB = 1 << 20
 GID_V4 = rw.gid_from_str("0000:0000:0000:0000:0000:ffff:0a00:020f")  # ::ffff:10.0.2.15
 
 
-# -- framing -----------------------------------------------------------------------------
+# -- the exchange's messages (ctxmem.proto) -----------------------------------------------
 
 
-def test_exchange_messages_round_trip() -> None:
+def test_exchange_is_part_of_the_context_memory_service() -> None:
+    methods = pb.DESCRIPTOR.services_by_name["ContextMemory"].methods_by_name
+    info, attach = methods["RdmaInfo"], methods["RdmaAttach"]
+    assert (info.input_type.name, info.output_type.name) == ("RdmaInfoRequest",
+                                                              "RdmaInfoResponse")
+    assert not info.server_streaming and not info.client_streaming
+    assert (attach.input_type.name, attach.output_type.name) == ("RdmaAttachRequest",
+                                                                  "RdmaAttachResponse")
+    assert attach.server_streaming and not attach.client_streaming
+
+
+def test_qp_messages_round_trip() -> None:
     tok = bytes(range(16))
-    assert rw.InfoRequest.unpack(rw.InfoRequest(7, tok).pack()) == rw.InfoRequest(7, tok)
-    info = rw.InfoResponse(rw.RdmaStatus.OK, GID_V4, 0, 3, 16, "hello")
-    assert rw.InfoResponse.unpack(info.pack()) == info
     qp = rw.QpInfo(0x11, 0xABCDEF, GID_V4, 5, 3, 8)
-    req = rw.AttachRequest(9, tok, qp)
-    assert rw.AttachRequest.unpack(req.pack()) == req
-    resp = rw.AttachResponse(rw.RdmaStatus.OK, qp)
-    assert rw.AttachResponse.unpack(resp.pack()) == resp
-    refused = rw.AttachResponse.unpack(
-        rw.AttachResponse(rw.RdmaStatus.UNAUTHENTICATED, message="no").pack())
-    assert refused.qp is None and refused.message == "no"
+    req = pb.RdmaAttachRequest(session_id=9, session_token=tok, qp=qp.to_pb())
+    back = pb.RdmaAttachRequest.FromString(req.SerializeToString())
+    assert (back.session_id, back.session_token) == (9, tok)
+    assert rw.QpInfo.from_pb(back.qp) == qp and qp.check("here") is qp
+    resp = pb.RdmaAttachResponse.FromString(pb.RdmaAttachResponse(qp=qp.to_pb())
+                                            .SerializeToString())
+    assert rw.QpInfo.from_pb(resp.qp) == qp
+    info = pb.RdmaInfoResponse.FromString(pb.RdmaInfoResponse(
+        gid=GID_V4, lid=0, mtu=3, rd_atomic=16).SerializeToString())
+    assert (info.gid, info.mtu, info.rd_atomic) == (GID_V4, 3, 16)
 
 
-def test_exchange_rejects_garbage_and_other_versions() -> None:
-    good = rw.InfoRequest(1, bytes(16)).pack()
-    with pytest.raises(ValueError, match="bad magic"):
-        rw.InfoRequest.unpack(b"XXXX" + good[4:])
-    with pytest.raises(ValueError, match="bytes"):
-        rw.AttachRequest.unpack(good)
-    other = good[:4] + (rw.VERSION + 1).to_bytes(2, "little") + good[6:]
-    with pytest.raises(rw.VersionMismatch):
-        rw.InfoRequest.unpack(other)
-    assert "restarted" in rw.status_text(rw.RdmaStatus.UNAUTHENTICATED)
-    assert rw.status_text(99) == "unknown status 99"
+def test_qp_fields_must_fit_their_verbs_types() -> None:
+    empty = rw.QpInfo.from_pb(pb.RdmaQp())  # an absent qp: every field zero, no GID
+    with pytest.raises(InvalidArgument, match=r"RdmaAttachRequest\.qp: gid is 0 bytes, not 16"):
+        empty.check("RdmaAttachRequest.qp")
+    bad = rw.QpInfo(1 << 24, 1 << 24, GID_V4, 1 << 16, 6, 256)
+    with pytest.raises(InvalidArgument) as info:
+        bad.check("q")
+    assert all(f"{name} " in info.value.message for name in ("qpn", "psn", "lid", "mtu",
+                                                             "rd_atomic"))
+    assert rw.QpInfo((1 << 24) - 1, 0, GID_V4, 0xFFFF, 5, 255).check("q")
 
 
 def test_gid_helpers() -> None:
@@ -291,22 +315,175 @@ def test_exchange_refuses_bad_tokens_and_non_rdma_sessions(store: Any) -> None:
     s = store.connect("alice", "", "rdma", "t")
     t = store.connect("alice", "", "tcp", "t")
 
-    def attach(session_id: int, token: bytes) -> rw.AttachResponse:
-        reply, ep = srv.open_endpoint(rw.AttachRequest(session_id, token, qp).pack())
-        assert ep is None
-        return rw.AttachResponse.unpack(reply)
+    def refused(cls: type[CtxmemError], session_id: int, token: bytes, *words: str,
+                peer: rw.QpInfo = qp, calls: tuple[str, ...] = ("info", "attach")) -> None:
+        """Each call raises ``cls`` with the session id, the call and ``words`` in it."""
+        run: dict[str, Callable[[], object]] = {
+            "info": lambda: srv.info(session_id, token),
+            "attach": lambda: srv.open_endpoint(session_id, token, peer)}
+        for name in calls:
+            with pytest.raises(cls) as info:
+                run[name]()
+            assert type(info.value) is cls and info.value.code == cls.code
+            msg = info.value.message
+            assert str(session_id) in msg and all(w in msg for w in words), msg
+            if cls is not UnknownSession:  # the store's own message, as for every call
+                assert ("RdmaInfo" if name == "info" else "RdmaAttach") in msg
+        assert not srv.endpoints
 
-    assert attach(s.id, s.token).status == rw.RdmaStatus.SHUTTING_DOWN  # not started
+    refused(Unavailable, s.id, s.token, "shutting down", "reconnect")  # not started
     srv.dev = object()  # type: ignore[assignment]  # checks before any verbs call
-    assert attach(s.id, bytes(16)).status == rw.RdmaStatus.UNAUTHENTICATED
-    assert attach(s.id + 999, s.token).status == rw.RdmaStatus.UNAUTHENTICATED
-    assert attach(t.id, t.token).status == rw.RdmaStatus.WRONG_TRANSPORT
-    reply, _ = srv.open_endpoint(b"short")
-    assert rw.AttachResponse.unpack(reply).status == rw.RdmaStatus.BAD_REQUEST
-    info = asyncio.run(srv._info(rw.InfoRequest(s.id, bytes(16)).pack(), None))
-    assert rw.InfoResponse.unpack(info).status == rw.RdmaStatus.UNAUTHENTICATED
+    refused(PermissionDenied, s.id, bytes(16), "wrong session token", "Connect")
+    refused(PermissionDenied, s.id, b"", "wrong session token")
+    refused(UnknownSession, s.id + 999, s.token, "unknown", "reconnect")
+    refused(InvalidArgument, t.id, t.token, "transport 'tcp'", "TRANSPORT_RDMA")
+    refused(InvalidArgument, s.id, s.token, "RdmaAttachRequest.qp", "gid is 4 bytes",
+            peer=rw.QpInfo(1, 2, b"\0" * 4, 0, 3, 4), calls=("attach",))
+    assert srv.info(s.id, s.token) is srv.dev
+    srv.endpoints[s.id] = object()  # type: ignore[assignment]  # an open RdmaAttach call
+    with pytest.raises(InvalidArgument, match=f"session {s.id}: the session already has an "
+                                              f"RDMA connection"):
+        srv.open_endpoint(s.id, s.token, qp)
+    del srv.endpoints[s.id]
     with pytest.raises(Unavailable, match="no RDMA connection"):
         asyncio.run(srv.grant(s, 1, [], [], write=False))
+
+
+class StandInEndpoint:
+    """What the exchange needs of a SessionEndpoint, without verbs (no device here)."""
+
+    made: list[StandInEndpoint] = []
+
+    def __init__(self, dev: Any, session_id: int, tenant: str, peer: rw.QpInfo,
+                 access: str) -> None:
+        self.session_id, self.peer = session_id, peer
+        self.qp = SimpleNamespace(qp_num=77)
+        self.closed = False
+        self.ended = asyncio.Event()
+        self.made.append(self)
+
+    def info(self) -> rw.QpInfo:
+        return rw.QpInfo(77, 5, GID_V4, 0, 3, 16)
+
+    def close(self) -> None:
+        self.closed = True
+        self.ended.set()
+
+
+def test_attach_call_lives_as_long_as_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real servicer, RdmaServer and store over gRPC on loopback, in one process; only
+    the verbs endpoint is stood in. Refusals are status codes with the ctxmem-error code;
+    RdmaAttach answers once and stays open; the client cancelling drops the endpoint; the
+    endpoint closing, or the service's RDMA transport shutting down, ends the call."""
+    import grpc
+
+    from ctxmem_dpu.control.servicer import ContextMemoryServicer
+    from ctxmem_dpu.transport import rdma as rdma_mod
+    from tests.dpu.storekit import open_store, store_config
+
+    async def until(cond: Callable[[], bool]) -> None:
+        for _ in range(200):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def status(call: Any) -> tuple[grpc.StatusCode, str, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        e = info.value
+        return e.code(), e.details() or "", dict(e.trailing_metadata() or ())[ERROR_METADATA_KEY]
+
+    async def run() -> None:
+        store = await open_store(store_config(service={
+            "transports": ["rdma", "tcp"], "rdma_listen": "10.0.2.15"}), None)
+        rdma = rdma_mod.RdmaServer(store, "10.0.2.15")
+        rdma.dev = SimpleNamespace(  # type: ignore[assignment]
+            gid=GID_V4, lid=0, mtu=3, responder_depth=16, close=lambda: None)
+        servicer = ContextMemoryServicer(store, "i", "", "", lambda: "serving")
+        servicer.rdma = rdma
+        server = grpc.aio.server()
+        pb_grpc.add_ContextMemoryServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        s = store.connect("alice", "", "rdma", "t")
+        mine = rw.QpInfo(12, 34, GID_V4, 0, 3, 8)
+
+        def attach_req(token: bytes = s.token) -> pb.RdmaAttachRequest:
+            return pb.RdmaAttachRequest(session_id=s.id, session_token=token, qp=mine.to_pb())
+
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.ContextMemoryStub(ch)
+                info = await stub.RdmaInfo(pb.RdmaInfoRequest(
+                    session_id=s.id, session_token=s.token), timeout=10)
+                assert (info.gid, info.mtu, info.rd_atomic) == (GID_V4, 3, 16)
+                code, details, kind = await status(stub.RdmaInfo(pb.RdmaInfoRequest(
+                    session_id=s.id, session_token=bytes(16)), timeout=10))
+                assert (code, kind) == (grpc.StatusCode.PERMISSION_DENIED,
+                                        ErrorCode.PERMISSION_DENIED.value)
+                assert f"RdmaInfo for session {s.id}: wrong session token" in details
+                code, details, kind = await status(stub.RdmaAttach(attach_req(bytes(16)),
+                                                                   timeout=10).read())
+                assert code == grpc.StatusCode.PERMISSION_DENIED and "RdmaAttach" in details
+                code, details, kind = await status(stub.RdmaAttach(pb.RdmaAttachRequest(
+                    session_id=s.id + 99, session_token=s.token), timeout=10).read())
+                assert (code, kind) == (grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_SESSION")
+                assert f"session {s.id + 99} is unknown" in details
+
+                # A device error creating the QP: UNAVAILABLE, with the verbs message.
+                def broken(*_a: Any) -> None:
+                    raise rw.RdmaDeviceError("creating the queue pair failed: modify QP",
+                                             errno.EINVAL)
+
+                monkeypatch.setattr(rdma_mod, "SessionEndpoint", broken)
+                code, details, kind = await status(stub.RdmaAttach(attach_req(),
+                                                                   timeout=10).read())
+                assert (code, kind) == (grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE")
+                assert "modify QP (errno 22: Invalid argument)" in details
+                assert not rdma.endpoints
+
+                monkeypatch.setattr(rdma_mod, "SessionEndpoint", StandInEndpoint)
+                # One answer, then the call stays open; a second attach is refused.
+                call = stub.RdmaAttach(attach_req())
+                first = await call.read()
+                assert rw.QpInfo.from_pb(first.qp) == rw.QpInfo(77, 5, GID_V4, 0, 3, 16)
+                ep = rdma.endpoints[s.id]
+                assert isinstance(ep, StandInEndpoint) and ep.peer == mine
+                code, details, kind = await status(stub.RdmaAttach(attach_req(),
+                                                                   timeout=10).read())
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "already" in details
+                await asyncio.sleep(0.2)
+                assert not call.done() and rdma.endpoints[s.id] is ep and not ep.closed
+                # The client ending the call drops the endpoint.
+                call.cancel()
+                await until(lambda: ep.closed and s.id not in rdma.endpoints)
+
+                # The endpoint closing (a broken QP) ends the call, cleanly.
+                call = stub.RdmaAttach(attach_req())
+                await call.read()
+                rdma.endpoints[s.id].close()
+                assert await call.read() is grpc.aio.EOF
+                assert await call.code() == grpc.StatusCode.OK
+                await until(lambda: s.id not in rdma.endpoints)
+
+                # The service's RDMA transport shutting down ends every call; new ones
+                # are UNAVAILABLE.
+                call = stub.RdmaAttach(attach_req())
+                await call.read()
+                ep = rdma.endpoints[s.id]
+                await rdma.close()
+                assert await call.read() is grpc.aio.EOF and ep.closed and not rdma.endpoints
+                code, details, kind = await status(stub.RdmaInfo(pb.RdmaInfoRequest(
+                    session_id=s.id, session_token=s.token), timeout=10))
+                assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details
+        finally:
+            await server.stop(0)
+            await store.close()
+
+    StandInEndpoint.made.clear()
+    asyncio.run(run())
+    assert len(StandInEndpoint.made) == 3 and all(ep.closed for ep in StandInEndpoint.made)
 
 
 def test_rdma_listen_must_be_an_ip(store: Any) -> None:
@@ -363,6 +540,40 @@ def test_client_rdma_against_a_service_without_it(service: Any) -> None:
     with ctxmem.Client(service.endpoint, transport="rdma") as c, \
             pytest.raises(InvalidArgument, match="'rdma' is not offered"):
         c.open_namespace(lay, model_id="m")
+
+
+def test_rdma_calls_against_a_service_without_it(service: Any) -> None:
+    import grpc
+
+    with grpc.insecure_channel(service.endpoint) as ch:
+        stub = pb_grpc.ContextMemoryStub(ch)
+        t = stub.Connect(pb.ConnectRequest(client_name="t", transport=pb.TRANSPORT_TCP,
+                                           tenant="t"), timeout=30)
+        qp = rw.QpInfo(1, 2, GID_V4, 0, 3, 4).to_pb()
+        calls = {
+            "RdmaInfo": lambda: stub.RdmaInfo(pb.RdmaInfoRequest(
+                session_id=t.session_id, session_token=t.session_token), timeout=30),
+            "RdmaAttach": lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
+                session_id=t.session_id, session_token=t.session_token, qp=qp), timeout=30)),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            e: Any = info.value
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, name
+            assert (ERROR_METADATA_KEY, "UNAVAILABLE") in tuple(e.trailing_metadata())
+            assert e.details().startswith(f"{name} for session {t.session_id}: this service "
+                                          f"has no RDMA transport")
+            assert "service.transports" in e.details()
+
+        # The shim's channel turns the refusal into a TransportError that says why.
+        pytest.importorskip("pyverbs")
+        from ctxmem.transport.base import TransportError
+        from ctxmem.transport.rdma import RdmaChannel
+
+        with pytest.raises(TransportError, match=rf"RdmaInfo for session {t.session_id} "
+                                                 rf"failed \(UNAVAILABLE\): .*no RDMA transport"):
+            RdmaChannel(ch, t.session_id, t.session_token, 30)
 
 
 def test_rdma_modules_do_not_import_pyverbs() -> None:

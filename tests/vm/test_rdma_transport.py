@@ -10,7 +10,8 @@ tmpfs, which has no O_DIRECT on this kernel).
   bounce-buffer paths);
 * isolation: another tenant's rkey, an address outside the session's grants, and a
   retired slab's old rkey all end in a remote access error and never in another
-  tenant's bytes; a bad token or a non-RDMA session cannot attach;
+  tenant's bytes; a bad token, an unknown session or a non-RDMA session cannot attach
+  (each refused with its gRPC status code), nor can a session attach twice;
 * grant scoping, with memory windows (``rdma_access: mw``) and with per-grant memory
   regions (``mr``): a key reaches only its own slots, in one direction, and stops at
   Release, at lease expiry and at Commit;
@@ -397,27 +398,60 @@ def test_access_ends_with_the_grant(scoped_service: Any) -> None:
 def test_attach_needs_the_session_token_and_an_rdma_session(service: Any) -> None:
     import grpc
 
-    from ctxmem_common import rdma_wire as rw
+    from ctxmem_common.errors import ERROR_METADATA_KEY
     from ctxmem_common.proto import ctxmem_pb2 as pb
     from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
+
+    def refused(call: Callable[[], object], code: grpc.StatusCode, kind: str,
+                *words: str) -> None:
+        """``call`` fails with status ``code``, ctxmem error ``kind`` and ``words``."""
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        e: Any = info.value
+        assert e.code() == code, (e.code(), e.details())
+        assert (ERROR_METADATA_KEY, kind) in tuple(e.trailing_metadata() or ())
+        assert all(w in e.details() for w in words), e.details()
 
     with grpc.insecure_channel(service.endpoint) as ch:
         stub = pb_grpc.ContextMemoryStub(ch)
         r = stub.Connect(pb.ConnectRequest(client_name="t", transport=pb.TRANSPORT_RDMA,
                                            tenant="mallory"), timeout=60)
         bad = bytes(16)
-        info = rw.InfoResponse.unpack(ch.unary_unary(rw.INFO_METHOD)(
-            rw.InfoRequest(r.session_id, bad).pack(), timeout=60))
-        assert info.status == rw.RdmaStatus.UNAUTHENTICATED
-        qp = rw.QpInfo(1, 1, bytes(16), 0, 3, 1)
-        att = rw.AttachResponse.unpack(next(ch.unary_stream(rw.ATTACH_METHOD)(
-            rw.AttachRequest(r.session_id, bad, qp).pack(), timeout=60)))
-        assert att.status == rw.RdmaStatus.UNAUTHENTICATED and att.qp is None
+        qp = pb.RdmaQp(qpn=1, psn=1, gid=bytes(16), lid=0, mtu=3, rd_atomic=1)
+        refused(lambda: stub.RdmaInfo(pb.RdmaInfoRequest(
+                    session_id=r.session_id, session_token=bad), timeout=60),
+                grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED",
+                f"RdmaInfo for session {r.session_id}", "wrong session token")
+        # The stream's one answer is never sent: the call fails before it.
+        refused(lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
+                    session_id=r.session_id, session_token=bad, qp=qp), timeout=60)),
+                grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED",
+                f"RdmaAttach for session {r.session_id}", "wrong session token")
+        refused(lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
+                    session_id=r.session_id + 1000, session_token=r.session_token, qp=qp),
+                    timeout=60)),
+                grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_SESSION",
+                f"session {r.session_id + 1000} is unknown")
         t = stub.Connect(pb.ConnectRequest(client_name="t", transport=pb.TRANSPORT_TCP,
                                            tenant="mallory"), timeout=60)
-        att = rw.AttachResponse.unpack(next(ch.unary_stream(rw.ATTACH_METHOD)(
-            rw.AttachRequest(t.session_id, t.session_token, qp).pack(), timeout=60)))
-        assert att.status == rw.RdmaStatus.WRONG_TRANSPORT
+        refused(lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
+                    session_id=t.session_id, session_token=t.session_token, qp=qp),
+                    timeout=60)),
+                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
+                f"RdmaAttach for session {t.session_id}", "TRANSPORT_RDMA")
+        # Nothing was attached by the refused calls: the RDMA session attaches for real,
+        # once; a second RdmaAttach while the first call is open is refused.
+        from ctxmem.transport.rdma import RdmaChannel
+
+        channel = RdmaChannel(ch, r.session_id, r.session_token, 60)
+        try:
+            refused(lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
+                        session_id=r.session_id, session_token=r.session_token, qp=qp),
+                        timeout=60)),
+                    grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
+                    f"RdmaAttach for session {r.session_id}", "already has an RDMA connection")
+        finally:
+            channel.close()
 
 
 # --------------------------------------------------------------------------------------

@@ -9,17 +9,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from ctxmem_common import __version__
-from ctxmem_common.errors import ERROR_METADATA_KEY, CtxmemError, ErrorCode, InvalidArgument
+from ctxmem_common.errors import (
+    ERROR_METADATA_KEY,
+    CtxmemError,
+    ErrorCode,
+    InvalidArgument,
+    Unavailable,
+)
 from ctxmem_common.keys import unpack_keys
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
+from ctxmem_common.rdma_wire import QpInfo
 from ctxmem_dpu.store import TIER_DRAM, TIER_FLASH, BlockStore
 
 if TYPE_CHECKING:
@@ -45,6 +52,19 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
+async def _abort(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
+    """End the call with ``exc`` as a status code plus the ``ctxmem-error`` metadata."""
+    if isinstance(exc, grpc.aio.AbortError):  # already aborted
+        raise exc
+    if isinstance(exc, CtxmemError):
+        code, message = exc.code, exc.message
+    else:
+        log.exception("%s failed", name)
+        code, message = ErrorCode.INTERNAL, f"{name}: internal error: {exc}"
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, code.value),))
+    await context.abort(_STATUS[code], message)
+
+
 def _rpc(
     fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]:
@@ -52,17 +72,29 @@ def _rpc(
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
             return await fn(self, request, context)
-        except CtxmemError as exc:
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, exc.code.value),))
-            await context.abort(_STATUS[exc.code], exc.message)
-            raise  # pragma: no cover - abort raises
         except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            log.exception("%s failed", fn.__name__)
-            context.set_trailing_metadata(((ERROR_METADATA_KEY, ErrorCode.INTERNAL.value),))
-            await context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error: {exc}")
-            raise  # pragma: no cover
+            await _abort(context, fn.__name__, exc)
+            raise  # pragma: no cover - abort raises
+
+    return wrapper
+
+
+def _stream_rpc(
+    fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncGenerator[Resp, None]],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]:
+    """:func:`_rpc` for server-streaming calls. The handler is closed (its ``finally``
+    blocks run) as soon as the call ends, however it ends."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[Resp]:
+        try:
+            async with contextlib.aclosing(fn(self, request, context)) as responses:
+                async for response in responses:
+                    yield response
+        except Exception as exc:
+            await _abort(context, fn.__name__, exc)
+            raise  # pragma: no cover - abort raises
 
     return wrapper
 
@@ -80,7 +112,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         self.shm_socket = shm_socket
         self.data_endpoint = data_endpoint
         self.health = health
-        self.rdma: RdmaServer | None = None  # RDMA (issue 3): set by the app when enabled
+        self.rdma: RdmaServer | None = None  # set by the app when 'rdma' is enabled
 
     def _slot(self, ref: Any, nbytes: int) -> pb.Slot:
         dram = self.store.dram
@@ -221,3 +253,36 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         return pb.StatsResponse(values=self.store.stats())
+
+    # -- RDMA connection exchange ----------------------------------------------------
+    def _rdma(self, call: str, session_id: int) -> RdmaServer:
+        if self.rdma is None:
+            raise Unavailable(
+                f"{call} for session {session_id}: this service has no RDMA transport "
+                f"(service.transports is {self.store.cfg.service.transports}); use transport "
+                f"'tcp' or 'shm', or add 'rdma' to service.transports and restart it")
+        return self.rdma
+
+    @_rpc
+    async def RdmaInfo(self, request: pb.RdmaInfoRequest, context: Any) -> pb.RdmaInfoResponse:
+        dev = self._rdma("RdmaInfo", request.session_id).info(request.session_id,
+                                                              request.session_token)
+        return pb.RdmaInfoResponse(gid=dev.gid, lid=dev.lid, mtu=dev.mtu,
+                                   rd_atomic=dev.responder_depth)
+
+    @_stream_rpc
+    async def RdmaAttach(self, request: pb.RdmaAttachRequest, context: Any
+                         ) -> AsyncGenerator[pb.RdmaAttachResponse, None]:
+        """One response (the service's QP), then open until the connection ends: the
+        client ending the call drops the session's endpoint, and the endpoint closing
+        (service shutdown, a broken QP) ends the call."""
+        rdma = self._rdma("RdmaAttach", request.session_id)
+        ep = rdma.open_endpoint(request.session_id, request.session_token,
+                                QpInfo.from_pb(request.qp))
+        # A stream the client abandons without a clean cancel still ends its context.
+        context.add_done_callback(lambda _ctx: rdma.drop_endpoint(ep))
+        try:
+            yield pb.RdmaAttachResponse(qp=ep.info().to_pb())
+            await ep.ended.wait()  # close(), or the endpoint broke (a failed bind)
+        finally:
+            rdma.drop_endpoint(ep)

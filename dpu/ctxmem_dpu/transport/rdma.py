@@ -6,7 +6,9 @@ service does here is *exposure and isolation*:
 
 * one verbs device context, opened at start on the device/port/GID chosen by
   ``service.rdma_listen`` (its IP), ``service.rdma_device`` and ``service.rdma_gid_index``;
-* per session that attaches over RDMA (see :mod:`ctxmem_common.rdma_wire`): its own
+* per session that attaches over RDMA (the ``RdmaInfo``/``RdmaAttach`` calls of
+  ``ctxmem.proto``, served by :class:`~ctxmem_dpu.control.servicer.ContextMemoryServicer`
+  with :meth:`RdmaServer.info` and :meth:`RdmaServer.open_endpoint`): its own
   protection domain (PD) and an RC queue pair in it. Nothing registered in a session's
   PD is reachable from any other session's QP;
 * per *grant* — an allocation (write access to its slots) or a lease (read access to its
@@ -22,7 +24,7 @@ service does here is *exposure and isolation*:
   no remote access itself (``LOCAL_WRITE | MW_BIND``); when a slab's memory leaves its
   tenant the DRAM tier's ``on_retire`` hook deregisters those MRs before the memory is
   unmapped;
-* when the client's ``Attach`` call ends (close, crash, lost connection) the session's
+* when the client's ``RdmaAttach`` call ends (close, crash, lost connection) the session's
   grants, QP, CQ, MRs and PD are destroyed, in that order.
 
 Everything here runs on the service's event-loop thread (the gRPC handlers and the
@@ -38,16 +40,14 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ctxmem_common import rdma_wire as rw
 from ctxmem_common.config import rdma_ip
-from ctxmem_common.errors import ConfigError, Unavailable
+from ctxmem_common.errors import ConfigError, InvalidArgument, PermissionDenied, Unavailable
 
 if TYPE_CHECKING:
-    import grpc
-
     from ctxmem_dpu.alloc import SlotRef
     from ctxmem_dpu.blocks import Session
     from ctxmem_dpu.store import BlockStore
@@ -194,6 +194,10 @@ class SessionEndpoint:
     Built by :meth:`RdmaServer.open_endpoint`; torn down by :meth:`close` in the order
     verbs requires (grants' windows/regions, QP, CQ, slab MRs, PD). The QP answers the
     client's READs and WRITEs; its send queue carries only memory-window binds.
+
+    Raises:
+        RdmaDeviceError: a verbs call failed; the message names the session, both QPs'
+            ends and the device, and says what to check.
     """
 
     def __init__(self, dev: RdmaDevice, session_id: int, tenant: str, peer: rw.QpInfo,
@@ -210,12 +214,13 @@ class SessionEndpoint:
         # grant id -> the windows (mw) or regions (mr) that carry its rkeys
         self.grants: dict[int, list[Any]] = {}
         self.closed = False
-        self.ended = asyncio.Event()  # set by close(): ends the client's Attach call
+        self.ended = asyncio.Event()  # set by close(): ends the client's RdmaAttach call
         self._bind_lock = asyncio.Lock()
         self.qp: Any = None
         self.cq: Any = None
-        self.pd: Any = pv.pd.PD(dev.ctx)
+        self.pd: Any = None
         try:
+            self.pd = pv.pd.PD(dev.ctx)
             depth = dev.bind_depth
             self.cq = pv.cq.CQ(dev.ctx, depth)
             cap = pv.qp.QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1,
@@ -245,6 +250,13 @@ class SessionEndpoint:
                                      sgid_index=dev.gid_index, hop_limit=64)
             attr.ah_attr = pv.addr.AHAttr(port_num=dev.port, is_global=1, gr=gr, dlid=peer.lid)
             self.qp.to_rts(attr)
+        except pv.pyverbs_error.PyverbsError as exc:
+            self.close()
+            raise rw.RdmaDeviceError(
+                f"creating/connecting the queue pair of RDMA session {session_id} (towards "
+                f"the client's QP {peer.qpn}, GID {rw.gid_to_str(peer.gid)}) on "
+                f"{dev.choice.describe()} failed: {exc}; {rw.verbs_hint(_errno(exc))}",
+                _errno(exc)) from None
         except BaseException:
             self.close()
             raise
@@ -424,7 +436,8 @@ class SessionEndpoint:
 
 
 class RdmaServer:
-    """Serves the RDMA exchange (``Info``/``Attach``) and grants per-slot, per-lease keys."""
+    """Serves the RDMA exchange (``RdmaInfo``/``RdmaAttach``, through the servicer) and
+    grants per-slot, per-lease keys."""
 
     def __init__(self, store: BlockStore, listen: str, device: str = "", gid_index: int = -1,
                  access: str = "auto") -> None:
@@ -465,76 +478,61 @@ class RdmaServer:
                  dev.responder_depth, self.access, "type 2" if dev.has_mw2 else "no",
                  dev.max_mw)
 
-    def rpc_handler(self) -> grpc.GenericRpcHandler:
-        import grpc
-
-        return grpc.method_handlers_generic_handler(rw.RDMA_SERVICE, {
-            "Info": grpc.unary_unary_rpc_method_handler(self._info),
-            "Attach": grpc.unary_stream_rpc_method_handler(self._attach),
-        })
-
-    # -- exchange --------------------------------------------------------------------
-    def _auth(self, session_id: int, token: bytes) -> tuple[rw.RdmaStatus, Session | None]:
+    # -- exchange (the servicer's RdmaInfo and RdmaAttach) ----------------------------
+    def _session(self, call: str, session_id: int, token: bytes) -> Session:
+        """The RDMA session ``session_id`` if ``token`` is its token, else the error
+        ``call`` (``"RdmaInfo"``, ``"RdmaAttach"``) answers with."""
         if self._closing.is_set() or self.dev is None:
-            return rw.RdmaStatus.SHUTTING_DOWN, None
-        s = self.store.sessions.get(session_id)
-        if s is None or not hmac.compare_digest(s.token, token):
-            return rw.RdmaStatus.UNAUTHENTICATED, None
+            raise Unavailable(
+                f"{call} for session {session_id}: the service's RDMA transport is shutting "
+                f"down; reconnect (a new Connect) once the service is back")
+        s = self.store.session(session_id)  # UnknownSession, as for every other call
+        if not hmac.compare_digest(s.token, token):
+            raise PermissionDenied(
+                f"{call} for session {session_id}: wrong session token; send the "
+                f"session_token that Connect returned for this session")
         if s.transport != "rdma":
-            return rw.RdmaStatus.WRONG_TRANSPORT, None
-        return rw.RdmaStatus.OK, s
+            raise InvalidArgument(
+                f"{call} for session {session_id}: the session was opened with transport "
+                f"{s.transport!r}, not 'rdma'; Connect with transport TRANSPORT_RDMA to use "
+                f"RdmaInfo/RdmaAttach")
+        return s
 
-    async def _info(self, request: bytes, context: Any) -> bytes:
-        try:
-            req = rw.InfoRequest.unpack(request)
-        except rw.VersionMismatch as exc:
-            return rw.InfoResponse(rw.RdmaStatus.VERSION_MISMATCH, message=str(exc)).pack()
-        except ValueError as exc:
-            return rw.InfoResponse(rw.RdmaStatus.BAD_REQUEST, message=str(exc)).pack()
-        status, _s = self._auth(req.session_id, req.token)
-        if status != rw.RdmaStatus.OK or self.dev is None:
-            return rw.InfoResponse(status).pack()
-        d = self.dev
-        return rw.InfoResponse(rw.RdmaStatus.OK, d.gid, d.lid, d.mtu, d.responder_depth).pack()
+    def info(self, session_id: int, token: bytes) -> RdmaDevice:
+        """The device a client of RDMA session ``session_id`` connects to (its GID, LID,
+        MTU and responder depth). Raises the :class:`CtxmemError` to answer with."""
+        self._session("RdmaInfo", session_id, token)
+        assert self.dev is not None
+        return self.dev
 
-    def open_endpoint(self, request: bytes) -> tuple[bytes, SessionEndpoint | None]:
-        """Check an ATTACH request and build the session's endpoint: (reply, endpoint)."""
-        try:
-            req = rw.AttachRequest.unpack(request)
-        except rw.VersionMismatch as exc:
-            return rw.AttachResponse(rw.RdmaStatus.VERSION_MISMATCH, message=str(exc)).pack(), None
-        except ValueError as exc:
-            return rw.AttachResponse(rw.RdmaStatus.BAD_REQUEST, message=str(exc)).pack(), None
-        status, s = self._auth(req.session_id, req.token)
-        if status != rw.RdmaStatus.OK or s is None or self.dev is None:
-            return rw.AttachResponse(status).pack(), None
+    def open_endpoint(self, session_id: int, token: bytes, peer: rw.QpInfo) -> SessionEndpoint:
+        """Authenticate an attach, build the session's endpoint and connect its QP to
+        ``peer`` (the client's QP). The caller answers with :meth:`SessionEndpoint.info`
+        and must :meth:`drop_endpoint` when the ``RdmaAttach`` call ends.
+
+        Raises:
+            Unavailable: no device (shutting down), or a verbs call failed
+                (:class:`~ctxmem_common.rdma_wire.RdmaDeviceError`).
+            UnknownSession, PermissionDenied: unknown session, wrong token.
+            InvalidArgument: not an RDMA session, already attached, or a malformed ``peer``.
+        """
+        s = self._session("RdmaAttach", session_id, token)
         if s.id in self.endpoints:
-            return rw.AttachResponse(rw.RdmaStatus.ALREADY_ATTACHED).pack(), None
-        pv = _verbs()
+            raise InvalidArgument(
+                f"RdmaAttach for session {s.id}: the session already has an RDMA connection "
+                f"(an earlier RdmaAttach call of it is still open); end that call first, or "
+                f"Connect a new session")
+        peer.check(f"RdmaAttach for session {s.id}: RdmaAttachRequest.qp")
+        assert self.dev is not None
         try:
-            ep = SessionEndpoint(self.dev, s.id, s.tenant, req.qp, self.access)
-        except pv.pyverbs_error.PyverbsError as exc:
-            msg = (f"creating/connecting the queue pair for session {s.id} on "
-                   f"{self.dev.choice.describe()} failed: {exc}; {rw.verbs_hint(_errno(exc))}")
-            log.warning("%s", msg)
-            return rw.AttachResponse(rw.RdmaStatus.DEVICE_ERROR, message=msg).pack(), None
+            ep = SessionEndpoint(self.dev, s.id, s.tenant, peer, self.access)
+        except rw.RdmaDeviceError as exc:
+            log.warning("%s", exc.message)
+            raise
         self.endpoints[s.id] = ep
         log.info("RDMA session %d (tenant %r) attached: QP %d <- peer QP %d", s.id, s.tenant,
-                 ep.qp.qp_num, req.qp.qpn)
-        return rw.AttachResponse(rw.RdmaStatus.OK, ep.info()).pack(), ep
-
-    async def _attach(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
-        reply, ep = self.open_endpoint(request)
-        if ep is not None:
-            # A stream the client abandons without a clean cancel still ends its context.
-            context.add_done_callback(lambda _ctx: self.drop_endpoint(ep))
-        yield reply
-        if ep is None:
-            return
-        try:
-            await ep.ended.wait()  # close(), or the endpoint broke (a failed bind)
-        finally:
-            self.drop_endpoint(ep)
+                 ep.qp.qp_num, peer.qpn)
+        return ep
 
     def drop_endpoint(self, ep: SessionEndpoint) -> None:
         if self.endpoints.get(ep.session_id) is ep:
@@ -554,7 +552,7 @@ class RdmaServer:
         ep = self.endpoints.get(s.id)
         if ep is None or ep.closed:
             raise Unavailable(
-                f"session {s.id} has no RDMA connection (its Attach call ended or never "
+                f"session {s.id} has no RDMA connection (its RdmaAttach call ended or never "
                 f"happened); reconnect")
         dram = self.store.dram
         spans = []
@@ -591,7 +589,7 @@ class RdmaServer:
             ep.drop_slab(slab_id)
 
     async def close(self) -> None:
-        """End every Attach call and free every session's resources, then the context."""
+        """End every RdmaAttach call and free every session's resources, then the context."""
         self._closing.set()
         for ep in list(self.endpoints.values()):
             self.drop_endpoint(ep)

@@ -1,10 +1,10 @@
 """RDMA channel: one-sided RDMA WRITE (put) and READ (get) into the service's slots.
 
-One RC queue pair per session, connected over the control plane (``Info`` then a
-long-lived ``Attach`` call; framing in :mod:`ctxmem_common.rdma_wire`). Each slot that
-Allocate or Acquire returns carries the service's virtual address and an rkey of the
-session's own memory region over that slab; the channel posts one work request per
-slot, straight from (put) or into (get) the caller's buffer:
+One RC queue pair per session, connected over the control plane (``RdmaInfo`` then a
+long-lived ``RdmaAttach`` call of ``ctxmem.proto``; see :mod:`ctxmem_common.rdma_wire`).
+Each slot that Allocate or Acquire returns carries the service's virtual address and an
+rkey of the session's own memory region over that slab; the channel posts one work
+request per slot, straight from (put) or into (get) the caller's buffer:
 
 * **registration cache** — a caller buffer of at least ``reg_min_bytes`` is registered
   once, as the whole contiguous buffer that owns it (a KV pool registered once serves
@@ -20,7 +20,7 @@ slot, straight from (put) or into (get) the caller's buffer:
 * **bounded completion waits** — the CQ is polled for a few microseconds, then the
   thread sleeps on the completion channel's fd with ``select``; every wait ends within
   ``timeout_s`` of the last progress, and also as soon as the service ends the
-  ``Attach`` call (restart, crash).
+  ``RdmaAttach`` call (restart, crash).
 * **failure** — a failed completion (remote access error, retry exceeded) or a timeout
   destroys the QP at once (no late DMA into the caller's buffers), and raises
   :class:`RdmaError`, a :class:`~ctxmem.transport.base.TransportError`: the client then
@@ -49,7 +49,9 @@ import numpy as np
 
 from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem_common import rdma_wire as rw
+from ctxmem_common.errors import ERROR_METADATA_KEY, InvalidArgument
 from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -363,36 +365,53 @@ class RdmaChannel(DataChannel):
                                        min_bytes=_env_int(ENV_REG_MIN_KB, 256) << 10,
                                        max_bytes=_env_int(ENV_REG_CACHE_MB, 1024) << 20)
         self.stats = collections.Counter[str]()
+        stub = pb_grpc.ContextMemoryStub(grpc_channel)
         try:
-            server = self._info(grpc_channel, token)
+            server = self._info(stub, token)
             self.choice = self._choose_device(server, device, gid_index)
             self._open_verbs(server)
-            self._attach(grpc_channel, token, server)
+            self._attach(stub, token)
         except BaseException:
             self._teardown()
             raise
         _LIVE.add(self)
 
     # -- setup -----------------------------------------------------------------------
-    def _info(self, grpc_channel: Any, token: bytes) -> rw.InfoResponse:
+    def _info(self, stub: pb_grpc.ContextMemoryStub, token: bytes) -> pb.RdmaInfoResponse:
         import grpc
 
-        call = grpc_channel.unary_unary(rw.INFO_METHOD)
         try:
-            raw = call(rw.InfoRequest(self.session_id, token).pack(), timeout=self.timeout_s)
+            resp: pb.RdmaInfoResponse = stub.RdmaInfo(
+                pb.RdmaInfoRequest(session_id=self.session_id, session_token=token),
+                timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code == grpc.StatusCode.UNIMPLEMENTED:
-                raise TransportError("the service has no RDMA exchange (older version, or "
-                                     "'rdma' not in service.transports)") from None
-            raise TransportError(f"RDMA Info call failed: {exc}") from None
-        resp = rw.InfoResponse.unpack(raw)
-        if resp.status != rw.RdmaStatus.OK:
-            raise TransportError(f"RDMA channel refused: {rw.status_text(resp.status)}"
-                                 f"{': ' + resp.message if resp.message else ''}")
+            raise self._refused("RdmaInfo", exc) from None
+        if len(resp.gid) != 16:
+            raise TransportError(f"RdmaInfo for session {self.session_id}: the service sent a "
+                                 f"{len(resp.gid)}-byte GID, not 16; is it a ctxmem service "
+                                 f"of this version?")
         return resp
 
-    def _choose_device(self, server: rw.InfoResponse, device: str, gid_index: int
+    def _refused(self, call: str, exc: Any) -> TransportError:
+        """The :class:`TransportError` for a failed ``RdmaInfo``/``RdmaAttach`` call."""
+        import grpc
+
+        code = exc.code()
+        details = exc.details() or ""
+        what = f"{call} for session {self.session_id}"
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return TransportError(f"{what}: the service does not implement {call} (a ctxmem "
+                                  f"version without RDMA in ctxmem.proto); upgrade it or use "
+                                  f"transport='tcp'")
+        if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            return TransportError(f"{what}: no answer from the service within "
+                                  f"{self.timeout_s:g} s ({code.name}: {details})")
+        # The ctxmem error code (UNKNOWN_SESSION, ...) where it says more than the status.
+        kind = dict(exc.trailing_metadata() or ()).get(ERROR_METADATA_KEY, code.name)
+        status = code.name if kind == code.name else f"{code.name}, {kind}"
+        return TransportError(f"{what} failed ({status}): {details}")
+
+    def _choose_device(self, server: pb.RdmaInfoResponse, device: str, gid_index: int
                        ) -> rw.GidChoice:
         device = device or os.environ.get(ENV_DEVICE, "")
         if gid_index < 0:
@@ -411,7 +430,7 @@ class RdmaChannel(DataChannel):
             raise RdmaError(f"no route to the service's RDMA address {peer_ip}",
                             exc.errno or 0) from None
 
-    def _open_verbs(self, server: rw.InfoResponse) -> None:
+    def _open_verbs(self, server: pb.RdmaInfoResponse) -> None:
         pv = self._pv
         e = pv.libibverbs_enums
         c = self.choice
@@ -446,13 +465,13 @@ class RdmaChannel(DataChannel):
         self.depth = max(1, min(INITIATOR_DEPTH, int(dev_attr.max_qp_init_rd_atom),
                                 server.rd_atomic or 1))
 
-    def _attach(self, grpc_channel: Any, token: bytes, server: rw.InfoResponse) -> None:
+    def _attach(self, stub: pb_grpc.ContextMemoryStub, token: bytes) -> None:
         import grpc
 
         mine = rw.QpInfo(self.qp.qp_num, self.psn, self.choice.gid, self.lid, self.mtu,
                          self.depth)
-        stream = grpc_channel.unary_stream(rw.ATTACH_METHOD)
-        call = stream(rw.AttachRequest(self.session_id, token, mine).pack())
+        call = stub.RdmaAttach(pb.RdmaAttachRequest(
+            session_id=self.session_id, session_token=token, qp=mine.to_pb()))
         self._attach_call = call
         # The call lives as long as the connection (no deadline); only the first answer's
         # wait is bounded, by cancelling the call if it has not come in time.
@@ -460,23 +479,25 @@ class RdmaChannel(DataChannel):
         timer.daemon = True
         timer.start()
         try:
-            raw = next(call)
+            resp: pb.RdmaAttachResponse = next(call)
         except grpc.RpcError as exc:
-            raise TransportError(f"RDMA Attach call failed (or got no answer within "
-                                 f"{self.timeout_s:g} s): {exc}") from None
+            raise self._refused("RdmaAttach", exc) from None
         except StopIteration:
-            raise TransportError("RDMA Attach call ended without an answer") from None
+            raise TransportError(f"RdmaAttach for session {self.session_id}: the service "
+                                 f"ended the call without an answer") from None
         finally:
             timer.cancel()
-        resp = rw.AttachResponse.unpack(raw)
-        if resp.status != rw.RdmaStatus.OK or resp.qp is None:
-            raise TransportError(f"RDMA Attach refused: {rw.status_text(resp.status)}"
-                                 f"{': ' + resp.message if resp.message else ''}")
+        try:
+            peer = rw.QpInfo.from_pb(resp.qp).check("RdmaAttachResponse.qp")
+        except InvalidArgument as exc:
+            raise TransportError(f"RdmaAttach for session {self.session_id}: the service's "
+                                 f"answer is malformed: {exc.message}") from None
+        # The service ending the call (shutdown, restart, a broken QP) ends the connection.
         call.add_done_callback(lambda _c: self._peer_gone.set())
-        self._connect(resp.qp)
+        self._connect(peer)
         log.info("ctxmem rdma: session %d on %s, QP %d -> service QP %d, MTU enum %d, "
                  "READ depth %d", self.session_id, self.choice.describe(), self.qp.qp_num,
-                 resp.qp.qpn, min(self.mtu, resp.qp.mtu), self.depth)
+                 peer.qpn, min(self.mtu, peer.mtu), self.depth)
 
     def _connect(self, peer: rw.QpInfo) -> None:
         pv = self._pv
@@ -709,7 +730,7 @@ class RdmaChannel(DataChannel):
             self._teardown()
 
     def _teardown(self) -> None:
-        """End the Attach call, then QP, CQ, MRs, PD, completion channel, context."""
+        """End the RdmaAttach call, then QP, CQ, MRs, PD, completion channel, context."""
         if self._attach_call is not None:
             self._attach_call.cancel()
             self._attach_call = None

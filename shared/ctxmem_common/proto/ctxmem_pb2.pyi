@@ -314,3 +314,55 @@ class StatsResponse(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     values: _containers.ScalarMap[str, float]
     def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class RdmaQp(_message.Message):
+    __slots__ = ("qpn", "psn", "gid", "lid", "mtu", "rd_atomic")
+    QPN_FIELD_NUMBER: _ClassVar[int]
+    PSN_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    LID_FIELD_NUMBER: _ClassVar[int]
+    MTU_FIELD_NUMBER: _ClassVar[int]
+    RD_ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    qpn: int
+    psn: int
+    gid: bytes
+    lid: int
+    mtu: int
+    rd_atomic: int
+    def __init__(self, qpn: _Optional[int] = ..., psn: _Optional[int] = ..., gid: _Optional[bytes] = ..., lid: _Optional[int] = ..., mtu: _Optional[int] = ..., rd_atomic: _Optional[int] = ...) -> None: ...
+
+class RdmaInfoRequest(_message.Message):
+    __slots__ = ("session_id", "session_token")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    session_token: bytes
+    def __init__(self, session_id: _Optional[int] = ..., session_token: _Optional[bytes] = ...) -> None: ...
+
+class RdmaInfoResponse(_message.Message):
+    __slots__ = ("gid", "lid", "mtu", "rd_atomic")
+    GID_FIELD_NUMBER: _ClassVar[int]
+    LID_FIELD_NUMBER: _ClassVar[int]
+    MTU_FIELD_NUMBER: _ClassVar[int]
+    RD_ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    gid: bytes
+    lid: int
+    mtu: int
+    rd_atomic: int
+    def __init__(self, gid: _Optional[bytes] = ..., lid: _Optional[int] = ..., mtu: _Optional[int] = ..., rd_atomic: _Optional[int] = ...) -> None: ...
+
+class RdmaAttachRequest(_message.Message):
+    __slots__ = ("session_id", "session_token", "qp")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    QP_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    session_token: bytes
+    qp: RdmaQp
+    def __init__(self, session_id: _Optional[int] = ..., session_token: _Optional[bytes] = ..., qp: _Optional[_Union[RdmaQp, _Mapping]] = ...) -> None: ...
+
+class RdmaAttachResponse(_message.Message):
+    __slots__ = ("qp",)
+    QP_FIELD_NUMBER: _ClassVar[int]
+    qp: RdmaQp
+    def __init__(self, qp: _Optional[_Union[RdmaQp, _Mapping]] = ...) -> None: ...

@@ -94,6 +94,16 @@ class ContextMemoryStub:
                 request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsRequest.SerializeToString,
                 response_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.RdmaInfo = channel.unary_unary(
+                '/ctxmem.v1.ContextMemory/RdmaInfo',
+                request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaInfoRequest.SerializeToString,
+                response_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaInfoResponse.FromString,
+                _registered_method=True)
+        self.RdmaAttach = channel.unary_stream(
+                '/ctxmem.v1.ContextMemory/RdmaAttach',
+                request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaAttachRequest.SerializeToString,
+                response_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaAttachResponse.FromString,
+                _registered_method=True)
 
 
 class ContextMemoryServicer:
@@ -171,6 +181,24 @@ class ContextMemoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RdmaInfo(self, request, context):
+        """The service's GID, LID, MTU and responder depth, so the client can pick its device.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RdmaAttach(self, request, context):
+        """Creates the session's protection domain and QP on the service and connects it to the
+        client's; one response, then the call stays open for the life of the RDMA connection.
+        The client ending the call (close, crash, lost connection) tears the session's verbs
+        resources down; the service ending it (shutdown, a broken QP) tells the client the
+        connection is gone. A session has at most one RdmaAttach call open at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ContextMemoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +261,16 @@ def add_ContextMemoryServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsRequest.FromString,
                     response_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsResponse.SerializeToString,
+            ),
+            'RdmaInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.RdmaInfo,
+                    request_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaInfoRequest.FromString,
+                    response_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaInfoResponse.SerializeToString,
+            ),
+            'RdmaAttach': grpc.unary_stream_rpc_method_handler(
+                    servicer.RdmaAttach,
+                    request_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaAttachRequest.FromString,
+                    response_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaAttachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +597,60 @@ class ContextMemory:
             '/ctxmem.v1.ContextMemory/Stats',
             ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsRequest.SerializeToString,
             ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RdmaInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ctxmem.v1.ContextMemory/RdmaInfo',
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaInfoRequest.SerializeToString,
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RdmaAttach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ctxmem.v1.ContextMemory/RdmaAttach',
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaAttachRequest.SerializeToString,
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaAttachResponse.FromString,
             options,
             channel_credentials,
             insecure,
