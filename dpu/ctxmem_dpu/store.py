@@ -83,6 +83,11 @@ COUNTERS = (
 # How often failed flash devices are probed (see FlashDevice.probe). Tests and the chaos
 # campaign lower it with CTXMEM_FLASH_PROBE_INTERVAL_S.
 PROBE_INTERVAL_S = float(os.environ.get("CTXMEM_FLASH_PROBE_INTERVAL_S", "2.0"))
+# The demoter's poll period, and the longest it waits between tries that made no progress.
+DEMOTE_POLL_S = 0.02
+DEMOTE_BACKOFF_MAX_S = 1.0
+# "flash tier full" is logged at most this often (each occurrence is counted in flash_full).
+FLASH_FULL_LOG_INTERVAL_S = 30.0
 
 
 class BlockStore:
@@ -132,6 +137,7 @@ class BlockStore:
         # reservation and completion; an invalidation's, between zeroing and freeing.
         self._in_flight: Counter[Extent] = Counter()
         self._slow_seen: dict[int, int] = {}
+        self._flash_full_logged = -FLASH_FULL_LOG_INTERVAL_S
         # Called with an allocation's or lease's id when it ends (commit, abort, release,
         # expiry, session close), before its slots are unpinned: see _grant_ended.
         self.on_grant_end: list[Callable[[int], None]] = []
@@ -939,7 +945,12 @@ class BlockStore:
                 exts = await self._reserve_flash(size, len(group))
                 if exts is None:
                     self.counters["flash_full"] += 1
-                    log.warning("flash tier full: %d blocks stay in DRAM only", len(group))
+                    now = time.monotonic()
+                    if now >= self._flash_full_logged + FLASH_FULL_LOG_INTERVAL_S:
+                        self._flash_full_logged = now
+                        log.warning("flash tier full: %d blocks stay in DRAM only (counted in "
+                                    "flash_full; logged at most every %g s)", len(group),
+                                    FLASH_FULL_LOG_INTERVAL_S)
                     continue
                 plan.extend(zip(group, exts, strict=True))
                 self._in_flight.update(exts)
@@ -1164,8 +1175,14 @@ class BlockStore:
     async def _demoter(self) -> None:
         # Polls every 20 ms instead of waiting on an Event under wait_for: cancelling a
         # task blocked in wait_for(Event.wait()) can hang on CPython 3.11 at shutdown.
+        # While no device is healthy it does not try at all (the reaper's probe brings
+        # devices back); while it makes no progress (flash full of pinned blocks) it
+        # backs off to DEMOTE_BACKOFF_MAX_S between tries.
+        pause = DEMOTE_POLL_S
         while not self._closed:
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(pause)
+            if not any(d.healthy for d in self.flash.devices):
+                continue
             while self._dirty and self.flash.enabled and not self._closed:
                 batch = list(itertools.islice(self._dirty, self.cfg.flash.demote_batch))
                 before = len(self._dirty)
@@ -1175,7 +1192,9 @@ class BlockStore:
                     log.exception("background demotion failed")
                     break
                 if len(self._dirty) >= before:  # no progress (flash full or failing)
+                    pause = min(DEMOTE_BACKOFF_MAX_S, pause * 2 ** 4)
                     break
+                pause = DEMOTE_POLL_S
 
     async def _reaper(self) -> None:
         """Expire allocations and leases; re-probe failed flash devices."""

@@ -163,3 +163,48 @@ def test_enospc_on_a_live_service_degrades_and_recovers(tmp_path: Path) -> None:
         assert all(served(ns, before + during).values())
     finally:
         svc.close()
+
+
+async def test_demoter_does_not_spin_on_failed_or_full_flash(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No demotion attempts while every device is failed; while the flash tier is full of
+    pinned blocks, tries back off (at most a few per second) and the warning is logged
+    once, not every 20 ms."""
+    store = await open_store(store_config(), make_flash(tmp_path / "f.img", size=3 << 20))
+    try:
+        s, ns = session(store)
+        # Full: as many blocks as flash holds, each made durable and then pinned by a lease
+        # (a pinned block is never evicted from flash to make room).
+        leases = []
+        for n in range(40):
+            await put(store, s, ns, {K[n]: payload(n + 1)})
+            if await store.evict(ns, [K[n]], "dram") != 1:
+                break
+            leases.append((await store.acquire(s, ns, [K[n]]))[0].id)
+        else:
+            pytest.fail("a 3 MiB flash file should fill before 40 blocks of 64 KiB")
+        assert n >= 1, "the flash file should hold at least one block"
+        await put(store, s, ns, {K[i]: payload(i + 1) for i in range(n + 1, n + 9)})
+        await asyncio.sleep(0.3)  # the demoter's first tries
+        caplog.clear()
+        before = store.counters["flash_full"]
+        await asyncio.sleep(2.0)
+        tries = store.counters["flash_full"] - before
+        assert tries <= 4, f"{tries} demotion tries in 2 s on a full flash tier"
+        warned = [r for r in caplog.records if "flash tier full" in r.getMessage()]
+        assert len(warned) <= 1
+        store.release(s, leases)
+
+        # Failed: every device refuses writes; the demoter does not try at all.
+        faults.configure(devices={"flash0": {"write": "eio", "read": "eio"}})
+        await put(store, s, ns, {K[150]: payload(151)})
+        await store.evict(ns, [K[150]], "dram")  # fails: marks the device failed
+        assert not store.flash.devices[0].healthy
+        before = store.counters["flash_full"]
+        await asyncio.sleep(1.0)
+        assert store.counters["flash_full"] == before
+        assert store.lookup(ns, [K[150]], prefix=True) == (1, ["dram"])
+        faults.configure(devices={})
+        assert await _healthy(store)
+    finally:
+        await store.close()
