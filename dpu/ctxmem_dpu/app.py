@@ -116,6 +116,8 @@ class Service:
             if backend.offloads_encryption:
                 crypto_off.append(backend.spec.name)
         self.store = BlockStore(cfg, flash_paths, master_key, crypto_off)
+        for backend in self.backends:  # where a failed device is now (see _usable_again)
+            self.store.locators[backend.spec.name] = backend.locate
         await self.store.start()
 
         data_endpoint = ""

@@ -79,6 +79,7 @@ COUNTERS = (
     "flash_read_errors", "flash_write_errors", "flash_device_failures", "flash_full",
     "dram_full", "expired_allocations", "expired_leases", "recovered_blocks",
     "recovery_seconds_x1e6", "quarantined_extents", "dirty_dropped", "flash_device_recoveries",
+    "flash_device_reopened",
 )
 # How often failed flash devices are probed (see FlashDevice.probe). Tests and the chaos
 # campaign lower it with CTXMEM_FLASH_PROBE_INTERVAL_S.
@@ -86,6 +87,8 @@ PROBE_INTERVAL_S = float(os.environ.get("CTXMEM_FLASH_PROBE_INTERVAL_S", "2.0"))
 # The demoter's poll period, and the longest it waits between tries that made no progress.
 DEMOTE_POLL_S = 0.02
 DEMOTE_BACKOFF_MAX_S = 1.0
+# Bound on one call of a device's locator (a storage backend's locate(), a sysfs walk).
+LOCATE_TIMEOUT_S = 5.0
 # "flash tier full" is logged at most this often (each occurrence is counted in flash_full).
 FLASH_FULL_LOG_INTERVAL_S = 30.0
 
@@ -141,6 +144,10 @@ class BlockStore:
         # Called with an allocation's or lease's id when it ends (commit, abort, release,
         # expiry, session close), before its slots are unpinned: see _grant_ended.
         self.on_grant_end: list[Callable[[int], None]] = []
+        # Device name -> where the device is now (its storage backend's locate(): e.g. the
+        # NVMe namespace's current block node, from sysfs; None while it is not there). A
+        # failed device whose probe fails is looked up and reopened there when it moved.
+        self.locators: dict[str, Callable[[], str | None]] = {}
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -1196,6 +1203,37 @@ class BlockStore:
                     break
                 pause = DEMOTE_POLL_S
 
+    async def _usable_again(self, dev: FlashDevice) -> bool:
+        """Probe a failed device where it is; if that fails and the device has a locator,
+        ask where it is now and, when it moved (a new block node), reopen it there (its
+        superblock UUID must match) and probe again."""
+        try:
+            await self._io(dev.probe)
+            await self._io(dev.scrub_slab_headers)
+            return True
+        except FlashIOError:
+            locate = self.locators.get(dev.name)
+            if locate is None:
+                return False
+        loop = asyncio.get_running_loop()
+        try:  # the default executor: a slow attach must not hold an I/O thread
+            path = await asyncio.wait_for(loop.run_in_executor(None, locate),
+                                          LOCATE_TIMEOUT_S)
+        except Exception as exc:
+            log.debug("flash device %s: not found yet (%s)", dev.name, exc)
+            return False
+        if not path or path == dev.path:
+            return False
+        try:
+            await self._io(dev.reopen, path)
+            await self._io(dev.probe)
+            await self._io(dev.scrub_slab_headers)
+        except FlashIOError as exc:
+            log.warning("flash device %s: found at %s but not usable: %s", dev.name, path, exc)
+            return False
+        self.counters["flash_device_reopened"] += 1
+        return True
+
     async def _reaper(self) -> None:
         """Expire allocations and leases; re-probe failed flash devices."""
         probe_at = 0.0
@@ -1212,10 +1250,7 @@ class BlockStore:
                 probe_at = now + PROBE_INTERVAL_S
                 for dev in self.flash.devices:
                     if not dev.healthy:
-                        try:
-                            await self._io(dev.probe)
-                            await self._io(dev.scrub_slab_headers)
-                        except FlashIOError:
+                        if not await self._usable_again(dev):
                             continue
                         dev.healthy = True
                         dev.health_reason = ""

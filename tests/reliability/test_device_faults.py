@@ -5,6 +5,8 @@ blocks or crashes, and recovers when the device is healthy again."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,5 +208,42 @@ async def test_demoter_does_not_spin_on_failed_or_full_flash(
         assert store.lookup(ns, [K[150]], prefix=True) == (1, ["dram"])
         faults.configure(devices={})
         assert await _healthy(store)
+    finally:
+        await store.close()
+
+
+async def test_a_device_that_moved_is_reopened_where_it_is_now(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A failed device whose probe fails is looked up again through its locator (the
+    storage backend's attach(), which finds e.g. a re-added NVMe namespace's new node)
+    and reopened there — only if the superblock there is this device's."""
+    old, new, other = tmp_path / "old.img", tmp_path / "new.img", tmp_path / "other.img"
+    store = await open_store(store_config(), make_flash(old))
+    try:
+        s, ns = session(store)
+        data = {K[i]: payload(i + 1) for i in range(6)}
+        await put(store, s, ns, data)
+        assert await store.evict(ns, list(data), "dram") == 6  # durable, flash only
+        shutil.copyfile(old, new)  # the device, as it will reappear under a new node
+        foreign = await open_store(store_config(), make_flash(other))  # another device
+        await foreign.close()
+        where = {"path": str(other)}
+        store.locators["flash0"] = lambda: where["path"]
+        os.truncate(old, 0)  # the old node is gone: reads come back short
+        assert await get(store, s, ns, [K[0]]) == []  # a miss, and the device is failed
+        dev = store.flash.devices[0]
+        assert not dev.healthy
+        # The locator names a node holding another device: not taken.
+        await asyncio.sleep(0.3)
+        assert not dev.healthy and dev.path == str(old)
+        assert store.counters["flash_device_reopened"] == 0
+        assert any("does not hold this device" in r.getMessage() for r in caplog.records)
+        # Now it names the device's new node: reopened there, and served again.
+        where["path"] = str(new)
+        assert await _healthy(store)
+        assert dev.path == str(new) and store.counters["flash_device_reopened"] == 1
+        assert await get(store, s, ns, list(data)) == list(data.values())
+        assert store.counters["integrity_failures"] == 0
+        assert await settled_audit(store) == []
     finally:
         await store.close()

@@ -115,6 +115,13 @@ class StorageBackend(ABC):
             StorageError: when the device is attached but could not be detached.
         """
 
+    def locate(self) -> str | None:
+        """Where the attached device is now, without attaching anything: the path to
+        reopen when its node changed under a running service (e.g. an NVMe namespace
+        removed and re-added comes back as another /dev/nvmeXnY), or None when it is not
+        there yet. Never connects, never raises. Default: the path ``attach`` returned."""
+        return self._path
+
     @abstractmethod
     def is_healthy(self) -> bool:
         """Whether the attached device's path is still present and usable. Never raises."""

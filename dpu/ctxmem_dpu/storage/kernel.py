@@ -128,6 +128,19 @@ class KernelBackend(StorageBackend):
         self._path = None
         self._size_bytes = None
 
+    def locate(self) -> str | None:
+        # docstring inherited: the namespace's block node behind this target's live
+        # controller, found in sysfs; the controller itself is the kernel's to reconnect.
+        ctrl = self._find_controller()
+        if ctrl is None or self._read(ctrl, "state") != "live":
+            return None
+        block = self._namespace_block(ctrl)
+        if block is None or not (self._dev / block).exists():
+            return None
+        self._ctrl = ctrl
+        self._path = str(self._dev / block)
+        return self._path
+
     def is_healthy(self) -> bool:
         # docstring inherited
         if self._path is None or self._ctrl is None:

@@ -158,7 +158,12 @@ class FlashDevice:
         self.index = index
         self.name = name
         self.path = path
+        self._lock = lock
+        # Descriptors replaced by reopen(): kept open until close(), since an I/O thread
+        # may still be blocked on one, and a closed number could be reused under it.
+        self._retired_fds: list[int] = []
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if o_direct else 0)
+        self._flags = flags
         try:
             self.fd = os.open(path, flags)
         except OSError as exc:
@@ -507,11 +512,54 @@ class FlashDevice:
                 yield SlotRef(slab, i), slot_size, RecordHeader(ns, key, length, crc, seq,
                                                                  enc, ts)
 
+    def reopen(self, path: str) -> None:
+        """Point this (failed) device at ``path``: the same device under a new node, e.g.
+        an NVMe-oF namespace that was removed and came back as another /dev/nvmeXnY.
+        The superblock there must carry this device's UUID; the old descriptor is retired,
+        not closed (see ``_retired_fds``). Raises FlashIOError, leaving the device as it
+        was, when ``path`` cannot be opened or holds another device."""
+        try:
+            fd = os.open(path, self._flags)
+        except OSError as exc:
+            raise FlashIOError(exc.errno, f"flash device {self.name!r}: cannot reopen it at "
+                                          f"{path}: {exc.strerror}") from None
+        try:
+            if self._lock:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    raise FlashIOError(errno.EBUSY, f"flash device {self.name!r}: {path} is "
+                                                    f"in use by another process") from None
+            buf = _aligned(2 * SECTOR)
+            try:
+                got = os.preadv(fd, [buf], 0)
+            except OSError as exc:
+                raise FlashIOError(exc.errno, f"flash device {self.name!r}: reading the "
+                                              f"superblock at {path}: {exc.strerror}") from None
+            copies = [Superblock.unpack(memoryview(buf)[i * SECTOR:(i + 1) * SECTOR])
+                      for i in range(2)] if got == 2 * SECTOR else []
+            if not any(sb is not None and sb.device_uuid == self.superblock.device_uuid
+                       for sb in copies):
+                raise FlashIOError(errno.ENODEV, f"flash device {self.name!r}: {path} does "
+                                                 f"not hold this device (superblock UUID "
+                                                 f"differs or is unreadable); not reopened")
+        except BaseException:
+            os.close(fd)
+            raise
+        log.warning("flash device %s: reopened at %s (was %s)", self.name, path, self.path)
+        self._retired_fds.append(self.fd)
+        faults.forget_fd(self.fd)
+        self.fd = fd
+        self.path = path
+
     def close(self) -> None:
         if self.fd >= 0:
             faults.forget_fd(self.fd)
             os.close(self.fd)
             self.fd = -1
+        for fd in self._retired_fds:
+            os.close(fd)
+        self._retired_fds.clear()
 
 
 class FlashTier:

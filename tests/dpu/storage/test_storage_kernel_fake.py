@@ -257,3 +257,32 @@ def test_unwritable_timeout_attribute_names_it_with_a_remedy(fake: FakeKernel) -
                                            r"nvme0") as info:
         fake.backend(fast_io_fail_tmo=2).attach(timeout_s=10)
     assert "kernel.fast_io_fail_tmo" in info.value.remedy and info.value.errno is not None
+
+
+def test_locate_finds_a_re_added_namespace_without_connecting(fake: FakeKernel) -> None:
+    """`locate()` (what a running service asks about a failed device) re-reads sysfs: a
+    namespace removed and re-added under a new node is found there; while the controller
+    is not live, or the namespace is not back, it answers None; it never runs nvme-cli."""
+    be = fake.backend()
+    path = be.attach(timeout_s=10)
+    assert be.locate() == path == str(fake.dev / "nvme0n1")
+    calls = len(fake.calls())
+    ctrl = fake.sysfs / "class" / "nvme" / "nvme0"
+    # The namespace goes away (the host removes its node and sysfs entries) ...
+    (fake.dev / "nvme0n1").unlink()
+    (fake.sysfs / "block" / "nvme0n1" / "size").unlink()
+    (fake.sysfs / "block" / "nvme0n1").rmdir()
+    (ctrl / "nvme0n1" / "nsid").unlink()
+    (ctrl / "nvme0n1").rmdir()
+    assert be.locate() is None
+    # ... and comes back as nvme0n2 (the old node is still held open elsewhere).
+    (ctrl / "nvme0n2").mkdir()
+    (ctrl / "nvme0n2" / "nsid").write_text("1\n")
+    (fake.sysfs / "block" / "nvme0n2").mkdir()
+    (fake.sysfs / "block" / "nvme0n2" / "size").write_text(str((32 << 20) // 512) + "\n")
+    (fake.dev / "nvme0n2").write_bytes(b"")
+    (ctrl / "state").write_text("connecting\n")
+    assert be.locate() is None  # the controller is not live yet
+    (ctrl / "state").write_text("live\n")
+    assert be.locate() == str(fake.dev / "nvme0n2") == be.path
+    assert len(fake.calls()) == calls, "locate() must not run nvme-cli"
