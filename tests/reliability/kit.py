@@ -26,6 +26,17 @@ FAULT_ENV = {"CTXMEM_FLASH_PROBE_INTERVAL_S": "0.05", "CTXMEM_FLASH_SLOW_IO_S": 
              "CTXMEM_FAULT_JOURNAL": "1"}
 
 
+def patch_file(path: str | Path, off: int, data: bytes) -> None:
+    """Overwrite ``data`` at ``off`` in a flash file and fsync it (a corruption the service
+    did not write)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def keys(tag: str, n: int, start: int = 0) -> list[bytes]:
     return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(start, start + n)]
 

@@ -7,7 +7,6 @@ quarantined miss; a device read error still fails the device, through the fault 
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.tiers.flash import FlashDevice
 
 from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
-from .kit import settled_audit
+from .kit import patch_file, settled_audit
 
 K = [b"blk-%04d" % i for i in range(64)]
 
@@ -29,15 +28,6 @@ def _fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     faults.reset()
     yield
     faults.reset()
-
-
-def _patch(path: str, off: int, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, off)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _flash2(tmp_path: Path) -> list[tuple[str, str]]:
@@ -108,18 +98,18 @@ async def test_batch_promote_damaged_stale_foreign_headers(tmp_path: Path) -> No
         with open(dev.path, "rb") as f:
             f.seek(off)
             byte = f.read(1)[0]
-        _patch(dev.path, off, bytes([byte ^ 0x04]))
+        patch_file(dev.path, off, bytes([byte ^ 0x04]))
         # Stale (valid header, an older sequence number), on device 1.
         dev, slot = loc(keys[40])
         hdr = dev.read_header(slot)
         assert hdr is not None
-        _patch(dev.path, dev.header_offset(slot),
+        patch_file(dev.path, dev.header_offset(slot),
                dataclasses.replace(hdr, seq=hdr.seq - 1).pack())
         # Foreign (another block's record header), on device 1, other slab.
         dev, slot = loc(keys[52])
         other = dev.read_header(loc(keys[45])[1])
         assert other is not None
-        _patch(dev.path, dev.header_offset(slot), other.pack())
+        patch_file(dev.path, dev.header_offset(slot), other.pack())
         bad = {keys[3], keys[40], keys[52]}
 
         got = await get(store, s, ns, keys)

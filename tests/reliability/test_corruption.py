@@ -20,7 +20,7 @@ from ctxmem_dpu.check import check_command, check_devices
 from ctxmem_dpu.store import BlockStore
 
 from ..dpu.storekit import MASTER, get, make_flash, open_store, payload, put, session, store_config
-from .kit import settled_audit
+from .kit import patch_file, settled_audit
 
 K = [bytes([i]) * 8 for i in range(1, 120)]
 
@@ -29,15 +29,6 @@ K = [bytes([i]) * 8 for i in range(1, 120)]
 def _fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("ctxmem_dpu.store.PROBE_INTERVAL_S", 0.05)
     faults.reset()
-
-
-def _patch(path: Path, off: int, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, off)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read(path: Path, off: int, n: int) -> bytes:
@@ -80,7 +71,7 @@ async def test_bit_flip_is_a_counted_quarantined_miss(tmp_path: Path, where: str
         s, ns, data = await _durable(store, 6)
         hdr, pay = _where(store, ns, K[2])
         off = pay + 1000 if where == "payload" else hdr + 40  # inside the key field
-        _patch(tmp_path / "f.img", off, bytes([_read(tmp_path / "f.img", off, 1)[0] ^ 0x08]))
+        patch_file(tmp_path / "f.img", off, bytes([_read(tmp_path / "f.img", off, 1)[0] ^ 0x08]))
         others = {k: v for k, v in data.items() if k != K[2]}
         await _is_miss_counted_quarantined(store, s, ns, K[2], others)
         assert await settled_audit(store) == []
@@ -104,7 +95,7 @@ async def test_zeroed_sector_is_a_counted_quarantined_miss(tmp_path: Path, where
     try:
         s, ns, data = await _durable(store, 4)
         hdr, pay = _where(store, ns, K[1])
-        _patch(tmp_path / "f.img", pay + SECTOR if where == "payload" else hdr, bytes(SECTOR))
+        patch_file(tmp_path / "f.img", pay + SECTOR if where == "payload" else hdr, bytes(SECTOR))
         await _is_miss_counted_quarantined(store, s, ns, K[1],
                                            {k: v for k, v in data.items() if k != K[1]})
     finally:
@@ -168,14 +159,14 @@ async def test_device_swapped_under_the_service_is_detected(tmp_path: Path) -> N
         s, ns, data = await _durable(store, 12)
         on_a = [k for k in data if store.index[ns.digest][k].flash.device == 0]
         da, db = a.read_bytes(), b.read_bytes()
-        _patch(a, 0, db)  # each file now holds the other device
-        _patch(b, 0, da)
+        patch_file(a, 0, db)  # each file now holds the other device
+        patch_file(b, 0, da)
         assert await get(store, s, ns, [on_a[0]]) == []  # a miss, never the other's data
         dev = store.flash.devices[0]
         assert not dev.healthy and dev.health_reason == "swapped or unreadable"
         assert store.stats()["flash_quarantined_slots"] == 0  # nothing of its is touched
-        _patch(a, 0, da)
-        _patch(b, 0, db)
+        patch_file(a, 0, da)
+        patch_file(b, 0, db)
         for _ in range(100):
             if all(d.healthy for d in store.flash.devices):
                 break
@@ -206,8 +197,8 @@ async def test_stale_extent_of_a_deleted_block_is_a_miss(tmp_path: Path) -> None
         assert await store.delete(ns, [K[0]]) == 1
         # The deleted block's record written back over another live block's extent.
         hdr3, pay3 = _where(store, ns, K[3])
-        _patch(path, hdr3, stale_hdr)
-        _patch(path, pay3, stale_pay)
+        patch_file(path, hdr3, stale_hdr)
+        patch_file(path, pay3, stale_pay)
         await _is_miss_counted_quarantined(store, s, ns, K[3], {K[4]: data[K[4]]})
         assert await get(store, s, ns, [K[0]]) == []  # the deleted key stays deleted
     finally:
@@ -236,8 +227,8 @@ async def test_block_from_another_namespace_is_a_miss(tmp_path: Path) -> None:
         assert await store.evict(nb, [K[0]], "dram") == 1
         hb, pb_ = _where(store, nb, K[0])
         ha, pa = _where(store, na, K[0])
-        _patch(path, ha, _read(path, hb, SECTOR))  # bob's record over alice's extent
-        _patch(path, pa, _read(path, pb_, 64 << 10))
+        patch_file(path, ha, _read(path, hb, SECTOR))  # bob's record over alice's extent
+        patch_file(path, pa, _read(path, pb_, 64 << 10))
         await _is_miss_counted_quarantined(store, sa, na, K[0], {K[1]: payload(2)})
         assert await get(store, sb, nb, [K[0]]) == [payload(9)]  # bob's own is intact
     finally:
@@ -250,7 +241,7 @@ async def test_damaged_superblock_copy_is_restored(tmp_path: Path) -> None:
     store = await open_store(store_config(), flash)
     s, ns, data = await _durable(store, 3)
     await store.close()
-    _patch(path, 8, b"\xff")  # the primary superblock's version field
+    patch_file(path, 8, b"\xff")  # the primary superblock's version field
     report = check_devices(flash, MASTER)
     assert [p.kind for d in report.devices for p in d.problems] == ["superblock_copy_damaged"]
     store = await open_store(store_config(), flash)  # restores it from the backup copy
@@ -270,7 +261,7 @@ async def test_check_repairs_a_damaged_slab_header(tmp_path: Path,
     store = await open_store(store_config(), flash)
     s, ns, data = await _durable(store, 5)
     await store.close()
-    _patch(path, 1 << 20, bytes(SECTOR))  # slab 0's header
+    patch_file(path, 1 << 20, bytes(SECTOR))  # slab 0's header
     store = await open_store(store_config(), flash)
     try:
         s, ns = session(store)
@@ -305,14 +296,14 @@ async def test_check_finds_and_repairs_bad_and_duplicate_records(tmp_path: Path)
     h1, _p1 = _where(store, ns, K[1])
     h2, _p2 = _where(store, ns, K[2])
     await store.close()
-    _patch(path, p0 + 5, b"\x00\x01")  # K[0]: payload CRC fails
-    _patch(path, h2, _read(path, h1, SECTOR))  # K[1]'s header over K[2]'s (K[2] lost)...
-    _patch(path, h2 + REC_SIZE - 1, b"\x00")  # ...and torn: its header CRC fails
+    patch_file(path, p0 + 5, b"\x00\x01")  # K[0]: payload CRC fails
+    patch_file(path, h2, _read(path, h1, SECTOR))  # K[1]'s header over K[2]'s (K[2] lost)...
+    patch_file(path, h2 + REC_SIZE - 1, b"\x00")  # ...and torn: its header CRC fails
     report = check_devices(flash, MASTER)
     kinds = sorted(p.kind for d in report.devices for p in d.problems)
     assert kinds == ["payload_crc", "record_header_corrupt"], kinds
     assert report.errors == 1 and report.warnings == 1
-    _patch(path, h2, _read(path, h1, SECTOR))  # an intact copy of K[1]'s header
+    patch_file(path, h2, _read(path, h1, SECTOR))  # an intact copy of K[1]'s header
     report = check_devices(flash, MASTER)
     kinds = sorted(p.kind for d in report.devices for p in d.problems)
     # The copy names K[1], but the payload in that extent is K[2]'s: its CRC fails.

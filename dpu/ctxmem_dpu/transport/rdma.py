@@ -452,7 +452,6 @@ class RdmaServer:
         self.dev: RdmaDevice | None = None
         self.endpoints: dict[int, SessionEndpoint] = {}
         self._grant_owner: dict[int, SessionEndpoint] = {}
-        self.granted_runs = 0  # memory windows bound / regions registered, ever
         self._closing = asyncio.Event()
 
     async def start(self) -> None:
@@ -573,7 +572,6 @@ class RdmaServer:
             ep.revoke(grant_id)
             raise Unavailable(f"grant {grant_id} of session {s.id} ended before its keys "
                               f"were ready (expired or the session closed); retry")
-        self.granted_runs += len(runs)
         base = {slab: buffer_address(dram.regions[slab].mm) for slab, _o, _n in runs}
         return [(base[slab] + off, keys[which[i]])
                 for i, (slab, off, _n) in enumerate(spans)]
