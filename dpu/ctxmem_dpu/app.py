@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 import signal
 import uuid
 from dataclasses import asdict
@@ -20,6 +18,8 @@ import grpc
 
 from ctxmem_common.config import Config
 from ctxmem_common.errors import ConfigError
+from ctxmem_common.keyfile import load_master_key
+from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
@@ -30,51 +30,6 @@ from ctxmem_dpu.transport.shm import ShmServer
 from ctxmem_dpu.transport.tcp import TcpDataServer
 
 log = logging.getLogger(__name__)
-
-
-def split_hostport(value: str, what: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def load_master_key(cfg: Config) -> bytes | None:
-    """The 32-byte master key from the key file or the environment; never logged.
-
-    A configured key file that does not exist yet is created (0600) with a fresh key,
-    so a first start works; a file with the wrong content is an error, never replaced.
-    """
-    enc = cfg.encryption
-    if not enc.enabled:
-        return None
-    if enc.key_env and os.environ.get(enc.key_env):
-        raw = os.environ[enc.key_env].strip()
-        source = f"environment variable {enc.key_env}"
-    elif enc.key_file:
-        path = Path(enc.key_file)
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
-            log.warning("created a new encryption master key file at %s (mode 0600)", path)
-        raw = path.read_text().strip()
-        source = f"key file {path}"
-    else:
-        raise ConfigError(
-            "encryption.enabled is true but no key is configured: set encryption.key_file, "
-            f"or the environment variable named by encryption.key_env ({enc.key_env!r}), or "
-            "set encryption.enabled: false"
-        )
-    try:
-        key = bytes.fromhex(raw)
-    except ValueError:
-        key = b""
-    if len(key) != 32:
-        raise ConfigError(f"encryption master key from {source} must be 64 hex characters "
-                          f"(32 bytes); it is not (content not shown)")
-    return key
 
 
 class Service:
@@ -103,7 +58,7 @@ class Service:
 
     async def start(self) -> None:
         cfg = self.cfg
-        master_key = load_master_key(cfg)
+        master_key = load_master_key(cfg.encryption, create=True)
         specs = self._device_specs()
         flash_paths: list[tuple[str, str]] = []
         crypto_off: list[str] = []

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ctxmem_common.codecs import XtsCipher, crc32c, derive_namespace_key, xts_tweak
 from ctxmem_common.config import Config, load_config
-from ctxmem_common.errors import CtxmemError
+from ctxmem_common.errors import ConfigError, CtxmemError
 from ctxmem_common.flash_format import (
     DATA_START,
     REC_MAGIC,
@@ -53,6 +53,7 @@ from ctxmem_common.flash_format import (
     slab_base,
     slots_per_slab,
 )
+from ctxmem_common.keyfile import load_master_key
 
 # Problem kinds. "warning" kinds are reported but are not errors.
 KINDS = {
@@ -383,19 +384,10 @@ def _resolve_duplicates(by_key: dict[tuple[bytes, bytes], list[_Rec]],
 
 def read_master_key(cfg: Config) -> bytes | None:
     """The master key the service would use, without creating one; None if unavailable."""
-    enc = cfg.encryption
-    if not enc.enabled:
-        return None
-    raw = ""
-    if enc.key_env and os.environ.get(enc.key_env):
-        raw = os.environ[enc.key_env].strip()
-    elif enc.key_file and Path(enc.key_file).exists():
-        raw = Path(enc.key_file).read_text().strip()
     try:
-        key = bytes.fromhex(raw)
-    except ValueError:
+        return load_master_key(cfg.encryption, create=False)
+    except ConfigError:
         return None
-    return key if len(key) == 32 else None
 
 
 def check_command(argv: list[str]) -> int:

@@ -47,6 +47,7 @@ from ctxmem_common.errors import (
 )
 from ctxmem_common.keys import namespace_digest, validate_keys
 from ctxmem_common.layout import KVLayout
+from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
@@ -66,8 +67,6 @@ from ctxmem_dpu.tiers.flash_format import RecordHeader, TableColumns, slots_per_
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TIER_DRAM = "dram"
-TIER_FLASH = "flash"
 
 # Every counter the store keeps; all are reported (as 0 until they move) by Stats and
 # /metrics, so dashboards and tests see the same names from the start.

@@ -47,14 +47,21 @@ from ctxmem_common.errors import (
 )
 from ctxmem_common.keys import pack_keys, validate_keys
 from ctxmem_common.layout import KVLayout
+from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
+from ctxmem_common.protoconv import (
+    TIER_DRAM,
+    TRANSPORTS,
+    layout_to_pb,
+    tier_from_pb,
+    tier_to_pb,
+    transport_to_pb,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 TransportName = Literal["auto", "shm", "tcp", "rdma"]
-_TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_FLASH: "flash", pb.TIER_UNSPECIFIED: ""}
-_TRANSPORT_PB = {"shm": pb.TRANSPORT_SHM, "tcp": pb.TRANSPORT_TCP, "rdma": pb.TRANSPORT_RDMA}
 
 
 @dataclass(frozen=True)
@@ -176,7 +183,7 @@ class Client:
         return dict(self._rpc("Stats", pb.StatsRequest()).values)
 
     def _choose_transport(self, health: pb.HealthResponse) -> str:
-        offered = {name for name, v in _TRANSPORT_PB.items() if v in health.transports}
+        offered = {name for name in TRANSPORTS if transport_to_pb(name) in health.transports}
         if self.transport != "auto":
             if self.transport not in offered:
                 raise InvalidArgument(
@@ -199,10 +206,11 @@ class Client:
         if name == "tcp":
             from ctxmem.transport.tcp import TcpChannel
 
-            host, _, port = health.data_endpoint.rpartition(":")
-            if host in ("", "0.0.0.0", "::", "[::]"):
+            host, port = split_hostport(health.data_endpoint, "Health.data_endpoint",
+                                        default_host="")
+            if host in ("", "0.0.0.0", "::"):  # the service listens on every address
                 host = self.endpoint.rpartition(":")[0].strip("[]") or "127.0.0.1"
-            return TcpChannel(host, int(port), session_id, token, self.timeout_s)
+            return TcpChannel(host, port, session_id, token, self.timeout_s)
         if name == "rdma":  # RDMA (issue 3): QPs connected over this gRPC channel
             from ctxmem.transport.rdma import RdmaChannel
 
@@ -222,7 +230,7 @@ class Client:
             health = self.health()
             name = self._choose_transport(health)
             resp = self._rpc("Connect", pb.ConnectRequest(
-                client_name=self.client_name, transport=_TRANSPORT_PB[name], tenant=tenant,
+                client_name=self.client_name, transport=transport_to_pb(name), tenant=tenant,
                 tenant_token=self.tenant_token))
             channel = self._open_channel(name, health, resp.session_id, resp.session_token)
             self._epoch += 1
@@ -278,14 +286,9 @@ class Namespace:
         s = self.client._session(self.tenant, stale)
         if self._session is s:
             return s
-        lay = self.layout
         resp = self.client._rpc("OpenNamespace", pb.OpenNamespaceRequest(
             session_id=s.id, model_id=self.model_id, tags=self.tags,
-            layout=pb.Layout(
-                dtype=lay.dtype, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-                head_dim=lay.head_dim, tokens_per_block=lay.tokens_per_block,
-                kv_lora_rank=lay.kv_lora_rank or 0, qk_rope_head_dim=lay.qk_rope_head_dim or 0,
-                tp_rank=lay.tp_rank, tp_size=lay.tp_size)))
+            layout=layout_to_pb(self.layout)))
         if resp.block_nbytes != self.block_nbytes:
             raise CtxmemError(f"service computes {resp.block_nbytes} bytes per block for this "
                               f"layout, the shim {self.block_nbytes}: version mismatch")
@@ -316,7 +319,7 @@ class Namespace:
 
         def op(s: _Session) -> LookupResult:
             r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, True))
-            return LookupResult(r.num_hits, [_TIER_NAMES[t] for t in r.tiers])
+            return LookupResult(r.num_hits, [tier_from_pb(t) for t in r.tiers])
 
         return self._retrying(op)
 
@@ -453,9 +456,9 @@ class Namespace:
     def evict(self, keys: Sequence[bytes], tier: str = "dram") -> int:
         """Make ``keys`` durable on flash and drop their DRAM copies (admin and tests)."""
         validate_keys(keys)
-        tier_pb = {"dram": pb.TIER_DRAM}.get(tier)
-        if tier_pb is None:
+        if tier != TIER_DRAM:
             raise InvalidArgument(f"tier must be 'dram', got {tier!r}")
+        tier_pb = tier_to_pb(tier)
 
         def op(s: _Session) -> int:
             return int(self.client._rpc("Evict", pb.EvictRequest(

@@ -23,11 +23,20 @@ from ctxmem_common.errors import (
     Unavailable,
 )
 from ctxmem_common.keys import unpack_keys
-from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
+from ctxmem_common.protoconv import (
+    TIER_DRAM,
+    TIER_FLASH,
+    TIER_NONE,
+    layout_from_pb,
+    tier_from_pb,
+    tier_to_pb,
+    transport_from_pb,
+    transport_to_pb,
+)
 from ctxmem_common.rdma_wire import QpInfo
-from ctxmem_dpu.store import TIER_DRAM, TIER_FLASH, BlockStore
+from ctxmem_dpu.store import BlockStore
 
 if TYPE_CHECKING:
     from ctxmem_dpu.transport.rdma import RdmaServer
@@ -44,9 +53,6 @@ _STATUS = {
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
-TIER_PB = {TIER_DRAM: pb.TIER_DRAM, TIER_FLASH: pb.TIER_FLASH, "": pb.TIER_UNSPECIFIED}
-TRANSPORT_NAMES = {pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_RDMA: "rdma"}
-TRANSPORT_PB = {v: k for k, v in TRANSPORT_NAMES.items()}
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -133,13 +139,13 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         cfg = self.store.cfg
         return pb.HealthResponse(
             status=self.health(), instance_id=self.instance_id, version=__version__,
-            transports=[TRANSPORT_PB[t] for t in cfg.service.transports],
+            transports=[transport_to_pb(t) for t in cfg.service.transports],
             shm_socket=self.shm_socket, data_endpoint=self.data_endpoint, mode=cfg.mode,
         )
 
     @_rpc
     async def Connect(self, request: pb.ConnectRequest, context: Any) -> pb.ConnectResponse:
-        transport = TRANSPORT_NAMES.get(request.transport)
+        transport = transport_from_pb(request.transport)
         if transport is None:
             raise InvalidArgument("Connect.transport must be SHM, TCP or RDMA")
         s = self.store.connect(request.tenant, request.tenant_token, transport,
@@ -155,14 +161,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     async def OpenNamespace(self, request: pb.OpenNamespaceRequest, context: Any
                             ) -> pb.OpenNamespaceResponse:
         s = self.store.session(request.session_id)
-        lay = request.layout
-        layout = KVLayout(
-            dtype=lay.dtype, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-            head_dim=lay.head_dim, tokens_per_block=lay.tokens_per_block,
-            kv_lora_rank=lay.kv_lora_rank or None,
-            qk_rope_head_dim=lay.qk_rope_head_dim if lay.kv_lora_rank else None,
-            tp_rank=lay.tp_rank, tp_size=lay.tp_size or 1,
-        )
+        layout = layout_from_pb(request.layout)
         handle, ns = self.store.open_namespace(s, request.model_id, layout, dict(request.tags))
         return pb.OpenNamespaceResponse(namespace_handle=handle, namespace_digest=ns.digest,
                                         block_nbytes=ns.block_nbytes)
@@ -176,8 +175,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         else:
             keys = list(request.keys)
         found = self.store.lookup_blocks(ns, keys, request.prefix)
-        dram, flash, miss = pb.TIER_DRAM, pb.TIER_FLASH, pb.TIER_UNSPECIFIED
-        tiers = [miss if b is None else dram if b.dram is not None else flash for b in found]
+        tiers = [tier_to_pb(TIER_NONE if b is None else TIER_DRAM if b.dram is not None
+                            else TIER_FLASH) for b in found]
         n = len(found) if request.prefix else len(found) - found.count(None)
         return pb.LookupResponse(num_hits=n, tiers=tiers)
 
@@ -221,7 +220,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
             raise
         return pb.AcquireResponse(
             lease_id=lease.id, num_acquired=len(lease.blocks), slots=slots,
-            crc32c=[b.crc for b in lease.blocks], source_tiers=[TIER_PB[t] for t in sources],
+            crc32c=[b.crc for b in lease.blocks], source_tiers=[tier_to_pb(t) for t in sources],
             expires_in_ms=int(self.store.cfg.service.lease_ttl_s * 1000),
         )
 
@@ -247,7 +246,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
         s = self.store.session(request.session_id)
         ns = self.store.namespace(s, request.namespace_handle)
-        tier = {pb.TIER_DRAM: TIER_DRAM, pb.TIER_FLASH: TIER_FLASH}.get(request.tier, "")
+        tier = tier_from_pb(request.tier)
         return pb.EvictResponse(evicted=await self.store.evict(ns, list(request.keys), tier))
 
     @_rpc

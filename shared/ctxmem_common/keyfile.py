@@ -1,0 +1,57 @@
+"""The encryption master key: where it comes from, read one way by the service and by
+``ctxmem check``. The key itself is never logged or put in an error message."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from pathlib import Path
+
+from ctxmem_common.config import EncryptionConfig
+from ctxmem_common.errors import ConfigError
+
+__all__ = ["load_master_key"]
+
+log = logging.getLogger(__name__)
+
+
+def load_master_key(enc: EncryptionConfig, *, create: bool) -> bytes | None:
+    """The 32-byte master key from ``enc.key_env``'s variable or ``enc.key_file``.
+
+    None when encryption is off. With ``create`` (the service's first start), a configured
+    key file that does not exist yet is created with mode 0600 and a fresh key; a file
+    with the wrong content is an error, never replaced. Raises ConfigError when no key is
+    configured or available, or the key is not 64 hex characters.
+    """
+    if not enc.enabled:
+        return None
+    if enc.key_env and os.environ.get(enc.key_env):
+        raw = os.environ[enc.key_env].strip()
+        source = f"environment variable {enc.key_env}"
+    elif enc.key_file:
+        path = Path(enc.key_file)
+        if not path.exists():
+            if not create:
+                raise ConfigError(f"encryption key file {path} does not exist")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+            log.warning("created a new encryption master key file at %s (mode 0600)", path)
+        raw = path.read_text().strip()
+        source = f"key file {path}"
+    else:
+        raise ConfigError(
+            "encryption.enabled is true but no key is configured: set encryption.key_file, "
+            f"or the environment variable named by encryption.key_env ({enc.key_env!r}), or "
+            "set encryption.enabled: false"
+        )
+    try:
+        key = bytes.fromhex(raw)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ConfigError(f"encryption master key from {source} must be 64 hex characters "
+                          f"(32 bytes); it is not (content not shown)")
+    return key
