@@ -1,0 +1,100 @@
+"""Issue 13, case 1 and 5: a client that stalls between Allocate and its copy must not be
+able to change another client's blocks, and ``get()`` never writes past what it returns.
+
+A shared-memory client maps whole slabs, so after its allocation expires it can still
+write the slots it once held. The service must not hand those slots to anyone while the
+stale writer can still reach them; and whatever happens to a block's bytes in DRAM, a get
+serves exactly the committed bytes or a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ctxmem
+from ctxmem_common.errors import ResourceExhausted
+from ctxmem_common.layout import KVLayout
+from tests.adversary.raw import RawSession
+
+BLOCK = 256 << 10
+LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
+                  tokens_per_block=1)
+SENTINEL = 0xA5
+
+
+def keys(tag: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+
+
+def content(key: bytes) -> bytes:
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    return rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+
+
+def get_checked(ns: ctxmem.Namespace, ks: list[bytes]) -> int:
+    """Get ``ks``; assert every returned block is exactly its content and every buffer
+    past the returned count still holds the sentinel. Returns the count."""
+    bufs = [bytearray([SENTINEL]) * BLOCK for _ in ks]
+    n = ns.get(ks, bufs)
+    for i in range(n):
+        assert bytes(bufs[i]) == content(ks[i]), f"block {i} of {n} served with wrong bytes"
+    for i in range(n, len(ks)):
+        assert bufs[i].count(SENTINEL) == BLOCK, f"buffer {i} past the count {n} was written"
+    return n
+
+
+@pytest.fixture
+def small_service(service_factory: Callable[..., Any]) -> Any:
+    # One 2 MiB DRAM slab of eight 256 KiB slots: whatever the stale writer held is what
+    # the next put would get. Allocations expire after 1 s.
+    svc = service_factory(dram_size="2MiB", dram_slab="2MiB", transports=["shm"],
+                          allocation_ttl_s=1.0, flash_size=None)
+    return svc
+
+
+def test_stale_shm_writer_cannot_change_another_clients_blocks(small_service: Any) -> None:
+    stale = RawSession(small_service.endpoint, LAYOUT, model_id="m")
+    victim_keys = keys("victim", 8)
+    try:
+        held = stale.allocate(keys("stale", 8))
+        assert len(held.slots) == 8
+        time.sleep(2.0)  # stalled past allocation_ttl_s: the service reaped the allocation
+        with ctxmem.Client(small_service.endpoint, transport="shm") as c:
+            ns = c.open_namespace(LAYOUT, model_id="m")
+            try:
+                stored = ns.put(victim_keys, [content(k) for k in victim_keys]).stored
+            except ResourceExhausted:
+                stored = 0  # the stale slots were held back: a refusal, not a wrong block
+            # The stalled writer wakes up and copies what it meant to, into its old slots.
+            stale.write(held, [b"\x00" * BLOCK] * 8)
+            n = get_checked(ns, victim_keys)
+            assert n <= stored
+    finally:
+        stale.close()
+
+
+def test_stale_slots_return_once_the_writer_is_gone(small_service: Any) -> None:
+    """Holding slots back from a stalled writer must not leak them: once its session is
+    closed, the slots serve other clients again."""
+    stale = RawSession(small_service.endpoint, LAYOUT, model_id="m")
+    stale.allocate(keys("stale", 8))
+    time.sleep(2.0)
+    stale.close()
+    victim_keys = keys("victim", 8)
+    deadline = time.monotonic() + 15
+    with ctxmem.Client(small_service.endpoint, transport="shm") as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        while True:
+            try:
+                assert ns.put(victim_keys, [content(k) for k in victim_keys]).stored == 8
+                break
+            except ResourceExhausted:
+                assert time.monotonic() < deadline, "the stale writer's slots never came back"
+                time.sleep(0.2)
+        assert get_checked(ns, victim_keys) == 8
