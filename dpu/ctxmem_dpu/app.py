@@ -11,8 +11,8 @@ import asyncio
 import logging
 import signal
 import uuid
-from dataclasses import asdict
 from pathlib import Path
+from types import TracebackType
 
 import grpc
 
@@ -23,7 +23,7 @@ from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
-from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend, parse_device_spec
+from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.transport.rdma import RdmaServer
 from ctxmem_dpu.transport.shm import ShmServer
@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 
 
 class Service:
+    """The whole service in one process: storage backends, block store, data servers,
+    the gRPC control plane and the metrics endpoint, started and stopped in order.
+
+    Use ``async with Service(cfg) as svc:`` to guarantee :meth:`stop` (which is safe after
+    a start that failed half way: it stops what did start).
+    """
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.instance_id = uuid.uuid4().hex
@@ -47,14 +54,9 @@ class Service:
         self.grpc_port = 0
 
     def _device_specs(self) -> list[DeviceSpec]:
-        specs = []
-        for i, dev in enumerate(self.cfg.flash.devices):
-            raw = {k: v for k, v in asdict(dev).items()
-                   if v not in ({}, "", None) and (k, v) != ("create", False)}
-            if not raw.get("size"):
-                raw.pop("size", None)
-            specs.append(parse_device_spec(raw, f"flash.devices[{i}]"))
-        return specs
+        # Typed and validated when the config loaded: no round trip through dicts.
+        return [dev.device_spec(f"flash.devices[{i}]")
+                for i, dev in enumerate(self.cfg.flash.devices)]
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -112,6 +114,18 @@ class Service:
         self.ready = True
         log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s)",
                  cfg.mode, listen, ",".join(cfg.service.transports), len(flash_paths))
+
+    async def __aenter__(self) -> Service:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()
 
     def health(self) -> str:
         if self.store is None:
