@@ -52,6 +52,7 @@ class Service:
         self.http: HttpEndpoint | None = None
         self.ready = False
         self.grpc_port = 0
+        self._stopped = False
 
     def _device_specs(self) -> list[DeviceSpec]:
         # Typed and validated when the config loaded: no round trip through dicts.
@@ -82,12 +83,12 @@ class Service:
             host, port = split_hostport(cfg.service.data_listen, "service.data_listen")
             self.tcp = TcpDataServer(self.store, host, port)
             await self.tcp.start()
-            data_endpoint = f"{host}:{self.tcp.port}"
+            data_endpoint = self.tcp.address
         shm_path = ""
         if "shm" in cfg.service.transports:
             self.shm = ShmServer(self.store, cfg.service.shm_socket)
             await self.shm.start()
-            shm_path = cfg.service.shm_socket
+            shm_path = self.shm.address
         if "rdma" in cfg.service.transports:  # RDMA (issue 3): opens the verbs device
             self.rdma = RdmaServer(self.store, cfg.service.rdma_listen, cfg.service.rdma_device,
                                    cfg.service.rdma_gid_index, cfg.service.rdma_access)
@@ -134,6 +135,11 @@ class Service:
         return f"degraded: flash device(s) {', '.join(bad)} failed" if bad else "serving"
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop in the reverse of start's order; idempotent, and safe after a failed start
+        (it stops what did start)."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.ready = False
         if self.rdma is not None:  # first, so its long-lived RdmaAttach calls end
             await self.rdma.close()
@@ -152,16 +158,12 @@ class Service:
 
 
 async def serve(cfg: Config, ready_file: str | None = None) -> None:
-    svc = Service(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await svc.start()
+    async with Service(cfg) as svc:
         if ready_file:
             Path(ready_file).write_text(f"{svc.grpc_port}\n")
         await stop.wait()
         log.info("shutting down")
-    finally:
-        await svc.stop()
