@@ -16,7 +16,7 @@ never attached twice.
 
 This module is the contract only: it never imports an implementation. Which class
 serves which ``backend:`` name, and the factory, are in :mod:`.registry`; the shared
-conformance suite every backend runs is tests/dpu/storage/backend_suite.py.
+conformance suite every backend runs is tests/dpu/storage/storage_backend_suite.py.
 """
 
 from __future__ import annotations
