@@ -11,8 +11,8 @@ import asyncio
 import logging
 import signal
 import uuid
-from dataclasses import asdict
 from pathlib import Path
+from types import TracebackType
 
 import grpc
 
@@ -23,7 +23,7 @@ from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
-from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend, parse_device_spec
+from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.transport.rdma import RdmaServer
 from ctxmem_dpu.transport.shm import ShmServer
@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 
 
 class Service:
+    """The whole service in one process: storage backends, block store, data servers,
+    the gRPC control plane and the metrics endpoint, started and stopped in order.
+
+    Use ``async with Service(cfg) as svc:`` to guarantee :meth:`stop` (which is safe after
+    a start that failed half way: it stops what did start).
+    """
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.instance_id = uuid.uuid4().hex
@@ -45,16 +52,12 @@ class Service:
         self.http: HttpEndpoint | None = None
         self.ready = False
         self.grpc_port = 0
+        self._stopped = False
 
     def _device_specs(self) -> list[DeviceSpec]:
-        specs = []
-        for i, dev in enumerate(self.cfg.flash.devices):
-            raw = {k: v for k, v in asdict(dev).items()
-                   if v not in ({}, "", None) and (k, v) != ("create", False)}
-            if not raw.get("size"):
-                raw.pop("size", None)
-            specs.append(parse_device_spec(raw, f"flash.devices[{i}]"))
-        return specs
+        # Typed and validated when the config loaded: no round trip through dicts.
+        return [dev.device_spec(f"flash.devices[{i}]")
+                for i, dev in enumerate(self.cfg.flash.devices)]
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -80,12 +83,12 @@ class Service:
             host, port = split_hostport(cfg.service.data_listen, "service.data_listen")
             self.tcp = TcpDataServer(self.store, host, port)
             await self.tcp.start()
-            data_endpoint = f"{host}:{self.tcp.port}"
+            data_endpoint = self.tcp.address
         shm_path = ""
         if "shm" in cfg.service.transports:
             self.shm = ShmServer(self.store, cfg.service.shm_socket)
             await self.shm.start()
-            shm_path = cfg.service.shm_socket
+            shm_path = self.shm.address
         if "rdma" in cfg.service.transports:  # RDMA (issue 3): opens the verbs device
             self.rdma = RdmaServer(self.store, cfg.service.rdma_listen, cfg.service.rdma_device,
                                    cfg.service.rdma_gid_index, cfg.service.rdma_access)
@@ -113,6 +116,18 @@ class Service:
         log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s)",
                  cfg.mode, listen, ",".join(cfg.service.transports), len(flash_paths))
 
+    async def __aenter__(self) -> Service:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.stop()
+
     def health(self) -> str:
         if self.store is None:
             return "starting"
@@ -120,6 +135,11 @@ class Service:
         return f"degraded: flash device(s) {', '.join(bad)} failed" if bad else "serving"
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop in the reverse of start's order; idempotent, and safe after a failed start
+        (it stops what did start)."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.ready = False
         if self.rdma is not None:  # first, so its long-lived RdmaAttach calls end
             await self.rdma.close()
@@ -138,16 +158,12 @@ class Service:
 
 
 async def serve(cfg: Config, ready_file: str | None = None) -> None:
-    svc = Service(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await svc.start()
+    async with Service(cfg) as svc:
         if ready_file:
             Path(ready_file).write_text(f"{svc.grpc_port}\n")
         await stop.wait()
         log.info("shutting down")
-    finally:
-        await svc.stop()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ctxmem_dpu.lifetime import AsyncResource
 from ctxmem_dpu.store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,12 @@ class StoreCollector:
                                 value=s["flash_devices_healthy"])
 
 
-class HttpEndpoint:
-    """A minimal HTTP/1.0 server on the service's loop: /metrics, /healthz, /readyz."""
+class HttpEndpoint(AsyncResource):
+    """A minimal HTTP/1.0 server on the service's loop: /metrics, /healthz, /readyz.
+
+    ``start()`` binds ``host:port`` (port 0: any; the bound one is in :attr:`port`
+    after), ``close()`` stops serving; both idempotent, and ``async with`` pairs them.
+    """
 
     def __init__(self, store: BlockStore, host: str, port: int, ready: Callable[[], bool]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -86,6 +91,8 @@ class HttpEndpoint:
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> None:
+        if self._server is not None:
+            return
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -118,6 +125,7 @@ class HttpEndpoint:
                 await writer.wait_closed()
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            await server.wait_closed()

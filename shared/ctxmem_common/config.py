@@ -6,8 +6,10 @@ e.g. ``flash.write_policy: 'write-back' is not one of ['write_back', 'write_thro
 Sizes accept ``"64MiB"``-style strings. ``DEFAULT_CONFIG_YAML`` is the embedded default
 (fallback mode, files under ``/tmp/ctxmem``) that ``ctxmem serve`` uses without ``--config``.
 
-Backend-specific keys of flash devices (``kernel:``, ``spdk:``) are validated by the
-service's storage layer when the config is loaded for serving (it owns those backends).
+Flash devices' backend sections (``kernel:``, ``spdk:``) are typed too: they are built
+into :mod:`ctxmem_common.device_settings` dataclasses while the config loads, so a bad
+backend key fails here (``flash.devices[0].kernel.bogus: unknown key; ...``), not at
+service start, and the storage backends take the same objects.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from ctxmem_common.device_settings import (
+    DeviceSpec,
+    KernelOptions,
+    SpdkOptions,
+    device_spec,
+    parse_kernel_options,
+    parse_spdk_options,
+)
 from ctxmem_common.errors import ConfigError
 from ctxmem_common.units import parse_size
 
@@ -75,8 +85,25 @@ class FlashDeviceConfig:
     path: str = ""
     size: Size = Size(0)
     create: bool = False
-    kernel: dict[str, Any] = field(default_factory=dict)
-    spdk: dict[str, Any] = field(default_factory=dict)
+    kernel: KernelOptions | None = None  # backend 'kernel' only (docs/storage.md)
+    spdk: SpdkOptions | None = None  # backend 'spdk' only (docs/storage.md)
+
+    def device_spec(self, where: str) -> DeviceSpec:
+        """This device as the storage layer takes it (``where``: its key path, which
+        prefixes any error). The loader has run the same rules, so only an entry built by
+        hand that breaks them raises.
+
+        Raises:
+            ConfigError: naming the key path.
+        """
+        try:
+            return device_spec(where, name=self.name, backend=self.backend,
+                               size_bytes=int(self.size) or None, path=self.path or None,
+                               create=self.create, kernel=self.kernel, spdk=self.spdk)
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -158,8 +185,24 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# Types whose schema is richer than their fields' types (cross-field rules, patterns):
+# built by their own validators, whose ValueErrors name the key path.
+_PARSERS: dict[Any, Any] = {
+    KernelOptions: parse_kernel_options,
+    SpdkOptions: parse_spdk_options,
+}
+
+
 def _convert(tp: Any, value: Any, where: str) -> Any:
     origin = get_origin(tp)
+    parser = _PARSERS.get(tp)
+    if parser is not None:
+        try:
+            return parser(value, where)
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if tp is Size:
         try:
             return Size(parse_size(value, where))
@@ -180,7 +223,10 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
         return dict(value)
     if origin in (types.UnionType, typing.Union):
-        return value
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if value is None or len(args) != 1:
+            return value
+        return _convert(args[0], value, where)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)  # type: ignore[arg-type]
     if tp is bool:
@@ -245,6 +291,7 @@ def _check(cfg: Config) -> None:
     for i, dev in enumerate(cfg.flash.devices):
         if dev.backend == "local" and not dev.path:
             raise ConfigError(f"flash.devices[{i}].path: required for backend 'local'")
+        dev.device_spec(f"flash.devices[{i}]")  # names, sizes, which keys each backend takes
     if not cfg.service.transports:
         raise ConfigError("service.transports: list at least one of ['shm', 'tcp', 'rdma']")
     if "rdma" in cfg.service.transports and not cfg.service.rdma_listen:
@@ -319,6 +366,9 @@ def load_config(path: str | Path | None = None) -> Config:
 def _type_label(tp: Any) -> str:
     if tp is Size:
         return "size"
+    typed = [t for t in _PARSERS if t in get_args(tp)]
+    if typed:
+        return f"mapping ({typed[0].__name__}, see docs/storage.md)"
     if isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "").replace("ctxmem_common.config.", "")
@@ -365,8 +415,9 @@ def reference_markdown() -> str:
     ]
     tail = [
         "",
-        "The `kernel:` and `spdk:` sub-keys of a device are validated by the service's "
-        "storage layer when it loads the config; see `docs/storage.md`.",
+        "The `kernel:` and `spdk:` sections of a device are typed "
+        "(`ctxmem_common.device_settings`) and validated with the rest of the config: a bad "
+        "key fails at load, naming its path; `docs/storage.md` lists their keys.",
         "",
     ]
     return "\n".join(head + _reference_rows(Config, "") + dev

@@ -13,6 +13,10 @@ through it. Three backends exist:
 `attach` is idempotent across service restarts: it looks for what an earlier run left
 attached (a kernel controller, an SPDK bdev, a ublk disk) and reuses it, so a device is
 never attached twice.
+
+This module is the contract only: it never imports an implementation. Which class
+serves which ``backend:`` name, and the factory, are in :mod:`.registry`; the shared
+conformance suite every backend runs is tests/dpu/storage/storage_backend_suite.py.
 """
 
 from __future__ import annotations
@@ -21,32 +25,12 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import TypeVar
 
-from .config import ALIGNMENT_BYTES, parse_device_spec
-from .spec import (
-    BackendKind,
-    CryptoOptions,
-    DeviceSpec,
-    ExportOptions,
-    KernelOptions,
-    SpdkOptions,
-)
-from .units import format_size, parse_size
+from ctxmem_common.device_settings import ALIGNMENT_BYTES
 
-__all__ = [
-    "ALIGNMENT_BYTES",
-    "BackendKind",
-    "CryptoOptions",
-    "DeviceSpec",
-    "ExportOptions",
-    "KernelOptions",
-    "SpdkOptions",
-    "StorageBackend",
-    "StorageError",
-    "format_size",
-    "open_backend",
-    "parse_device_spec",
-    "parse_size",
-]
+from .spec import DeviceSpec
+from .units import format_size
+
+__all__ = ["StorageBackend", "StorageError"]
 
 
 _Backend = TypeVar("_Backend", bound="StorageBackend")
@@ -183,24 +167,3 @@ class StorageBackend(ABC):
                 "point the device at a non-empty block device or file",
             )
         return usable
-
-
-def open_backend(spec: DeviceSpec) -> StorageBackend:
-    """Return the (not yet attached) backend for `spec`.
-
-    Backends are imported here, not at module import, so that e.g. the `spdk` package
-    is needed only when an SPDK device is configured.
-    """
-    if spec.backend == "local":
-        from .local import LocalBackend
-
-        return LocalBackend(spec)
-    if spec.backend == "kernel":
-        from .kernel import KernelBackend
-
-        return KernelBackend(spec)
-    if spec.backend == "spdk":
-        from .spdk import SpdkBackend
-
-        return SpdkBackend(spec)
-    raise ValueError(f"device {spec.name!r}: unknown backend {spec.backend!r}")

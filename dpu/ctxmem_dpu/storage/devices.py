@@ -10,7 +10,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from .base import ALIGNMENT_BYTES, StorageError
+from ctxmem_common.device_settings import ALIGNMENT_BYTES
+
+from .base import StorageError
 
 __all__ = ["Deadline", "probe_o_direct", "wait_for"]
 

@@ -27,8 +27,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from .base import DeviceSpec, KernelOptions, StorageBackend, StorageError
+from .base import StorageBackend, StorageError
 from .devices import Deadline, probe_o_direct, wait_for
+from .spec import DeviceSpec, KernelOptions
 
 __all__ = ["KernelBackend"]
 

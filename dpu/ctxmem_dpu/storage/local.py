@@ -6,8 +6,10 @@ import errno
 import os
 import stat
 
-from .base import DeviceSpec, StorageBackend, StorageError, format_size
+from .base import StorageBackend, StorageError
 from .devices import probe_o_direct
+from .spec import DeviceSpec
+from .units import format_size
 
 __all__ = ["LocalBackend"]
 

@@ -9,92 +9,80 @@ the transfer; a slot being written keeps its allocation alive the same way.
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
+from typing import TYPE_CHECKING
 
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.wire import OP_READ, OP_WRITE, TCP_HELLO, TCP_REQ, TCP_RESP, Status
-from ctxmem_dpu.store import BlockStore
-from ctxmem_dpu.transport.shm import _recv_exact
+from ctxmem_dpu.transport.socket_server import SocketDataServer, recv_exact, recv_into
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from ctxmem_dpu.store import BlockStore
 
-
-async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview
-                     ) -> None:
-    got = 0
-    n = len(view)
-    while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
-        if k == 0:
-            raise ConnectionResetError("peer closed mid-payload")
-        got += k
+__all__ = ["TcpDataServer"]
 
 
-class TcpDataServer:
+_recv_exact = recv_exact  # the names this module's code has always used
+_recv_into = recv_into
+
+
+class TcpDataServer(SocketDataServer):
+    """Serves READ and WRITE of a session's slots on ``host:port`` (port 0: any; the
+    bound one is in :attr:`port` after start)."""
+
+    transport = "tcp"
+    connection_kind = "TCP data"
+
     def __init__(self, store: BlockStore, host: str, port: int) -> None:
-        self.store = store
+        super().__init__(store)
         self.host = host
         self.port = port
-        self._sock: socket.socket | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _listen(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.listen(128)
-        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
         self.port = sock.getsockname()[1]
-        self._sock = sock
-        self._task = asyncio.create_task(self._accept(), name="ctxmem-tcp-accept")
+        return sock
 
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._sock is not None
-        while True:
-            conn, _ = await loop.sock_accept(self._sock)
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                conn.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-            t = asyncio.create_task(self._serve(conn))
-            self._conns.add(t)
-            t.add_done_callback(self._conns.discard)
+    def _configure(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            conn.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         store = self.store
-        try:
-            magic, session_id, token = TCP_HELLO.unpack(await _recv_exact(loop, conn,
-                                                                          TCP_HELLO.size))
-            s = store.sessions.get(session_id)
-            if magic != b"CXT1" or s is None or s.token != token:
-                await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.UNAUTHENTICATED, 0))
+        s = await self._hello(conn, TCP_HELLO, b"CXT1",
+                              lambda status: TCP_RESP.pack(b"CXTA", status, 0))
+        if s is None:
+            return
+        session_id = s.id
+        while True:
+            magic, op, ident, index, length = TCP_REQ.unpack(
+                await _recv_exact(loop, conn, TCP_REQ.size))
+            if magic != b"CXTR" or op not in (OP_READ, OP_WRITE):
+                await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.BAD_REQUEST, 0))
                 return
-            await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.OK, 0))
-            while True:
-                magic, op, ident, index, length = TCP_REQ.unpack(
-                    await _recv_exact(loop, conn, TCP_REQ.size))
-                if magic != b"CXTR" or op not in (OP_READ, OP_WRITE):
-                    await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.BAD_REQUEST, 0))
-                    return
-                if session_id not in store.sessions:
-                    await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.UNAUTHENTICATED,
-                                                                0))
-                    return
-                if op == OP_WRITE:
-                    await self._write(loop, conn, s, ident, index, length)
-                else:
-                    await self._read(loop, conn, s, ident, index)
-        except (ConnectionError, OSError):
-            pass
-        except Exception:
-            log.exception("TCP data connection failed")
-        finally:
-            conn.close()
+            if session_id not in store.sessions:
+                await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.UNAUTHENTICATED,
+                                                            0))
+                return
+            if op == OP_WRITE:
+                await self._write(loop, conn, s, ident, index, length)
+            else:
+                await self._read(loop, conn, s, ident, index)
 
     async def _write(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, s: object,
                      ident: int, index: int, length: int) -> None:
@@ -143,11 +131,3 @@ class TcpDataServer:
         finally:
             view.release()
             store._unpin(b)
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for t in list(self._conns):
-            t.cancel()
-        if self._sock is not None:
-            self._sock.close()

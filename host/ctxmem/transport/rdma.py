@@ -28,6 +28,11 @@ request per slot, straight from (put) or into (get) the caller's buffer:
 
 The shim's own memory is never exposed: its QP and MRs grant no remote access.
 pyverbs is imported when the first channel opens, never by ``import ctxmem``.
+
+This module is the channel (its queue pair's life and the transfers);
+:mod:`~ctxmem.transport.rdma_exchange` holds the ``RdmaInfo`` exchange and device choice,
+:mod:`~ctxmem.transport.rdma_buffers` the registration cache, bounce plan and WR chains,
+:mod:`~ctxmem.transport.rdma_verbs` the knobs, the pyverbs import and :class:`RdmaError`.
 """
 
 from __future__ import annotations
@@ -41,274 +46,59 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem.transport.rdma_buffers import (
+    Piece,
+    Registration,
+    RegistrationCache,
+    Work,
+    address_of,
+    bounce_plan,
+    chains,
+    owner_view,
+)
+from ctxmem.transport.rdma_exchange import choose_device, rdma_info, refusal
+from ctxmem.transport.rdma_verbs import (
+    ACK_TIMEOUT,
+    ENV_BOUNCE_MB,
+    ENV_DEVICE,
+    ENV_GID_INDEX,
+    ENV_REG_CACHE_MB,
+    ENV_REG_MIN_KB,
+    ENV_SIGNAL_EVERY,
+    INITIATOR_DEPTH,
+    MIN_RNR_TIMER,
+    OP_READ,
+    OP_WRITE,
+    RETRY_CNT,
+    RNR_RETRY,
+    SPIN_S,
+    SQ_DEPTH,
+    RdmaError,
+    _env_int,
+    _errno,
+    _verbs,
+    wc_status_text,
+)
 from ctxmem_common import rdma_wire as rw
-from ctxmem_common.errors import ERROR_METADATA_KEY, InvalidArgument
+from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 
+# The channel's pieces live in rdma_verbs (knobs, pyverbs, errors) and rdma_buffers
+# (registration cache, bounce plan, WR chains); these names stay importable from here.
+__all__ = [
+    "ACK_TIMEOUT", "ENV_BOUNCE_MB", "ENV_DEVICE", "ENV_GID_INDEX", "ENV_REG_CACHE_MB",
+    "ENV_REG_MIN_KB", "ENV_SIGNAL_EVERY", "INITIATOR_DEPTH", "MIN_RNR_TIMER", "OP_READ",
+    "OP_WRITE", "RETRY_CNT", "RNR_RETRY", "SPIN_S", "SQ_DEPTH", "Piece", "RdmaChannel",
+    "RdmaError", "Registration", "RegistrationCache", "Work", "address_of", "bounce_plan",
+    "chains", "owner_view", "wc_status_text",
+]
+
 log = logging.getLogger(__name__)
-
-MiB = 1 << 20
-# Client-side knobs (environment, so a deployment can tune them without code changes).
-ENV_DEVICE = "CTXMEM_RDMA_DEVICE"  # verbs device of this host (default: by route)
-ENV_GID_INDEX = "CTXMEM_RDMA_GID_INDEX"  # GID index on it (default: the RoCE v2 one)
-ENV_REG_MIN_KB = "CTXMEM_RDMA_REG_MIN_KB"
-ENV_REG_CACHE_MB = "CTXMEM_RDMA_REG_CACHE_MB"
-ENV_BOUNCE_MB = "CTXMEM_RDMA_BOUNCE_MB"
-ENV_SIGNAL_EVERY = "CTXMEM_RDMA_SIGNAL_EVERY"
-
-INITIATOR_DEPTH = 16  # outstanding RDMA READs (max_rd_atomic), capped by both ends
-SQ_DEPTH = 256
-SPIN_S = 50e-6  # busy-poll this long before sleeping on the completion channel
-# RC timers, as on the service (ctxmem_dpu.transport.rdma): ~2 s to declare a peer gone.
-ACK_TIMEOUT = 16
-RETRY_CNT = 7
-RNR_RETRY = 7
-MIN_RNR_TIMER = 12
-
-OP_WRITE = "write"
-OP_READ = "read"
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        raise TransportError(f"{name}={raw!r} is not an integer") from None
-
-
-def _verbs() -> Any:
-    try:
-        import pyverbs.addr
-        import pyverbs.cq
-        import pyverbs.device
-        import pyverbs.libibverbs_enums
-        import pyverbs.mr
-        import pyverbs.pd
-        import pyverbs.pyverbs_error
-        import pyverbs.qp
-        import pyverbs.wr
-    except ImportError as exc:
-        raise TransportError(
-            f"transport 'rdma' needs pyverbs, which cannot be imported ({exc}); install it "
-            f"with `pip install ctxmem[rdma]` (deploy/ci/pyverbs-wheel.sh) or use "
-            f"transport='tcp'") from None
-    return pyverbs
-
-
-def _errno(exc: BaseException) -> int:
-    code = getattr(exc, "error_code", -1)
-    return code if isinstance(code, int) and code > 0 else 0
-
-
-class RdmaError(TransportError):
-    """An RDMA operation failed. ``errno`` (a verbs call) or ``wc_status`` (a work
-    completion) says how; the message says what to check."""
-
-    def __init__(self, message: str, errno: int = 0, wc_status: int = 0) -> None:
-        if errno:
-            message = f"{message} (errno {errno}: {os.strerror(errno)}); {rw.verbs_hint(errno)}"
-        super().__init__(message)
-        self.errno = errno
-        self.wc_status = wc_status
-
-
-# Work-completion statuses worth a specific hint (values of enum ibv_wc_status).
-_WC_HINTS = {
-    10: "remote access error: the address/rkey is not one the service granted this session "
-        "(another tenant's or session's key, an address outside the granted slots, a "
-        "lease that was released or expired, an allocation already committed, a write "
-        "with a lease's read-only key) — the service's NIC refused it",
-    12: "transport retry count exceeded: the service's queue pair is gone (service "
-        "restarted or crashed) or the path is down — check the port state, GID index, MTU",
-    13: "RNR retry count exceeded: the service's queue pair is not ready",
-    4: "local protection error: the local buffer's registration does not cover it",
-    9: "remote invalid request: the service's QP refused the operation (access flags, "
-       "length, or a READ deeper than its responder depth)",
-    11: "remote operation error at the service",
-    5: "work request flushed: the queue pair was already in error",
-}
-
-
-def wc_status_text(status: int) -> str:
-    try:
-        name = _verbs().libibverbs_enums.ibv_wc_status(status).name
-    except Exception:
-        name = f"status {status}"
-    hint = _WC_HINTS.get(status, "check the device and port state")
-    return f"{name}: {hint}"
-
-
-# ---------------------------------------------------------------------------------------
-# Buffers: addresses, owners, the registration cache and the bounce plan (no verbs here)
-# ---------------------------------------------------------------------------------------
-
-
-def address_of(view: memoryview) -> int:
-    """Virtual address of a (possibly read-only) contiguous buffer's first byte."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
-
-
-def owner_view(view: memoryview) -> memoryview:
-    """A byte view of the largest contiguous buffer that ``view`` is part of.
-
-    numpy views are followed up their ``base`` chain (a block sliced out of a KV pool
-    leads to the pool); the result always contains ``view``, else ``view`` itself.
-    """
-    obj: Any = view.obj
-    best = memoryview(view)  # our own view object: the caller may release theirs
-    if best.format != "B" or best.ndim != 1:
-        best = best.cast("B")
-    candidates: list[Any] = []
-    while obj is not None and len(candidates) < 16:
-        candidates.append(obj)
-        obj = obj.base if isinstance(obj, np.ndarray) else None
-    start, end = address_of(view), address_of(view) + view.nbytes
-    for cand in candidates:
-        try:
-            mv = memoryview(cand)
-        except TypeError:
-            continue
-        if not mv.c_contiguous or mv.nbytes <= best.nbytes:
-            continue
-        mv = mv.cast("B")
-        a = address_of(mv)
-        if a <= start and end <= a + mv.nbytes:
-            best = mv
-    return best
-
-
-@dataclass
-class Registration:
-    start: int
-    end: int
-    lkey: int
-    writable: bool
-    handle: Any  # the MR
-    pin: memoryview  # keeps the registered memory alive (and unmovable) while cached
-
-
-class RegistrationCache:
-    """Registered caller buffers, found by address containment, LRU-bounded by bytes.
-
-    ``register(addr, nbytes, writable) -> (lkey, handle)`` and ``deregister(handle)``
-    are the verbs calls (injected, so the policy is testable without a device);
-    ``register`` raises :class:`RdmaError` when the memory cannot be registered.
-    """
-
-    def __init__(self, register: Callable[[int, int, bool], tuple[int, Any]],
-                 deregister: Callable[[Any], None], *, min_bytes: int, max_bytes: int) -> None:
-        self._register = register
-        self._deregister = deregister
-        self.min_bytes = min_bytes
-        self.max_bytes = max_bytes
-        self._regs: collections.OrderedDict[tuple[int, int], Registration] = \
-            collections.OrderedDict()
-        self._failed: set[tuple[int, int]] = set()
-        self.registered_bytes = 0
-        self.registrations = 0  # count of register() calls that succeeded
-
-    def __len__(self) -> int:
-        return len(self._regs)
-
-    def find(self, addr: int, nbytes: int, need_write: bool) -> Registration | None:
-        for key, reg in reversed(self._regs.items()):
-            if reg.start <= addr and addr + nbytes <= reg.end and (reg.writable or not need_write):
-                self._regs.move_to_end(key)
-                return reg
-        return None
-
-    def lookup(self, view: memoryview, need_write: bool) -> tuple[int, int] | None:
-        """(address, lkey) to use for ``view`` directly, or ``None``: stage it."""
-        addr, n = address_of(view), view.nbytes
-        reg = self.find(addr, n, need_write)
-        if reg is not None:
-            return addr, reg.lkey
-        owner = owner_view(view)
-        oaddr, on = address_of(owner), owner.nbytes
-        if self.min_bytes <= on <= self.max_bytes:
-            start, length = oaddr, on
-        elif self.min_bytes <= n <= self.max_bytes:
-            start, length = addr, n  # the owner is too big to pin whole: just this view
-        else:
-            return None
-        writable = not owner.readonly
-        if need_write and not writable:
-            return None
-        if (start, length) in self._failed:
-            return None
-        while self._regs and self.registered_bytes + length > self.max_bytes:
-            self._evict_lru()
-        try:
-            lkey, handle = self._register(start, length, writable)
-        except RdmaError as exc:
-            log.info("ctxmem rdma: cannot register %d bytes at %#x (%s); staging through the "
-                     "bounce buffer instead", length, start, exc)
-            self._failed.add((start, length))
-            return None
-        self._regs[(start, length)] = Registration(start, start + length, lkey, writable,
-                                                   handle, owner)
-        self.registered_bytes += length
-        self.registrations += 1
-        return addr, lkey
-
-    def _evict_lru(self) -> None:
-        _key, reg = self._regs.popitem(last=False)
-        self.registered_bytes -= reg.end - reg.start
-        try:
-            self._deregister(reg.handle)
-        finally:
-            reg.pin.release()
-
-    def clear(self) -> None:
-        while self._regs:
-            self._evict_lru()
-
-
-@dataclass(frozen=True)
-class Piece:
-    """``length`` bytes of item ``item`` at ``offset``, staged at ``bounce_offset``."""
-
-    item: int
-    offset: int
-    length: int
-    bounce_offset: int
-
-
-def bounce_plan(lengths: Sequence[int], capacity: int) -> list[list[Piece]]:
-    """Rounds of pieces that each fit the bounce buffer; an item bigger than the buffer
-    is split across rounds. Pieces start 64-byte aligned in the buffer."""
-    rounds: list[list[Piece]] = []
-    cur: list[Piece] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        off = 0
-        while off < n:
-            if used >= capacity:
-                rounds.append(cur)
-                cur, used = [], 0
-            take = min(n - off, capacity - used)
-            cur.append(Piece(i, off, take, used))
-            used += (take + 63) // 64 * 64
-            off += take
-    if cur:
-        rounds.append(cur)
-    return rounds
-
-
-def chains(n: int, signal_every: int) -> list[tuple[int, int]]:
-    """[start, stop) of each chain of WRs; the last WR of each is the signalled one."""
-    per = max(1, signal_every)
-    return [(i, min(i + per, n)) for i in range(0, n, per)]
-
 
 # ---------------------------------------------------------------------------------------
 # The channel
@@ -326,15 +116,6 @@ def _orphan_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_orphan_in_child)
-
-
-@dataclass(frozen=True)
-class Work:
-    laddr: int
-    length: int
-    lkey: int
-    raddr: int
-    rkey: int
 
 
 class RdmaChannel(DataChannel):
@@ -378,57 +159,14 @@ class RdmaChannel(DataChannel):
 
     # -- setup -----------------------------------------------------------------------
     def _info(self, stub: pb_grpc.ContextMemoryStub, token: bytes) -> pb.RdmaInfoResponse:
-        import grpc
-
-        try:
-            resp: pb.RdmaInfoResponse = stub.RdmaInfo(
-                pb.RdmaInfoRequest(session_id=self.session_id, session_token=token),
-                timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise self._refused("RdmaInfo", exc) from None
-        if len(resp.gid) != 16:
-            raise TransportError(f"RdmaInfo for session {self.session_id}: the service sent a "
-                                 f"{len(resp.gid)}-byte GID, not 16; is it a ctxmem service "
-                                 f"of this version?")
-        return resp
+        return rdma_info(stub, self.session_id, token, self.timeout_s)
 
     def _refused(self, call: str, exc: Any) -> TransportError:
-        """The :class:`TransportError` for a failed ``RdmaInfo``/``RdmaAttach`` call."""
-        import grpc
-
-        code = exc.code()
-        details = exc.details() or ""
-        what = f"{call} for session {self.session_id}"
-        if code == grpc.StatusCode.UNIMPLEMENTED:
-            return TransportError(f"{what}: the service does not implement {call} (a ctxmem "
-                                  f"version without RDMA in ctxmem.proto); upgrade it or use "
-                                  f"transport='tcp'")
-        if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-            return TransportError(f"{what}: no answer from the service within "
-                                  f"{self.timeout_s:g} s ({code.name}: {details})")
-        # The ctxmem error code (UNKNOWN_SESSION, ...) where it says more than the status.
-        kind = dict(exc.trailing_metadata() or ()).get(ERROR_METADATA_KEY, code.name)
-        status = code.name if kind == code.name else f"{code.name}, {kind}"
-        return TransportError(f"{what} failed ({status}): {details}")
+        return refusal(call, self.session_id, self.timeout_s, exc)
 
     def _choose_device(self, server: pb.RdmaInfoResponse, device: str, gid_index: int
                        ) -> rw.GidChoice:
-        device = device or os.environ.get(ENV_DEVICE, "")
-        if gid_index < 0:
-            gid_index = _env_int(ENV_GID_INDEX, -1)
-        peer_ip = rw.gid_ipv4(server.gid)
-        try:
-            if peer_ip is None:
-                # An IPv6 GID: no route lookup here; the device must be named.
-                return rw.find_gid("", device, gid_index)
-            return rw.find_gid(rw.local_ip_towards(peer_ip), device, gid_index)
-        except rw.RdmaDeviceError as exc:
-            raise RdmaError(f"no local RDMA device/GID to reach the service at {peer_ip}: "
-                            f"{exc.message} (or set {ENV_DEVICE} / {ENV_GID_INDEX})",
-                            exc.errno or 0) from None
-        except OSError as exc:
-            raise RdmaError(f"no route to the service's RDMA address {peer_ip}",
-                            exc.errno or 0) from None
+        return choose_device(server, device, gid_index)
 
     def _open_verbs(self, server: pb.RdmaInfoResponse) -> None:
         pv = self._pv

@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from ctxmem_dpu.storage import DeviceSpec, parse_device_spec, parse_size
+from ctxmem_dpu.storage import (
+    CryptoOptions,
+    DeviceSpec,
+    KernelOptions,
+    SpdkOptions,
+    parse_device_spec,
+    parse_size,
+)
 from ctxmem_dpu.storage.units import format_size
 
 W = "flash.devices[0]"
@@ -170,3 +177,49 @@ def test_service_config_entries_reach_the_backends() -> None:
         ("nvmeof0", "kernel"), ("spdk0", "spdk"), ("f0", "local")]
     assert specs[0].kernel is not None and specs[0].kernel.fast_io_fail_tmo == 2
     assert specs[2].create and specs[2].size_bytes == 64 << 20
+
+
+# -- typed device settings: validated with the rest of the config, at load ----------------
+
+
+def test_a_bad_backend_key_fails_at_config_load_not_at_start(tmp_path: Any) -> None:
+    from ctxmem_common.config import config_from_dict, load_config
+    from ctxmem_common.errors import ConfigError
+
+    dev = kernel_raw(bogus=1)
+    with pytest.raises(ConfigError, match=r"^flash\.devices\[0\]\.kernel\.bogus: unknown key; "
+                                          r"allowed keys: "):
+        config_from_dict({"flash": {"devices": [dev]}})
+    spdk = spdk_raw(crypto={"enabled": True})
+    with pytest.raises(ConfigError, match=r"flash\.devices\[0\]\.spdk\.crypto\.key_name: "
+                                          r"required when crypto is enabled"):
+        config_from_dict({"flash": {"devices": [spdk]}})
+    path = tmp_path / "c.yaml"
+    path.write_text("flash:\n  devices:\n    - {name: n0, backend: kernel, kernel: "
+                    "{transport: tcp, traddr: 192.0.2.10, subnqn: 'nqn.2014-08.org.example:f', "
+                    "trsvcid: 99999}}\n")
+    with pytest.raises(ConfigError, match=r"flash\.devices\[0\]\.kernel\.trsvcid: expected a "
+                                          r"port number"):
+        load_config(path)
+    for raw, message in [
+        ({"name": "n0", "backend": "kernel"}, r"flash\.devices\[0\]\.kernel: required"),
+        ({**kernel_raw(), "path": "/x"}, r"flash\.devices\[0\]\.path: unknown key"),
+        ({"name": "bad name", "backend": "local", "path": "/x"}, r"\.name: invalid value"),
+        ({"name": "n0", "backend": "local", "path": "/x", "size": 4096},
+         r"\.size: 4096 must be at least 1MiB"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict({"flash": {"devices": [raw]}})
+
+
+def test_loaded_devices_are_typed_and_are_what_the_backends_take() -> None:
+    from ctxmem_common.config import config_from_dict
+
+    cfg = config_from_dict({"flash": {"devices": [kernel_raw(trsvcid=4421), spdk_raw()]}})
+    kernel, spdk = cfg.flash.devices
+    assert isinstance(kernel.kernel, KernelOptions) and kernel.spdk is None
+    assert kernel.kernel.trsvcid == "4421"
+    assert isinstance(spdk.spdk, SpdkOptions) and spdk.spdk.crypto == CryptoOptions()
+    assert kernel.device_spec(W) == parse_device_spec(kernel_raw(trsvcid=4421), W)
+    assert spdk.device_spec("flash.devices[1]") == parse_device_spec(spdk_raw(),
+                                                                     "flash.devices[1]")

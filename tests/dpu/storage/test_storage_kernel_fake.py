@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from storage_backend_suite import BackendTests, MakeBackend
 
 from ctxmem_dpu.storage import StorageError, parse_device_spec
 from ctxmem_dpu.storage.kernel import KernelBackend
@@ -286,3 +287,11 @@ def test_locate_finds_a_re_added_namespace_without_connecting(fake: FakeKernel) 
     (ctrl / "state").write_text("live\n")
     assert be.locate() == str(fake.dev / "nvme0n2") == be.path
     assert len(fake.calls()) == calls, "locate() must not run nvme-cli"
+
+
+class TestKernelBackend(BackendTests):
+    """The shared backend suite against the fake nvme-cli and sysfs."""
+
+    @pytest.fixture
+    def make(self, fake: FakeKernel) -> MakeBackend:
+        return fake.backend

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from storage_backend_suite import BackendTests, MakeBackend
 
 from ctxmem_dpu.storage import StorageError, open_backend, parse_device_spec
 from ctxmem_dpu.storage.local import LocalBackend
@@ -147,3 +148,13 @@ def test_health_notices_a_deleted_or_truncated_file(tmp_path: Path) -> None:
     path.unlink()
     assert not dev.is_healthy()
     assert not dev.offloads_encryption
+
+
+class TestLocalBackend(BackendTests):
+    """The shared backend suite on a real sparse file."""
+
+    @pytest.fixture
+    def make(self, tmp_path: Path) -> MakeBackend:
+        raw = {"name": "flash0", "backend": "local", "path": str(tmp_path / "flash0.img"),
+               "size": "4MiB", "create": True}
+        return lambda: open_backend(parse_device_spec(raw, "flash.devices[0]"))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from storage_backend_suite import BackendTests, MakeBackend
 from storage_fake_spdk import FakeSpdk
 from storage_spdk_scenarios import XTS_KEY_HEX, backend, merge
 
@@ -246,3 +247,11 @@ def test_missing_spdk_package_is_a_storage_error(
     with pytest.raises(StorageError, match="spdk Python package is not installed") as info:
         backend(spdk_raw).attach(timeout_s=5)
     assert "ctxmem[spdk]" in info.value.remedy
+
+
+class TestSpdkBackend(BackendTests):
+    """The shared backend suite against the fake SPDK JSON-RPC server."""
+
+    @pytest.fixture
+    def make(self, spdk_raw: dict[str, Any]) -> MakeBackend:
+        return lambda: backend(spdk_raw)

@@ -1,0 +1,91 @@
+"""Service objects are async context managers: the Service itself, the metrics endpoint.
+
+(The data servers run their own conformance suite, test_data_servers.py; the storage
+backends theirs, tests/dpu/storage/storage_backend_suite.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ctxmem_common.config import Config, config_from_dict
+from ctxmem_dpu.app import Service
+from ctxmem_dpu.metrics import HttpEndpoint
+from tests.dpu.storekit import open_store, store_config
+
+
+def service_config(tmp_path: Path, **metrics: Any) -> Config:
+    return config_from_dict({
+        "service": {"listen": "127.0.0.1:0", "data_listen": "127.0.0.1:0",
+                    "shm_socket": str(tmp_path / "data.sock")},
+        "metrics": {"listen": "127.0.0.1:0", **metrics},
+        "dram": {"size": "4MiB", "slab_size": "1MiB", "prefault": False},
+        "flash": {"slab_size": "1MiB", "devices": [
+            {"name": "flash0", "backend": "local", "path": str(tmp_path / "flash0.img"),
+             "size": "8MiB", "create": True}]},
+        "encryption": {"key_file": str(tmp_path / "master.key")},
+    })
+
+
+def test_service_is_an_async_context_manager(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with Service(service_config(tmp_path)) as svc:
+            assert svc.ready and svc.health() == "serving" and svc.grpc_port > 0
+            assert svc.tcp is not None and svc.shm is not None and svc.http is not None
+            assert svc.tcp.running and svc.shm.running
+            assert os.path.exists(svc.shm.address)
+            tcp, shm = svc.tcp, svc.shm
+        assert not svc.ready and not tcp.running and not shm.running
+        assert not os.path.exists(shm.address)
+        await svc.stop()  # stopping twice does nothing
+
+    asyncio.run(run())
+
+
+def test_a_start_that_fails_half_way_is_undone(tmp_path: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+
+    async def run() -> None:
+        svc = Service(service_config(tmp_path, listen=f"127.0.0.1:{port}"))
+        with pytest.raises(OSError):
+            async with svc:
+                raise AssertionError("the metrics port is taken: start must fail")
+        # Everything started before the metrics endpoint failed has been stopped.
+        assert not svc.ready and svc.tcp is not None and svc.shm is not None
+        assert not svc.tcp.running and not svc.shm.running
+        assert not os.path.exists(svc.shm.address)
+
+    try:
+        asyncio.run(run())
+    finally:
+        taken.close()
+
+
+def test_metrics_endpoint_is_an_async_context_manager() -> None:
+    async def run() -> None:
+        store = await open_store(store_config(), None)
+        try:
+            endpoint = HttpEndpoint(store, "127.0.0.1", 0, lambda: True)
+            async with endpoint:
+                await endpoint.start()  # idempotent: still the same port
+                url = f"http://127.0.0.1:{endpoint.port}/healthz"
+                body = await asyncio.to_thread(
+                    lambda: urllib.request.urlopen(url, timeout=10).read())
+                assert body == b"ok\n"
+            await endpoint.close()  # idempotent
+            with pytest.raises(OSError):
+                await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10))
+        finally:
+            await store.close()
+
+    asyncio.run(run())
