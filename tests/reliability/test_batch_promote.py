@@ -24,7 +24,7 @@ K = [b"blk-%04d" % i for i in range(64)]
 
 @pytest.fixture(autouse=True)
 def _fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ctxmem_dpu.store.PROBE_INTERVAL_S", 0.05)
+    monkeypatch.setattr("ctxmem_dpu.store.health.PROBE_INTERVAL_S", 0.05)
     faults.reset()
     yield
     faults.reset()
