@@ -29,7 +29,7 @@ from types import TracebackType
 
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.config import Config
-from ctxmem_common.errors import InvalidArgument, ResourceExhausted
+from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.keys import validate_keys
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
@@ -44,7 +44,7 @@ from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.placement import Placement
-from ctxmem_dpu.store.promotion import PromoteResult, Promotion
+from ctxmem_dpu.store.promotion import Promotion
 from ctxmem_dpu.store.recovery import Recovery, audit
 from ctxmem_dpu.store.sessions import SessionRegistry
 from ctxmem_dpu.store.stats import new_counters, snapshot
@@ -379,21 +379,7 @@ class BlockStore:
             b.pins += 1
         cold = [b for b in run if b.dram is None]
         try:
-            # Promote as much of the run as DRAM can take (halving on RESOURCE_EXHAUSTED):
-            # the run is cut at the first block that did not fit, and the shim asks for
-            # the rest in a following Acquire once it has copied these out.
-            take = len(cold)
-            while True:
-                try:
-                    ok = await self._promotion.promote(ns, cold[:take])
-                    break
-                except ResourceExhausted:
-                    self.counters["promote_no_space"] += 1
-                    if take <= 1:
-                        ok = PromoteResult()
-                        break
-                    take //= 2
-            ok.failed.update(id(b) for b in cold[take:])
+            ok = await self._promotion.promote_fitting(ns, cold)
         except BaseException:
             for b in run:
                 self.unpin(b)

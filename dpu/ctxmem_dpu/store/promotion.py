@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxmem_common.codecs import XtsCipher
+from ctxmem_common.errors import ResourceExhausted
 from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.store.ciphers import Keyring
@@ -74,6 +75,25 @@ class Promotion:
             self._ctx.io.spawn(run())
             self._ctx.counters["prefetch_blocks"] += len(cold)
         return len(cold), in_dram
+
+    async def promote_fitting(self, ns: Namespace, cold: list[Block]) -> PromoteResult:
+        """Promote as much of ``cold`` (pinned, in run order) as DRAM can take, halving the
+        batch on RESOURCE_EXHAUSTED; the blocks left out count as failed, so the caller
+        cuts its run at the first of them and the shim asks for the rest in a following
+        Acquire once it has copied these out."""
+        take = len(cold)
+        while True:
+            try:
+                ok = await self.promote(ns, cold[:take])
+                break
+            except ResourceExhausted:
+                self._ctx.counters["promote_no_space"] += 1
+                if take <= 1:
+                    ok = PromoteResult()
+                    break
+                take //= 2
+        ok.failed.update(id(b) for b in cold[take:])
+        return ok
 
     async def promote(self, ns: Namespace, blocks: list[Block]) -> PromoteResult:
         """Bring flash-only blocks into DRAM, verifying each; failures end up in ``failed``.
