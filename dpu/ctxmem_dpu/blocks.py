@@ -10,7 +10,6 @@ import asyncio
 import secrets
 from dataclasses import dataclass, field
 
-from ctxmem_common.codecs import XtsCipher
 from ctxmem_common.layout import KVLayout
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.tiers.flash import Extent
@@ -42,6 +41,12 @@ class Block:
 
 @dataclass(slots=True)
 class Namespace:
+    """An open namespace: one (tenant, model, layout, tags) cache, named by ``digest``.
+
+    It holds no cipher: a record's cipher depends on the device it lands on too (a device
+    that encrypts in hardware gets plaintext), so the store's keyring picks it per record.
+    """
+
     digest: bytes
     tenant: str
     model_id: str
@@ -49,11 +54,13 @@ class Namespace:
     tags: dict[str, str]
     block_nbytes: int
     slot_size: int
-    cipher: XtsCipher | None
 
 
 @dataclass(eq=False, slots=True)
 class Allocation:
+    """DRAM slots a client writes before Commit. ``done``: the reaper must leave it alone
+    (Commit is checksumming it, or a data-plane server is writing into it)."""
+
     id: int
     session_id: int
     ns: Namespace
@@ -65,6 +72,8 @@ class Allocation:
 
 @dataclass(eq=False, slots=True)
 class Lease:
+    """Pinned blocks a client reads before Release; ``valid`` turns false at expiry."""
+
     id: int
     session_id: int
     ns: Namespace
@@ -75,6 +84,8 @@ class Lease:
 
 @dataclass(eq=False)
 class Session:
+    """One client connection's state; ``token`` authenticates its data connections."""
+
     id: int
     tenant: str
     transport: str

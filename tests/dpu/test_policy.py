@@ -46,3 +46,15 @@ def test_victims_skip_pinned_and_tolerate_removal() -> None:
         out.append(v)
         p.remove(v)
     assert out == ["b", "c"] and p.order() == ["a"]
+
+
+def test_add_unhit_appends_to_probation_in_order_like_add() -> None:
+    bulk: SegmentedLRU[str] = SegmentedLRU(protect_after_hits=1)
+    one: SegmentedLRU[str] = SegmentedLRU(protect_after_hits=1)
+    bulk.add("x", hits=1)
+    one.add("x", hits=1)
+    bulk.add_unhit(["a", "b", "c"])
+    for k in "abc":
+        one.add(k)
+    assert bulk.order() == one.order() == ["a", "b", "c", "x"]
+    assert len(bulk) == 4 and "b" in bulk

@@ -1,7 +1,8 @@
 """A cold get reads a batch's record headers in runs of the header tables and adjacent
-payloads in one I/O each (BlockStore._promote): over several devices and slabs every
-intact block comes back exact, and a damaged, stale or foreign header is still a counted,
-quarantined miss; a device read error still fails the device, through the fault layer.
+payloads in one I/O each (``ctxmem_dpu.store.promotion``): over several devices and
+slabs every intact block comes back exact, and a damaged, stale or foreign header is still
+a counted, quarantined miss; a device read error still fails the device, through the fault
+layer.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ K = [b"blk-%04d" % i for i in range(64)]
 
 @pytest.fixture(autouse=True)
 def _fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ctxmem_dpu.store.PROBE_INTERVAL_S", 0.05)
+    monkeypatch.setattr("ctxmem_dpu.store.health.PROBE_INTERVAL_S", 0.05)
     faults.reset()
     yield
     faults.reset()

@@ -27,7 +27,7 @@ K = [bytes([i]) * 8 for i in range(1, 120)]
 
 @pytest.fixture(autouse=True)
 def _fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ctxmem_dpu.store.PROBE_INTERVAL_S", 0.05)
+    monkeypatch.setattr("ctxmem_dpu.store.health.PROBE_INTERVAL_S", 0.05)
     faults.reset()
 
 

@@ -25,7 +25,7 @@ K = [bytes([i]) * 8 for i in range(1, 200)]
 
 @pytest.fixture(autouse=True)
 def _fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr("ctxmem_dpu.store.PROBE_INTERVAL_S", 0.05)
+    monkeypatch.setattr("ctxmem_dpu.store.health.PROBE_INTERVAL_S", 0.05)
     monkeypatch.setattr("ctxmem_dpu.tiers.flash.SLOW_IO_S", 0.2)
     faults.reset()
     yield
@@ -88,7 +88,7 @@ async def test_write_errors_keep_blocks_in_dram_until_the_device_is_back(
         faults.configure(devices={})
         assert await _healthy(store)
         for _ in range(100):  # parked extents get their headers zeroed, then freed
-            if not store._needs_zero:
+            if not store.parked_extents():
                 break
             await asyncio.sleep(0.02)
         assert await store.evict(ns, list(data), "dram") == 8  # durable now

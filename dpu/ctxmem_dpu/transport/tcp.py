@@ -100,14 +100,12 @@ class TcpDataServer(SocketDataServer):
             await _recv_into(loop, conn, memoryview(bytearray(length)))  # keep framing
             await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", status, 0))
             return
-        done = a.done
-        a.done = True  # the reaper leaves an allocation alone while its slot is written
-        view = store.dram.view(a.slots[index], length)
-        try:
-            await _recv_into(loop, conn, view)
-        finally:
-            view.release()
-            a.done = done
+        with store.writing(a):  # the reaper leaves the allocation alone meanwhile
+            view = store.dram.view(a.slots[index], length)
+            try:
+                await _recv_into(loop, conn, view)
+            finally:
+                view.release()
         await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.OK, 0))
 
     async def _read(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, s: object,
@@ -123,11 +121,11 @@ class TcpDataServer(SocketDataServer):
             return
         b = lease.blocks[index]
         assert b.dram is not None
-        b.pins += 1
+        store.pin(b)
         view = store.dram.view(b.dram, b.length)
         try:
             await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.OK, b.length))
             await loop.sock_sendall(conn, view)
         finally:
             view.release()
-            store._unpin(b)
+            store.unpin(b)

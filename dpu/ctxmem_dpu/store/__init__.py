@@ -1,0 +1,21 @@
+"""The block store: index, placement, leases, demotion and promotion.
+
+:class:`BlockStore` (``blockstore.py``) is the facade the servicer, the data-plane servers
+and the app use; every other module here holds one concept and is private to the store:
+
+* ``context``   — what every part shares: config, the tiers, counters, the I/O threads;
+* ``sessions``  — sessions, namespaces, allocations, leases, expiry, grant-end hooks;
+* ``ciphers``   — per-namespace AES-XTS ciphers, and which devices encrypt in hardware;
+* ``index``     — the key → block map, the per-tier eviction order, the dirty set;
+* ``placement`` — DRAM and flash reservation, eviction;
+* ``demotion`` / ``promotion`` — DRAM → flash (the demoter) and flash → DRAM;
+* ``invalidation`` — zeroing record headers, parked extents, pins and freeing storage;
+* ``recovery``  — rebuilding the index from flash, verifying a record, the audit;
+* ``health``    — flash device health, slow I/O, probing and relocating failed devices;
+* ``stats``     — the counter names and the Stats snapshot.
+"""
+
+from ctxmem_dpu.store.blockstore import BlockStore
+from ctxmem_dpu.store.stats import COUNTERS
+
+__all__ = ["COUNTERS", "BlockStore"]

@@ -1,0 +1,485 @@
+"""The facade: :class:`BlockStore`, the one object the servicer, transports and app use.
+
+Flows (see docs/architecture.md):
+
+* put: ``allocate`` reserves DRAM slots (evicting if needed) → the client writes them →
+  ``commit`` computes the CRC32C (and checks the client's), then makes the blocks visible.
+  Write-back: a background task demotes committed blocks to flash; write-through: commit
+  returns after the flash write is durable.
+* get: ``acquire`` walks the keys while they are stored, promotes flash-only blocks into
+  DRAM (read → decrypt → verify CRC; a failure ends the run and is counted, never served),
+  pins the blocks under a lease → the client reads → ``release``.
+
+Invariant: a block is in the index only once complete; a pinned block's slots are never
+freed; an extent is freed only once nothing can read it.
+
+The flows live here; each concept they use (sessions, index, placement, demotion,
+promotion, invalidation, recovery, health, stats) is its own module, wired together in
+``__init__`` through explicit objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from types import TracebackType
+
+from ctxmem_common.codecs import crc32c
+from ctxmem_common.config import Config
+from ctxmem_common.errors import InvalidArgument
+from ctxmem_common.keys import validate_keys
+from ctxmem_common.layout import KVLayout
+from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
+from ctxmem_dpu import faults
+from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
+from ctxmem_dpu.policy import SegmentedLRU
+from ctxmem_dpu.store import health as health_mod
+from ctxmem_dpu.store.ciphers import Keyring
+from ctxmem_dpu.store.context import IOPool, StoreContext
+from ctxmem_dpu.store.demotion import Demotion
+from ctxmem_dpu.store.health import DeviceHealth
+from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
+from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.store.placement import Placement
+from ctxmem_dpu.store.promotion import Promotion
+from ctxmem_dpu.store.recovery import Recovery, audit
+from ctxmem_dpu.store.sessions import SessionRegistry
+from ctxmem_dpu.store.stats import new_counters, snapshot
+from ctxmem_dpu.tiers.dram import DramTier
+from ctxmem_dpu.tiers.flash import FlashDevice, FlashTier
+
+log = logging.getLogger("ctxmem_dpu.store")
+
+
+class BlockStore:
+    """All service state, on one event loop: the index over the DRAM and flash tiers,
+    sessions and their grants, and the background demoter and reaper.
+
+    ``flash_paths`` are (device name, path) pairs; ``master_key`` enables AES-XTS at rest
+    (ignored when ``encryption.enabled`` is false); ``software_crypto_off`` names devices
+    whose storage backend encrypts in hardware, which get plaintext records.
+
+    Use ``async with BlockStore(...) as store`` or :meth:`start` / :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        flash_paths: Sequence[tuple[str, str]] = (),
+        master_key: bytes | None = None,
+        software_crypto_off: Iterable[str] = (),
+    ) -> None:
+        self.cfg = cfg
+        self._flash_paths = list(flash_paths)
+        self._ctx = StoreContext(
+            cfg, DramTier(cfg.dram.size, cfg.dram.slab_size, cfg.dram.prefault),
+            FlashTier([]), new_counters(), IOPool(cfg.service.io_threads))
+        #: Every counter of :data:`~ctxmem_dpu.store.COUNTERS` (Stats, /metrics, tests).
+        self.counters = self._ctx.counters
+        keyring = Keyring(master_key if cfg.encryption.enabled else None, software_crypto_off)
+        self._index = BlockIndex(cfg)
+        self._health = DeviceHealth(self._ctx)
+        self._invalidator = Invalidator(self._ctx, self._health)
+        self._registry = SessionRegistry(cfg, self._ctx.dram, self._index,
+                                         self._invalidator.unpin)
+        self._placement = Placement(self._ctx, self._index, self._health, self._invalidator)
+        self._demotion = Demotion(self._ctx, self._index, self._placement, self._invalidator,
+                                  self._health, keyring)
+        self._promotion = Promotion(self._ctx, self._index, self._placement,
+                                    self._invalidator, self._health, keyring,
+                                    self._demotion.demote)
+        self._recovery = Recovery(self._ctx, self._index, self._invalidator, keyring)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- state the servicer, transports and tests read -----------------------------------
+    @property
+    def dram(self) -> DramTier:
+        """The DRAM tier (slot views for the data-plane servers)."""
+        return self._ctx.dram
+
+    @property
+    def flash(self) -> FlashTier:
+        """The flash tier (its devices and their health)."""
+        return self._ctx.flash
+
+    @property
+    def index(self) -> dict[bytes, dict[bytes, Block]]:
+        """Namespace digest → key → committed block."""
+        return self._index.blocks
+
+    @property
+    def dram_lru(self) -> SegmentedLRU[Block]:
+        """The DRAM tier's eviction order."""
+        return self._index.dram_lru
+
+    @property
+    def flash_lru(self) -> SegmentedLRU[Block]:
+        """The flash tier's eviction order."""
+        return self._index.flash_lru
+
+    @property
+    def sessions(self) -> dict[int, Session]:
+        """Open sessions by id (the data-plane servers authenticate against them)."""
+        return self._registry.sessions
+
+    @property
+    def namespaces(self) -> dict[bytes, Namespace]:
+        """Namespaces opened since start, by digest."""
+        return self._registry.namespaces
+
+    @property
+    def allocations(self) -> dict[int, Allocation]:
+        """Open allocations by id."""
+        return self._registry.allocations
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        """Open leases by id."""
+        return self._registry.leases
+
+    @property
+    def on_grant_end(self) -> list[Callable[[int], None]]:
+        """Hooks called with an allocation's or lease's id when it ends (commit, abort,
+        release, expiry, session close), before its slots are unpinned: transports revoke
+        the client's access there (RDMA memory windows)."""
+        return self._registry.on_grant_end
+
+    @property
+    def locators(self) -> dict[str, Callable[[], str | None]]:
+        """Device name → where the device is now (its storage backend's ``locate``); a
+        failed device that moved is reopened there."""
+        return self._health.locators
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the flash devices, rebuild the index from them, start the demoter and the
+        reaper."""
+        faults.install_from_env()
+        devices = []
+        for i, (name, path) in enumerate(self._flash_paths):
+            devices.append(await self._ctx.io.run(
+                FlashDevice, i, name, path, self.cfg.flash.slab_size, self.cfg.flash.o_direct))
+        self._ctx.flash = FlashTier(devices)
+        await self._recovery.rebuild()
+        self._tasks = [
+            asyncio.create_task(self._demotion.run(), name="ctxmem-demoter"),
+            asyncio.create_task(self._reaper(), name="ctxmem-reaper"),
+        ]
+
+    async def close(self) -> None:
+        """Stop background work, flush dirty blocks to flash (write-back), close tiers.
+        Idempotent."""
+        ctx = self._ctx
+        if ctx.closed:
+            return
+        ctx.closed = True
+        # The demoter and prefetch/invalidate tasks are never cancelled mid-I/O (that
+        # would strand blocks with half-done bookkeeping): the demoter sees ``closed``
+        # and returns after its current batch; the others are short and awaited.
+        for t in self._tasks:
+            if t.get_name() == "ctxmem-reaper":
+                t.cancel()
+        pending: list[Awaitable[object]] = [*self._tasks, *ctx.io.tasks]
+        for job in pending:
+            try:
+                await job
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                log.exception("background task failed at shutdown")
+        if ctx.flash.enabled and self._index.dirty:
+            try:
+                await self._demotion.demote(list(self._index.dirty))
+            except Exception:
+                log.exception("flushing dirty blocks to flash at shutdown failed")
+        # Headers a failed write may have left behind.
+        await self._invalidator.retry_parked(log_errors=True)
+        ctx.io.shutdown()
+        ctx.flash.close()
+        ctx.dram.close()
+
+    async def __aenter__(self) -> BlockStore:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def _reaper(self) -> None:
+        """Expire allocations and leases; re-probe failed flash devices; zero the headers
+        of parked extents once their device works."""
+        probe_at = 0.0
+        while True:
+            # Read through the module: tests lower the interval by patching it.
+            await asyncio.sleep(min(0.2, health_mod.PROBE_INTERVAL_S))
+            now = time.monotonic()
+            self._registry.expire(self.counters, now)
+            if now >= probe_at:
+                probe_at = now + health_mod.PROBE_INTERVAL_S
+                await self._health.revive()
+            await self._invalidator.retry_parked()
+
+    # -- sessions and namespaces -----------------------------------------------------
+    def connect(self, tenant: str, token: str, transport: str, client_name: str) -> Session:
+        """Open a session for ``tenant`` (checked against ``service.tenant_tokens``) on an
+        enabled ``transport``."""
+        return self._registry.connect(tenant, token, transport, client_name)
+
+    def session(self, session_id: int) -> Session:
+        """The open session ``session_id``; UnknownSession (reconnect) otherwise."""
+        return self._registry.session(session_id)
+
+    def open_namespace(
+        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str]
+    ) -> tuple[int, Namespace]:
+        """(handle in ``s``, namespace) for (tenant, model, layout, tags); the same
+        handle when ``s`` opened it before. Refuses layouts whose block exceeds a slab."""
+        return self._registry.open_namespace(s, model_id, layout, tags)
+
+    def namespace(self, s: Session, handle: int) -> Namespace:
+        """The namespace open in ``s`` under ``handle``; UnknownNamespace otherwise."""
+        return self._registry.namespace(s, handle)
+
+    def close_session(self, s: Session) -> None:
+        """End ``s`` with its allocations (slots returned) and leases (blocks unpinned)."""
+        self._registry.close_session(s)
+
+    # -- lookup ----------------------------------------------------------------------
+    def lookup_blocks(self, ns: Namespace, keys: Sequence[bytes], prefix: bool
+                      ) -> list[Block | None]:
+        """The blocks of ``keys`` (``None`` = miss); with ``prefix``, only the leading run.
+
+        Side-effect free: does not count hits for eviction or refresh recency (engines
+        ask the same question repeatedly while scheduling).
+        """
+        validate_keys(keys)
+        found = self._index.lookup(ns.digest, keys, prefix)
+        hits = len(found) if prefix else len(found) - found.count(None)
+        self.counters["lookup_keys"] += len(keys)
+        self.counters["lookup_hits"] += hits
+        return found
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], prefix: bool) -> tuple[int, list[str]]:
+        """(hits, tier per key: "dram", "flash" or "" for a miss)."""
+        found = self.lookup_blocks(ns, keys, prefix)
+        tiers = ["" if b is None else tier_of(b) for b in found]
+        return (len(found) if prefix else len(found) - found.count(None)), tiers
+
+    # -- put -------------------------------------------------------------------------
+    async def allocate(
+        self, s: Session, ns: Namespace, keys: Sequence[bytes]
+    ) -> tuple[Allocation, list[bool]]:
+        """Reserve one DRAM slot per key not yet stored, under an allocation with a TTL;
+        returns it and, per key, whether it is already stored (no slot for those)."""
+        validate_keys(keys)
+        per_ns = self._index.get(ns.digest)
+        exists = [k in per_ns for k in keys]
+        new_keys = [k for k, e in zip(keys, exists, strict=True) if not e]
+        slots = await self._placement.reserve_dram(ns, len(new_keys), self._demotion.demote)
+        a = Allocation(self._registry.new_id(), s.id, ns, new_keys, slots,
+                       time.monotonic() + self.cfg.service.allocation_ttl_s)
+        self._registry.add_allocation(s, a)
+        faults.point("allocate.after_reserve")
+        return a, exists
+
+    def allocation(self, s: Session, allocation_id: int) -> Allocation:
+        """The open allocation ``allocation_id`` of ``s``; Expired otherwise."""
+        return self._registry.allocation(s, allocation_id)
+
+    def writing(self, a: Allocation) -> contextlib.AbstractContextManager[None]:
+        """``with store.writing(a):`` while a data-plane server writes into ``a``'s slots:
+        the reaper does not recycle them underneath, even past the TTL."""
+        return self._registry.held(a)
+
+    async def commit(
+        self, s: Session, allocation_id: int, client_crcs: Sequence[int], abort: bool
+    ) -> int:
+        """Make an allocation's blocks visible (``abort``: return its slots instead).
+
+        Computes each slot's CRC32C; a block whose CRC differs from the client's (when
+        sent) is dropped, as is one another writer committed meanwhile. Write-through
+        returns after the flash write is durable; write-back queues the blocks for the
+        demoter. Returns how many blocks were committed."""
+        a = self.allocation(s, allocation_id)
+        if abort:
+            self._registry.drop_allocation(a)
+            return 0
+        if client_crcs and len(client_crcs) != len(a.slots):
+            raise InvalidArgument(
+                f"commit of allocation {a.id} carries {len(client_crcs)} CRCs for "
+                f"{len(a.slots)} slots; send one per slot or none"
+            )
+        # The client's write access ends before the service reads what it wrote: no byte
+        # can change between the CRC below and the index.
+        self._registry.grant_ended(a.id)
+        # The allocation stays registered while its CRCs are computed so the reaper
+        # cannot recycle its slots underneath; then it is retired.
+        a.done = True
+        dram = self._ctx.dram
+        views = [dram.view(ref, a.ns.block_nbytes) for ref in a.slots]
+        crcs = await self._ctx.io.run(lambda: [crc32c(v) for v in views])
+        for v in views:
+            v.release()
+        faults.point("commit.after_crc")
+        self._registry.forget_allocation(a)
+        per_ns = self._index.namespace(a.ns.digest)
+        committed: list[Block] = []
+        for i, (key, ref, crc) in enumerate(zip(a.keys, a.slots, crcs, strict=True)):
+            if client_crcs and client_crcs[i] != crc:
+                self.counters["put_crc_mismatch"] += 1
+                log.warning("commit %d: block %d CRC32C from client %08x != %08x; dropped",
+                            a.id, i, client_crcs[i], crc)
+                dram.free(ref)
+                continue
+            if key in per_ns:  # committed meanwhile by another writer
+                dram.free(ref)
+                continue
+            b = Block(a.ns.digest, key, a.ns.block_nbytes, a.ns.slot_size, crc,
+                      self._index.next_seq(), dram=ref)
+            per_ns[key] = b
+            self._index.dram_lru.add(b)
+            committed.append(b)
+        self.counters["put_blocks"] += len(committed)
+        self.counters["put_bytes"] += len(committed) * a.ns.block_nbytes
+        faults.point("commit.after_index")
+        if not self._ctx.flash.enabled:
+            return len(committed)
+        if self.cfg.flash.write_policy == "write_through":
+            await self._demotion.demote(committed)
+        else:
+            for b in committed:
+                self._index.dirty[b] = None
+        return len(committed)
+
+    # -- get -------------------------------------------------------------------------
+    async def acquire(self, s: Session, ns: Namespace, keys: Sequence[bytes]) -> tuple[
+        Lease, list[str]
+    ]:
+        """Lease the longest stored leading run of ``keys``, promoting flash blocks into
+        DRAM; returns the lease and each leased block's source tier. The run is cut where
+        a block fails its check or DRAM could stage no more (the shim continues with
+        another Acquire from there)."""
+        validate_keys(keys)
+        per_ns = self._index.get(ns.digest)
+        # One lease holds at most half the DRAM tier, so the rest can be evicted to stage
+        # cold blocks; the shim asks for the remainder in a following Acquire.
+        max_run = max(1, self._placement.dram_capacity(ns.slot_size) // 2)
+        run: list[Block] = []
+        for key in keys[:max_run]:
+            b = per_ns.get(key)
+            if b is None:
+                break
+            run.append(b)
+        sources = [tier_of(b) for b in run]
+        for b in run:  # pin before any await, so nothing in the run is evicted meanwhile
+            b.pins += 1
+        cold = [b for b in run if b.dram is None]
+        try:
+            ok = await self._promotion.promote_fitting(ns, cold)
+        except BaseException:
+            for b in run:
+                self.unpin(b)
+            raise
+        n = 0
+        while n < len(run) and run[n].dram is not None and id(run[n]) not in ok.failed:
+            n += 1
+        for b in run[n:]:
+            self.unpin(b)
+        run = run[:n]
+        for b in run:
+            b.hits += 1
+            self._index.dram_lru.touch(b, b.hits)
+            if b.flash is not None:
+                self._index.flash_lru.touch(b, b.hits)
+        lease = Lease(self._registry.new_id(), s.id, ns, run,
+                      time.monotonic() + self.cfg.service.lease_ttl_s)
+        self._registry.add_lease(s, lease)
+        self.counters["get_blocks"] += n
+        self.counters["get_bytes"] += n * ns.block_nbytes
+        self.counters["hits_dram"] += sum(1 for t in sources[:n] if t == TIER_DRAM)
+        self.counters["hits_flash"] += sum(1 for t in sources[:n] if t == TIER_FLASH)
+        self.counters["misses"] += len(keys) - n
+        return lease, sources[:n]
+
+    def release(self, s: Session, lease_ids: Sequence[int]) -> list[bool]:
+        """End leases; per lease, whether it was still valid (not expired) at release."""
+        return self._registry.release(s, lease_ids)
+
+    def lease(self, s: Session, lease_id: int) -> Lease:
+        """The valid, unexpired lease ``lease_id`` of ``s``; Expired otherwise."""
+        return self._registry.lease(s, lease_id)
+
+    def pin(self, b: Block) -> None:
+        """Keep ``b``'s slots from being evicted or reused until :meth:`unpin` (a
+        data-plane server sending it)."""
+        b.pins += 1
+
+    def unpin(self, b: Block) -> None:
+        """Undo one :meth:`pin`; the last unpin of a deleted block frees its storage."""
+        self._invalidator.unpin(b)
+
+    # -- prefetch, delete, evict -----------------------------------------------------
+    async def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Promote the flash-only blocks of ``keys`` in the background; returns (how many
+        are being promoted, how many are in DRAM already)."""
+        validate_keys(keys)
+        return self._promotion.prefetch(ns, keys, self.unpin)
+
+    async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Remove ``keys``; returns how many were stored. When this returns, the deleted
+        blocks' flash headers are zeroed and synced: a restart cannot bring them back."""
+        validate_keys(keys)
+        per_ns = self._index.get(ns.digest)
+        gone = [b for k in keys if (b := per_ns.pop(k, None)) is not None]
+        for b in gone:
+            b.deleted = True
+            b.pins += 1  # ours until the header is dead; the last unpin frees the storage
+            self._index.dram_lru.remove(b)
+            self._index.flash_lru.remove(b)
+            self._index.dirty.pop(b, None)
+        try:
+            faults.point("delete.after_index")
+            await wait_io(gone)  # a demotion in flight finishes (and sets b.flash)
+            dead = [b.flash for b in gone if b.flash is not None]
+            for b in gone:
+                b.flash = None
+            if dead:
+                await self._invalidator.invalidate(dead, stage="delete")
+        finally:
+            for b in gone:
+                self.unpin(b)
+        self.counters["deleted_blocks"] += len(gone)
+        return len(gone)
+
+    async def evict(self, ns: Namespace, keys: Sequence[bytes], tier: str) -> int:
+        """Drop DRAM copies of ``keys`` after making sure they are durable on flash;
+        returns how many were dropped (leased blocks keep theirs)."""
+        validate_keys(keys)
+        if tier != TIER_DRAM:
+            raise InvalidArgument(f"evict supports tier 'dram' only, got {tier!r}")
+        if not self._ctx.flash.enabled:
+            raise InvalidArgument("evict to flash needs a flash tier; none is configured")
+        return await self._demotion.evict(self._index.get(ns.digest), keys)
+
+    # -- consistency and stats -------------------------------------------------------
+    def audit(self) -> list[str]:
+        """Cross-check the index against the flash allocators (tests): every extent the
+        index names is allocated, to a slab of the block's slot size, and named once;
+        every allocated slot is accounted for (an indexed block, a quarantined slot, one
+        parked until its header is zeroed, or one a demotion or invalidation has in
+        flight). Call it on the event loop between awaits. Returns the problems found
+        (empty: sound)."""
+        return audit(self._ctx, self._index, self._invalidator)
+
+    def parked_extents(self) -> int:
+        """How many extents wait for their record header to be zeroed (a write or an
+        invalidation failed on a failing device) before they can be reused."""
+        return sum(len(v) for v in self._invalidator.parked.values())
+
+    def stats(self) -> dict[str, float]:
+        """Every counter and gauge (the Stats RPC and /metrics)."""
+        return snapshot(self._ctx, self._index, self._registry)

@@ -1,0 +1,230 @@
+"""Demotion: writing DRAM-only blocks to flash, durably, in batches; the demoter task.
+
+Write ordering (docs/reliability.md): payloads → fdatasync → headers → fdatasync. A header
+therefore never reaches stable storage before its payload, so after a crash or power cut
+every valid header on flash names a complete payload; a block is durable (and its extent
+recorded in the index) only after the second sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ctxmem_dpu import faults
+from ctxmem_dpu.alloc import SlotRef
+from ctxmem_dpu.blocks import Block
+from ctxmem_dpu.store.ciphers import Keyring
+from ctxmem_dpu.store.context import StoreContext
+from ctxmem_dpu.store.health import DeviceHealth
+from ctxmem_dpu.store.index import BlockIndex, wait_io
+from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.store.placement import Placement
+from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError
+from ctxmem_dpu.tiers.flash_format import RecordHeader
+
+log = logging.getLogger("ctxmem_dpu.store")
+
+# The demoter's poll period, and the longest it waits between tries that made no progress.
+DEMOTE_POLL_S = 0.02
+DEMOTE_BACKOFF_MAX_S = 1.0
+# "flash tier full" is logged at most this often (each occurrence is counted in flash_full).
+FLASH_FULL_LOG_INTERVAL_S = 30.0
+
+
+class Demotion:
+    """DRAM → flash."""
+
+    def __init__(self, ctx: StoreContext, index: BlockIndex, placement: Placement,
+                 invalidator: Invalidator, health: DeviceHealth, keyring: Keyring) -> None:
+        self._ctx = ctx
+        self._index = index
+        self._placement = placement
+        self._invalidator = invalidator
+        self._health = health
+        self._keyring = keyring
+        self._flash_full_logged = -FLASH_FULL_LOG_INTERVAL_S
+
+    async def run(self) -> None:
+        """The write-back demoter: demote dirty blocks in batches until the store closes.
+
+        Polls every 20 ms instead of waiting on an Event under wait_for: cancelling a
+        task blocked in wait_for(Event.wait()) can hang on CPython 3.11 at shutdown.
+        While no device is healthy it does not try at all (the reaper's probe brings
+        devices back); while it makes no progress (flash full of pinned blocks) it
+        backs off to DEMOTE_BACKOFF_MAX_S between tries."""
+        ctx, dirty = self._ctx, self._index.dirty
+        pause = DEMOTE_POLL_S
+        while not ctx.closed:
+            await asyncio.sleep(pause)
+            if not self._health.usable():
+                continue
+            while dirty and ctx.flash.enabled and not ctx.closed:
+                batch = list(itertools.islice(dirty, ctx.cfg.flash.demote_batch))
+                before = len(dirty)
+                try:
+                    await self.demote(batch)
+                except Exception:
+                    log.exception("background demotion failed")
+                    break
+                if len(dirty) >= before:  # no progress (flash full or failing)
+                    pause = min(DEMOTE_BACKOFF_MAX_S, pause * 2 ** 4)
+                    break
+                pause = DEMOTE_POLL_S
+
+    async def demote(self, blocks: list[Block]) -> None:
+        """Write DRAM-only blocks to flash and make them durable (see the module doc).
+
+        Each record is encrypted with its namespace's key unless its device encrypts in
+        hardware (:class:`~ctxmem_dpu.store.ciphers.Keyring`); the header's encrypted flag
+        says which."""
+        ctx, index = self._ctx, self._index
+        blocks = [b for b in blocks
+                  if b.dram is not None and b.flash is None and not b.deleted and b.io is None]
+        if not blocks or not ctx.flash.enabled:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        for b in blocks:  # claimed before any await: no concurrent demotion takes them
+            b.pins += 1
+            b.io = fut
+        plan: list[tuple[Block, Extent]] = []
+        jobs: list[tuple[FlashDevice, SlotRef, RecordHeader, memoryview, Any]] = []
+        results: list[BaseException | None] = []
+        ok = False
+        try:
+            by_size: dict[int, list[Block]] = {}
+            for b in blocks:
+                by_size.setdefault(b.slot_size, []).append(b)
+            for size, group in by_size.items():
+                exts = await self._placement.reserve_flash(size, len(group))
+                if exts is None:
+                    self._flash_full(len(group))
+                    continue
+                plan.extend(zip(group, exts, strict=True))
+                self._invalidator.begin(exts)
+            for b, ext in plan:
+                assert b.dram is not None
+                dev = ctx.flash.devices[ext.device]
+                cipher = self._keyring.for_device(b.ns, dev.name)
+                header = RecordHeader(b.ns, b.key, b.length, b.crc, b.seq, cipher is not None,
+                                      time.time_ns())
+                jobs.append((dev, ext.slot, header, ctx.dram.slot_view(b.dram), cipher))
+            if jobs:
+                faults.point("demote.before_write")
+                results = await self._write_records(jobs)
+            ok = True
+        finally:
+            for job in jobs:
+                job[3].release()
+            fut.set_result(None)
+            self._invalidator.end([ext for _b, ext in plan])
+            if not ok:  # cancelled or failed before the records were written
+                for _b, ext in plan:
+                    self._invalidator.park(ext)
+                for b in blocks:
+                    b.io = None
+                    self._invalidator.unpin(b)
+        written = 0
+        for (b, ext), err in zip(plan, results or [None] * len(plan), strict=True):
+            if err is not None:
+                ctx.counters["flash_write_errors"] += 1
+                # The header may or may not have landed: zero it before reuse.
+                self._invalidator.park(ext)
+                self._health.mark_unhealthy(ext.device, err)
+            else:
+                # Durable. A block deleted meanwhile keeps its extent until ``delete``
+                # (waiting on ``b.io``) zeroes the header.
+                b.flash = ext
+                if not b.deleted:
+                    b.durable = True
+                    index.dirty.pop(b, None)
+                    index.flash_lru.add(b, b.hits)
+                    written += 1
+                    ctx.counters["demoted_bytes"] += b.length
+        for b in blocks:
+            b.io = None
+            self._invalidator.unpin(b)
+        ctx.counters["demoted_blocks"] += written
+        self._health.check_slow({ext.device for _b, ext in plan})
+
+    async def evict(self, per_ns: dict[bytes, Block], keys: Sequence[bytes]) -> int:
+        """Make the DRAM blocks of ``keys`` durable on flash, then drop their DRAM copies;
+        returns how many were dropped (leased blocks keep theirs)."""
+        blocks = [b for k in keys if (b := per_ns.get(k)) is not None and b.dram is not None]
+        await wait_io(blocks)
+        await self.demote([b for b in blocks if b.flash is None])
+        # Some may have been taken by a background demotion meanwhile: let it finish.
+        await wait_io(blocks)
+        faults.point("evict.after_demote")
+        n = 0
+        for b in blocks:
+            if b.dram is not None and b.flash is not None and b.durable and b.pins == 0:
+                self._placement.drop_dram(b)
+                n += 1
+        return n
+
+    def _flash_full(self, n: int) -> None:
+        self._ctx.counters["flash_full"] += 1
+        now = time.monotonic()
+        if now >= self._flash_full_logged + FLASH_FULL_LOG_INTERVAL_S:
+            self._flash_full_logged = now
+            log.warning("flash tier full: %d blocks stay in DRAM only (counted in "
+                        "flash_full; logged at most every %g s)", n, FLASH_FULL_LOG_INTERVAL_S)
+
+    async def _write_records(self, jobs: list[Any]) -> list[BaseException | None]:
+        """The four I/O phases of a demotion; one result per job (None: durable)."""
+        io = self._ctx.io
+
+        def payloads(part: list[Any]) -> list[BaseException | None]:
+            out: list[BaseException | None] = []
+            for dev, slot, _header, view, cipher in part:
+                try:
+                    dev.write_payload(slot, view, cipher)
+                    out.append(None)
+                except (FlashIOError, ValueError) as exc:
+                    out.append(exc)
+            return out
+
+        def headers(part: list[Any]) -> list[BaseException | None]:
+            out: list[BaseException | None] = []
+            for (dev, slot, header, _view, _cipher), err in part:
+                if err is not None:
+                    out.append(err)
+                    continue
+                try:
+                    dev.write_header(slot, header)
+                    out.append(None)
+                except (FlashIOError, ValueError) as exc:
+                    out.append(exc)
+            return out
+
+        def sync(devs: list[FlashDevice]) -> dict[FlashDevice, BaseException]:
+            failed: dict[FlashDevice, BaseException] = {}
+            for dev in devs:
+                try:
+                    dev.sync()
+                except FlashIOError as exc:
+                    failed[dev] = exc
+            return failed
+
+        async def synced(results: list[BaseException | None]) -> list[BaseException | None]:
+            # A sync failure fails every write on that device.
+            devs = list({j[0] for j, r in zip(jobs, results, strict=True) if r is None})
+            failed = await io.run(sync, devs)
+            return [failed.get(j[0], r) if r is None else r
+                    for j, r in zip(jobs, results, strict=True)]
+
+        results = await io.parallel(payloads, jobs)
+        faults.point("demote.after_payload")
+        results = await synced(results)
+        faults.point("demote.after_payload_sync")
+        results = await io.parallel(headers, list(zip(jobs, results, strict=True)))
+        faults.point("demote.after_header")
+        results = await synced(results)
+        faults.point("demote.after_sync")
+        return results

@@ -1,0 +1,105 @@
+"""Flash device health: marking a device failed, slow I/O, probing and relocating it.
+
+A failed device is served around (DRAM keeps what it has; nothing is evicted from or
+written to the device) until the reaper's probe finds it usable again — where it was, or,
+through its storage backend's locator, where it is now (an NVMe namespace that came back
+as another block node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+from ctxmem_dpu.store.context import StoreContext
+from ctxmem_dpu.tiers import flash as flash_mod
+from ctxmem_dpu.tiers.flash import FlashDevice, FlashIOError
+
+log = logging.getLogger("ctxmem_dpu.store")
+
+# How often failed flash devices are probed (see FlashDevice.probe). Tests and the chaos
+# campaign lower it with CTXMEM_FLASH_PROBE_INTERVAL_S (or by patching this attribute).
+PROBE_INTERVAL_S = float(os.environ.get("CTXMEM_FLASH_PROBE_INTERVAL_S", "2.0"))
+# Bound on one call of a device's locator (a storage backend's locate(), a sysfs walk).
+LOCATE_TIMEOUT_S = 5.0
+
+
+class DeviceHealth:
+    """Marks devices failed or slow, and brings them back once they work again."""
+
+    def __init__(self, ctx: StoreContext) -> None:
+        self._ctx = ctx
+        self._slow_seen: dict[int, int] = {}
+        # Device name -> where the device is now (its storage backend's locate(): e.g. the
+        # NVMe namespace's current block node, from sysfs; None while it is not there). A
+        # failed device whose probe fails is looked up and reopened there when it moved.
+        self.locators: dict[str, Callable[[], str | None]] = {}
+
+    def usable(self) -> bool:
+        """Is any flash device healthy (is there anywhere to demote to)?"""
+        return any(d.healthy for d in self._ctx.flash.devices)
+
+    def mark_unhealthy(self, device: int, err: BaseException, reason: str = "failed") -> None:
+        """Stop using ``device`` (index) until a probe finds it usable; counted once."""
+        dev = self._ctx.flash.devices[device]
+        if dev.healthy:
+            log.error("flash device %s %s (%s); serving from DRAM without it", dev.name,
+                      reason, err)
+            dev.healthy = False
+            dev.health_reason = reason
+            self._ctx.counters["flash_device_failures"] += 1
+
+    def check_slow(self, devices: Iterable[int]) -> None:
+        """Mark a device failed when it completed an I/O slower than ``SLOW_IO_S`` since
+        the last check: a device that answers in seconds stalls every get behind it."""
+        for d in devices:
+            dev = self._ctx.flash.devices[d]
+            if dev.slow_ios > self._slow_seen.get(d, 0):
+                self._slow_seen[d] = dev.slow_ios
+                self.mark_unhealthy(d, FlashIOError(
+                    0, f"I/O slower than {flash_mod.SLOW_IO_S:g} s"), reason="slow")
+
+    async def revive(self) -> None:
+        """Probe every failed device; mark those that work healthy again."""
+        for dev in self._ctx.flash.devices:
+            if dev.healthy or not await self._usable_again(dev):
+                continue
+            dev.healthy = True
+            dev.health_reason = ""
+            self._slow_seen[dev.index] = dev.slow_ios
+            self._ctx.counters["flash_device_recoveries"] += 1
+            log.info("flash device %s is healthy again", dev.name)
+
+    async def _usable_again(self, dev: FlashDevice) -> bool:
+        """Probe a failed device where it is; if that fails and the device has a locator,
+        ask where it is now and, when it moved (a new block node), reopen it there (its
+        superblock UUID must match) and probe again."""
+        io = self._ctx.io
+        try:
+            await io.run(dev.probe)
+            await io.run(dev.scrub_slab_headers)
+            return True
+        except FlashIOError:
+            locate = self.locators.get(dev.name)
+            if locate is None:
+                return False
+        loop = asyncio.get_running_loop()
+        try:  # the default executor: a slow attach must not hold an I/O thread
+            path = await asyncio.wait_for(loop.run_in_executor(None, locate),
+                                          LOCATE_TIMEOUT_S)
+        except Exception as exc:
+            log.debug("flash device %s: not found yet (%s)", dev.name, exc)
+            return False
+        if not path or path == dev.path:
+            return False
+        try:
+            await io.run(dev.reopen, path)
+            await io.run(dev.probe)
+            await io.run(dev.scrub_slab_headers)
+        except FlashIOError as exc:
+            log.warning("flash device %s: found at %s but not usable: %s", dev.name, path, exc)
+            return False
+        self._ctx.counters["flash_device_reopened"] += 1
+        return True

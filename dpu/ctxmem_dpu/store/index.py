@@ -1,0 +1,85 @@
+"""The index: which blocks are stored, in which tier, and in what eviction order.
+
+``blocks`` maps a namespace digest to that namespace's key → :class:`Block` map. A block is
+in it only once complete (committed, or found whole on flash at rebuild). Each tier keeps a
+segmented LRU of the blocks it holds (``ctxmem_dpu.policy``); ``dirty`` holds committed
+blocks that are in DRAM only and wait for the demoter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterable, Sequence
+
+from ctxmem_common.config import Config
+from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
+from ctxmem_dpu.blocks import Block
+from ctxmem_dpu.policy import SegmentedLRU
+
+
+class BlockIndex:
+    """Key → block per namespace, the per-tier eviction order, the dirty set, sequence
+    numbers. Mutated on the event loop only."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.blocks: dict[bytes, dict[bytes, Block]] = {}
+        self.dram_lru: SegmentedLRU[Block] = SegmentedLRU(
+            cfg.eviction.protect_after_hits, cfg.eviction.protected_fraction
+        )
+        self.flash_lru: SegmentedLRU[Block] = SegmentedLRU(
+            cfg.eviction.protect_after_hits, cfg.eviction.protected_fraction
+        )
+        # Committed, DRAM only, waiting for demotion (a dict: insertion-ordered set).
+        self.dirty: dict[Block, None] = {}
+        # Every record gets a sequence number; at rebuild the highest one per key wins.
+        self._seq = itertools.count(1)
+
+    def next_seq(self) -> int:
+        """The sequence number of the next committed block."""
+        return next(self._seq)
+
+    def resume_after(self, max_seq: int) -> None:
+        """Continue numbering after the highest sequence number found on flash."""
+        self._seq = itertools.count(max_seq + 1)
+
+    def namespace(self, digest: bytes) -> dict[bytes, Block]:
+        """The key → block map of a namespace, created empty if needed."""
+        return self.blocks.setdefault(digest, {})
+
+    def get(self, digest: bytes) -> dict[bytes, Block]:
+        """The key → block map of a namespace (an empty one, not stored, if none)."""
+        return self.blocks.get(digest, {})
+
+    def count(self) -> int:
+        """Blocks in the index, all namespaces."""
+        return sum(len(v) for v in self.blocks.values())
+
+    def lookup(self, digest: bytes, keys: Sequence[bytes], prefix: bool) -> list[Block | None]:
+        """The blocks of ``keys`` (``None`` = miss); with ``prefix``, only the leading run.
+
+        One C-level ``map`` over the keys: engines ask for thousands at a time."""
+        found = list(map(self.get(digest).get, keys))
+        if prefix and None in found:
+            found = found[: found.index(None)]
+        return found
+
+    def forget(self, b: Block) -> None:
+        """Take ``b`` out of the index and both eviction orders (it is a miss from now)."""
+        per_ns = self.blocks.get(b.ns)
+        if per_ns is not None and per_ns.get(b.key) is b:
+            del per_ns[b.key]
+        self.dram_lru.remove(b)
+        self.flash_lru.remove(b)
+
+
+def tier_of(b: Block) -> str:
+    """Where a get of ``b`` is served from now: DRAM when it has a copy there."""
+    return TIER_DRAM if b.dram is not None else TIER_FLASH
+
+
+async def wait_io(blocks: Iterable[Block]) -> None:
+    """Wait until no demotion or promotion of ``blocks`` is in flight."""
+    pending = [b.io for b in blocks if b.io is not None]
+    if pending:
+        await asyncio.wait(pending)

@@ -1,0 +1,156 @@
+"""Placement: reserving DRAM slots and flash extents, evicting to make room.
+
+Each tier evicts in its segmented-LRU order (``ctxmem_dpu.policy``); pinned blocks and
+blocks with I/O in flight are never victims. DRAM eviction drops the DRAM copy of blocks
+already durable on flash; a block not yet on flash is demoted first (batched), or, with no
+usable flash, dropped. Flash eviction drops the block, or only its flash copy when it is
+also in DRAM (the block is dirty again). When nothing can be freed the request fails with
+RESOURCE_EXHAUSTED; the service never crashes for it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+from ctxmem_common.errors import ResourceExhausted
+from ctxmem_dpu.alloc import SlotRef
+from ctxmem_dpu.blocks import Block, Namespace
+from ctxmem_dpu.store.context import StoreContext
+from ctxmem_dpu.store.health import DeviceHealth
+from ctxmem_dpu.store.index import BlockIndex
+from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.tiers.flash import Extent
+from ctxmem_dpu.tiers.flash_format import slots_per_slab
+
+Demote = Callable[[list[Block]], Awaitable[None]]
+
+
+class Placement:
+    """Finds room in DRAM and on flash."""
+
+    def __init__(self, ctx: StoreContext, index: BlockIndex, health: DeviceHealth,
+                 invalidator: Invalidator) -> None:
+        self._ctx = ctx
+        self._index = index
+        self._health = health
+        self._invalidator = invalidator
+
+    def dram_capacity(self, slot_size: int) -> int:
+        """How many blocks of ``slot_size`` the whole DRAM tier holds."""
+        return self._ctx.dram.num_slabs * (self._ctx.cfg.dram.slab_size // slot_size)
+
+    async def reserve_dram(self, ns: Namespace, n: int, demote: Demote) -> list[SlotRef]:
+        """``n`` DRAM slots for ``ns``, evicting (``demote`` first if needed) to make room."""
+        if n == 0:
+            return []
+        dram, cfg = self._ctx.dram, self._ctx.cfg
+        refs = dram.allocate(ns.tenant, ns.slot_size, n)
+        if refs is not None:
+            return refs
+        capacity = self.dram_capacity(ns.slot_size)
+        if n > capacity:
+            raise ResourceExhausted(
+                f"a batch of {n} blocks needs more DRAM than the tier holds ({capacity} "
+                f"blocks of {ns.slot_size} bytes); send smaller batches or raise dram.size"
+            )
+        for _round in range(3):
+            need_demote: list[Block] = []
+            usable = self._health.usable()
+            for b in self._index.dram_lru.victims(skip=lambda b: b.pins > 0 or b.io is not None):
+                if b.flash is not None and b.durable:
+                    self.drop_dram(b)
+                elif usable:
+                    need_demote.append(b)
+                    if len(need_demote) >= max(n, cfg.flash.demote_batch):
+                        break
+                    continue
+                else:
+                    # No flash to demote to (none configured, or every device failed):
+                    # the tier degrades to a DRAM-only cache and drops its LRU block.
+                    if b in self._index.dirty:
+                        self._ctx.counters["dirty_dropped"] += 1
+                    self.drop_dram(b)
+                refs = dram.allocate(ns.tenant, ns.slot_size, n)
+                if refs is not None:
+                    return refs
+            if not need_demote:
+                break
+            await demote(need_demote)
+            for b in need_demote:
+                if b.dram is not None and b.flash is not None and b.pins == 0 and b.io is None:
+                    self.drop_dram(b)
+            refs = dram.allocate(ns.tenant, ns.slot_size, n)
+            if refs is not None:
+                return refs
+        self._ctx.counters["dram_full"] += 1
+        raise ResourceExhausted(
+            f"DRAM tier full: {n} slots of {ns.slot_size} bytes for tenant {ns.tenant!r} "
+            f"cannot be freed (blocks are leased, or flash is full or failing); retry later "
+            f"or raise dram.size"
+        )
+
+    def drop_dram(self, b: Block) -> None:
+        """Evict ``b``'s DRAM copy (unpinned); a block with no flash copy is gone."""
+        assert b.dram is not None and b.pins == 0
+        self._ctx.dram.free(b.dram)
+        b.dram = None
+        self._index.dram_lru.remove(b)
+        self._index.dirty.pop(b, None)
+        self._ctx.counters["evictions_dram"] += 1
+        if b.flash is None:
+            self._index.forget(b)
+
+    async def reserve_flash(self, slot_size: int, n: int) -> list[Extent] | None:
+        """``n`` extents of ``slot_size``, evicting flash blocks (LRU) to make room;
+        ``None`` when the tier cannot make that much room.
+
+        A victim's header is zeroed and synced before its extent is freed, so a crash or
+        power cut can never bring an evicted block back over an extent reused since, and
+        a later delete of the key never misses a copy on flash."""
+        flash, index = self._ctx.flash, self._index
+        for _round in range(3):
+            exts = flash.allocate(slot_size, n)
+            if exts is not None:
+                return exts
+            room = self.flash_room(slot_size)
+            per_slab: Counter[tuple[int, int]] = Counter()
+            evicted: list[Extent] = []
+            # Never evict from a failed device: that frees no usable space, it only drops
+            # blocks that come back when the device does.
+            for b in index.flash_lru.victims(skip=lambda b: b.pins > 0 or b.io is not None or (
+                    b.flash is not None and not flash.devices[b.flash.device].healthy)):
+                if room >= n:
+                    break
+                assert b.flash is not None
+                ext = b.flash
+                b.flash = None
+                b.durable = False
+                index.flash_lru.remove(b)
+                self._ctx.counters["evictions_flash"] += 1
+                if b.dram is None:
+                    index.forget(b)
+                else:
+                    index.dirty[b] = None
+                evicted.append(ext)
+                dev = flash.devices[ext.device]
+                slab = dev.alloc.slabs[ext.slot.slab]
+                if slab.klass == slot_size:
+                    room += 1
+                else:
+                    per_slab[(ext.device, ext.slot.slab)] += 1
+                    if per_slab[(ext.device, ext.slot.slab)] == slab.used:
+                        room += slots_per_slab(dev.slab_size, slot_size)
+            if not evicted:
+                return None
+            await self._invalidator.invalidate(evicted, stage="flash_evict")
+        return flash.allocate(slot_size, n)
+
+    def flash_room(self, slot_size: int) -> int:
+        """Free extents of ``slot_size`` on healthy devices, free slabs included."""
+        room = 0
+        for dev in self._ctx.flash.devices:
+            if dev.healthy:
+                per = slots_per_slab(dev.slab_size, slot_size)
+                room += dev.alloc.free_slots(slot_size) + dev.alloc.free_slabs * per
+        return room

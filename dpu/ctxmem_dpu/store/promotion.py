@@ -1,0 +1,230 @@
+"""Promotion: bringing flash-only blocks into DRAM, verifying each one.
+
+A block is served only after its record header matches the index and its payload's
+CRC32C matches (after decryption). A block that fails is removed from the index and its
+extent quarantined: it is a miss from now on, never wrong data. When the failing device's
+superblock is no longer its own (swapped), the device is marked failed instead and nothing
+on it is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctxmem_common.codecs import XtsCipher
+from ctxmem_common.errors import ResourceExhausted
+from ctxmem_dpu import faults
+from ctxmem_dpu.blocks import Block, Namespace
+from ctxmem_dpu.store.ciphers import Keyring
+from ctxmem_dpu.store.context import StoreContext
+from ctxmem_dpu.store.health import DeviceHealth
+from ctxmem_dpu.store.index import BlockIndex, wait_io
+from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.store.placement import Demote, Placement
+from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError, ReadFailure, ShortRead
+from ctxmem_dpu.tiers.flash_format import RecordHeader
+
+log = logging.getLogger("ctxmem_dpu.store")
+
+
+@dataclass
+class PromoteResult:
+    """The blocks (``id()``) a promotion could not bring into DRAM."""
+
+    failed: set[int] = field(default_factory=set)
+
+
+class Promotion:
+    """Flash → DRAM."""
+
+    def __init__(self, ctx: StoreContext, index: BlockIndex, placement: Placement,
+                 invalidator: Invalidator, health: DeviceHealth, keyring: Keyring,
+                 demote: Demote) -> None:
+        self._ctx = ctx
+        self._index = index
+        self._placement = placement
+        self._invalidator = invalidator
+        self._health = health
+        self._keyring = keyring
+        self._demote = demote
+
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes], unpin: Callable[[Block], None]
+                 ) -> tuple[int, int]:
+        """Promote the flash-only blocks of ``keys`` in a background task (pinned until it
+        ends); returns (how many are being promoted, how many are in DRAM already)."""
+        per_ns = self._index.get(ns.digest)
+        cold = [b for k in keys if (b := per_ns.get(k)) is not None and b.dram is None]
+        in_dram = sum(1 for k in keys if (b := per_ns.get(k)) is not None and b.dram is not None)
+        if cold:
+            for b in cold:
+                b.pins += 1
+
+            async def run() -> None:
+                try:
+                    await self.promote(ns, cold)
+                except Exception as exc:
+                    log.info("prefetch of %d blocks stopped: %s", len(cold), exc)
+                finally:
+                    for b in cold:
+                        unpin(b)
+
+            self._ctx.io.spawn(run())
+            self._ctx.counters["prefetch_blocks"] += len(cold)
+        return len(cold), in_dram
+
+    async def promote_fitting(self, ns: Namespace, cold: list[Block]) -> PromoteResult:
+        """Promote as much of ``cold`` (pinned, in run order) as DRAM can take, halving the
+        batch on RESOURCE_EXHAUSTED; the blocks left out count as failed, so the caller
+        cuts its run at the first of them and the shim asks for the rest in a following
+        Acquire once it has copied these out."""
+        take = len(cold)
+        while True:
+            try:
+                ok = await self.promote(ns, cold[:take])
+                break
+            except ResourceExhausted:
+                self._ctx.counters["promote_no_space"] += 1
+                if take <= 1:
+                    ok = PromoteResult()
+                    break
+                take //= 2
+        ok.failed.update(id(b) for b in cold[take:])
+        return ok
+
+    async def promote(self, ns: Namespace, blocks: list[Block]) -> PromoteResult:
+        """Bring flash-only blocks into DRAM, verifying each; failures end up in ``failed``.
+
+        Callers pin ``blocks`` beforehand. Raises ResourceExhausted when DRAM cannot take
+        them all."""
+        ctx = self._ctx
+        result = PromoteResult()
+        await wait_io(blocks)
+        blocks = [b for b in blocks if b.dram is None and b.flash is not None and not b.deleted]
+        if not blocks:
+            return result
+        refs = await self._placement.reserve_dram(ns, len(blocks), self._demote)
+        # Deleted or promoted by someone else while DRAM was being made: skip those.
+        keep = [b.dram is None and b.flash is not None and not b.deleted and b.io is None
+                for b in blocks]
+        for ref, k in zip(refs, keep, strict=True):
+            if not k:
+                ctx.dram.free(ref)
+        refs = [r for r, k in zip(refs, keep, strict=True) if k]
+        blocks = [b for b, k in zip(blocks, keep, strict=True) if k]
+        if not blocks:
+            return result
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        jobs = []
+        for b, ref in zip(blocks, refs, strict=True):
+            assert b.flash is not None
+            b.io = fut
+            dev = ctx.flash.devices[b.flash.device]
+            jobs.append((dev, b.flash.slot, ctx.dram.slot_view(ref), b,
+                         self._keyring.for_device(b.ns, dev.name)))
+        try:
+            results = await ctx.io.parallel(_reader(ns.block_nbytes), jobs)
+            faults.point("promote.after_read")
+        finally:
+            for job in jobs:
+                job[2].release()
+            fut.set_result(None)
+        dead: list[Extent] = []
+        for (dev, _slot, _v, b, _c), ref, err in zip(jobs, refs, results, strict=True):
+            b.io = None
+            if err is None and not b.deleted:
+                b.dram = ref
+                self._index.dram_lru.add(b, b.hits)
+                ctx.counters["promoted_blocks"] += 1
+                continue
+            ctx.dram.free(ref)
+            result.failed.add(id(b))
+            if isinstance(err, ReadFailure):
+                ctx.counters["integrity_failures"] += 1
+                ctx.counters["quarantined_extents"] += 1
+                log.warning("block %s on %s failed its check (%s): quarantined, served as miss",
+                            b.key.hex()[:16], dev.name, err.reason)
+                assert b.flash is not None
+                ctx.flash.quarantine(b.flash)
+                ctx.flash.free(b.flash)
+                if err.ours:
+                    dead.append(b.flash)  # its own record, bad payload: zero the header
+                b.flash = None
+                self._index.forget(b)
+            elif err is not None:
+                ctx.counters["flash_read_errors"] += 1
+                reason = ("truncated" if isinstance(err, ShortRead) else
+                          "swapped or unreadable" if "superblock" in str(err) else "failed")
+                self._health.mark_unhealthy(dev.index, err, reason)
+        if dead:
+            ctx.io.spawn(self._invalidator.invalidate(dead, free=False))
+        self._health.check_slow({j[0].index for j in jobs})
+        return result
+
+
+def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | None]]:
+    """The I/O-thread work of a promotion: for a part of the jobs (device, slot, DRAM view,
+    block, cipher), read and check each record into its view; one result per job (None:
+    verified)."""
+
+    def headers(part: list[Any]) -> list[RecordHeader | FlashIOError | None]:
+        """The part's record headers, read per device in runs of its header tables
+        (FlashDevice.read_headers): a few I/Os instead of one per block."""
+        got: list[RecordHeader | FlashIOError | None] = [None] * len(part)
+        by_dev: dict[FlashDevice, list[int]] = {}
+        for i, job in enumerate(part):
+            if job[0].healthy:
+                by_dev.setdefault(job[0], []).append(i)
+        for dev, idx in by_dev.items():
+            for i, h in zip(idx, dev.read_headers([part[i][1] for i in idx]), strict=True):
+                got[i] = h
+        return got
+
+    def work(part: list[Any]) -> list[BaseException | None]:
+        out: list[BaseException | None] = [None] * len(part)
+        identity: dict[FlashDevice, FlashIOError | None] = {}
+
+        def failed(dev: FlashDevice, exc: ReadFailure) -> BaseException:
+            # Is it the record, or is the whole device not ours any more?
+            if dev not in identity:
+                try:
+                    dev.check_identity()
+                    identity[dev] = None
+                except FlashIOError as id_exc:
+                    identity[dev] = id_exc
+            return identity[dev] or exc
+
+        # Check every header first; then read the payloads of the blocks that passed,
+        # per device in device order, adjacent ones by one I/O (read_payloads).
+        ready: list[int] = []
+        for i, ((dev, _slot, _view, b, cipher), hdr) in enumerate(
+                zip(part, headers(part), strict=True)):
+            try:
+                if not dev.healthy:
+                    raise FlashIOError(5, f"flash device {dev.name!r} is marked failed")
+                if isinstance(hdr, FlashIOError):
+                    raise hdr
+                if b.length != block_nbytes:
+                    raise ReadFailure("record length does not match the namespace's "
+                                      "block size", ours=True)
+                dev.check_header(hdr, b.ns, b.key, b.length, b.crc, b.seq, cipher)
+                ready.append(i)
+            except ReadFailure as exc:
+                out[i] = failed(dev, exc)
+            except (FlashIOError, ValueError) as exc:
+                out[i] = exc
+        groups: dict[tuple[FlashDevice, XtsCipher | None], list[int]] = {}
+        for i in ready:
+            groups.setdefault((part[i][0], part[i][4]), []).append(i)
+        for (dev, cipher), group in groups.items():
+            got = dev.read_payloads([(part[i][1], part[i][2], part[i][3].length,
+                                      part[i][3].crc) for i in group], cipher)
+            for i, err in zip(group, got, strict=True):
+                out[i] = failed(dev, err) if isinstance(err, ReadFailure) else err
+        return out
+
+    return work

@@ -1,0 +1,220 @@
+"""Sessions, namespaces and grants: who may touch which slots, and for how long.
+
+A *grant* is an allocation (slots a client writes before Commit) or a lease (blocks a
+client reads before Release). Both end at commit/abort/release, at expiry (the reaper
+calls :meth:`SessionRegistry.expire`) or when their session closes; when one ends, the
+``on_grant_end`` hooks run first so transports revoke the client's access (RDMA memory
+windows) before the slots can be freed or reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+
+from ctxmem_common.config import Config
+from ctxmem_common.errors import (
+    Expired,
+    InvalidArgument,
+    PermissionDenied,
+    UnknownNamespace,
+    UnknownSession,
+)
+from ctxmem_common.keys import namespace_digest
+from ctxmem_common.layout import KVLayout
+from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
+from ctxmem_dpu.store.index import BlockIndex
+from ctxmem_dpu.tiers.dram import DramTier, round_up
+
+log = logging.getLogger("ctxmem_dpu.store")
+
+
+class SessionRegistry:
+    """Every open session, namespace, allocation and lease of this service instance."""
+
+    def __init__(self, cfg: Config, dram: DramTier, index: BlockIndex,
+                 unpin: Callable[[Block], None]) -> None:
+        self.cfg = cfg
+        self._dram = dram
+        self._index = index
+        self._unpin = unpin
+        self.sessions: dict[int, Session] = {}
+        self.namespaces: dict[bytes, Namespace] = {}
+        self.allocations: dict[int, Allocation] = {}
+        self.leases: dict[int, Lease] = {}
+        # Called with an allocation's or lease's id when it ends, before its slots are
+        # unpinned or freed: see grant_ended.
+        self.on_grant_end: list[Callable[[int], None]] = []
+        # Session, allocation and lease ids start at a random point per service instance:
+        # after a restart a client still holding an old session id must get "unknown
+        # session" (and reconnect), never alias a new session of another tenant — ids that
+        # restarted at 1 did exactly that (found by ``ctxmem chaos``).
+        self._ids = itertools.count(secrets.randbits(48) + 1)
+
+    def new_id(self) -> int:
+        """A fresh session, allocation or lease id (one sequence for all three)."""
+        return next(self._ids)
+
+    # -- sessions and namespaces ------------------------------------------------------
+    def connect(self, tenant: str, token: str, transport: str, client_name: str) -> Session:
+        tokens = self.cfg.service.tenant_tokens
+        if not tenant:
+            raise InvalidArgument("tenant must not be empty")
+        if tokens and tokens.get(tenant) != token:
+            raise PermissionDenied(f"tenant {tenant!r}: missing or wrong tenant token")
+        if transport not in self.cfg.service.transports:
+            raise InvalidArgument(
+                f"transport {transport!r} is not enabled on this service; it offers "
+                f"{self.cfg.service.transports} (service.transports)"
+            )
+        s = Session(self.new_id(), tenant, transport, client_name)
+        self.sessions[s.id] = s
+        return s
+
+    def session(self, session_id: int) -> Session:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise UnknownSession(
+                f"session {session_id} is unknown to this service instance (it restarted or "
+                f"the session was closed); reconnect"
+            ) from None
+
+    def open_namespace(
+        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str]
+    ) -> tuple[int, Namespace]:
+        digest = namespace_digest(s.tenant, model_id, layout, tags)
+        ns = self.namespaces.get(digest)
+        if ns is None:
+            slot_size = round_up(layout.block_nbytes)
+            if slot_size > self.cfg.dram.slab_size:
+                raise InvalidArgument(
+                    f"a block of this layout is {layout.block_nbytes} bytes, larger than one "
+                    f"DRAM slab (dram.slab_size={self.cfg.dram.slab_size}); raise "
+                    f"dram.slab_size or use fewer tokens_per_block"
+                )
+            ns = Namespace(digest, s.tenant, model_id, layout, dict(tags), layout.block_nbytes,
+                           slot_size)
+            self.namespaces[digest] = ns
+            self._index.namespace(digest)
+        for handle, existing in s.namespaces.items():
+            if existing is ns:
+                return handle, ns
+        handle = len(s.namespaces) + 1
+        s.namespaces[handle] = ns
+        return handle, ns
+
+    def namespace(self, s: Session, handle: int) -> Namespace:
+        try:
+            return s.namespaces[handle]
+        except KeyError:
+            raise UnknownNamespace(
+                f"namespace handle {handle} is not open in session {s.id}; call "
+                f"OpenNamespace first"
+            ) from None
+
+    def close_session(self, s: Session) -> None:
+        for a in list(s.allocations.values()):
+            self.drop_allocation(a)
+        for lease in list(s.leases.values()):
+            self.end_lease(lease, valid=False)
+        self.sessions.pop(s.id, None)
+
+    # -- grants -------------------------------------------------------------------------
+    def grant_ended(self, grant_id: int) -> None:
+        """An allocation or lease ended: transports revoke the client's access to its
+        slots (RDMA memory windows) before the slots can be freed or reused."""
+        for hook in self.on_grant_end:
+            try:
+                hook(grant_id)
+            except Exception:
+                log.exception("revoking access to grant %d failed", grant_id)
+
+    def add_allocation(self, s: Session, a: Allocation) -> None:
+        self.allocations[a.id] = a
+        s.allocations[a.id] = a
+
+    def allocation(self, s: Session, allocation_id: int) -> Allocation:
+        a = s.allocations.get(allocation_id)
+        if a is None:
+            raise Expired(
+                f"allocation {allocation_id} is unknown or expired (allocations live "
+                f"{self.cfg.service.allocation_ttl_s:g} s); allocate again and rewrite"
+            )
+        return a
+
+    @contextlib.contextmanager
+    def held(self, a: Allocation) -> Iterator[None]:
+        """While in this block the reaper leaves ``a`` alone (its slots are being written
+        or checksummed), even past its expiry; afterwards it is as before."""
+        done = a.done
+        a.done = True
+        try:
+            yield
+        finally:
+            a.done = done
+
+    def forget_allocation(self, a: Allocation) -> None:
+        """Retire ``a`` (its slots now belong to the caller)."""
+        self.grant_ended(a.id)
+        self.allocations.pop(a.id, None)
+        sess = self.sessions.get(a.session_id)
+        if sess is not None:
+            sess.allocations.pop(a.id, None)
+
+    def drop_allocation(self, a: Allocation) -> None:
+        """Retire ``a`` and return its slots."""
+        self.forget_allocation(a)
+        for ref in a.slots:
+            self._dram.free(ref)
+        a.slots = []
+
+    def add_lease(self, s: Session, lease: Lease) -> None:
+        self.leases[lease.id] = lease
+        s.leases[lease.id] = lease
+
+    def lease(self, s: Session, lease_id: int) -> Lease:
+        lease = s.leases.get(lease_id)
+        if lease is None or not lease.valid or time.monotonic() > lease.expires:
+            raise Expired(
+                f"lease {lease_id} is unknown or expired (leases live "
+                f"{self.cfg.service.lease_ttl_s:g} s); acquire again"
+            )
+        return lease
+
+    def release(self, s: Session, lease_ids: Sequence[int]) -> list[bool]:
+        out = []
+        for lid in lease_ids:
+            lease = s.leases.get(lid)
+            if lease is None:
+                out.append(False)  # expired (and already unpinned) or never existed
+                continue
+            out.append(lease.valid and time.monotonic() <= lease.expires)
+            self.end_lease(lease, valid=False)
+        return out
+
+    def end_lease(self, lease: Lease, valid: bool) -> None:
+        """End ``lease``: revoke access, then unpin its blocks."""
+        self.grant_ended(lease.id)
+        lease.valid = valid
+        self.leases.pop(lease.id, None)
+        sess = self.sessions.get(lease.session_id)
+        if sess is not None:
+            sess.leases.pop(lease.id, None)
+        for b in lease.blocks:
+            self._unpin(b)
+        lease.blocks = []
+
+    def expire(self, counters: Counter[str], now: float) -> None:
+        """End every allocation (not held) and lease past its expiry; count them."""
+        for a in [a for a in self.allocations.values() if a.expires < now and not a.done]:
+            counters["expired_allocations"] += 1
+            self.drop_allocation(a)
+        for lease in [lease for lease in self.leases.values() if lease.expires < now]:
+            counters["expired_leases"] += 1
+            self.end_lease(lease, valid=False)

@@ -1,0 +1,52 @@
+"""Counter names and the Stats / ``/metrics`` snapshot."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ctxmem_dpu.store.context import StoreContext
+    from ctxmem_dpu.store.index import BlockIndex
+    from ctxmem_dpu.store.sessions import SessionRegistry
+
+# Every counter the store keeps; all are reported (as 0 until they move) by Stats and
+# /metrics, so dashboards and tests see the same names from the start.
+COUNTERS = (
+    "lookup_keys", "lookup_hits", "put_blocks", "put_bytes", "put_crc_mismatch",
+    "get_blocks", "get_bytes", "hits_dram", "hits_flash", "misses", "prefetch_blocks",
+    "promoted_blocks", "promote_no_space", "demoted_blocks", "demoted_bytes",
+    "evictions_dram", "evictions_flash", "deleted_blocks", "integrity_failures",
+    "flash_read_errors", "flash_write_errors", "flash_device_failures", "flash_full",
+    "dram_full", "expired_allocations", "expired_leases", "recovered_blocks",
+    "recovery_seconds_x1e6", "quarantined_extents", "dirty_dropped", "flash_device_recoveries",
+    "flash_device_reopened",
+)
+
+
+def new_counters() -> Counter[str]:
+    """Every counter of :data:`COUNTERS` at 0."""
+    return Counter(dict.fromkeys(COUNTERS, 0))
+
+
+def snapshot(ctx: StoreContext, index: BlockIndex, registry: SessionRegistry
+             ) -> dict[str, float]:
+    """Every counter plus the gauges (blocks, bytes, grants, device health)."""
+    out: dict[str, float] = {k: float(v) for k, v in ctx.counters.items()}
+    out.update(
+        blocks=float(index.count()),
+        blocks_dram=float(len(index.dram_lru)),
+        blocks_flash=float(len(index.flash_lru)),
+        dram_used_bytes=float(ctx.dram.used_bytes()),
+        dram_capacity_bytes=float(ctx.dram.capacity_bytes),
+        flash_used_bytes=float(ctx.flash.used_bytes()),
+        flash_capacity_bytes=float(ctx.flash.capacity_bytes()),
+        leases=float(len(registry.leases)),
+        allocations=float(len(registry.allocations)),
+        sessions=float(len(registry.sessions)),
+        dirty_blocks=float(len(index.dirty)),
+        flash_quarantined_slots=float(sum(len(d.alloc.quarantined)
+                                          for d in ctx.flash.devices)),
+        flash_devices_healthy=float(sum(d.healthy for d in ctx.flash.devices)),
+    )
+    return out
