@@ -24,6 +24,7 @@ the device and the staging tensor is one pinned host buffer (one D2H / H2D copy)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from ctxmem_common.layout import DTYPE_SIZES, KVLayout
 
 if TYPE_CHECKING:
     from ctxmem.costmodel import CostModel, Decision
@@ -45,12 +48,10 @@ __all__ = [
     "dtype_name",
     "empty_blocks",
     "geometry_from_config",
-    "greedy_decode",
     "kv_layout",
     "load_kv",
     "pack_blocks",
     "pack_latent_blocks",
-    "prefill",
     "save_kv",
     "torch_dtype",
     "unpack_blocks",
@@ -59,78 +60,132 @@ __all__ = [
 
 KVPair = tuple[torch.Tensor, torch.Tensor]
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
-
-
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """The torch dtype for a layout dtype name ("float32", "bfloat16", ...)."""
+    """The torch dtype for a layout dtype name ("float32", "bfloat16", ...).
+
+    The names are those of :data:`ctxmem_common.layout.DTYPE_SIZES` (the one list of KV
+    dtypes ctxmem knows); each is also the name of the torch dtype."""
     if isinstance(name, torch.dtype):
         return name
-    try:
-        return _DTYPES[name.removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unsupported KV dtype {name!r}") from None
+    key = name.removeprefix("torch.")
+    if key not in DTYPE_SIZES:
+        raise ValueError(f"unsupported KV dtype {name!r}; supported: {sorted(DTYPE_SIZES)}")
+    dtype = getattr(torch, key)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The layout dtype name of a torch dtype (inverse of :func:`torch_dtype`)."""
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}")
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"unsupported KV dtype {dtype}; supported: {sorted(DTYPE_SIZES)}")
+    return name
 
 
-@dataclass(frozen=True)
 class KVGeometry:
-    """Shape of a model's KV cache: what one block holds besides the dtype."""
+    """A :class:`ctxmem.KVLayout` seen from torch: what packing a block needs (the torch
+    dtype, the block's tensor shape) derived from the layout, which is all it holds.
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    tokens_per_block: int
-    dtype: torch.dtype
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
+    Build it from a layout (``KVGeometry.of(layout)``) or from the fields, as before
+    (``KVGeometry(num_layers, num_kv_heads, head_dim, tokens_per_block, dtype, ...)``, the
+    dtype a torch dtype or a name): either way the layout validates them, and
+    ``block_nbytes`` is the layout's, so the shim and the service can never disagree on it.
+    """
+
+    __slots__ = ("kv_layout",)
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        tokens_per_block: int,
+        dtype: str | torch.dtype,
+        kv_lora_rank: int | None = None,
+        qk_rope_head_dim: int | None = None,
+    ) -> None:
+        self.kv_layout = KVLayout(
+            dtype=dtype_name(torch_dtype(dtype)),
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            tokens_per_block=tokens_per_block,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+        )
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> KVGeometry:
+        """The geometry of ``layout`` (its TP rank and size are kept for :meth:`layout`)."""
+        geometry = cls.__new__(cls)
+        geometry.kv_layout = layout
+        return geometry
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv_layout.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_layout.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_layout.head_dim
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.kv_layout.tokens_per_block
+
+    @property
+    def kv_lora_rank(self) -> int | None:
+        return self.kv_layout.kv_lora_rank
+
+    @property
+    def qk_rope_head_dim(self) -> int | None:
+        return self.kv_layout.qk_rope_head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.kv_layout.dtype)
 
     @property
     def is_mla(self) -> bool:
-        return self.kv_lora_rank is not None
+        return self.kv_layout.is_mla
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        if self.is_mla:
-            latent = (self.kv_lora_rank or 0) + (self.qk_rope_head_dim or 0)
-            return (self.num_layers, self.tokens_per_block, latent)
-        return (self.num_layers, 2, self.num_kv_heads, self.tokens_per_block, self.head_dim)
+        """Shape of one block's tensor (see the module docstring for the byte order)."""
+        lay = self.kv_layout
+        if lay.is_mla:
+            latent = (lay.kv_lora_rank or 0) + (lay.qk_rope_head_dim or 0)
+            return (lay.num_layers, lay.tokens_per_block, latent)
+        return (lay.num_layers, 2, lay.num_kv_heads, lay.tokens_per_block, lay.head_dim)
 
     @property
     def block_nbytes(self) -> int:
-        return int(np.prod(self.block_shape)) * torch.empty((), dtype=self.dtype).element_size()
+        return self.kv_layout.block_nbytes
 
-    def layout(self, *, tp_rank: int = 0, tp_size: int = 1) -> Any:
-        """The matching :class:`ctxmem.KVLayout` (its ``block_nbytes`` equals ours)."""
-        import ctxmem
-
-        return ctxmem.KVLayout(
-            dtype=dtype_name(self.dtype),
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            tokens_per_block=self.tokens_per_block,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+    def layout(self, *, tp_rank: int | None = None, tp_size: int | None = None) -> KVLayout:
+        """The :class:`ctxmem.KVLayout`, with ``tp_rank`` / ``tp_size`` replaced if given."""
+        lay = self.kv_layout
+        if tp_rank is None and tp_size is None:
+            return lay
+        return dataclasses.replace(
+            lay,
+            tp_rank=lay.tp_rank if tp_rank is None else tp_rank,
+            tp_size=lay.tp_size if tp_size is None else tp_size,
         )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVGeometry) and other.kv_layout == self.kv_layout
+
+    def __hash__(self) -> int:
+        return hash(self.kv_layout)
+
+    def __repr__(self) -> str:
+        return f"KVGeometry.of({self.kv_layout!r})"
 
 
 def geometry_from_config(
@@ -162,7 +217,7 @@ def kv_layout(
     dtype: str | torch.dtype | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
-) -> Any:
+) -> KVLayout:
     """The :class:`ctxmem.KVLayout` for a ``transformers`` model config."""
     geometry = geometry_from_config(config, tokens_per_block=tokens_per_block, dtype=dtype)
     return geometry.layout(tp_rank=tp_rank, tp_size=tp_size)
@@ -536,65 +591,3 @@ def load_kv(
         unpack_s=unpack_s,
         decision=decision,
     )
-
-
-# --------------------------------------------------------------------------- compute
-
-
-def prefill(
-    model: Any,
-    input_ids: torch.Tensor,
-    *,
-    cache: Any | None = None,
-    start: int = 0,
-    chunk_size: int | None = None,
-) -> tuple[torch.Tensor, Any]:
-    """Compute tokens ``input_ids[:, start:]`` after ``cache`` (which holds ``start`` tokens).
-
-    Returns ``(next-token logits of the last position [batch, vocab], cache)``. With
-    ``chunk_size`` the tokens are computed in chunks whose boundaries sit at absolute
-    positions that are multiples of ``chunk_size`` (block-aligned chunked prefill, as
-    engines do), so a request whose first ``k * chunk_size`` tokens come from a cache
-    runs exactly the same kernels on the same shapes as one that computes everything.
-    """
-    from transformers import DynamicCache
-
-    if cache is None:
-        if start != 0:
-            raise ValueError("start > 0 needs a cache holding those tokens")
-        cache = DynamicCache(config=model.config)
-    total = int(input_ids.shape[1])
-    if start >= total:
-        raise ValueError(f"nothing to compute: start={start} >= {total} tokens")
-    logits: torch.Tensor | None = None
-    with torch.inference_mode():
-        pos = start
-        while pos < total:
-            end = total if not chunk_size else min(total, (pos // chunk_size + 1) * chunk_size)
-            out = model(
-                input_ids[:, pos:end], past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
-            logits, cache, pos = out.logits[:, -1], out.past_key_values, end
-    assert logits is not None
-    return logits, cache
-
-
-def greedy_decode(
-    model: Any, logits: torch.Tensor, cache: Any, steps: int
-) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy-decode ``steps`` tokens (batch 1) from next-token ``logits`` and ``cache``.
-
-    Returns the tokens and the logits each was chosen from (the first is ``logits``).
-    """
-    tokens: list[int] = []
-    seen: list[torch.Tensor] = []
-    with torch.inference_mode():
-        for step in range(steps):
-            seen.append(logits[0])
-            token = int(torch.argmax(logits[0]).item())
-            tokens.append(token)
-            if step + 1 < steps:
-                ids = torch.tensor([[token]], device=logits.device)
-                out = model(ids, past_key_values=cache, use_cache=True)
-                logits, cache = out.logits[:, -1], out.past_key_values
-    return tokens, seen

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ctxmem.chaos import fresh_client
 from ctxmem.client import Client, Namespace
-from ctxmem.launcher import ServiceProcess, local_config
 from ctxmem_common.layout import KVLayout
 from ctxmem_dpu.check import Report, check_devices, read_master_key
+from ctxmem_tools.chaos import fresh_client
+from ctxmem_tools.launcher import ServiceProcess, local_config
 
 BLOCK = 16 << 10
 LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
