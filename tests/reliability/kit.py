@@ -167,16 +167,7 @@ def served(ns: Namespace, ks: list[bytes]) -> dict[bytes, bool]:
 
 def tiers(ns: Namespace, ks: list[bytes]) -> list[str]:
     """Per-key tier ("dram", "flash" or "") without the prefix rule."""
-    from ctxmem_common.proto import ctxmem_pb2 as pb
-
-    names = {pb.TIER_DRAM: "dram", pb.TIER_FLASH: "flash", pb.TIER_UNSPECIFIED: ""}
-
-    def op(s: Any) -> list[str]:
-        r = ns.client._rpc("Lookup", pb.LookupRequest(
-            session_id=s.id, namespace_handle=ns.handle, keys=ks, prefix=False))
-        return [names[t] for t in r.tiers]
-
-    return ns._retrying(op)
+    return ns.tiers(ks)
 
 
 async def settled_audit(store: Any, timeout_s: float = 10.0) -> list[str]:
