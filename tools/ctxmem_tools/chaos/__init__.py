@@ -6,7 +6,7 @@ through the shim; this program injects faults and checks, after every operation,
 nothing wrong is ever served and that durable blocks survive. It never imports the
 service: it edits the flash files directly (with the format code in
 ``ctxmem_common.flash_format``), drives the service's fault layer through its control
-file (``CTXMEM_FAULT_CTL``, see ``ctxmem_dpu/faults.py``), and kills it.
+file (``CTXMEM_FAULT_CTL``; the protocol is ``ctxmem_common.faultpoints``), and kills it.
 
 Fault kinds (``KINDS``):
 

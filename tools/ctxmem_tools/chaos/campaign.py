@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ctxmem_common.faultpoints import ENV_CTL, ENV_JOURNAL
 from ctxmem_tools.chaos.inject import FaultInjector
 from ctxmem_tools.chaos.records import (
     CORRUPTION,
@@ -178,7 +179,7 @@ def run_campaign(faults: int, seed: int, workdir: Path | None = None, device_fra
     """Run a campaign; returns the report (also what ``--json`` writes)."""
     base = workdir or Path(tempfile.mkdtemp(prefix="ctxmem-chaos-", dir="/var/tmp"))
     base.mkdir(parents=True, exist_ok=True)
-    env = {"CTXMEM_FAULT_CTL": str(base / "faults.json"), "CTXMEM_FAULT_JOURNAL": "1",
+    env = {ENV_CTL: str(base / "faults.json"), ENV_JOURNAL: "1",
            "CTXMEM_FLASH_PROBE_INTERVAL_S": "0.05", "CTXMEM_FLASH_SLOW_IO_S": "1.0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from ctxmem_common.faultpoints import ENV_POINTS, arm_spec
 from ctxmem_common.flash_format import (
     DATA_START,
     REC_SIZE,
@@ -243,7 +244,7 @@ class FaultInjector(Workload):
             self._fold_counters(final=True)
             self.st.kills += 1
             self.st.kill_points_hit["rebuild.after_scan"] += 1
-            self.restart_and_verify(env={"CTXMEM_FAULTS": "rebuild.after_scan:kill"})
+            self.restart_and_verify(env={ENV_POINTS: arm_spec("rebuild.after_scan", "kill")})
             return True
         if kind == "swap_devices_restart":
             self._fold_counters(final=True)
@@ -285,7 +286,7 @@ class FaultInjector(Workload):
         point = self.rng.choice(points)
         action = "kill" if kind == "kill_point" else "powercut"
         self._fold_counters()
-        self.set_faults(points=f"{point}:{action}")
+        self.set_faults(points=arm_spec(point, action))
         tenant = self.rng.choice(TENANTS)
         stage = point.split(".")[0]
         if stage in ("allocate", "commit"):
