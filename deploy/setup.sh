@@ -39,11 +39,11 @@ install_python() {
     local stamp="$VENV/.ctxmem-installed" want
     want=$(cat pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-        log "pip install -e .[dev,models,spdk]"
+        log "pip install -e .[dev,tools,spdk]"
         "$VENV/bin/pip" install -q --upgrade pip
         # torch is pinned to 2.13.0 (the CPU build this project's machines carry); a loose
         # torch requirement would pull a multi-GB CUDA build.
-        "$VENV/bin/pip" install -q -e ".[dev,models,spdk]" "torch==2.13.0"
+        "$VENV/bin/pip" install -q -e ".[dev,tools,spdk]" "torch==2.13.0"
         # LMCache, for the test that drives ctxmem from LMCache's own engine. A plain
         # `pip install lmcache` downgrades grpcio/protobuf below what ctxmem's generated
         # gRPC code needs, so its runtime deps are named and lmcache goes in --no-deps.
@@ -75,9 +75,11 @@ run_demo() {
 
 run_tests() {
     log "ruff"
-    "$VENV/bin/ruff" check shared dpu host tests
+    "$VENV/bin/ruff" check shared dpu host tools tests
     log "mypy"
     "$VENV/bin/mypy"
+    log "import boundaries (import-linter contracts in pyproject.toml)"
+    "$VENV/bin/lint-imports"
     log "pytest (host: unit, integration against real service processes, engines, deploy)"
     export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1  # LMCache sends nothing out
     "$VENV/bin/pytest" -q -m "not vm and not slow" tests

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ctxmem.launcher import ServiceProcess, local_config
+from ctxmem_tools.launcher import ServiceProcess, local_config
 
 REPO = Path(__file__).resolve().parent.parent
 

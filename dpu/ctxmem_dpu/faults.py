@@ -51,32 +51,23 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ctxmem_common.faultpoints import (
+    ACTIONS,
+    DEVICE_ERRORS,
+    DEVICE_FAULT_KEYS,
+    ENV_CTL,
+    ENV_JOURNAL,
+    ENV_POINTS,
+    POINTS,
+    POWERCUT_DROPPED,
+    ack_path,
+    points_spec,
+)
+
 log = logging.getLogger(__name__)
 
-ENV_POINTS = "CTXMEM_FAULTS"
-ENV_CTL = "CTXMEM_FAULT_CTL"
-ENV_JOURNAL = "CTXMEM_FAULT_JOURNAL"
-
-# Every named point, where it sits and what a crash there leaves behind.
-POINTS: dict[str, str] = {
-    "allocate.after_reserve": "put: DRAM slots reserved, allocation not yet returned",
-    "commit.after_crc": "commit: CRC32C computed, blocks not yet in the index",
-    "commit.after_index": "commit: blocks visible (DRAM only, not durable)",
-    "demote.before_write": "demote: extents allocated, nothing written",
-    "demote.after_payload": "demote: payloads written, not synced, no headers",
-    "demote.after_payload_sync": "demote: payloads synced, headers not written",
-    "demote.after_header": "demote: headers written, not synced",
-    "demote.after_sync": "demote: records durable, index not yet updated",
-    "evict.after_demote": "evict: blocks durable, DRAM copies not yet dropped",
-    "flash_evict.after_zero": "flash eviction: victims' headers zeroed, not synced",
-    "flash_evict.after_sync": "flash eviction: zeroed headers synced, extents not freed",
-    "delete.after_index": "delete: keys out of the index, headers still valid on flash",
-    "delete.after_zero": "delete: headers zeroed, not synced",
-    "delete.after_sync": "delete: zeroed headers synced, extents not yet freed",
-    "rebuild.after_scan": "restart: one device scanned, index half built",
-    "promote.after_read": "get: flash block read and verified, not yet in DRAM",
-}
-ACTIONS = ("kill", "powercut", "crash", "eio", "sleep")
+# The names (points, actions, environment) and the control file's format are the protocol
+# shared with the drivers: ctxmem_common.faultpoints.
 
 
 class SimulatedCrash(BaseException):
@@ -106,12 +97,12 @@ class DeviceFault:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DeviceFault:
-        unknown = set(raw) - {"read", "write", "sync", "prob", "count", "delay_s"}
+        unknown = set(raw) - DEVICE_FAULT_KEYS
         if unknown:
             raise ValueError(f"device fault: unknown keys {sorted(unknown)}")
         f = cls(**raw)
         for op in (f.read, f.write, f.sync):
-            if op not in ("", "eio", "enospc"):
+            if op not in DEVICE_ERRORS:
                 raise ValueError(f"device fault: {op!r} is not one of '', 'eio', 'enospc'")
         return f
 
@@ -315,7 +306,7 @@ def power_cut(rng: random.Random | None = None, then_kill: bool = False) -> int:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _injected["powercut_writes_dropped"] += touched
+        _injected[POWERCUT_DROPPED] += touched
         if then_kill:
             _write_ack(locked=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -354,7 +345,7 @@ def _write_ack(locked: bool = False) -> None:
     with contextlib.suppress(OSError):
         with open(tmp, "w") as f:
             json.dump(body, f)
-        os.replace(tmp, f"{_ctl_path}.ack")
+        os.replace(tmp, ack_path(_ctl_path))
 
 
 def _poll(path: str) -> None:
@@ -373,7 +364,7 @@ def _poll(path: str) -> None:
                     raw = json.load(f)
                 # A key left out leaves that part as it is (e.g. points armed by the
                 # environment at start, before the first poll).
-                configure(points=_points_arg(raw["points"]) if "points" in raw else None,
+                configure(points=points_spec(raw["points"]) if "points" in raw else None,
                           devices=(raw["devices"] or {}) if "devices" in raw else None,
                           journal=bool(raw["journal"]) if "journal" in raw else None)
                 _gen = int(raw.get("gen", 0))
@@ -388,11 +379,3 @@ def _poll(path: str) -> None:
             last_counts = counts
             _write_ack()
         time.sleep(0.01)
-
-
-def _points_arg(raw: Any) -> str:
-    if not raw:
-        return ""
-    if isinstance(raw, str):
-        return raw
-    return ",".join(f"{k}:{v}" for k, v in dict(raw).items())

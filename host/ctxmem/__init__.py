@@ -19,7 +19,9 @@ import os as _os
 _os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "true")
 _os.environ.setdefault("GRPC_POLL_STRATEGY", "poll")
 
-from ctxmem.client import AsyncClient, AsyncNamespace, Client, LookupResult, Namespace, PutResult
+from ctxmem.aio import AsyncClient, AsyncNamespace
+from ctxmem.client import Client
+from ctxmem.namespace import LookupResult, Namespace, PutResult
 from ctxmem_common import __version__
 from ctxmem_common.errors import (
     ConfigError,

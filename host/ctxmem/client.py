@@ -1,5 +1,6 @@
-"""The shim's client: a blocking core (:class:`Client`) and an asyncio facade
-(:class:`AsyncClient`).
+"""The shim's client: a blocking core (:class:`Client`: connection, sessions, RPCs); its
+namespaces are in :mod:`ctxmem.namespace` and the asyncio facade (:class:`AsyncClient`) in
+:mod:`ctxmem.aio`.
 
 One request = one batched RPC per phase, never one per block::
 
@@ -21,22 +22,17 @@ is lost, and a get that cannot be completed is a miss, never wrong data.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import grpc
 
-from ctxmem.buffers import Staged
-from ctxmem.transport.base import DataChannel, TransportError
-from ctxmem_common.codecs import crc32c
+from ctxmem.namespace import LookupResult, Namespace, PutResult
+from ctxmem.transport.base import DataChannel
 from ctxmem_common.errors import (
     ERROR_METADATA_KEY,
     CtxmemError,
@@ -45,39 +41,16 @@ from ctxmem_common.errors import (
     UnknownSession,
     error_for_code,
 )
-from ctxmem_common.keys import pack_keys, validate_keys
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
-from ctxmem_common.protoconv import (
-    TIER_DRAM,
-    TRANSPORTS,
-    layout_to_pb,
-    tier_from_pb,
-    tier_to_pb,
-    transport_to_pb,
-)
+from ctxmem_common.protoconv import TRANSPORTS, transport_to_pb
+
+__all__ = ["Client", "LookupResult", "Namespace", "PutResult", "TransportName"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 TransportName = Literal["auto", "shm", "tcp", "rdma"]
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    num_hits: int
-    """How many leading keys are stored."""
-    tiers: list[str] = field(default_factory=list)
-    """Per hit, where it is: ``"dram"`` or ``"flash"``."""
-
-
-@dataclass(frozen=True)
-class PutResult:
-    stored: int
-    """Blocks newly committed by this call."""
-    existing: int
-    """Blocks already stored (nothing was written for them)."""
 
 
 def _rpc_error(exc: grpc.RpcError, endpoint: str, method: str) -> CtxmemError:
@@ -93,16 +66,6 @@ def _rpc_error(exc: grpc.RpcError, endpoint: str, method: str) -> CtxmemError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Unavailable(f"ctxmem {method} at {endpoint} timed out: {call.details()}")
     return CtxmemError(f"ctxmem {method} failed: {code.name}: {call.details()}")
-
-
-def _lookup_request(session_id: int, handle: int, keys: Sequence[bytes], prefix: bool
-                    ) -> pb.LookupRequest:
-    packed = pack_keys(keys) if len(keys) >= 64 else None
-    if packed is not None:
-        return pb.LookupRequest(session_id=session_id, namespace_handle=handle, prefix=prefix,
-                                packed_keys=packed[0], key_len=packed[1])
-    return pb.LookupRequest(session_id=session_id, namespace_handle=handle, keys=keys,
-                            prefix=prefix)
 
 
 class _Session:
@@ -121,6 +84,13 @@ class Client:
     CRC32C of each block with Commit, so a block damaged between the caller's buffer and
     the service is never committed; ``verify_gets`` checks each block's CRC32C after the
     transfer (default: on for TCP; for shared memory the lease check covers it).
+
+    ``channel_options``: extra gRPC channel arguments, merged with the client's own
+    (64 MiB message size limits); one of the same name replaces the client's. For example
+    ``[("grpc.use_local_subchannel_pool", 1)]`` gives this client subchannels of its own:
+    gRPC otherwise shares them, with their reconnect backoff, between every channel to
+    one address in the process, so a fresh client to a just-restarted service could fail
+    its first calls for a second or more (the chaos campaign restarts services often).
     """
 
     def __init__(
@@ -134,6 +104,7 @@ class Client:
         verify_gets: bool | None = None,
         max_batch_bytes: int = 256 << 20,
         client_name: str = "",
+        channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.endpoint = endpoint
         self.transport = transport
@@ -143,6 +114,14 @@ class Client:
         self.verify_gets = verify_gets
         self.max_batch_bytes = max_batch_bytes
         self.client_name = client_name or f"{socket.gethostname()}:{os.getpid()}"
+        # One entry per name (the caller's replaces ours): gRPC's own rule for a repeated
+        # argument is not one to rely on.
+        options: dict[str, Any] = {
+            "grpc.max_receive_message_length": 64 << 20,
+            "grpc.max_send_message_length": 64 << 20,
+        }
+        options.update(channel_options)
+        self.channel_options: list[tuple[str, Any]] = list(options.items())
         self._lock = threading.RLock()
         self._pid = -1
         self._channel: grpc.Channel | None = None
@@ -162,10 +141,8 @@ class Client:
                 self._sessions = {}
                 self._epoch += 1
             if self._stub is None or self._channel is None:
-                self._channel = grpc.insecure_channel(self.endpoint, options=[
-                    ("grpc.max_receive_message_length", 64 << 20),
-                    ("grpc.max_send_message_length", 64 << 20),
-                ])
+                self._channel = grpc.insecure_channel(self.endpoint,
+                                                      options=self.channel_options)
                 self._stub = pb_grpc.ContextMemoryStub(self._channel)
             return self._stub
 
@@ -177,9 +154,11 @@ class Client:
             raise _rpc_error(exc, self.endpoint, method) from None
 
     def health(self) -> pb.HealthResponse:
+        """The service's status, instance id, offered transports and data endpoints."""
         return self._rpc("Health", pb.HealthRequest())
 
     def stats(self) -> dict[str, float]:
+        """Every counter and gauge of the service, by name."""
         return dict(self._rpc("Stats", pb.StatsRequest()).values)
 
     def _choose_transport(self, health: pb.HealthResponse) -> str:
@@ -241,6 +220,7 @@ class Client:
 
     def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
                        tags: Mapping[str, str] | None = None) -> Namespace:
+        """Open (model, layout, tags) for ``tenant``; blocks live in the returned namespace."""
         ns = Namespace(self, layout, model_id, tenant, dict(tags or {}))
         try:
             ns._open()
@@ -267,264 +247,11 @@ class Client:
         self.close()
 
 
-class Namespace:
-    """Blocks of one (tenant, model, layout, tags). Created by :meth:`Client.open_namespace`."""
+def __getattr__(name: str) -> Any:
+    # ``from ctxmem.client import AsyncClient`` kept working after the asyncio facade moved
+    # to ctxmem.aio (imported lazily: ctxmem.aio imports this module).
+    if name in ("AsyncClient", "AsyncNamespace"):
+        from ctxmem import aio
 
-    def __init__(self, client: Client, layout: KVLayout, model_id: str, tenant: str,
-                 tags: dict[str, str]) -> None:
-        self.client = client
-        self.layout = layout
-        self.model_id = model_id
-        self.tenant = tenant
-        self.tags = tags
-        self.block_nbytes = layout.block_nbytes
-        self.handle = 0
-        self.digest = b""
-        self._session: _Session | None = None
-
-    def _open(self, stale: _Session | None = None) -> _Session:
-        s = self.client._session(self.tenant, stale)
-        if self._session is s:
-            return s
-        resp = self.client._rpc("OpenNamespace", pb.OpenNamespaceRequest(
-            session_id=s.id, model_id=self.model_id, tags=self.tags,
-            layout=layout_to_pb(self.layout)))
-        if resp.block_nbytes != self.block_nbytes:
-            raise CtxmemError(f"service computes {resp.block_nbytes} bytes per block for this "
-                              f"layout, the shim {self.block_nbytes}: version mismatch")
-        self.handle = resp.namespace_handle
-        self.digest = resp.namespace_digest
-        self._session = s
-        return s
-
-    def _retrying(self, op: Callable[[_Session], T]) -> T:
-        """Run ``op``; after a service restart or a dropped connection, reconnect and retry
-        once."""
-        s = self._open()
-        try:
-            return op(s)
-        except (UnknownSession, Unavailable) as exc:
-            log.info("ctxmem: %s; reconnecting and retrying once", exc)
-            return op(self._open(stale=s))
-
-    def _batch(self, start: int, n: int) -> slice:
-        per = max(1, self.client.max_batch_bytes // max(1, self.block_nbytes))
-        return slice(start, min(start + per, n))
-
-    # -- API -------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """How many leading ``keys`` are stored, and in which tier. Side-effect free.
-
-        Keys are validated by the service (same errors), not twice on this hot path."""
-
-        def op(s: _Session) -> LookupResult:
-            r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, True))
-            return LookupResult(r.num_hits, [tier_from_pb(t) for t in r.tiers])
-
-        return self._retrying(op)
-
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Per-key presence (not prefix-based)."""
-
-        def op(s: _Session) -> list[bool]:
-            r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, False))
-            return [t != pb.TIER_UNSPECIFIED for t in r.tiers]
-
-        return self._retrying(op)
-
-    def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> PutResult:
-        """Store one buffer per key (each exactly ``block_nbytes``)."""
-        validate_keys(keys)
-        if len(keys) != len(buffers):
-            raise InvalidArgument(f"put got {len(keys)} keys and {len(buffers)} buffers; "
-                                  f"pass one buffer per key")
-        staged = Staged(list(buffers), self.block_nbytes, writable=False)
-        stored = existing = 0
-        start = 0
-        while start < len(keys):
-            sl = self._batch(start, len(keys))
-            st, ex = self._put_batch(list(keys[sl]), staged.views[sl])
-            stored += st
-            existing += ex
-            start = sl.stop
-        return PutResult(stored, existing)
-
-    def _put_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, int]:
-        crcs = [crc32c(v) for v in views] if self.client.verify_puts else []
-        rpc = self.client._rpc
-
-        def op(s: _Session) -> tuple[int, int]:
-            a = rpc("Allocate", pb.AllocateRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys))
-            new = [i for i, e in enumerate(a.exists) if not e]
-            if not new:
-                rpc("Commit", pb.CommitRequest(session_id=s.id, allocation_id=a.allocation_id,
-                                               abort=True))
-                return 0, len(keys)
-            try:
-                s.channel.write(a.allocation_id, a.slots, [views[i] for i in new])
-            except TransportError:
-                with contextlib.suppress(CtxmemError):
-                    rpc("Commit", pb.CommitRequest(session_id=s.id,
-                                                   allocation_id=a.allocation_id, abort=True))
-                raise
-            c = rpc("Commit", pb.CommitRequest(
-                session_id=s.id, allocation_id=a.allocation_id,
-                crc32c=[crcs[i] for i in new] if crcs else []))
-            return c.committed, len(keys) - len(new)
-
-        return self._retrying(op)
-
-    def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
-        """Fill ``buffers`` for the longest stored leading run of ``keys``; return its length.
-
-        Blocks after the returned count are untouched. A block that fails a check, a lease
-        that expired while reading, or a service that went away makes the run shorter
-        (a miss), never returns wrong bytes.
-        """
-        validate_keys(keys)
-        if len(keys) != len(buffers):
-            raise InvalidArgument(f"get got {len(keys)} keys and {len(buffers)} buffers; "
-                                  f"pass one buffer per key")
-        staged = Staged(list(buffers), self.block_nbytes, writable=True)
-        total = 0
-        while total < len(keys):
-            # A batch may come back short because the run hit a miss, or because the
-            # service could only stage part of it in DRAM; asking again from where it
-            # stopped tells the two apart (a miss answers 0).
-            sl = self._batch(total, len(keys))
-            n = self._get_batch(list(keys[sl]), staged.views[sl])
-            total += n
-            if n == 0:
-                break
-        staged.finish_get(total)
-        return total
-
-    def _get_batch(self, keys: list[bytes], views: list[memoryview]) -> int:
-        rpc = self.client._rpc
-
-        def op(s: _Session) -> int:
-            a = rpc("Acquire", pb.AcquireRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys))
-            n = a.num_acquired
-            try:
-                if n:
-                    s.channel.read(a.lease_id, a.slots, views[:n])
-            finally:
-                rel = rpc("Release", pb.ReleaseRequest(session_id=s.id, lease_ids=[a.lease_id]))
-            if s.channel.name == "shm" and not rel.valid[0]:
-                # The lease expired while we copied: the slots may have been reused.
-                log.warning("ctxmem: lease %d expired during the copy; treating as a miss",
-                            a.lease_id)
-                return 0
-            verify = self.client.verify_gets
-            if verify is None:
-                verify = s.channel.name != "shm"
-            if verify:
-                for i, (v, want) in enumerate(zip(views[:n], a.crc32c, strict=True)):
-                    if crc32c(v) != want:
-                        log.warning("ctxmem: block %d failed its CRC32C after transfer; miss", i)
-                        return i
-            return n
-
-        try:
-            return self._retrying(op)
-        except Unavailable as exc:
-            log.warning("ctxmem get degraded to a miss: %s", exc)
-            return 0
-
-    def prefetch(self, keys: Sequence[bytes]) -> int:
-        """Ask the service to promote flash blocks of ``keys`` to DRAM ahead of need;
-        returns how many were queued."""
-        validate_keys(keys)
-
-        def op(s: _Session) -> int:
-            return int(self.client._rpc("Prefetch", pb.PrefetchRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys)).queued)
-
-        return self._retrying(op)
-
-    def delete(self, keys: Sequence[bytes]) -> int:
-        validate_keys(keys)
-
-        def op(s: _Session) -> int:
-            return int(self.client._rpc("Delete", pb.DeleteRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys)).deleted)
-
-        return self._retrying(op)
-
-    def evict(self, keys: Sequence[bytes], tier: str = "dram") -> int:
-        """Make ``keys`` durable on flash and drop their DRAM copies (admin and tests)."""
-        validate_keys(keys)
-        if tier != TIER_DRAM:
-            raise InvalidArgument(f"tier must be 'dram', got {tier!r}")
-        tier_pb = tier_to_pb(tier)
-
-        def op(s: _Session) -> int:
-            return int(self.client._rpc("Evict", pb.EvictRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys, tier=tier_pb)).evicted)
-
-        return self._retrying(op)
-
-
-async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
-
-
-class AsyncClient:
-    """Asyncio facade: every call runs the blocking client on the loop's default executor,
-    so an engine's event loop never waits on the service."""
-
-    def __init__(self, endpoint: str = "127.0.0.1:50051", **kwargs: Any) -> None:
-        self.sync = Client(endpoint, **kwargs)
-
-    async def health(self) -> pb.HealthResponse:
-        return await _in_thread(self.sync.health)
-
-    async def stats(self) -> dict[str, float]:
-        return await _in_thread(self.sync.stats)
-
-    async def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
-                             tags: Mapping[str, str] | None = None) -> AsyncNamespace:
-        ns = await _in_thread(functools.partial(self.sync.open_namespace, layout,
-                                                model_id=model_id, tenant=tenant, tags=tags))
-        return AsyncNamespace(ns)
-
-    async def close(self) -> None:
-        await _in_thread(self.sync.close)
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-class AsyncNamespace:
-    """Awaitable twin of :class:`Namespace`."""
-
-    def __init__(self, ns: Namespace) -> None:
-        self.sync = ns
-        self.layout = ns.layout
-        self.block_nbytes = ns.block_nbytes
-
-    async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        return await _in_thread(self.sync.lookup, keys)
-
-    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return await _in_thread(self.sync.exists, keys)
-
-    async def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> PutResult:
-        return await _in_thread(self.sync.put, keys, buffers)
-
-    async def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
-        return await _in_thread(self.sync.get, keys, buffers)
-
-    async def prefetch(self, keys: Sequence[bytes]) -> int:
-        return await _in_thread(self.sync.prefetch, keys)
-
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        return await _in_thread(self.sync.delete, keys)
-
-    async def evict(self, keys: Sequence[bytes], tier: str = "dram") -> int:
-        return await _in_thread(self.sync.evict, keys, tier)
+        return getattr(aio, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

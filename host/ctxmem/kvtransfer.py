@@ -11,7 +11,9 @@ Byte order of one block (what :class:`ctxmem.KVLayout` sizes exactly)::
     MHA/GQA:  [num_layers][2 (K, V)][num_kv_heads][tokens_per_block][head_dim]
     MLA:      [num_layers][tokens_per_block][kv_lora_rank + qk_rope_head_dim]
 
-in the layout's dtype, native byte order, no padding. Block ``i`` of a sequence holds
+in the layout's dtype, native byte order, no padding. The geometry (:class:`KVGeometry`,
+the dtype names, :func:`geometry_from_config`) lives in :mod:`ctxmem.kvgeometry` and is
+re-exported here. Block ``i`` of a sequence holds
 tokens ``[i * tokens_per_block, (i + 1) * tokens_per_block)``. Only full blocks are
 stored, matching :func:`ctxmem.chain_hashes`, which keys full blocks only.
 
@@ -32,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ctxmem.kvgeometry import KVGeometry, dtype_name, geometry_from_config, kv_layout, torch_dtype
+
 if TYPE_CHECKING:
     from ctxmem.costmodel import CostModel, Decision
 
@@ -45,12 +49,10 @@ __all__ = [
     "dtype_name",
     "empty_blocks",
     "geometry_from_config",
-    "greedy_decode",
     "kv_layout",
     "load_kv",
     "pack_blocks",
     "pack_latent_blocks",
-    "prefill",
     "save_kv",
     "torch_dtype",
     "unpack_blocks",
@@ -58,115 +60,6 @@ __all__ = [
 ]
 
 KVPair = tuple[torch.Tensor, torch.Tensor]
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
-
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """The torch dtype for a layout dtype name ("float32", "bfloat16", ...)."""
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return _DTYPES[name.removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unsupported KV dtype {name!r}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The layout dtype name of a torch dtype (inverse of :func:`torch_dtype`)."""
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}")
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """Shape of a model's KV cache: what one block holds besides the dtype."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    tokens_per_block: int
-    dtype: torch.dtype
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank is not None
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        if self.is_mla:
-            latent = (self.kv_lora_rank or 0) + (self.qk_rope_head_dim or 0)
-            return (self.num_layers, self.tokens_per_block, latent)
-        return (self.num_layers, 2, self.num_kv_heads, self.tokens_per_block, self.head_dim)
-
-    @property
-    def block_nbytes(self) -> int:
-        return int(np.prod(self.block_shape)) * torch.empty((), dtype=self.dtype).element_size()
-
-    def layout(self, *, tp_rank: int = 0, tp_size: int = 1) -> Any:
-        """The matching :class:`ctxmem.KVLayout` (its ``block_nbytes`` equals ours)."""
-        import ctxmem
-
-        return ctxmem.KVLayout(
-            dtype=dtype_name(self.dtype),
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            tokens_per_block=self.tokens_per_block,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
-
-
-def geometry_from_config(
-    config: Any, *, tokens_per_block: int, dtype: str | torch.dtype | None = None
-) -> KVGeometry:
-    """KV geometry of a ``transformers`` config (Llama-style attention).
-
-    ``dtype`` defaults to the config's dtype (``dtype`` / ``torch_dtype``), else float32.
-    """
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    num_heads = int(text.num_attention_heads)
-    num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
-    head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // num_heads
-    if dtype is None:
-        dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32"
-    return KVGeometry(
-        num_layers=int(text.num_hidden_layers),
-        num_kv_heads=num_kv_heads,
-        head_dim=int(head_dim),
-        tokens_per_block=tokens_per_block,
-        dtype=torch_dtype(dtype if isinstance(dtype, torch.dtype) else str(dtype)),
-    )
-
-
-def kv_layout(
-    config: Any,
-    *,
-    tokens_per_block: int,
-    dtype: str | torch.dtype | None = None,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-) -> Any:
-    """The :class:`ctxmem.KVLayout` for a ``transformers`` model config."""
-    geometry = geometry_from_config(config, tokens_per_block=tokens_per_block, dtype=dtype)
-    return geometry.layout(tp_rank=tp_rank, tp_size=tp_size)
-
 
 # --------------------------------------------------------------------------- caches
 
@@ -536,65 +429,3 @@ def load_kv(
         unpack_s=unpack_s,
         decision=decision,
     )
-
-
-# --------------------------------------------------------------------------- compute
-
-
-def prefill(
-    model: Any,
-    input_ids: torch.Tensor,
-    *,
-    cache: Any | None = None,
-    start: int = 0,
-    chunk_size: int | None = None,
-) -> tuple[torch.Tensor, Any]:
-    """Compute tokens ``input_ids[:, start:]`` after ``cache`` (which holds ``start`` tokens).
-
-    Returns ``(next-token logits of the last position [batch, vocab], cache)``. With
-    ``chunk_size`` the tokens are computed in chunks whose boundaries sit at absolute
-    positions that are multiples of ``chunk_size`` (block-aligned chunked prefill, as
-    engines do), so a request whose first ``k * chunk_size`` tokens come from a cache
-    runs exactly the same kernels on the same shapes as one that computes everything.
-    """
-    from transformers import DynamicCache
-
-    if cache is None:
-        if start != 0:
-            raise ValueError("start > 0 needs a cache holding those tokens")
-        cache = DynamicCache(config=model.config)
-    total = int(input_ids.shape[1])
-    if start >= total:
-        raise ValueError(f"nothing to compute: start={start} >= {total} tokens")
-    logits: torch.Tensor | None = None
-    with torch.inference_mode():
-        pos = start
-        while pos < total:
-            end = total if not chunk_size else min(total, (pos // chunk_size + 1) * chunk_size)
-            out = model(
-                input_ids[:, pos:end], past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
-            logits, cache, pos = out.logits[:, -1], out.past_key_values, end
-    assert logits is not None
-    return logits, cache
-
-
-def greedy_decode(
-    model: Any, logits: torch.Tensor, cache: Any, steps: int
-) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy-decode ``steps`` tokens (batch 1) from next-token ``logits`` and ``cache``.
-
-    Returns the tokens and the logits each was chosen from (the first is ``logits``).
-    """
-    tokens: list[int] = []
-    seen: list[torch.Tensor] = []
-    with torch.inference_mode():
-        for step in range(steps):
-            seen.append(logits[0])
-            token = int(torch.argmax(logits[0]).item())
-            tokens.append(token)
-            if step + 1 < steps:
-                ids = torch.tensor([[token]], device=logits.device)
-                out = model(ids, past_key_values=cache, use_cache=True)
-                logits, cache = out.logits[:, -1], out.past_key_values
-    return tokens, seen

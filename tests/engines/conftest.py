@@ -12,7 +12,7 @@ import pytest
 def tiny_model() -> Any:
     """4 layers, hidden 128, 4 query / 2 KV heads, vocab 1000; float32, eval mode."""
     pytest.importorskip("transformers")
-    from ctxmem.bench_ttft import build_model
+    from ctxmem_tools.models import build_model
 
     return build_model("tiny", dtype="float32", seed=0, max_positions=4096)
 
@@ -20,7 +20,7 @@ def tiny_model() -> Any:
 @pytest.fixture(scope="session")
 def tiny_model_bf16() -> Any:
     pytest.importorskip("transformers")
-    from ctxmem.bench_ttft import build_model
+    from ctxmem_tools.models import build_model
 
     return build_model("tiny", dtype="bfloat16", seed=0, max_positions=4096)
 

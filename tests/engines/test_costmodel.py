@@ -185,13 +185,13 @@ def test_snapshot_counts_decisions_for_metrics() -> None:
 def _tiny_prefill_runner(model: Any) -> Any:
     import torch
 
-    from ctxmem import kvtransfer as kt
+    from ctxmem_tools.models import prefill
 
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, model.config.vocab_size, (1, 1024), generator=gen)
 
     def run(n: int, context: int) -> None:
-        kt.prefill(model, ids[:, :n])
+        prefill(model, ids[:, :n])
 
     return run
 
@@ -226,10 +226,11 @@ def test_load_kv_declines_or_takes_a_real_hit(service: Any, tiny_model: Any) -> 
 
     import ctxmem
     from ctxmem import kvtransfer as kt
+    from ctxmem_tools.models import prefill
 
     g = kt.geometry_from_config(tiny_model.config, tokens_per_block=32)
     ids = torch.randint(0, 1000, (1, 544), generator=torch.Generator().manual_seed(9))
-    _, cache = kt.prefill(tiny_model, ids)
+    _, cache = prefill(tiny_model, ids)
     with ctxmem.Client(service.endpoint) as client:
         ns = client.open_namespace(g.layout(), model_id="tiny-llama")
         assert kt.save_kv(ns, ids[0], cache, g).stored == 17

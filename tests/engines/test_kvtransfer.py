@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import ctxmem  # noqa: E402
 from ctxmem import kvtransfer as kt  # noqa: E402
+from ctxmem_tools.models import prefill  # noqa: E402
 
 
 def _geometry(dtype: Any = torch.float32, tpb: int = 16) -> kt.KVGeometry:
@@ -138,7 +139,7 @@ def test_transformers_cache_round_trip(tiny_model: Any) -> None:
     g = kt.geometry_from_config(tiny_model.config, tokens_per_block=16)
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.dtype) == (4, 2, 32, torch.float32)
     ids = torch.randint(0, 1000, (1, 70), generator=torch.Generator().manual_seed(0))
-    _, cache = kt.prefill(tiny_model, ids)
+    _, cache = prefill(tiny_model, ids)
     layers = kt.cache_layers(cache)
     assert layers[0][0].shape == (1, 2, 70, 32)
     blocks = kt.pack_blocks(cache, g)

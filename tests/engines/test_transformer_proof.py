@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 
 import ctxmem  # noqa: E402
 from ctxmem import kvtransfer as kt  # noqa: E402
+from ctxmem_tools.models import greedy_decode, prefill  # noqa: E402
 
 TPB = 32  # tokens per block, and the chunk size of the block-aligned prefill
 PROMPT_A = 320  # first request: 10 full blocks
@@ -68,7 +69,7 @@ def _memoised(key: tuple[Any, ...], fn: Any) -> Any:
 
 def _chunked_kv(model: Any, ids: Any) -> list[tuple[Any, Any]]:
     def run() -> list[tuple[Any, Any]]:
-        return kt.cache_layers(kt.prefill(model, ids, chunk_size=TPB)[1])
+        return kt.cache_layers(prefill(model, ids, chunk_size=TPB)[1])
 
     return _memoised((id(model), "kv", ids.numpy().tobytes()), run)
 
@@ -77,8 +78,8 @@ def _reference(model: Any, ids: Any, chunked: bool) -> tuple[Any, list[int], lis
     """Full recompute: next-token logits, greedy tokens and each step's logits."""
 
     def run() -> tuple[Any, list[int], list[Any]]:
-        logits, cache = kt.prefill(model, ids, chunk_size=TPB if chunked else None)
-        tokens, seen = kt.greedy_decode(model, logits, cache, GREEDY_STEPS)
+        logits, cache = prefill(model, ids, chunk_size=TPB if chunked else None)
+        tokens, seen = greedy_decode(model, logits, cache, GREEDY_STEPS)
         return logits, tokens, seen
 
     return _memoised((id(model), "ref", chunked, ids.numpy().tobytes()), run)
@@ -106,11 +107,11 @@ def _check_exact(model: Any, ids: Any, loaded: kt.LoadResult) -> None:
     """Block-aligned chunked prefill: loaded + new tokens == full recompute, bit for bit."""
     ref_logits, ref_tokens, ref_seen = _reference(model, ids, chunked=True)
     cache = _clone_cache(model, loaded.cache)
-    logits, cache = kt.prefill(model, ids, cache=cache, start=loaded.num_tokens, chunk_size=TPB)
+    logits, cache = prefill(model, ids, cache=cache, start=loaded.num_tokens, chunk_size=TPB)
     assert torch.equal(logits, ref_logits), (
         f"max |diff| {(logits.float() - ref_logits.float()).abs().max().item():.3g}"
     )
-    tokens, seen = kt.greedy_decode(model, logits, cache, GREEDY_STEPS)
+    tokens, seen = greedy_decode(model, logits, cache, GREEDY_STEPS)
     assert tokens == ref_tokens
     for step, (x, y) in enumerate(zip(seen, ref_seen, strict=True)):
         assert torch.equal(x, y), f"decode step {step} logits differ"
@@ -120,10 +121,10 @@ def _check_single_pass(model: Any, ids: Any, loaded: kt.LoadResult, atol: float)
     """transformers' default single forward: logits within tolerance, same greedy tokens."""
     ref_logits, ref_tokens, _ = _reference(model, ids, chunked=False)
     cache = _clone_cache(model, loaded.cache)
-    logits, cache = kt.prefill(model, ids, cache=cache, start=loaded.num_tokens)
+    logits, cache = prefill(model, ids, cache=cache, start=loaded.num_tokens)
     diff = (logits.float() - ref_logits.float()).abs().max().item()
     assert diff <= atol, f"max |logit diff| {diff:.3g} > {atol}"
-    tokens, _ = kt.greedy_decode(model, logits, cache, GREEDY_STEPS)
+    tokens, _ = greedy_decode(model, logits, cache, GREEDY_STEPS)
     assert tokens == ref_tokens
     return diff
 

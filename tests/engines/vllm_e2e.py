@@ -58,7 +58,7 @@ def main(workdir: Path) -> int:
     from vllm import SamplingParams
 
     import ctxmem
-    from ctxmem.launcher import ServiceProcess, local_config
+    from ctxmem_tools.launcher import ServiceProcess, local_config
 
     model = workdir / "tiny-llama"
     build_model(model)

@@ -520,7 +520,7 @@ def test_retire_hook_runs_before_a_slab_changes_tenant() -> None:
 
 
 def test_service_without_rdma_device_fails_with_a_remedy(tmp_path: Path) -> None:
-    from ctxmem.launcher import ServiceProcess, local_config
+    from ctxmem_tools.launcher import ServiceProcess, local_config
 
     cfg = local_config(tmp_path, flash_size=None, transports=["rdma", "tcp"],
                        service={"rdma_listen": "127.0.0.1"})

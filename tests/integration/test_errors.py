@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import ctxmem
-from ctxmem.launcher import ServiceProcess, local_config
+from ctxmem_tools.launcher import ServiceProcess, local_config
 from tests.conftest import ServiceHandle
 
 LAYOUT = ctxmem.KVLayout(dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,

@@ -127,3 +127,44 @@ def test_prefetch_promotes_ahead_of_need(service: ServiceHandle) -> None:
         while ns.lookup(keys).tiers != ["dram"] * 8:
             assert time.monotonic() < deadline, "prefetch did not promote within 10 s"
             time.sleep(0.05)
+
+
+def test_per_key_tiers_follow_evict_and_delete(service: ServiceHandle) -> None:
+    """``Namespace.tiers``: each key's tier on its own (not a prefix), "" when absent."""
+    with ctxmem.Client(service.endpoint) as client:
+        ns = client.open_namespace(LAYOUT, model_id="tiers")
+        keys = ctxmem.chain_hashes(range(16 * 6), 16)
+        ns.put(keys[1:5], blocks(4, 6))
+        assert ns.tiers(keys) == ["", "dram", "dram", "dram", "dram", ""]
+        assert ns.lookup(keys).num_hits == 0  # the prefix view: the first key is missing
+        ns.evict(keys[1:3])
+        assert ns.tiers(keys) == ["", "flash", "flash", "dram", "dram", ""]
+        assert ns.exists(keys) == [t != "" for t in ns.tiers(keys)]
+        ns.delete(keys[3:4])
+        assert ns.tiers(keys[1:5]) == ["flash", "flash", "", "dram"]
+
+        async def via_async() -> list[str]:
+            return await ctxmem.AsyncNamespace(ns).tiers(keys[1:3])
+
+        assert asyncio.run(via_async()) == ["flash", "flash"]
+
+
+def test_channel_options_reach_the_grpc_channel(service: ServiceHandle) -> None:
+    """``Client(channel_options=...)``: gRPC channel arguments merged over the defaults."""
+    opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 1 << 20)]
+    with ctxmem.Client(service.endpoint, channel_options=opts) as client:
+        assert client.channel_options == [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 1 << 20),  # the caller's replaces the default
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        ns = client.open_namespace(LAYOUT, model_id="opts")
+        keys = ctxmem.chain_hashes(range(16), 16)
+        ns.put(keys, blocks(1, 7))
+        assert ns.tiers(keys) == ["dram"]
+    with pytest.raises(ctxmem.CtxmemError):  # the 1 MiB send limit is in force
+        big = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 19,
+                              tokens_per_block=1)
+        with ctxmem.Client(service.endpoint, channel_options=opts) as client:
+            ns = client.open_namespace(big, model_id="opts-big")
+            ns.lookup([bytes([i % 256]) * 32 + i.to_bytes(4, "big") for i in range(40_000)])

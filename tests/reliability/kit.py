@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ctxmem.chaos import fresh_client
 from ctxmem.client import Client, Namespace
-from ctxmem.launcher import ServiceProcess, local_config
 from ctxmem_common.layout import KVLayout
 from ctxmem_dpu.check import Report, check_devices, read_master_key
+from ctxmem_tools.chaos import fresh_client
+from ctxmem_tools.launcher import ServiceProcess, local_config
 
 BLOCK = 16 << 10
 LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
@@ -167,16 +167,7 @@ def served(ns: Namespace, ks: list[bytes]) -> dict[bytes, bool]:
 
 def tiers(ns: Namespace, ks: list[bytes]) -> list[str]:
     """Per-key tier ("dram", "flash" or "") without the prefix rule."""
-    from ctxmem_common.proto import ctxmem_pb2 as pb
-
-    names = {pb.TIER_DRAM: "dram", pb.TIER_FLASH: "flash", pb.TIER_UNSPECIFIED: ""}
-
-    def op(s: Any) -> list[str]:
-        r = ns.client._rpc("Lookup", pb.LookupRequest(
-            session_id=s.id, namespace_handle=ns.handle, keys=ks, prefix=False))
-        return [names[t] for t in r.tiers]
-
-    return ns._retrying(op)
+    return ns.tiers(ks)
 
 
 async def settled_audit(store: Any, timeout_s: float = 10.0) -> list[str]:

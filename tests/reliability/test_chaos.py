@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ctxmem.chaos import KINDS, chaos_command
+from ctxmem_tools.chaos import KINDS, chaos_command
 
 
 def test_short_campaign(tmp_path: Path) -> None:

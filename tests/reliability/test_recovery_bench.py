@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ctxmem.bench_recovery import run
+from ctxmem_tools.bench.recovery import run
 
 
 def test_recovery_bench_small(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 Inside the QEMU guest (tests/vm/run.sh) the kernel's NVMe-oF target (nvmet) exports a
 512 MiB namespace over RDMA (Soft-RoCE, port 4420) and TCP (port 4421). Each test starts
-the service (`python -m ctxmem_dpu serve`, through `ctxmem.launcher.ServiceProcess`) with
+the service (`python -m ctxmem_dpu serve`, through `ctxmem_tools.launcher.ServiceProcess`) with
 one flash device of backend `kernel`: the service runs `nvme connect` itself, opens the
 namespace's block device with O_DIRECT, and the tests drive it through the shim only:
 
@@ -41,7 +41,7 @@ import pytest
 
 import ctxmem
 from ctxmem.client import TransportName
-from ctxmem.launcher import ServiceProcess, local_config
+from ctxmem_tools.launcher import ServiceProcess, local_config
 
 IN_VM = os.environ.get("CTXMEM_VM") == "1"
 RUN = "bash tests/vm/run.sh .venv/bin/pytest -m vm tests/vm/test_nvmeof_service.py"

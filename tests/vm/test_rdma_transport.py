@@ -1,7 +1,7 @@
 """The RDMA data path for real: the service on Soft-RoCE (rxe0) and the shim over pyverbs.
 
 Inside the QEMU guest only (tests/vm/run.sh). Each test starts the real service
-(``python -m ctxmem_dpu serve`` through :class:`ctxmem.launcher.ServiceProcess`) with
+(``python -m ctxmem_dpu serve`` through :class:`ctxmem_tools.launcher.ServiceProcess`) with
 ``transports: [rdma, tcp]`` on rxe0, and a real :class:`ctxmem.Client` with
 ``transport="rdma"``. The flash tier sits on a loop block device (the guest's /tmp is
 tmpfs, which has no O_DIRECT on this kernel).
@@ -84,7 +84,7 @@ def _keep_log(svc: Any, name: str) -> None:
 
 
 def _start_service(workdir: Path, flash_dev: str, **over: Any) -> Any:
-    from ctxmem.launcher import ServiceProcess, local_config
+    from ctxmem_tools.launcher import ServiceProcess, local_config
 
     cfg = local_config(
         workdir, transports=["rdma", "tcp"], dram_size=over.pop("dram_size", "16MiB"),

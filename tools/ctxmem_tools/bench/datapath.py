@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from ctxmem.client import Client
-from ctxmem.launcher import ServiceProcess, local_config
 from ctxmem_common.codecs import XtsCipher, crc32c
 from ctxmem_common.keys import chain_hashes
 from ctxmem_common.layout import KVLayout
+from ctxmem_tools.launcher import ServiceProcess, local_config
 
 MiB = 1 << 20
 GB = 1e9

@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 from ctxmem.client import Client
-from ctxmem.launcher import ServiceProcess, local_config
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.flash_format import (
     DATA_START,
@@ -53,6 +52,7 @@ from ctxmem_common.flash_format import (
 from ctxmem_common.keys import namespace_digest
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.units import parse_size
+from ctxmem_tools.launcher import ServiceProcess, local_config
 
 MODEL = "bench-recovery"
 TENANT = "default"

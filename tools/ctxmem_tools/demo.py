@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ctxmem.client import Client
-from ctxmem.launcher import ServiceProcess, local_config
+from ctxmem_tools.launcher import ServiceProcess, local_config
+from ctxmem_tools.models import prefill
 
 
 def build_model(layers: int, hidden: int, heads: int, kv_heads: int, seed: int = 0) -> Any:
@@ -50,7 +51,7 @@ def run_demo(endpoint: str, prompt_tokens: int, new_tokens: int, transport: str)
         ns = client.open_namespace(geometry.layout(), model_id="demo-llama-8x512")
         # Request 1: prefill the long prompt, offload its KV.
         t = time.perf_counter()
-        _logits, cache = kvtransfer.prefill(model, prefix)
+        _logits, cache = prefill(model, prefix)
         prefill_prefix_s = time.perf_counter() - t
         saved = kvtransfer.save_kv(ns, prefix[0], cache, geometry)
         keys_total = saved.num_blocks
@@ -62,7 +63,7 @@ def run_demo(endpoint: str, prompt_tokens: int, new_tokens: int, transport: str)
 
         # Reference: request 2 computed from scratch.
         t = time.perf_counter()
-        ref_logits, _ = kvtransfer.prefill(model, full)
+        ref_logits, _ = prefill(model, full)
         recompute_s = time.perf_counter() - t
 
         rows = []
@@ -75,7 +76,7 @@ def run_demo(endpoint: str, prompt_tokens: int, new_tokens: int, transport: str)
             t = time.perf_counter()
             loaded = kvtransfer.load_kv(ns, full[0], geometry, max_tokens=prompt_tokens,
                                         config=model.config)
-            logits, _ = kvtransfer.prefill(model, full, cache=loaded.cache,
+            logits, _ = prefill(model, full, cache=loaded.cache,
                                            start=loaded.num_tokens)
             ttft_s = time.perf_counter() - t
             equal = torch.equal(logits, ref_logits)

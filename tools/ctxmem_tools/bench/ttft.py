@@ -23,119 +23,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import platform
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_LENGTHS", "MODEL_CONFIGS", "build_model", "random_prompt", "run"]
+from ctxmem_tools.bench.ttft_report import LengthResult, best, jsonable, plot, results, table
+from ctxmem_tools.models import MODEL_CONFIGS, build_model, prefill, random_prompt
 
-# Llama-architecture configs, built with seeded random weights.
-MODEL_CONFIGS: dict[str, dict[str, Any]] = {
-    # ~0.3M params: the CI proof model.
-    "tiny": {
-        "vocab_size": 1000,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
-    # ~57M params, GQA 8 query / 4 KV heads of 64: 16 KiB of fp32 KV per token. Sized so
-    # a 32K-token prefill takes minutes, not hours, on a 2-core CPU.
-    "small": {
-        "vocab_size": 32000,
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
-    # ~1.2B params, Llama-3.2-1B-like shapes (GQA 32/8 heads of 64): for a GPU run.
-    "1b": {
-        "vocab_size": 128256,
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": True,
-    },
-}
+__all__ = ["DEFAULT_LENGTHS", "MODEL_CONFIGS", "build_model", "random_prompt", "run"]
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 
-
-def build_model(
-    name: str = "tiny",
-    *,
-    dtype: str = "float32",
-    device: str = "cpu",
-    seed: int = 0,
-    max_positions: int = 131072,
-    attn_implementation: str = "sdpa",
-) -> Any:
-    """A ``LlamaForCausalLM`` from ``MODEL_CONFIGS[name]``, seeded random init, eval mode."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ctxmem.kvtransfer import torch_dtype
-
-    params: dict[str, Any] = dict(MODEL_CONFIGS[name])
-    params.update(
-        max_position_embeddings=max_positions,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        attn_implementation=attn_implementation,
-        dtype=dtype,
-    )
-    config = LlamaConfig(**params)
-    torch.manual_seed(seed)
-    model: Any = LlamaForCausalLM(config)
-    return model.to(device=device, dtype=torch_dtype(dtype)).eval()
-
-
-def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> Any:
-    """``[1, num_tokens]`` token ids, deterministic in ``seed``."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (1, num_tokens), generator=gen)
-
-
-# --------------------------------------------------------------------------- service
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-@dataclass
-class LengthResult:
-    prefix_tokens: int
-    new_tokens: int
-    kv_bytes: int
-    recompute_s: float
-    store_s: float
-    load_dram_s: list[float] = field(default_factory=list)
-    load_flash_s: list[float] = field(default_factory=list)
-    get_dram_s: list[float] = field(default_factory=list)
-    get_flash_s: list[float] = field(default_factory=list)
-    prefill_new_s: list[float] = field(default_factory=list)
-    flash_tiers_ok: bool = True
-    same_first_token: bool = True
-    # per path ("load_dram", "load_flash"): the phases of its fastest run, in seconds
-    breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    def note(self, path: str, total: float, phases: dict[str, float]) -> None:
-        best = self.breakdown.get(path)
-        if best is None or total < best["total"]:
-            self.breakdown[path] = {"total": total, **phases}
 
 
 def _sync(device: str) -> None:
@@ -168,7 +72,7 @@ def _measure_length(
 
     _sync(device)
     t0 = time.perf_counter()
-    logits, cache = kt.prefill(model, prompt, chunk_size=chunk)
+    logits, cache = prefill(model, prompt, chunk_size=chunk)
     first = int(torch.argmax(logits[0]).item())
     _sync(device)
     recompute_s = time.perf_counter() - t0
@@ -197,7 +101,7 @@ def _measure_length(
         if loaded.num_tokens != prefix_tokens:
             raise RuntimeError(f"loaded {loaded.num_tokens} of {prefix_tokens} prefix tokens")
         t1 = time.perf_counter()
-        logits, _ = kt.prefill(
+        logits, _ = prefill(
             model, prompt, cache=loaded.cache, start=loaded.num_tokens, chunk_size=chunk
         )
         token = int(torch.argmax(logits[0]).item())
@@ -238,108 +142,13 @@ def _measure_length(
         cache = kt.build_cache([(k.clone(), v.clone()) for k, v in pairs], model.config)
         _sync(device)
         t0 = time.perf_counter()
-        logits, _ = kt.prefill(model, prompt, cache=cache, start=prefix_tokens, chunk_size=chunk)
+        logits, _ = prefill(model, prompt, cache=cache, start=prefix_tokens, chunk_size=chunk)
         int(torch.argmax(logits[0]).item())
         _sync(device)
         res.prefill_new_s.append(time.perf_counter() - t0)
     ns.delete(keys)
     return res
 
-
-def _best(values: Sequence[float]) -> float:
-    return min(values) if values else math.nan
-
-
-def _results(rows: Sequence[LengthResult]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-
-    def add(name: str, value: float, unit: str, row: LengthResult) -> None:
-        out.append({"name": name, "value": value, "unit": unit, "prefix_tokens": row.prefix_tokens})
-
-    for r in rows:
-        dram, flash = _best(r.load_dram_s), _best(r.load_flash_s)
-        add("ttft.recompute", r.recompute_s, "s", r)
-        add("ttft.load_dram", dram, "s", r)
-        if r.load_flash_s:
-            add("ttft.load_flash", flash, "s", r)
-        add("prefill.new_tokens", _best(r.prefill_new_s), "s", r)
-        add("prefill.throughput", (r.prefix_tokens + r.new_tokens) / r.recompute_s, "tokens/s", r)
-        add("store.put", r.store_s, "s", r)
-        add("store.bandwidth", r.kv_bytes / r.store_s / 1e9, "GB/s", r)
-        add("kv.bytes", r.kv_bytes, "bytes", r)
-        add("get.dram", _best(r.get_dram_s), "s", r)
-        add("get.dram_bandwidth", r.kv_bytes / _best(r.get_dram_s) / 1e9, "GB/s", r)
-        add("speedup.load_dram", r.recompute_s / dram, "x", r)
-        for path, phases in r.breakdown.items():
-            for phase, seconds in phases.items():
-                if phase != "total":
-                    add(f"{path}.{phase}", seconds, "s", r)
-        if r.load_flash_s:
-            add("get.flash", _best(r.get_flash_s), "s", r)
-            add("get.flash_bandwidth", r.kv_bytes / _best(r.get_flash_s) / 1e9, "GB/s", r)
-            add("speedup.load_flash", r.recompute_s / flash, "x", r)
-    return out
-
-
-def _table(rows: Sequence[LengthResult]) -> str:
-    lines = [
-        "| prefix tokens | KV MiB | recompute s | load DRAM s | load flash s | new-tokens-only s "
-        "| speedup DRAM | speedup flash | get DRAM GB/s | get flash GB/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def f(value: float, fmt: str) -> str:
-        return "—" if math.isnan(value) else format(value, fmt)
-
-    for r in rows:
-        dram, flash = _best(r.load_dram_s), _best(r.load_flash_s)
-        gd, gf = _best(r.get_dram_s), _best(r.get_flash_s)
-        cells = [
-            str(r.prefix_tokens),
-            f(r.kv_bytes / 2**20, ".1f"),
-            f(r.recompute_s, ".3f"),
-            f(dram, ".3f"),
-            f(flash, ".3f"),
-            f(_best(r.prefill_new_s), ".3f"),
-            f(r.recompute_s / dram, ".1f") + "x",
-            f(r.recompute_s / flash, ".1f") + ("x" if r.load_flash_s else ""),
-            f(r.kv_bytes / gd / 1e9, ".2f"),
-            f(r.kv_bytes / gf / 1e9, ".2f"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _plot(rows: Sequence[LengthResult], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = [r.prefix_tokens for r in rows]
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
-    ax.plot(x, [r.recompute_s for r in rows], "o-", label="recompute (full prefill)")
-    ax.plot(x, [_best(r.load_dram_s) for r in rows], "s-", label="load prefix from DRAM tier")
-    if any(r.load_flash_s for r in rows):
-        ax.plot(x, [_best(r.load_flash_s) for r in rows], "^-", label="load prefix from flash tier")
-    ax.plot(
-        x, [_best(r.prefill_new_s) for r in rows], "k:", label="new tokens only (prefix resident)"
-    )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(x)
-    ax.set_xticklabels([f"{v // 1024}K" if v >= 1024 else str(v) for v in x])
-    ax.set_xlabel("reused prefix length (tokens)")
-    ax.set_ylabel("time to first token (s)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-# --------------------------------------------------------------------------- command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -407,7 +216,7 @@ def _service(args: argparse.Namespace) -> Iterator[str]:
     if args.endpoint:
         yield args.endpoint
         return
-    from ctxmem.launcher import ServiceProcess, local_config
+    from ctxmem_tools.launcher import ServiceProcess, local_config
 
     base = Path(args.workdir or tempfile.mkdtemp(prefix="ctxmem-ttft-", dir="/var/tmp"))
     cfg = local_config(
@@ -486,7 +295,7 @@ def run(argv: list[str] | None = None) -> int:
 
     # warm up kernels and allocator so the first length is not penalised
     warm = random_prompt(min(lengths[0], 512) + args.new_tokens, model.config.vocab_size, 99)
-    kt.prefill(model, warm.to(args.device), chunk_size=chunk)
+    prefill(model, warm.to(args.device), chunk_size=chunk)
 
     rows: list[LengthResult] = []
     cost = CostModel()
@@ -509,14 +318,14 @@ def run(argv: list[str] | None = None) -> int:
             )
             rows.append(r)
             cost.observe_prefill(n + args.new_tokens, r.recompute_s)
-            cost.observe_transfer("dram", r.kv_bytes, _best(r.get_dram_s))
+            cost.observe_transfer("dram", r.kv_bytes, best(r.get_dram_s))
             if r.get_flash_s:
-                cost.observe_transfer("flash", r.kv_bytes, _best(r.get_flash_s))
-            flash_txt = f", flash {_best(r.load_flash_s):.3f}s" if r.load_flash_s else ""
+                cost.observe_transfer("flash", r.kv_bytes, best(r.get_flash_s))
+            flash_txt = f", flash {best(r.load_flash_s):.3f}s" if r.load_flash_s else ""
             print(
                 f"  {n:>6} tokens: recompute {r.recompute_s:.3f}s, "
-                f"DRAM {_best(r.load_dram_s):.3f}s{flash_txt}, "
-                f"new-only {_best(r.prefill_new_s):.3f}s, put {r.store_s:.3f}s"
+                f"DRAM {best(r.load_dram_s):.3f}s{flash_txt}, "
+                f"new-only {best(r.prefill_new_s):.3f}s, put {r.store_s:.3f}s"
                 + ("" if r.same_first_token else "  (FIRST TOKEN DIFFERS)")
                 + ("" if r.flash_tiers_ok else "  (evict did not move blocks to flash)"),
                 flush=True,
@@ -533,7 +342,7 @@ def run(argv: list[str] | None = None) -> int:
                 "est_recompute_s": d.est_recompute_s,
             }
     print()
-    print(_table(rows))
+    print(table(rows))
     title = (
         f"ctxmem TTFT — {args.model_config} Llama ({n_params / 1e6:.0f}M, {dtype}) on "
         f"{args.device}, +{args.new_tokens} new tokens"
@@ -541,7 +350,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.json_path:
         doc = {
             "benchmark": "ttft",
-            "results": _results(rows),
+            "results": results(rows),
             "machine": {
                 "device": args.device,
                 "device_name": (
@@ -572,7 +381,7 @@ def run(argv: list[str] | None = None) -> int:
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             },
             "costmodel": {"snapshot": cost.snapshot(), "decisions": decisions},
-            "service_stats": _jsonable(server_stats),
+            "service_stats": jsonable(server_stats),
             "checks": {
                 "same_first_token": all(r.same_first_token for r in rows),
                 "flash_tiers_ok": all(r.flash_tiers_ok for r in rows),
@@ -581,23 +390,13 @@ def run(argv: list[str] | None = None) -> int:
         Path(args.json_path).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json_path}")
     if args.png_path:
-        _plot(rows, args.png_path, title)
+        plot(rows, args.png_path, title)
         print(f"wrote {args.png_path}")
     if not all(r.flash_tiers_ok for r in rows):
         print("warning: after evict, lookup did not report every block on flash", file=sys.stderr)
     return 0
 
 
-def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value)
-        return value
-    except TypeError:
-        if isinstance(value, dict):
-            return {str(k): _jsonable(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [_jsonable(v) for v in value]
-        return repr(value)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from ctxmem.launcher import ServiceProcess, local_config
+from ctxmem_tools.launcher import ServiceProcess, local_config
 
 
 def test_first_start_repicks_ports_when_one_is_taken(tmp_path: Path) -> None:

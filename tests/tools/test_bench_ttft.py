@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from ctxmem.bench_ttft import run
+from ctxmem_tools.bench.ttft import run
 
 QUICK = [
     "--model-config",

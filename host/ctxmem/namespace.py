@@ -1,0 +1,270 @@
+"""A namespace of the shim's client: the blocks of one (tenant, model, layout, tags).
+
+:class:`Namespace` holds the batched block operations (lookup, put, get, prefetch, delete,
+evict); :class:`~ctxmem.client.Client` owns the connection and the per-tenant sessions
+they run in. After a service restart or a dropped connection an operation reconnects,
+reopens the namespace and retries once (``_retrying``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ctxmem.buffers import Staged
+from ctxmem.transport.base import TransportError
+from ctxmem_common.codecs import crc32c
+from ctxmem_common.errors import (
+    CtxmemError,
+    InvalidArgument,
+    Unavailable,
+    UnknownSession,
+)
+from ctxmem_common.keys import pack_keys, validate_keys
+from ctxmem_common.layout import KVLayout
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.protoconv import TIER_DRAM, layout_to_pb, tier_from_pb, tier_to_pb
+
+if TYPE_CHECKING:
+    from ctxmem.client import Client, _Session
+
+__all__ = ["LookupResult", "Namespace", "PutResult"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+@dataclass(frozen=True)
+class LookupResult:
+    num_hits: int
+    """How many leading keys are stored."""
+    tiers: list[str] = field(default_factory=list)
+    """Per hit, where it is: ``"dram"`` or ``"flash"``."""
+
+
+@dataclass(frozen=True)
+class PutResult:
+    stored: int
+    """Blocks newly committed by this call."""
+    existing: int
+    """Blocks already stored (nothing was written for them)."""
+
+
+def _lookup_request(session_id: int, handle: int, keys: Sequence[bytes], prefix: bool
+                    ) -> pb.LookupRequest:
+    packed = pack_keys(keys) if len(keys) >= 64 else None
+    if packed is not None:
+        return pb.LookupRequest(session_id=session_id, namespace_handle=handle, prefix=prefix,
+                                packed_keys=packed[0], key_len=packed[1])
+    return pb.LookupRequest(session_id=session_id, namespace_handle=handle, keys=keys,
+                            prefix=prefix)
+
+
+class Namespace:
+    """Blocks of one (tenant, model, layout, tags). Created by :meth:`Client.open_namespace`."""
+
+    def __init__(self, client: Client, layout: KVLayout, model_id: str, tenant: str,
+                 tags: dict[str, str]) -> None:
+        self.client = client
+        self.layout = layout
+        self.model_id = model_id
+        self.tenant = tenant
+        self.tags = tags
+        self.block_nbytes = layout.block_nbytes
+        self.handle = 0
+        self.digest = b""
+        self._session: _Session | None = None
+
+    def _open(self, stale: _Session | None = None) -> _Session:
+        s = self.client._session(self.tenant, stale)
+        if self._session is s:
+            return s
+        resp = self.client._rpc("OpenNamespace", pb.OpenNamespaceRequest(
+            session_id=s.id, model_id=self.model_id, tags=self.tags,
+            layout=layout_to_pb(self.layout)))
+        if resp.block_nbytes != self.block_nbytes:
+            raise CtxmemError(f"service computes {resp.block_nbytes} bytes per block for this "
+                              f"layout, the shim {self.block_nbytes}: version mismatch")
+        self.handle = resp.namespace_handle
+        self.digest = resp.namespace_digest
+        self._session = s
+        return s
+
+    def _retrying(self, op: Callable[[_Session], T]) -> T:
+        """Run ``op``; after a service restart or a dropped connection, reconnect and retry
+        once."""
+        s = self._open()
+        try:
+            return op(s)
+        except (UnknownSession, Unavailable) as exc:
+            log.info("ctxmem: %s; reconnecting and retrying once", exc)
+            return op(self._open(stale=s))
+
+    def _batch(self, start: int, n: int) -> slice:
+        per = max(1, self.client.max_batch_bytes // max(1, self.block_nbytes))
+        return slice(start, min(start + per, n))
+
+    # -- API -------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """How many leading ``keys`` are stored, and in which tier. Side-effect free.
+
+        Keys are validated by the service (same errors), not twice on this hot path."""
+
+        def op(s: _Session) -> LookupResult:
+            r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, True))
+            return LookupResult(r.num_hits, [tier_from_pb(t) for t in r.tiers])
+
+        return self._retrying(op)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per-key presence (not prefix-based)."""
+        return [tier != "" for tier in self.tiers(keys)]
+
+    def tiers(self, keys: Sequence[bytes]) -> list[str]:
+        """Per key (not prefix-based), where it is stored now: ``"dram"``, ``"flash"``, or
+        ``""`` when it is not stored. A block in both tiers reports ``"dram"``.
+        Side-effect free: one Lookup, like :meth:`exists`, which is this answer as booleans.
+        Tools use it to see a block move between tiers (e.g. flash-only after
+        :meth:`evict`)."""
+
+        def op(s: _Session) -> list[str]:
+            r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, False))
+            return [tier_from_pb(t) for t in r.tiers]
+
+        return self._retrying(op)
+
+    def put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> PutResult:
+        """Store one buffer per key (each exactly ``block_nbytes``)."""
+        validate_keys(keys)
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"put got {len(keys)} keys and {len(buffers)} buffers; "
+                                  f"pass one buffer per key")
+        staged = Staged(list(buffers), self.block_nbytes, writable=False)
+        stored = existing = 0
+        start = 0
+        while start < len(keys):
+            sl = self._batch(start, len(keys))
+            st, ex = self._put_batch(list(keys[sl]), staged.views[sl])
+            stored += st
+            existing += ex
+            start = sl.stop
+        return PutResult(stored, existing)
+
+    def _put_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, int]:
+        crcs = [crc32c(v) for v in views] if self.client.verify_puts else []
+        rpc = self.client._rpc
+
+        def op(s: _Session) -> tuple[int, int]:
+            a = rpc("Allocate", pb.AllocateRequest(
+                session_id=s.id, namespace_handle=self.handle, keys=keys))
+            new = [i for i, e in enumerate(a.exists) if not e]
+            if not new:
+                rpc("Commit", pb.CommitRequest(session_id=s.id, allocation_id=a.allocation_id,
+                                               abort=True))
+                return 0, len(keys)
+            try:
+                s.channel.write(a.allocation_id, a.slots, [views[i] for i in new])
+            except TransportError:
+                with contextlib.suppress(CtxmemError):
+                    rpc("Commit", pb.CommitRequest(session_id=s.id,
+                                                   allocation_id=a.allocation_id, abort=True))
+                raise
+            c = rpc("Commit", pb.CommitRequest(
+                session_id=s.id, allocation_id=a.allocation_id,
+                crc32c=[crcs[i] for i in new] if crcs else []))
+            return c.committed, len(keys) - len(new)
+
+        return self._retrying(op)
+
+    def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
+        """Fill ``buffers`` for the longest stored leading run of ``keys``; return its length.
+
+        Blocks after the returned count are untouched. A block that fails a check, a lease
+        that expired while reading, or a service that went away makes the run shorter
+        (a miss), never returns wrong bytes.
+        """
+        validate_keys(keys)
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"get got {len(keys)} keys and {len(buffers)} buffers; "
+                                  f"pass one buffer per key")
+        staged = Staged(list(buffers), self.block_nbytes, writable=True)
+        total = 0
+        while total < len(keys):
+            # A batch may come back short because the run hit a miss, or because the
+            # service could only stage part of it in DRAM; asking again from where it
+            # stopped tells the two apart (a miss answers 0).
+            sl = self._batch(total, len(keys))
+            n = self._get_batch(list(keys[sl]), staged.views[sl])
+            total += n
+            if n == 0:
+                break
+        staged.finish_get(total)
+        return total
+
+    def _get_batch(self, keys: list[bytes], views: list[memoryview]) -> int:
+        rpc = self.client._rpc
+
+        def op(s: _Session) -> int:
+            a = rpc("Acquire", pb.AcquireRequest(
+                session_id=s.id, namespace_handle=self.handle, keys=keys))
+            n = a.num_acquired
+            try:
+                if n:
+                    s.channel.read(a.lease_id, a.slots, views[:n])
+            finally:
+                rel = rpc("Release", pb.ReleaseRequest(session_id=s.id, lease_ids=[a.lease_id]))
+            if s.channel.name == "shm" and not rel.valid[0]:
+                # The lease expired while we copied: the slots may have been reused.
+                log.warning("ctxmem: lease %d expired during the copy; treating as a miss",
+                            a.lease_id)
+                return 0
+            verify = self.client.verify_gets
+            if verify is None:
+                verify = s.channel.name != "shm"
+            if verify:
+                for i, (v, want) in enumerate(zip(views[:n], a.crc32c, strict=True)):
+                    if crc32c(v) != want:
+                        log.warning("ctxmem: block %d failed its CRC32C after transfer; miss", i)
+                        return i
+            return n
+
+        try:
+            return self._retrying(op)
+        except Unavailable as exc:
+            log.warning("ctxmem get degraded to a miss: %s", exc)
+            return 0
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Ask the service to promote flash blocks of ``keys`` to DRAM ahead of need;
+        returns how many were queued."""
+        validate_keys(keys)
+
+        def op(s: _Session) -> int:
+            return int(self.client._rpc("Prefetch", pb.PrefetchRequest(
+                session_id=s.id, namespace_handle=self.handle, keys=keys)).queued)
+
+        return self._retrying(op)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        validate_keys(keys)
+
+        def op(s: _Session) -> int:
+            return int(self.client._rpc("Delete", pb.DeleteRequest(
+                session_id=s.id, namespace_handle=self.handle, keys=keys)).deleted)
+
+        return self._retrying(op)
+
+    def evict(self, keys: Sequence[bytes], tier: str = "dram") -> int:
+        """Make ``keys`` durable on flash and drop their DRAM copies (admin and tests)."""
+        validate_keys(keys)
+        if tier != TIER_DRAM:
+            raise InvalidArgument(f"tier must be 'dram', got {tier!r}")
+        tier_pb = tier_to_pb(tier)
+
+        def op(s: _Session) -> int:
+            return int(self.client._rpc("Evict", pb.EvictRequest(
+                session_id=s.id, namespace_handle=self.handle, keys=keys, tier=tier_pb)).evicted)
+
+        return self._retrying(op)

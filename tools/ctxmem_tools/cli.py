@@ -1,0 +1,39 @@
+"""The tools' side of the ``ctxmem`` command: ``ctxmem demo``, ``ctxmem bench`` (with
+``bench ttft`` and ``bench recovery``) and ``ctxmem chaos``.
+
+Registered in the ``ctxmem.commands`` entry-point group (pyproject.toml), so the
+dispatcher in ``ctxmem_common`` finds them by name; each command imports its module only
+when it runs (``bench ttft`` needs torch, the others do not).
+"""
+
+from __future__ import annotations
+
+
+def demo_command(argv: list[str]) -> int:
+    """``ctxmem demo``: store a small model's KV cache and reuse it."""
+    from ctxmem_tools.demo import run
+
+    return run(argv)
+
+
+def bench_command(argv: list[str]) -> int:
+    """``ctxmem bench`` (data path vs limits), ``ctxmem bench ttft`` and
+    ``ctxmem bench recovery``."""
+    if argv and argv[0] == "ttft":
+        from ctxmem_tools.bench.ttft import run as run_ttft
+
+        return run_ttft(argv[1:])
+    if argv and argv[0] == "recovery":
+        from ctxmem_tools.bench.recovery import run as run_recovery
+
+        return run_recovery(argv[1:])
+    from ctxmem_tools.bench.datapath import run
+
+    return run(argv)
+
+
+def chaos_command(argv: list[str]) -> int:
+    """``ctxmem chaos``: a fault campaign against a live service."""
+    from ctxmem_tools.chaos.cli import chaos_command as run_chaos
+
+    return run_chaos(argv)
