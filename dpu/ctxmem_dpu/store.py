@@ -823,7 +823,7 @@ class BlockStore:
         """``n`` DRAM slots for ``ns``, evicting (demoting first if needed) to make room."""
         if n == 0:
             return []
-        refs = self.dram.allocate(ns.tenant, ns.slot_size, n)
+        refs = self.dram.allocate(ns.slot_size, n, ns.tenant)
         if refs is not None:
             return refs
         capacity = self.dram.num_slabs * (self.cfg.dram.slab_size // ns.slot_size)
@@ -849,7 +849,7 @@ class BlockStore:
                     if b in self._dirty:
                         self.counters["dirty_dropped"] += 1
                     self._drop_dram(b)
-                refs = self.dram.allocate(ns.tenant, ns.slot_size, n)
+                refs = self.dram.allocate(ns.slot_size, n, ns.tenant)
                 if refs is not None:
                     return refs
             if not need_demote:
@@ -858,7 +858,7 @@ class BlockStore:
             for b in need_demote:
                 if b.dram is not None and b.flash is not None and b.pins == 0 and b.io is None:
                     self._drop_dram(b)
-            refs = self.dram.allocate(ns.tenant, ns.slot_size, n)
+            refs = self.dram.allocate(ns.slot_size, n, ns.tenant)
             if refs is not None:
                 return refs
         self.counters["dram_full"] += 1
@@ -1340,7 +1340,7 @@ class BlockStore:
             blocks_dram=float(len(self.dram_lru)),
             blocks_flash=float(len(self.flash_lru)),
             dram_used_bytes=float(self.dram.used_bytes()),
-            dram_capacity_bytes=float(self.dram.capacity_bytes),
+            dram_capacity_bytes=float(self.dram.capacity_bytes()),
             flash_used_bytes=float(self.flash.used_bytes()),
             flash_capacity_bytes=float(self.flash.capacity_bytes()),
             leases=float(len(self.leases)),

@@ -1,51 +1,6 @@
-"""The on-flash format. It lives in :mod:`ctxmem_common.flash_format` (pure format code,
-shared with ``ctxmem check``, the recovery benchmark and the chaos campaign); this module
-re-exports it for the service's flash tier."""
+"""Compatibility name for :mod:`ctxmem_common.flash_format`, the one home of the on-flash
+format and its reader: kept only so existing ``from ctxmem_dpu.tiers.flash_format import``
+lines keep working; new code imports ``ctxmem_common.flash_format``."""
 
-from ctxmem_common.flash_format import (
-    DATA_START,
-    FLAG_ENCRYPTED,
-    FORMAT_VERSION,
-    PROBE_OFFSET,
-    REC_MAGIC,
-    SB_BACKUP_OFFSET,
-    SB_MAGIC,
-    SB_OFFSET,
-    SECTOR,
-    SLAB_MAGIC,
-    RecordHeader,
-    SlabHeader,
-    Superblock,
-    TableColumns,
-    TableEntry,
-    header_offset,
-    parse_header_columns,
-    parse_header_table,
-    payload_offset,
-    slab_base,
-    slots_per_slab,
-)
-
-__all__ = [
-    "DATA_START",
-    "FLAG_ENCRYPTED",
-    "FORMAT_VERSION",
-    "PROBE_OFFSET",
-    "REC_MAGIC",
-    "SB_BACKUP_OFFSET",
-    "SB_MAGIC",
-    "SB_OFFSET",
-    "SECTOR",
-    "SLAB_MAGIC",
-    "RecordHeader",
-    "SlabHeader",
-    "Superblock",
-    "TableColumns",
-    "TableEntry",
-    "header_offset",
-    "parse_header_columns",
-    "parse_header_table",
-    "payload_offset",
-    "slab_base",
-    "slots_per_slab",
-]
+from ctxmem_common.flash_format import *  # noqa: F403
+from ctxmem_common.flash_format import __all__ as __all__
