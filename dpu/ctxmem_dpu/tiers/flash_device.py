@@ -28,6 +28,9 @@ from ctxmem_common.flash_format import (
     aligned_buffer,
     fd_read_into,
     fit_records,
+    header_offset,
+    payload_offset,
+    slab_base,
     slots_per_slab,
 )
 from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
@@ -133,14 +136,17 @@ class FormattedDevice(DeviceFile):
         self.sync()
 
     def slab_base(self, slab: int) -> int:
-        return DATA_START + slab * self.slab_size
+        """Byte offset of ``slab`` on this device."""
+        return slab_base(slab, self.slab_size)
 
     def header_offset(self, slot: SlotRef) -> int:
-        return self.slab_base(slot.slab) + SECTOR + slot.index * SECTOR
+        """Byte offset of ``slot``'s record header."""
+        return header_offset(slot.slab, slot.index, self.slab_size)
 
     def payload_offset(self, slot: SlotRef) -> int:
-        s = self.alloc.slabs[slot.slab]
-        return self.slab_base(slot.slab) + SECTOR + s.capacity * SECTOR + slot.index * s.slot_size
+        """Byte offset of ``slot``'s payload (its slab must be assigned)."""
+        return payload_offset(slot.slab, slot.index, self.slab_size,
+                              self.alloc.slabs[slot.slab].slot_size)
 
     def _slab_assigned(self, slab: Slab) -> None:
         # Runs on the loop thread when a slab is handed to a slot size. The slab header and
