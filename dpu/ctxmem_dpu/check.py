@@ -42,13 +42,14 @@ from ctxmem_common.config import Config, load_config
 from ctxmem_common.errors import ConfigError, CtxmemError
 from ctxmem_common.flash_format import (
     DATA_START,
-    REC_MAGIC,
     SB_BACKUP_OFFSET,
+    SB_OFFSET,
     SECTOR,
+    FlashReader,
     SlabHeader,
     Superblock,
     header_offset,
-    parse_header_table,
+    max_table_slots,
     payload_offset,
     slab_base,
     slots_per_slab,
@@ -212,19 +213,18 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
         rep.problems.append(p)
         return p
 
-    raw = dev.read(0, 2 * SECTOR)
-    primary = Superblock.unpack(raw[:SECTOR]) if len(raw) >= SECTOR else None
-    backup = Superblock.unpack(raw[SECTOR:]) if len(raw) >= 2 * SECTOR else None
-    sb = primary or backup
+    reader = FlashReader(dev.fd)
+    pair = reader.superblocks()
+    sb = pair.current
     if sb is None:
         problem("no_superblock", "neither superblock copy is valid; the service would "
                                  "format this device (all its blocks lost)")
         return
-    if primary != sb or backup != sb:
-        which = "primary" if primary != sb else "backup"
-        p = problem("superblock_copy_damaged", f"the {which} copy is damaged or missing")
+    if pair.damaged:
+        p = problem("superblock_copy_damaged", f"the {pair.damaged} copy is damaged or missing")
         if dev.repair:
-            os.pwrite(dev.fd, sb.pack(), 0 if which == "primary" else SB_BACKUP_OFFSET)
+            os.pwrite(dev.fd, sb.pack(), SB_OFFSET if pair.damaged == "primary"
+                      else SB_BACKUP_OFFSET)
             dev.dirty = True
             p.repaired = True
     rep.slab_size = sb.slab_size
@@ -235,97 +235,76 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
                              f"rest (and their blocks) are gone")
     for slab in range(min(fits + 1, sb.num_slabs)):
         orphaned = False  # records of a slab whose header is damaged (not repaired)
-        base = slab_base(slab, sb.slab_size)
-        sh_raw = dev.read(base, SECTOR)
-        sh = SlabHeader.unpack(sh_raw) if len(sh_raw) == SECTOR else None
-        if sh is None or sh.slots != slots_per_slab(sb.slab_size, sh.slot_size):
+        sh = reader.slab_header(slab, sb.slab_size)
+        if sh is None:
             # No (valid) slab header: the slab is free to the service, and records left in
             # its table are lost to it. Their lengths tell the slot size (a slab holds one
             # size, rounded up to 4 KiB), so --repair can write the header back.
-            cap = (sb.slab_size - SECTOR) // (2 * SECTOR)
-            table = dev.read(base + SECTOR, cap * SECTOR)
-            n = len(table) // SECTOR
-            orphans = parse_header_table(table, n) if n else []
-            if not orphans:
+            orphans = reader.read_table(slab, sb.slab_size, max_table_slots(sb.slab_size))[0]
+            if not orphans.slot:
                 continue
-            sizes = {(e[3] + SECTOR - 1) // SECTOR * SECTOR for e in orphans}
+            sizes = {(n + SECTOR - 1) // SECTOR * SECTOR for n in orphans.length}
             slot = sizes.pop() if len(sizes) == 1 else 0
             slots = slots_per_slab(sb.slab_size, slot) if slot else 0
-            placeable = slots > 0 and max(e[0] for e in orphans) < slots
+            placeable = slots > 0 and max(orphans.slot) < slots
             p = problem("slab_header_damaged",
-                        f"{len(orphans)} records in a slab without a valid header"
+                        f"{len(orphans.slot)} records in a slab without a valid header"
                         + (f"; their lengths give slot size {slot}: --repair rewrites the "
                            f"header" if placeable else "; no consistent slot size: --repair "
                                                   "invalidates them"), slab)
             if not placeable:
                 if dev.repair:
                     p.repaired = True
-                    for e in orphans:
-                        dev.zero(header_offset(slab, e[0], sb.slab_size))
+                    for i in orphans.slot:
+                        dev.zero(header_offset(slab, i, sb.slab_size))
                 continue
             sh = SlabHeader(slot, slots)
             if dev.repair:
                 p.repaired = True
-                os.pwrite(dev.fd, sh.pack(), base)
+                os.pwrite(dev.fd, sh.pack(), slab_base(slab, sb.slab_size))
                 dev.dirty = True
             else:
                 orphaned = True  # check its records too; the service does not use them
         if not orphaned:
             rep.slabs_used += 1
-        table = dev.read(base + SECTOR, sh.slots * SECTOR)
-        n = len(table) // SECTOR
-        entries = parse_header_table(table, n)
-        valid = {e[0] for e in entries}
-        for i in range(n):  # magic but no valid header: torn or corrupt
-            if i not in valid and table[i * SECTOR: i * SECTOR + 8] == REC_MAGIC:
-                p = problem("record_header_corrupt",
-                            "the record magic is there but the header fails its CRC32C "
-                            "(torn or corrupt); the service ignores it", slab, i)
-                if dev.repair:
-                    dev.zero(header_offset(slab, i, sb.slab_size))
-                    p.repaired = True
-        for i, ns, key, length, crc, seq, enc, _ts in entries:
+        cols, _entries, torn = reader.read_table(slab, sb.slab_size, sh.slots, torn=True)
+        for i in torn:  # magic but no valid header: torn or corrupt
+            p = problem("record_header_corrupt",
+                        "the record magic is there but the header fails its CRC32C "
+                        "(torn or corrupt); the service ignores it", slab, i)
+            if dev.repair:
+                dev.zero(header_offset(slab, i, sb.slab_size))
+                p.repaired = True
+        for i, ns, key, length, crc, seq, enc, _ts in zip(*cols, strict=True):
+            fits_slot = 0 < length <= sh.slot_size
+            state = (_payload_state(dev, sb, slab, i, sh.slot_size, ns, length, crc, enc,
+                                    master_key, ciphers)
+                     if fits_slot and verify_payloads else "")
             if orphaned:
                 # Report bad records, but these are not the service's: no accounting.
-                if 0 < length <= sh.slot_size and verify_payloads:
-                    bad_crc = _payload_bad(dev, sb, slab, i, sh.slot_size, ns, length, crc,
-                                           enc, master_key, ciphers)
-                    if bad_crc:
-                        problem("payload_crc", f"key {key.hex()[:16]} (orphaned record): "
-                                               f"{bad_crc}", slab, i)
+                if state in ("crc", "truncated"):
+                    problem("payload_crc", f"key {key.hex()[:16]} (orphaned record): "
+                                           f"{_PAYLOAD_BAD[state]}", slab, i)
                 continue
             rep.records += 1
-            hoff = header_offset(slab, i, sb.slab_size)
             bad: tuple[str, str] | None = None
-            if not 0 < length <= sh.slot_size:
+            if not fits_slot:
                 bad = ("record_bad_length", f"length {length} in a {sh.slot_size}-byte slot")
-            elif verify_payloads:
-                poff = payload_offset(slab, i, sb.slab_size, sh.slot_size)
-                data = dev.read(poff, sh.slot_size)
-                if len(data) < sh.slot_size:
-                    bad = ("payload_truncated", "payload beyond the end of the device")
-                elif enc and master_key is None:
-                    problem("encryption_mismatch", "encrypted record; no master key given, "
-                                                   "payload not verified", slab, i)
-                else:
-                    if enc:
-                        assert master_key is not None
-                        cipher = ciphers.get(ns)
-                        if cipher is None:
-                            cipher = ciphers[ns] = XtsCipher(derive_namespace_key(master_key,
-                                                                                  ns))
-                        plain = bytearray(len(data))
-                        cipher.decrypt_into(data, plain, xts_tweak(sb.tweak_id, poff))
-                        data = bytes(plain)
-                    report.payloads_verified += 1
-                    if crc32c(data[:length]) != crc:
-                        bad = ("payload_crc", f"key {key.hex()[:16]}: payload CRC32C mismatch")
+            elif state == "truncated":
+                bad = ("payload_truncated", _PAYLOAD_BAD[state])
+            elif state == "no_key":
+                problem("encryption_mismatch", "encrypted record; no master key given, "
+                                               "payload not verified", slab, i)
+            elif state:
+                report.payloads_verified += 1
+                if state == "crc":
+                    bad = ("payload_crc", f"key {key.hex()[:16]}: {_PAYLOAD_BAD[state]}")
             by_key.setdefault((ns, key), []).append(
                 _Rec(rep, slab, i, sh.slot_size, seq, bad is None))
             if bad is not None:
                 p = problem(bad[0], bad[1], slab, i)
                 if dev.repair:
-                    dev.zero(hoff)
+                    dev.zero(header_offset(slab, i, sb.slab_size))
                     p.repaired = True
                     continue
                 rep.reclaimable_bytes += sh.slot_size
@@ -334,24 +313,29 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
             rep.used_bytes += sh.slot_size
 
 
-def _payload_bad(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: int, ns: bytes,
-                 length: int, crc: int, enc: bool, master_key: bytes | None,
-                 ciphers: dict[bytes, XtsCipher]) -> str:
-    """Why the record's payload is bad ("" when it checks, or cannot be checked)."""
+_PAYLOAD_BAD = {"crc": "payload CRC32C mismatch",
+                "truncated": "payload beyond the end of the device"}
+
+
+def _payload_state(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: int,
+                   ns: bytes, length: int, crc: int, enc: bool, master_key: bytes | None,
+                   ciphers: dict[bytes, XtsCipher]) -> str:
+    """Read and check a record's payload: "ok", "crc" (CRC32C mismatch), "truncated"
+    (beyond the end of the device) or "no_key" (encrypted, and no master key to read it)."""
     poff = payload_offset(slab, i, sb.slab_size, slot_size)
     data = dev.read(poff, slot_size)
     if len(data) < slot_size:
-        return "payload beyond the end of the device"
+        return "truncated"
     if enc:
         if master_key is None:
-            return ""
+            return "no_key"
         cipher = ciphers.get(ns)
         if cipher is None:
             cipher = ciphers[ns] = XtsCipher(derive_namespace_key(master_key, ns))
         plain = bytearray(len(data))
         cipher.decrypt_into(data, plain, xts_tweak(sb.tweak_id, poff))
         data = bytes(plain)
-    return "payload CRC32C mismatch" if crc32c(data[:length]) != crc else ""
+    return "crc" if crc32c(memoryview(data)[:length]) != crc else "ok"
 
 
 def _resolve_duplicates(by_key: dict[tuple[bytes, bytes], list[_Rec]],

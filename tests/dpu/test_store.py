@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ctxmem_common.errors import Expired, ResourceExhausted
-from ctxmem_dpu.tiers.flash_format import SECTOR
+from ctxmem_common.flash_format import SECTOR
 
 from .storekit import LAYOUT, get, make_flash, open_store, payload, put, session, store_config
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ctxmem_common.flash_format import slots_per_slab
 from ctxmem_dpu.blocks import Block
 from ctxmem_dpu.store import BlockStore
-from ctxmem_dpu.tiers.flash_format import slots_per_slab
 
 from .storekit import LAYOUT, MASTER, get, make_flash, payload, put, session, store_config
 

@@ -504,13 +504,13 @@ def test_retire_hook_runs_before_a_slab_changes_tenant() -> None:
     dram = DramTier(2 * MiB, MiB)
     calls: list[tuple[int, int, bool]] = []
     dram.on_retire.append(lambda slab, gen: calls.append((slab, gen, slab in dram._idle)))
-    (a,) = dram.allocate("alice", MiB, 1) or []
+    (a,) = dram.allocate(MiB, 1, "alice") or []
     gen = dram.generation(a.slab)
     dram.free(a)  # emptied: kept for alice, not retired
-    (a2,) = dram.allocate("alice", MiB, 1) or []
+    (a2,) = dram.allocate(MiB, 1, "alice") or []
     assert a2.slab == a.slab and calls == []
     dram.free(a2)
-    (c,) = dram.allocate("carol", MiB, 1) or []
+    (c,) = dram.allocate(MiB, 1, "carol") or []
     assert c.slab == a.slab and dram.generation(c.slab) == gen + 1
     assert calls == [(a.slab, gen, False)]  # called while alice's memory was still mapped
     dram.close()

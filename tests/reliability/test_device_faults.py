@@ -26,7 +26,7 @@ K = [bytes([i]) * 8 for i in range(1, 200)]
 @pytest.fixture(autouse=True)
 def _fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr("ctxmem_dpu.store.health.PROBE_INTERVAL_S", 0.05)
-    monkeypatch.setattr("ctxmem_dpu.tiers.flash.SLOW_IO_S", 0.2)
+    monkeypatch.setattr("ctxmem_dpu.tiers.flash_io.SLOW_IO_S", 0.2)
     faults.reset()
     yield
     faults.reset()

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ctxmem_common.flash_format import RecordHeader
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block
@@ -25,7 +26,6 @@ from ctxmem_dpu.store.index import BlockIndex, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError
-from ctxmem_dpu.tiers.flash_format import RecordHeader
 
 log = logging.getLogger("ctxmem_dpu.store")
 

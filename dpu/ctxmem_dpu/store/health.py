@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from ctxmem_dpu.store.context import StoreContext
-from ctxmem_dpu.tiers import flash as flash_mod
+from ctxmem_dpu.tiers import flash_io
 from ctxmem_dpu.tiers.flash import FlashDevice, FlashIOError
 
 log = logging.getLogger("ctxmem_dpu.store")
@@ -59,7 +59,7 @@ class DeviceHealth:
             if dev.slow_ios > self._slow_seen.get(d, 0):
                 self._slow_seen[d] = dev.slow_ios
                 self.mark_unhealthy(d, FlashIOError(
-                    0, f"I/O slower than {flash_mod.SLOW_IO_S:g} s"), reason="slow")
+                    0, f"I/O slower than {flash_io.SLOW_IO_S:g} s"), reason="slow")
 
     async def revive(self) -> None:
         """Probe every failed device; mark those that work healthy again."""

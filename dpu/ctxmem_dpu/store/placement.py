@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from ctxmem_common.errors import ResourceExhausted
+from ctxmem_common.flash_format import slots_per_slab
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.store.context import StoreContext
@@ -21,7 +22,6 @@ from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.tiers.flash import Extent
-from ctxmem_dpu.tiers.flash_format import slots_per_slab
 
 Demote = Callable[[list[Block]], Awaitable[None]]
 
@@ -45,7 +45,7 @@ class Placement:
         if n == 0:
             return []
         dram, cfg = self._ctx.dram, self._ctx.cfg
-        refs = dram.allocate(ns.tenant, ns.slot_size, n)
+        refs = dram.allocate(ns.slot_size, n, ns.tenant)
         if refs is not None:
             return refs
         capacity = self.dram_capacity(ns.slot_size)
@@ -71,7 +71,7 @@ class Placement:
                     if b in self._index.dirty:
                         self._ctx.counters["dirty_dropped"] += 1
                     self.drop_dram(b)
-                refs = dram.allocate(ns.tenant, ns.slot_size, n)
+                refs = dram.allocate(ns.slot_size, n, ns.tenant)
                 if refs is not None:
                     return refs
             if not need_demote:
@@ -80,7 +80,7 @@ class Placement:
             for b in need_demote:
                 if b.dram is not None and b.flash is not None and b.pins == 0 and b.io is None:
                     self.drop_dram(b)
-            refs = dram.allocate(ns.tenant, ns.slot_size, n)
+            refs = dram.allocate(ns.slot_size, n, ns.tenant)
             if refs is not None:
                 return refs
         self._ctx.counters["dram_full"] += 1

@@ -17,6 +17,7 @@ from typing import Any
 
 from ctxmem_common.codecs import XtsCipher
 from ctxmem_common.errors import ResourceExhausted
+from ctxmem_common.flash_format import RecordHeader
 from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.store.ciphers import Keyring
@@ -26,7 +27,6 @@ from ctxmem_dpu.store.index import BlockIndex, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.placement import Demote, Placement
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError, ReadFailure, ShortRead
-from ctxmem_dpu.tiers.flash_format import RecordHeader
 
 log = logging.getLogger("ctxmem_dpu.store")
 

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from itertools import repeat
 
+from ctxmem_common.flash_format import TableColumns
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block
@@ -23,9 +24,8 @@ from ctxmem_dpu.store.ciphers import Keyring
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
-from ctxmem_dpu.tiers import flash as flash_mod
+from ctxmem_dpu.tiers import flash_io
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError, ReadFailure
-from ctxmem_dpu.tiers.flash_format import TableColumns
 
 log = logging.getLogger("ctxmem_dpu.store")
 
@@ -117,7 +117,7 @@ class Recovery:
                     per_ns[b.key] = b
                     flash_lru.add_unhit((b,))
             faults.point("rebuild.after_scan")
-        flash_mod.scan_buffers.clear()
+        flash_io.scan_buffers.clear()
         for keep, other in ties:
             if index[keep.ns].get(keep.key) is not keep:  # superseded by a newer seq
                 assert other.flash is not None

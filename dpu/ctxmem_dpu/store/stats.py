@@ -38,7 +38,7 @@ def snapshot(ctx: StoreContext, index: BlockIndex, registry: SessionRegistry
         blocks_dram=float(len(index.dram_lru)),
         blocks_flash=float(len(index.flash_lru)),
         dram_used_bytes=float(ctx.dram.used_bytes()),
-        dram_capacity_bytes=float(ctx.dram.capacity_bytes),
+        dram_capacity_bytes=float(ctx.dram.capacity_bytes()),
         flash_used_bytes=float(ctx.flash.used_bytes()),
         flash_capacity_bytes=float(ctx.flash.capacity_bytes()),
         leases=float(len(registry.leases)),

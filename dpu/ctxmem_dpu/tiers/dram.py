@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Hashable
 
 from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
+from ctxmem_dpu.tiers.base import Tier
 
 PAGE = 4096
 
@@ -51,11 +52,14 @@ class DramRegion:
         os.close(self.fd)
 
 
-class DramTier:
+class DramTier(Tier[SlotRef]):
+    """The DRAM tier: ``size // slab_size`` slabs, each assigned to one class (tenant,
+    slot size) at a time and backed by its own :class:`DramRegion` while assigned.
+    ``prefault``: create and fault in every slab's memory up front."""
+
     def __init__(self, size: int, slab_size: int, prefault: bool = False) -> None:
         self.slab_size = slab_size
         self.num_slabs = size // slab_size
-        self.capacity_bytes = self.num_slabs * slab_size
         self.regions: dict[int, DramRegion] = {}
         self._idle: dict[int, tuple[object, DramRegion]] = {}  # released slab -> (tenant, memory)
         self._generations = [0] * self.num_slabs
@@ -98,15 +102,20 @@ class DramTier:
             tenant = slab.klass[0] if isinstance(slab.klass, tuple) else None
             self._idle[slab.id] = (tenant, region)
 
-    def allocate(self, tenant: str, slot_size: int, n: int) -> list[SlotRef] | None:
-        return self.alloc.allocate(self.klass(tenant, slot_size), slot_size, n)
+    def allocate(self, slot_size: int, n: int, owner: str | None = None
+                 ) -> list[SlotRef] | None:
+        """``n`` slots of ``slot_size`` in slabs of ``owner`` (the tenant), all or nothing."""
+        return self.alloc.allocate(self.klass(owner, slot_size), slot_size, n)
 
     @staticmethod
-    def klass(tenant: str, slot_size: int) -> Hashable:
+    def klass(tenant: str | None, slot_size: int) -> Hashable:
         return (tenant, slot_size)
 
-    def free(self, ref: SlotRef) -> None:
-        self.alloc.free(ref)
+    def free(self, slot: SlotRef) -> None:
+        self.alloc.free(slot)
+
+    def capacity_bytes(self) -> int:
+        return self.num_slabs * self.slab_size
 
     def offset(self, ref: SlotRef) -> int:
         return ref.index * self.alloc.slabs[ref.slab].slot_size

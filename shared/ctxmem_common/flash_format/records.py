@@ -1,39 +1,8 @@
-"""The on-flash format: self-describing, so the index can be rebuilt from the device.
+"""The on-flash structures: superblock, slab header, record header, their offsets, and
+the record-header table parsed and built column-wise with numpy.
 
-Pure format code (no I/O): the service's flash tier, ``ctxmem check``, the recovery
-benchmark and the chaos campaign all read and write devices through these definitions.
-
-Device layout (all offsets and sizes multiples of 4 KiB; every service I/O is O_DIRECT)::
-
-    0          superblock (4 KiB): magic "CTXMEMSB", version, slab size, slab count,
-               device UUID, CRC32C
-    4 KiB      backup superblock (identical copy; used when the first one is damaged)
-    8 KiB      probe sector (scratch: the health probe writes and reads it back)
-    1 MiB      slab 0 | slab 1 | ... (flash.slab_size each)
-
-    slab:      slab header (4 KiB): magic "CTXSLAB1", version, slot size, slot count, CRC
-               record-header table: slot count x 4 KiB (one header per slot)
-               payload area: slot count x slot size
-
-    record header (first bytes of its 4 KiB entry, little-endian):
-        magic "CTXREC01" | version u16 | flags u16 (bit 0: payload encrypted) | pad u32 |
-        namespace digest 16 B | key length u8 | key 64 B | payload length u64 |
-        CRC32C of the plaintext payload u32 | sequence number u64 | write time ns u64 |
-        CRC32C of everything before it u32
-
-Why the headers sit in a table and not in front of each payload: a warm restart reads
-one contiguous table per slab instead of one 4 KiB read per block (1M blocks is 4 GiB of
-tables, read at device speed). Why each header has a whole 4 KiB sector: a sector write
-is the unit a device writes atomically, so a torn header write can never damage another
-block's header.
-
-Write ordering (see docs/reliability.md): payload → ``fdatasync`` → header →
-``fdatasync``. A valid header therefore always names a payload that is on stable
-storage, so after any crash or power cut every record the rebuild finds is complete; a
-torn header fails its own CRC and is an empty slot. An extent's header is zeroed (and
-synced) before the extent is freed for reuse (delete, flash eviction), and a slab's header
-table is zeroed when the slab is assigned, so a freed or reassigned extent never carries a
-stale record.
+Pure format code (no I/O); :mod:`ctxmem_common.flash_format.reader` reads them from a
+device. The layout and the reasons for it are in the package docstring.
 """
 
 from __future__ import annotations
@@ -89,6 +58,11 @@ class Superblock:
         body = _SB.pack(SB_MAGIC, FORMAT_VERSION, self.slab_size, self.num_slabs, self.device_uuid)
         return (body + _CRC.pack(crc32c(body))).ljust(SECTOR, b"\0")
 
+    def pack_pair(self) -> bytes:
+        """Both copies, primary then backup: the 8 KiB written at ``SB_OFFSET``. They are
+        always written together, so a sound pair never differs."""
+        return self.pack() * 2
+
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> Superblock | None:
         body = bytes(raw[: _SB.size])
@@ -137,7 +111,14 @@ def slots_per_slab(slab_size: int, slot_size: int) -> int:
     return max(0, (slab_size - SECTOR) // (SECTOR + slot_size))
 
 
+def max_table_slots(slab_size: int) -> int:
+    """The most header-table entries any slab of ``slab_size`` has (4 KiB slots): what to
+    read when a slab's header is damaged and its slot size is unknown."""
+    return max(0, (slab_size - SECTOR) // (2 * SECTOR))
+
+
 def slab_base(slab: int, slab_size: int) -> int:
+    """Byte offset of slab ``slab`` (its header) on the device."""
     return DATA_START + slab * slab_size
 
 
@@ -255,6 +236,25 @@ def parse_header_columns(table: Buffer, slots: int) -> TableColumns:
         cand.tolist(), col("ns", cand).tolist(), keys, col("length", cand).tolist(),
         col("crc", cand).tolist(), col("seq", cand).tolist(),
         ((col("flags", cand) & FLAG_ENCRYPTED) != 0).tolist(), col("ts", cand).tolist())
+
+
+def fit_records(cols: TableColumns, slot_size: int) -> TableColumns:
+    """``cols`` without the records whose length is 0 or exceeds ``slot_size``: a header
+    that claims more bytes than its slot holds is not a record of this slab (the rebuild
+    and the tools skip it; ``ctxmem check`` reports it instead)."""
+    if not cols.length or (min(cols.length) > 0 and max(cols.length) <= slot_size):
+        return cols
+    keep = [0 < n <= slot_size for n in cols.length]
+    return TableColumns._make([v for v, k in zip(c, keep, strict=True) if k] for c in cols)
+
+
+def magic_slots(table: Buffer, slots: int) -> list[int]:
+    """The entries of a header table that carry the record magic, valid or not: those that
+    :func:`parse_header_columns` rejects are torn or corrupt headers."""
+    if slots <= 0:
+        return []
+    rec = np.frombuffer(memoryview(table).cast("B"), dtype=_REC_DTYPE, count=slots)
+    return np.flatnonzero(rec["magic"] == _REC_MAGIC_U64).tolist()
 
 
 def parse_header_table(table: Buffer, slots: int) -> list[TableEntry]:

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from ctxmem_common.codecs import XtsCipher, crc32c
+from ctxmem_common.flash_format import SECTOR, RecordHeader
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
-from ctxmem_dpu.tiers import flash as flash_mod
+from ctxmem_dpu.tiers import flash_records as flash_mod
 from ctxmem_dpu.tiers.flash import FlashDevice, FlashIOError, ReadFailure
-from ctxmem_dpu.tiers.flash_format import SECTOR, RecordHeader
 
 NS = bytes(range(16))
 SLOT = 8 * SECTOR  # 32 KiB slots: (4 MiB - 4 KiB) // 36 KiB = 113 per slab

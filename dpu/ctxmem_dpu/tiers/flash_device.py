@@ -1,0 +1,270 @@
+"""A formatted flash device: its superblock pair, its slabs and their allocator, its
+health (identity, probe, reopen, slab-header scrub) and the warm-restart scan.
+
+The format and its reader are :mod:`ctxmem_common.flash_format`; this module applies them
+to a :class:`~ctxmem_dpu.tiers.flash_io.DeviceFile` through its O_DIRECT reads. Record
+reads and writes are :mod:`ctxmem_dpu.tiers.flash_records`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+from ctxmem_common.flash_format import (
+    DATA_START,
+    PROBE_OFFSET,
+    SB_OFFSET,
+    SECTOR,
+    FlashReader,
+    RecordHeader,
+    SlabHeader,
+    Superblock,
+    TableColumns,
+    aligned_buffer,
+    fd_read_into,
+    fit_records,
+    header_offset,
+    payload_offset,
+    slab_base,
+    slots_per_slab,
+)
+from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
+from ctxmem_dpu.tiers import flash_io
+from ctxmem_dpu.tiers.flash_io import ZEROS, DeviceFile, FlashIOError, ShortRead, scan_buffers
+
+log = logging.getLogger(__name__)
+
+
+class FlashSlabAllocator(SlabAllocator):
+    """The slab allocator plus a bulk claim for the warm restart.
+
+    ``SlabAllocator.claim`` removes one slot from a slab's free list (O(slots) each, so
+    O(slots²) per slab); rebuilding 1M blocks needs O(slots) per slab.
+    """
+
+    def claim_slots(self, slab_id: int, slot_size: int, indices: list[int]) -> None:
+        slab = self.slabs[slab_id]
+        if slab.klass is None:
+            self._free_slabs.remove(slab.id)
+            slab.klass = slot_size
+            slab.slot_size = slot_size
+            slab.capacity = self._slots_per_slab(slot_size)
+            slab.free = list(range(slab.capacity - 1, -1, -1))
+            slab.used = 0
+        assert slab.klass == slot_size, f"slab {slab_id} claimed for {slot_size}: {slab.klass}"
+        before = len(slab.free)
+        slab.free = sorted(set(slab.free).difference(indices), reverse=True)
+        slab.used += before - len(slab.free)
+        partial = self._partial.setdefault(slot_size, set())
+        if slab.free:
+            partial.add(slab.id)
+        else:
+            partial.discard(slab.id)
+
+
+class FormattedDevice(DeviceFile):
+    """One device or file, formatted with a superblock pair and cut into slabs (an
+    unformatted one is formatted on open; a damaged superblock copy is restored)."""
+
+    def __init__(self, index: int, name: str, path: str, slab_size: int, o_direct: bool,
+                 lock: bool = True) -> None:
+        super().__init__(name, path, o_direct, lock)
+        self.index = index
+        self.healthy = True
+        self.health_reason = ""
+        self._fresh: set[int] = set()  # slabs assigned but not yet initialised on flash
+        self._init_lock = threading.Lock()
+        # Through read_into: O_DIRECT, the fault layer, FlashIOError/ShortRead.
+        self.reader = FlashReader(self.read_into, scan_buffers)
+        self.superblock = self._load_or_format(slab_size)
+        self.slab_size = self.superblock.slab_size
+        self.num_slabs = self.superblock.num_slabs
+        fits = max(0, (self.size - DATA_START) // self.slab_size)
+        if fits < self.num_slabs:
+            log.error("flash device %s holds %d bytes, less than its %d formatted slabs need "
+                      "(truncated?): using the first %d slabs", name, self.size,
+                      self.num_slabs, fits)
+            self.num_slabs = fits
+        self.alloc = FlashSlabAllocator(
+            self.num_slabs,
+            slots_per_slab=lambda slot: slots_per_slab(self.slab_size, slot),
+            on_assign=self._slab_assigned,
+        )
+
+    # -- layout -------------------------------------------------------------------------
+    def _load_or_format(self, slab_size: int) -> Superblock:
+        # Read straight from the file (not through the fault layer): opening a device is
+        # not one of the I/O calls faults are injected into.
+        pair = (FlashReader(fd_read_into(self.fd)).superblocks() if self.size >= 2 * SECTOR
+                else None)
+        sb = pair.current if pair is not None else None
+        if pair is not None and sb is not None:
+            if pair.damaged:
+                # One copy is damaged or missing (a device formatted before the backup
+                # existed): rewrite both from the good one.
+                log.warning("flash device %s: %s superblock is damaged or missing; "
+                            "restoring it from the %s copy", self.name, pair.damaged,
+                            "backup" if pair.damaged == "primary" else "primary")
+                self._write_superblocks(sb)
+            if sb.slab_size != slab_size:
+                log.warning(
+                    "flash device %s keeps its formatted slab size %d (config asks %d)",
+                    self.name, sb.slab_size, slab_size,
+                )
+            return sb
+        if self.size < DATA_START + slab_size:
+            raise FlashIOError(
+                errno.ENOSPC,
+                f"flash device {self.name!r} ({self.path}) has {self.size} bytes; it needs at "
+                f"least {DATA_START + slab_size} (1 MiB + one slab of flash.slab_size)",
+            )
+        sb = Superblock.new(slab_size, self.size)
+        self._write_superblocks(sb)
+        log.info("formatted flash device %s: %d slabs of %d bytes", self.name, sb.num_slabs,
+                 slab_size)
+        return sb
+
+    def _write_superblocks(self, sb: Superblock) -> None:
+        buf = aligned_buffer(2 * SECTOR)
+        buf[:] = sb.pack_pair()
+        self._pwrite(buf, SB_OFFSET)
+        self.sync()
+
+    def slab_base(self, slab: int) -> int:
+        """Byte offset of ``slab`` on this device."""
+        return slab_base(slab, self.slab_size)
+
+    def header_offset(self, slot: SlotRef) -> int:
+        """Byte offset of ``slot``'s record header."""
+        return header_offset(slot.slab, slot.index, self.slab_size)
+
+    def payload_offset(self, slot: SlotRef) -> int:
+        """Byte offset of ``slot``'s payload (its slab must be assigned)."""
+        return payload_offset(slot.slab, slot.index, self.slab_size,
+                              self.alloc.slabs[slot.slab].slot_size)
+
+    def _slab_assigned(self, slab: Slab) -> None:
+        # Runs on the loop thread when a slab is handed to a slot size. The slab header and
+        # a zeroed header table are written on the I/O thread, before the first payload
+        # that lands in the slab (see _init_slab), so no I/O happens on the loop.
+        self._fresh.add(slab.id)
+
+    def _init_slab(self, slab_id: int) -> None:
+        """Zero a freshly assigned slab's header table, then write its header: records a
+        previous use of the slab left behind can never come back."""
+        with self._init_lock:
+            if slab_id not in self._fresh:
+                return
+            s = self.alloc.slabs[slab_id]
+            base = self.slab_base(slab_id)
+            table = s.capacity * SECTOR
+            done = 0
+            while done < table:
+                n = min(len(ZEROS), table - done)
+                self._pwrite(memoryview(ZEROS)[:n], base + SECTOR + done)
+                done += n
+            buf = aligned_buffer(SECTOR)
+            buf[:] = SlabHeader(s.slot_size, s.capacity).pack()
+            self._pwrite(buf, base)
+            self._fresh.discard(slab_id)
+
+    # -- health (I/O threads) -----------------------------------------------------------
+    def check_identity(self) -> None:
+        """Read the superblock back (O_DIRECT, so from the device); raise FlashIOError when
+        it is unreadable or belongs to another device (swapped)."""
+        # (One damaged copy is fine: the other still says whose device this is.)
+        if not self.reader.superblocks().names(self.superblock.device_uuid):
+            raise FlashIOError(errno.EIO, f"flash device {self.name!r}: superblock changed "
+                                          f"(device swapped?)")
+
+    def probe(self) -> None:
+        """Is a failed device usable again? Its superblock must be ours, it must be as long
+        as its slabs need, and a write, sync and read of the probe sector must succeed,
+        faster than SLOW_IO_S. Raises FlashIOError otherwise."""
+        t0 = time.perf_counter()
+        self.check_identity()
+        need = DATA_START + self.num_slabs * self.slab_size
+        have = os.lseek(self.fd, 0, os.SEEK_END)
+        if have < need:
+            raise ShortRead(errno.EIO, f"flash device {self.name!r} holds {have} bytes, its "
+                                       f"slabs need {need} (truncated)")
+        buf = aligned_buffer(SECTOR)
+        stamp = f"ctxmem probe {time.time_ns()}".encode()
+        buf[: len(stamp)] = stamp
+        self._pwrite(buf, PROBE_OFFSET)
+        self.sync()
+        back = aligned_buffer(SECTOR)
+        self._pread(back, PROBE_OFFSET)
+        if back[: len(stamp)] != stamp:
+            raise FlashIOError(errno.EIO, f"flash device {self.name!r}: probe sector read "
+                                          f"back differs")
+        if time.perf_counter() - t0 > 3 * flash_io.SLOW_IO_S:
+            raise FlashIOError(errno.ETIMEDOUT, f"flash device {self.name!r}: still slow")
+
+    def scrub_slab_headers(self) -> int:
+        """Rewrite the header of every slab in use whose header on the device is missing or
+        wrong (e.g. a device that was truncated and grew back as zeros): without it, the
+        records written there from now on would be invisible to the next restart.
+        Returns how many headers were rewritten."""
+        fixed = 0
+        buf = aligned_buffer(SECTOR)
+        for slab in self.alloc.slabs:
+            if slab.klass is None or slab.id in self._fresh:
+                continue
+            want = SlabHeader(slab.slot_size, slab.capacity)
+            self._pread(buf, self.slab_base(slab.id))
+            if SlabHeader.unpack(memoryview(buf)) != want:
+                buf[:] = want.pack()
+                self._pwrite(buf, self.slab_base(slab.id))
+                fixed += 1
+        if fixed:
+            self.sync()
+            log.warning("flash device %s: rewrote %d damaged slab headers", self.name, fixed)
+        return fixed
+
+    def reopen(self, path: str) -> None:
+        """Point this (failed) device at ``path``: the same device under a new node, e.g.
+        an NVMe-oF namespace that was removed and came back as another /dev/nvmeXnY.
+        The superblock there must carry this device's UUID; the old descriptor is retired,
+        not closed. Raises FlashIOError, leaving the device as it was, when ``path`` cannot
+        be opened or holds another device."""
+        fd = self.open_other(path)
+        try:
+            try:
+                pair = FlashReader(fd_read_into(fd)).superblocks()
+            except OSError as exc:
+                raise FlashIOError(exc.errno, f"flash device {self.name!r}: reading the "
+                                              f"superblock at {path}: {exc.strerror}") from None
+            if not pair.names(self.superblock.device_uuid):
+                raise FlashIOError(errno.ENODEV, f"flash device {self.name!r}: {path} does "
+                                                 f"not hold this device (superblock UUID "
+                                                 f"differs or is unreadable); not reopened")
+        except BaseException:
+            os.close(fd)
+            raise
+        self.replace_fd(fd, path)
+
+    # -- warm restart (I/O threads) -----------------------------------------------------
+    def scan_slab(self, slab: int) -> tuple[int, int, TableColumns] | None:
+        """One slab's valid records: (slab, slot size, records by column), or ``None`` for
+        a slab without a valid header. One read for the slab header, one for its table."""
+        scan = self.reader.scan_slab(slab, self.slab_size)
+        if scan is None:
+            return None
+        return slab, scan.slot_size, fit_records(scan.records, scan.slot_size)
+
+    def scan(self) -> Iterator[tuple[SlotRef, int, RecordHeader]]:
+        """Every valid record on the device: (slot, slot size, header)."""
+        for slab in range(self.num_slabs):
+            res = self.scan_slab(slab)
+            if res is None:
+                continue
+            _slab, slot_size, cols = res
+            for i, ns, key, length, crc, seq, enc, ts in zip(*cols, strict=True):
+                yield SlotRef(slab, i), slot_size, RecordHeader(ns, key, length, crc, seq,
+                                                                 enc, ts)

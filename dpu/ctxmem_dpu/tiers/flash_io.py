@@ -1,0 +1,215 @@
+"""One flash device's file and its I/O: opening it (O_DIRECT, an exclusive lock), reads,
+writes and syncs through the fault-injection layer, slow-I/O accounting, and the errors
+they raise.
+
+No format knowledge lives here (that is :mod:`ctxmem_common.flash_format` and
+:mod:`ctxmem_dpu.tiers.flash_device`). Every call is a plain blocking call meant for the
+service's I/O threads (``os.preadv``/``os.pwritev`` release the GIL).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from ctxmem_common.flash_format import SECTOR, BufferPool
+from ctxmem_dpu import faults
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, Self
+
+log = logging.getLogger(__name__)
+
+# A single device call (read, write, fdatasync) slower than this marks the device slow:
+# the store then treats it as failed (DRAM only) until a probe is fast again. Tests and
+# the chaos campaign lower it with CTXMEM_FLASH_SLOW_IO_S.
+SLOW_IO_S = float(os.environ.get("CTXMEM_FLASH_SLOW_IO_S", "2.0"))
+ZEROS = mmap.mmap(-1, 1 << 20)  # never written: a source of aligned zero bytes
+
+# Header tables read by a warm restart (every device's scan), pooled across slabs; the
+# store clears it when the restart is done.
+scan_buffers = BufferPool()
+
+
+class FlashIOError(OSError):
+    """A device read or write failed; carries the device name and errno."""
+
+
+class ShortRead(FlashIOError):
+    """A read returned fewer bytes than asked: the device is shorter (truncated)."""
+
+
+class Staging(threading.local):
+    """Per-thread page-aligned buffers for O_DIRECT (headers, header-table runs,
+    ciphertext), anonymous memory reused across calls so their pages are faulted once."""
+
+    def __init__(self) -> None:
+        self.header = mmap.mmap(-1, SECTOR)
+        self.payload: mmap.mmap | None = None
+        self.table: mmap.mmap | None = None
+
+    def payload_buf(self, n: int) -> mmap.mmap:
+        if self.payload is None or len(self.payload) < n:
+            self.payload = mmap.mmap(-1, max(n, 1 << 20))
+        return self.payload
+
+    def table_buf(self, sectors: int) -> mmap.mmap:
+        if self.table is None or len(self.table) < sectors * SECTOR:
+            self.table = mmap.mmap(-1, sectors * SECTOR)
+        return self.table
+
+
+staging = Staging()
+
+
+class DeviceFile:
+    """A flash device's open file: the I/O primitives the format code builds on.
+
+    ``lock``: take an exclusive ``flock`` on the device, so two services (or a service and
+    ``ctxmem check --repair``) never write one device at once. A context manager: leaving
+    it closes the file.
+    """
+
+    def __init__(self, name: str, path: str, o_direct: bool, lock: bool = True) -> None:
+        self.name = name
+        self.path = path
+        self._lock = lock
+        # Descriptors replaced by reopen(): kept open until close(), since an I/O thread
+        # may still be blocked on one, and a closed number could be reused under it.
+        self._retired_fds: list[int] = []
+        self._flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if o_direct else 0)
+        self.slow_ios = 0  # device calls slower than SLOW_IO_S (the store reads this)
+        try:
+            self.fd = os.open(path, self._flags)
+        except OSError as exc:
+            hint = (
+                "the filesystem does not support O_DIRECT (tmpfs?): put the file on ext4/xfs "
+                "or a block device, or set flash.o_direct: false"
+                if exc.errno == errno.EINVAL
+                else "check that the device exists and the service may open it"
+            )
+            raise FlashIOError(
+                exc.errno, f"flash device {name!r}: cannot open {path}: {exc.strerror}; {hint}"
+            ) from None
+        if lock:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(self.fd)
+                self.fd = -1
+                raise FlashIOError(
+                    errno.EBUSY, f"flash device {name!r} ({path}) is in use by another "
+                    f"process (another ctxmem service, or ctxmem check --repair)") from None
+        self.size = os.lseek(self.fd, 0, os.SEEK_END)
+
+    def _slow(self, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        if dt > SLOW_IO_S:
+            self.slow_ios += 1
+            log.warning("flash device %s: one I/O took %.3f s (slow device)", self.name, dt)
+
+    def _pwrite(self, buf: object, offset: int) -> None:
+        n_want = len(memoryview(buf))  # type: ignore[arg-type]
+        t0 = time.perf_counter()
+        try:
+            if faults.active:
+                faults.before_io(self.name, "write", self.fd, self.path, offset, n_want)
+            n = os.pwritev(self.fd, [buf], offset)  # type: ignore[list-item]
+        except OSError as exc:
+            raise FlashIOError(
+                exc.errno, f"flash device {self.name!r}: write at {offset} failed: {exc.strerror}"
+            ) from None
+        self._slow(t0)
+        if n != n_want:
+            raise FlashIOError(errno.EIO, f"flash device {self.name!r}: short write at {offset}")
+
+    def _pread(self, buf: Buffer | Sequence[Buffer], offset: int) -> None:
+        """One device read of ``buf`` (a buffer, or a list of buffers filled in order by
+        one ``preadv``) at ``offset``."""
+        bufs: Sequence[Buffer] = buf if isinstance(buf, list) else [buf]  # type: ignore[list-item]
+        n_want = sum(memoryview(b).nbytes for b in bufs)
+        t0 = time.perf_counter()
+        try:
+            if faults.active:
+                faults.before_io(self.name, "read", self.fd, self.path, offset, n_want)
+            n = os.preadv(self.fd, bufs, offset)
+        except OSError as exc:
+            raise FlashIOError(
+                exc.errno, f"flash device {self.name!r}: read at {offset} failed: {exc.strerror}"
+            ) from None
+        self._slow(t0)
+        if n != n_want:
+            raise ShortRead(
+                errno.EIO, f"flash device {self.name!r}: short read at {offset} (truncated?)"
+            )
+
+    def read_into(self, buf: memoryview, offset: int) -> int:
+        """:meth:`_pread` as the format reader's ``read_into``: all of ``buf`` or a raise."""
+        self._pread(buf, offset)
+        return buf.nbytes
+
+    def sync(self) -> None:
+        """``fdatasync`` the device (through the fault layer, timed like any call)."""
+        t0 = time.perf_counter()
+        try:
+            if faults.active:
+                faults.before_io(self.name, "sync", self.fd, self.path, 0, 0)
+            os.fdatasync(self.fd)
+        except OSError as exc:
+            raise FlashIOError(
+                exc.errno, f"flash device {self.name!r}: fdatasync failed: {exc.strerror}"
+            ) from None
+        if faults.active:
+            faults.after_sync(self.fd)
+        self._slow(t0)
+
+    def open_other(self, path: str) -> int:
+        """Open (and lock, as this device is) ``path`` with this device's flags, for
+        :meth:`replace_fd`; raises FlashIOError."""
+        try:
+            fd = os.open(path, self._flags)
+        except OSError as exc:
+            raise FlashIOError(exc.errno, f"flash device {self.name!r}: cannot reopen it at "
+                                          f"{path}: {exc.strerror}") from None
+        if self._lock:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise FlashIOError(errno.EBUSY, f"flash device {self.name!r}: {path} is "
+                                                f"in use by another process") from None
+        return fd
+
+    def replace_fd(self, fd: int, path: str) -> None:
+        """Do further I/O on ``fd`` (from :meth:`open_other`); the old descriptor is
+        retired, not closed (see ``_retired_fds``)."""
+        log.warning("flash device %s: reopened at %s (was %s)", self.name, path, self.path)
+        self._retired_fds.append(self.fd)
+        faults.forget_fd(self.fd)
+        self.fd = fd
+        self.path = path
+
+    def close(self) -> None:
+        """Close the file and every retired descriptor (idempotent)."""
+        if self.fd >= 0:
+            faults.forget_fd(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+        for fd in self._retired_fds:
+            os.close(fd)
+        self._retired_fds.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

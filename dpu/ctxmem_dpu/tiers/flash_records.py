@@ -1,0 +1,244 @@
+"""Record I/O on a flash device: writing payloads and headers, reading headers in runs,
+reading payloads in runs (decrypting and CRC-checking them), invalidating records.
+
+:class:`FlashDevice` is the service's device: a
+:class:`~ctxmem_dpu.tiers.flash_device.FormattedDevice` plus these record operations.
+Every method is a plain blocking call meant for the service's I/O threads; none touches
+the index.
+"""
+
+from __future__ import annotations
+
+from ctxmem_common.codecs import XtsCipher, crc32c, xts_tweak
+from ctxmem_common.flash_format import SECTOR, RecordHeader
+from ctxmem_dpu.alloc import SlotRef
+from ctxmem_dpu.tiers.flash_device import FormattedDevice
+from ctxmem_dpu.tiers.flash_io import FlashIOError, staging
+
+
+class ReadFailure(Exception):
+    """A record failed a check on read (header, namespace, key, CRC): serve a miss.
+
+    ``ours`` is true when the header was this block's own record and the payload was bad
+    (the record is then dead for good); false when the slot holds another record or none
+    (a stale or foreign extent, a swapped device), which must not be touched."""
+
+    def __init__(self, reason: str, ours: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.ours = ours
+
+
+# Header reads of a batch (see FlashDevice.read_headers): the headers of slots in one slab
+# are read as runs of the slab's header table, one I/O per run. Two wanted slots at most
+# HEADER_GAP sectors apart share a run (reading the sectors between costs less than another
+# I/O's latency); a run is at most HEADER_RUN sectors long.
+HEADER_GAP = 16
+HEADER_RUN = 256
+# Payloads of adjacent slots (the order demotion wrote them in) are read in one I/O of at
+# most PAYLOAD_RUN bytes: small blocks stop paying one device round trip each. Blocks of
+# PAYLOAD_RUN or more are read one per I/O, as before (larger reads measured no faster).
+PAYLOAD_RUN = 1 << 20
+
+
+class FlashDevice(FormattedDevice):
+    """One flash device as the store uses it: formatted, slab-allocated, with record
+    reads and writes (see :class:`FormattedDevice` for opening and health)."""
+
+    def write_payload(self, slot: SlotRef, payload: memoryview, cipher: XtsCipher | None
+                      ) -> None:
+        """Write one record's payload (encrypted when ``cipher``); no header, no sync."""
+        if slot.slab in self._fresh:
+            self._init_slab(slot.slab)
+        off = self.payload_offset(slot)
+        if cipher is not None:
+            buf = staging.payload_buf(len(payload))
+            out = memoryview(buf)[: len(payload)]
+            cipher.encrypt_into(payload, out, xts_tweak(self.superblock.tweak_id, off))
+            self._pwrite(out, off)
+            out.release()
+        else:
+            self._pwrite(payload, off)
+
+    def write_header(self, slot: SlotRef, header: RecordHeader) -> None:
+        hdr = staging.header
+        hdr[:] = header.pack()
+        self._pwrite(hdr, self.header_offset(slot))
+
+    def write_record(
+        self, slot: SlotRef, header: RecordHeader, payload: memoryview, cipher: XtsCipher | None
+    ) -> None:
+        """Payload, then header, no sync (the store orders syncs between the two, see
+        ``BlockStore._demote``; this is for tools that build images)."""
+        self.write_payload(slot, payload, cipher)
+        self.write_header(slot, header)
+
+    def read_header(self, slot: SlotRef) -> RecordHeader | None:
+        hdr = staging.header
+        self._pread(hdr, self.header_offset(slot))
+        return RecordHeader.unpack(memoryview(hdr))
+
+    def read_headers(self, slots: list[SlotRef]) -> list[RecordHeader | FlashIOError | None]:
+        """The record headers of ``slots``, in their order, in as few reads as the layout
+        allows: the wanted entries of each slab's header table are read in runs (see
+        ``HEADER_GAP``/``HEADER_RUN``), one I/O per run, instead of one 4 KiB read each.
+
+        Each entry is the parsed header, ``None`` for an empty, torn or foreign entry (as
+        :meth:`read_header`), or the :class:`FlashIOError` of the read that should have
+        brought it (other runs are still read)."""
+        out: list[RecordHeader | FlashIOError | None] = [None] * len(slots)
+        order = sorted(range(len(slots)), key=lambda i: (slots[i].slab, slots[i].index))
+        buf = staging.table_buf(HEADER_RUN)
+        i = 0
+        while i < len(order):
+            first = slots[order[i]]
+            j = i + 1
+            while j < len(order):
+                nxt = slots[order[j]]
+                prev = slots[order[j - 1]]
+                if (nxt.slab != first.slab or nxt.index - prev.index > HEADER_GAP
+                        or nxt.index - first.index >= HEADER_RUN):
+                    break
+                j += 1
+            last = slots[order[j - 1]]
+            run = memoryview(buf)[: (last.index - first.index + 1) * SECTOR]
+            try:
+                try:
+                    self._pread(run, self.header_offset(first))
+                except FlashIOError as exc:
+                    exc.__traceback__ = None
+                    for k in order[i:j]:
+                        out[k] = exc
+                else:
+                    for k in order[i:j]:
+                        at = (slots[k].index - first.index) * SECTOR
+                        out[k] = RecordHeader.unpack(run[at : at + SECTOR])
+            finally:
+                run.release()
+            i = j
+        return out
+
+    @staticmethod
+    def check_header(
+        hdr: RecordHeader | None,
+        namespace: bytes,
+        key: bytes,
+        length: int,
+        crc: int,
+        seq: int,
+        cipher: XtsCipher | None,
+    ) -> None:
+        """Raise :class:`ReadFailure` unless ``hdr`` is the record the index expects."""
+        if hdr is None:
+            raise ReadFailure("record header missing or corrupt")
+        if hdr.namespace != namespace or hdr.key != key:
+            raise ReadFailure("record header names another namespace or key")
+        if hdr.seq != seq or hdr.length != length or hdr.crc != crc:
+            raise ReadFailure("record header does not match the index (stale extent)")
+        if hdr.encrypted != (cipher is not None):
+            raise ReadFailure("record encryption flag does not match the namespace")
+
+    def read_payloads(self, items: list[tuple[SlotRef, memoryview, int, int]],
+                      cipher: XtsCipher | None) -> list[BaseException | None]:
+        """Read records' payloads into their slots and check each CRC32C; the headers must
+        have been checked (:meth:`check_header`). ``items``: (slot on flash, ``dst`` — the
+        4 KiB-aligned DRAM slot, ``length``, ``crc``).
+
+        Items are read in device order; those whose slots follow each other in one slab
+        are read by one device I/O of at most ``PAYLOAD_RUN`` bytes (one ``preadv``
+        straight into the slots, or with ``cipher`` into this thread's staging buffer,
+        then decrypted slot by slot).
+        Returns, per item, ``None`` (read and checked), a :class:`ReadFailure` (``ours``:
+        bad length or CRC) or the :class:`FlashIOError` of the read that covered it."""
+        out: list[BaseException | None] = [None] * len(items)
+        todo: list[int] = []
+        for i, (_slot, dst, length, _crc) in enumerate(items):
+            if length > len(dst):
+                out[i] = ReadFailure("record length exceeds its slot", ours=True)
+            else:
+                todo.append(i)
+        todo.sort(key=lambda i: (items[i][0].slab, items[i][0].index))
+        k = 0
+        while k < len(todo):
+            first, dst0, _l, _c = items[todo[k]]
+            size = self.alloc.slabs[first.slab].slot_size
+            j = k + 1
+            total = len(dst0)
+            while j < len(todo):
+                slot, dst, _l, _c = items[todo[j]]
+                if (slot.slab != first.slab or slot.index != first.index + (j - k)
+                        or len(dst) != size or len(dst0) != size
+                        or total + len(dst) > PAYLOAD_RUN):
+                    break
+                total += len(dst)
+                j += 1
+            run = todo[k:j]
+            try:
+                self._read_run(first, [items[i][1] for i in run], cipher)
+            except (FlashIOError, ValueError) as exc:
+                exc.__traceback__ = None  # its frames hold the slot views
+                for i in run:
+                    out[i] = exc
+            else:
+                for i in run:
+                    _slot, dst, length, crc = items[i]
+                    if crc32c(dst[:length]) != crc:
+                        out[i] = ReadFailure("payload CRC32C mismatch", ours=True)
+            k = j
+        return out
+
+    def _read_run(self, first: SlotRef, dsts: list[memoryview], cipher: XtsCipher | None
+                  ) -> None:
+        """One device read of the payloads of adjacent slots ``first``, ``first + 1``, ...
+        into ``dsts`` (decrypted with ``cipher``)."""
+        off = self.payload_offset(first)
+        if cipher is None:
+            self._pread(dsts if len(dsts) > 1 else dsts[0], off)
+            return
+        total = sum(len(d) for d in dsts)
+        buf = staging.payload_buf(total)
+        tmp = memoryview(buf)[:total]
+        try:
+            self._pread(tmp, off)
+            at = 0
+            for dst in dsts:
+                cipher.decrypt_into(tmp[at : at + len(dst)], dst,
+                                    xts_tweak(self.superblock.tweak_id, off + at))
+                at += len(dst)
+        finally:
+            tmp.release()
+
+    def read_payload(self, slot: SlotRef, dst: memoryview, length: int, crc: int,
+                     cipher: XtsCipher | None) -> None:
+        """:meth:`read_payloads` of one record; raises what it returns."""
+        err = self.read_payloads([(slot, dst, length, crc)], cipher)[0]
+        if err is not None:
+            raise err
+
+    def read_record(
+        self,
+        slot: SlotRef,
+        dst: memoryview,
+        namespace: bytes,
+        key: bytes,
+        length: int,
+        crc: int,
+        seq: int,
+        cipher: XtsCipher | None,
+    ) -> None:
+        """Read a record into ``dst`` (a 4 KiB-aligned slot) and check everything.
+
+        Raises :class:`ReadFailure` when the header does not match what the index expects
+        (a swapped device, a stale or foreign extent) or the payload CRC fails, and
+        :class:`ShortRead` when the device is too short to hold the record (truncated:
+        a device failure, not a bad record).
+        """
+        self.check_header(self.read_header(slot), namespace, key, length, crc, seq, cipher)
+        self.read_payload(slot, dst, length, crc, cipher)
+
+    def invalidate(self, slot: SlotRef) -> None:
+        """Zero a record's header so a restart does not bring the block back."""
+        hdr = staging.header
+        hdr[:] = bytes(SECTOR)
+        self._pwrite(hdr, self.header_offset(slot))
+

@@ -1,0 +1,127 @@
+"""The on-flash format: self-describing, so the index can be rebuilt from the device.
+
+The single definition of the format and of its reader: the service's flash tier,
+``ctxmem check``, the recovery benchmark and the chaos campaign all read and write devices
+through this package. :mod:`.records` holds the structures (pure format code, no I/O);
+:mod:`.reader` reads them from a device (the superblock pair, the slab walk).
+
+Device layout (all offsets and sizes multiples of 4 KiB; every service I/O is O_DIRECT)::
+
+    0          superblock (4 KiB): magic "CTXMEMSB", version, slab size, slab count,
+               device UUID, CRC32C
+    4 KiB      backup superblock (identical copy; used when the first one is damaged)
+    8 KiB      probe sector (scratch: the health probe writes and reads it back)
+    1 MiB      slab 0 | slab 1 | ... (flash.slab_size each)
+
+    slab:      slab header (4 KiB): magic "CTXSLAB1", version, slot size, slot count, CRC
+               record-header table: slot count x 4 KiB (one header per slot)
+               payload area: slot count x slot size
+
+    record header (first bytes of its 4 KiB entry, little-endian):
+        magic "CTXREC01" | version u16 | flags u16 (bit 0: payload encrypted) | pad u32 |
+        namespace digest 16 B | key length u8 | key 64 B | payload length u64 |
+        CRC32C of the plaintext payload u32 | sequence number u64 | write time ns u64 |
+        CRC32C of everything before it u32
+
+Why the headers sit in a table and not in front of each payload: a warm restart reads
+one contiguous table per slab instead of one 4 KiB read per block (1M blocks is 4 GiB of
+tables, read at device speed). Why each header has a whole 4 KiB sector: a sector write
+is the unit a device writes atomically, so a torn header write can never damage another
+block's header.
+
+Write ordering (see docs/reliability.md): payload → ``fdatasync`` → header →
+``fdatasync``. A valid header therefore always names a payload that is on stable
+storage, so after any crash or power cut every record the rebuild finds is complete; a
+torn header fails its own CRC and is an empty slot. An extent's header is zeroed (and
+synced) before the extent is freed for reuse (delete, flash eviction), and a slab's header
+table is zeroed when the slab is assigned, so a freed or reassigned extent never carries a
+stale record.
+"""
+
+from ctxmem_common.flash_format.reader import (
+    BufferPool,
+    FlashReader,
+    ReadInto,
+    SlabScan,
+    SuperblockPair,
+    aligned_buffer,
+    fd_read_into,
+)
+from ctxmem_common.flash_format.records import (
+    DATA_START,
+    FLAG_ENCRYPTED,
+    FORMAT_VERSION,
+    PROBE_OFFSET,
+    REC_BODY,
+    REC_MAGIC,
+    REC_OFF_CRC,
+    REC_OFF_KEY,
+    REC_OFF_KEYLEN,
+    REC_OFF_LENGTH,
+    REC_OFF_NAMESPACE,
+    REC_OFF_SEQ,
+    REC_SIZE,
+    SB_BACKUP_OFFSET,
+    SB_MAGIC,
+    SB_OFFSET,
+    SECTOR,
+    SLAB_MAGIC,
+    RecordHeader,
+    SlabHeader,
+    Superblock,
+    TableColumns,
+    TableEntry,
+    fit_records,
+    header_offset,
+    magic_slots,
+    max_table_slots,
+    pack_header_table,
+    parse_header_columns,
+    parse_header_table,
+    payload_offset,
+    slab_base,
+    slots_per_slab,
+)
+
+__all__ = [
+    "DATA_START",
+    "FLAG_ENCRYPTED",
+    "FORMAT_VERSION",
+    "PROBE_OFFSET",
+    "REC_BODY",
+    "REC_MAGIC",
+    "REC_OFF_CRC",
+    "REC_OFF_KEY",
+    "REC_OFF_KEYLEN",
+    "REC_OFF_LENGTH",
+    "REC_OFF_NAMESPACE",
+    "REC_OFF_SEQ",
+    "REC_SIZE",
+    "SB_BACKUP_OFFSET",
+    "SB_MAGIC",
+    "SB_OFFSET",
+    "SECTOR",
+    "SLAB_MAGIC",
+    "BufferPool",
+    "FlashReader",
+    "ReadInto",
+    "RecordHeader",
+    "SlabHeader",
+    "SlabScan",
+    "Superblock",
+    "SuperblockPair",
+    "TableColumns",
+    "TableEntry",
+    "aligned_buffer",
+    "fd_read_into",
+    "fit_records",
+    "header_offset",
+    "magic_slots",
+    "max_table_slots",
+    "pack_header_table",
+    "parse_header_columns",
+    "parse_header_table",
+    "payload_offset",
+    "slab_base",
+    "slots_per_slab",
+]

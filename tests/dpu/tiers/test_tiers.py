@@ -1,0 +1,86 @@
+"""Every tier runs the conformance suite (:mod:`.tier_conformance`), plus what is its own:
+DRAM keeps owners in separate slabs; flash spreads extents over devices and skips failed
+ones."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from pathlib import Path
+
+import pytest
+
+from ctxmem_common.flash_format import DATA_START, slots_per_slab
+from ctxmem_dpu.alloc import SlotRef
+from ctxmem_dpu.tiers.base import Tier
+from ctxmem_dpu.tiers.dram import DramTier
+from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashTier
+
+from .tier_conformance import TierTests
+
+MiB = 1 << 20
+
+
+class TestDramTier(TierTests):
+    def make_tier(self, tmp_path: Path) -> Tier[Hashable]:
+        return DramTier(4 * MiB, MiB)
+
+    def expected_slots(self, tier: Tier[Hashable], slot_size: int) -> int:
+        assert isinstance(tier, DramTier)
+        return tier.num_slabs * (tier.slab_size // slot_size)
+
+    def is_closed(self, tier: Tier[Hashable]) -> bool:
+        assert isinstance(tier, DramTier)
+        return not tier.regions and not tier._idle
+
+    def test_owners_never_share_a_slab(self) -> None:
+        with DramTier(4 * MiB, MiB) as dram:
+            (a,) = dram.allocate(self.size, 1, "alice") or []
+            (b,) = dram.allocate(self.size, 1, "bob") or []
+            assert a.slab != b.slab
+            assert dram.region_tenant(a.slab) == "alice"
+            assert dram.region_tenant(b.slab) == "bob"
+            dram.view(a, 4)[:] = b"abcd"  # the slot is real, mapped memory
+            assert bytes(dram.slot_view(a)[:4]) == b"abcd"
+
+
+class TestFlashTier(TierTests):
+    slab = MiB
+
+    def make_tier(self, tmp_path: Path) -> Tier[Hashable]:
+        devices = []
+        for i, slabs in enumerate((3, 2)):
+            path = tmp_path / f"flash{i}.img"
+            with open(path, "wb") as f:
+                f.truncate(DATA_START + slabs * self.slab)
+            devices.append(FlashDevice(i, f"flash{i}", str(path), self.slab, o_direct=False))
+        return FlashTier(devices)
+
+    def expected_slots(self, tier: Tier[Hashable], slot_size: int) -> int:
+        assert isinstance(tier, FlashTier)
+        return sum(d.num_slabs for d in tier.devices) * slots_per_slab(self.slab, slot_size)
+
+    def is_closed(self, tier: Tier[Hashable]) -> bool:
+        assert isinstance(tier, FlashTier)
+        return all(d.fd == -1 for d in tier.devices)
+
+    def test_extents_spread_over_devices_and_skip_failed_ones(self, tmp_path: Path) -> None:
+        tier = self.make_tier(tmp_path)
+        assert isinstance(tier, FlashTier)
+        with tier:
+            per = slots_per_slab(self.slab, self.size)
+            # The device with the most free space first, all it holds, then the next.
+            got = tier.allocate(self.size, 3 * per + 1) or []
+            assert [e.device for e in got] == [0] * (3 * per) + [1]
+            assert all(isinstance(e, Extent) and isinstance(e.slot, SlotRef) for e in got)
+            for e in got[: 3 * per]:
+                tier.free(e)
+            tier.devices[0].healthy = False
+            more = tier.allocate(self.size, 2 * per - 1) or []
+            assert more and {e.device for e in more} == {1}
+            # Device 1 is now full; device 0 is empty but failed.
+            assert tier.allocate(self.size, 1) is None
+
+
+@pytest.mark.parametrize("tier_cls", [DramTier, FlashTier])
+def test_every_tier_implements_the_whole_contract(tier_cls: type) -> None:
+    assert issubclass(tier_cls, Tier) and not tier_cls.__abstractmethods__

@@ -1,0 +1,155 @@
+"""The flash format's reader (``ctxmem_common.flash_format.reader``): which superblock copy
+counts, and what the slab walk finds, on real image files read through a descriptor and
+through a read callable."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ctxmem_common.flash_format import (
+    REC_OFF_CRC,
+    SB_BACKUP_OFFSET,
+    SECTOR,
+    FlashReader,
+    SlabHeader,
+    Superblock,
+    fit_records,
+    header_offset,
+    max_table_slots,
+    pack_header_table,
+    slab_base,
+    slots_per_slab,
+)
+
+SLAB = 1 << 20
+SLOT = 64 << 10
+NS = bytes(range(16))
+
+
+def _keys(first: int, n: int) -> np.ndarray:
+    return np.array([[first + i] * 8 for i in range(n)], dtype=np.uint8)
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Iterator[tuple[int, Superblock]]:
+    """A 4-slab image: slab 0 holds 5 records, slab 1 has a damaged header over 3 records,
+    slab 2 is empty, slab 3 holds 2 records."""
+    path = tmp_path / "dev.img"
+    sb = Superblock.new(SLAB, (1 << 20) + 4 * SLAB)
+    per = slots_per_slab(SLAB, SLOT)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, (1 << 20) + 4 * SLAB)
+    os.pwrite(fd, sb.pack_pair(), 0)
+    for slab, n in ((0, 5), (1, 3), (3, 2)):
+        os.pwrite(fd, SlabHeader(SLOT, per).pack(), slab_base(slab, SLAB))
+        table = pack_header_table(per, NS, _keys(10 * slab, n), 1000, 7,
+                                  np.arange(n, dtype=np.uint64))
+        os.pwrite(fd, table, slab_base(slab, SLAB) + SECTOR)
+    os.pwrite(fd, bytes(SECTOR), slab_base(1, SLAB))  # slab 1's header damaged
+    try:
+        yield fd, sb
+    finally:
+        os.close(fd)
+
+
+def test_both_superblock_copies_sound(image: tuple[int, Superblock]) -> None:
+    fd, sb = image
+    pair = FlashReader(fd).superblocks()
+    assert pair.primary == pair.backup == pair.current == sb
+    assert pair.damaged == "" and pair.names(sb.device_uuid) and not pair.names(bytes(16))
+
+
+@pytest.mark.parametrize("damaged", ["primary", "backup", "both"])
+def test_a_damaged_copy_is_named_and_the_other_counts(image: tuple[int, Superblock],
+                                                      damaged: str) -> None:
+    fd, sb = image
+    if damaged in ("primary", "both"):
+        os.pwrite(fd, b"\xff", 8)  # the version field
+    if damaged in ("backup", "both"):
+        os.pwrite(fd, b"\xff", SB_BACKUP_OFFSET + 8)
+    pair = FlashReader(fd).superblocks()
+    if damaged == "both":
+        assert pair.current is None and pair.damaged == "" and not pair.names(sb.device_uuid)
+    else:
+        assert pair.current == sb and pair.damaged == damaged and pair.names(sb.device_uuid)
+
+
+def test_a_copy_not_read_in_full_is_missing(tmp_path: Path) -> None:
+    sb = Superblock.new(SLAB, 8 * SLAB)
+    calls: list[tuple[int, int]] = []
+
+    def short(buf: memoryview, offset: int) -> int:  # a device that ends after 4 KiB
+        calls.append((offset, buf.nbytes))
+        buf[:SECTOR] = sb.pack()
+        return SECTOR
+
+    pair = FlashReader(short).superblocks()
+    assert calls == [(0, 2 * SECTOR)]  # one read of both copies
+    assert pair.primary == sb and pair.backup is None and pair.damaged == "backup"
+
+
+def test_walk_finds_the_slabs_with_a_header(image: tuple[int, Superblock]) -> None:
+    fd, sb = image
+    scans = list(FlashReader(fd).walk(sb))
+    assert [(s.slab, s.slot_size, len(s.records.slot)) for s in scans] == [(0, SLOT, 5),
+                                                                         (3, SLOT, 2)]
+    first = scans[0]
+    assert first.header == SlabHeader(SLOT, slots_per_slab(SLAB, SLOT))
+    assert first.entries == slots_per_slab(SLAB, SLOT) and first.torn == []
+    assert first.records.key[4] == bytes([4] * 8) and first.records.seq == [0, 1, 2, 3, 4]
+
+
+def test_walk_reads_orphaned_slabs_with_an_assumed_slot_size(
+        image: tuple[int, Superblock]) -> None:
+    fd, sb = image
+    scans = {s.slab: s for s in FlashReader(fd).walk(sb, orphan_slot_size=SLOT)}
+    assert sorted(scans) == [0, 1, 2, 3]
+    assert scans[1].header is None and scans[1].slot_size == SLOT
+    assert scans[1].records.key == [bytes([10 + i] * 8) for i in range(3)]
+    assert FlashReader(fd).slab_header(1, SLAB) is None
+    cols, entries, _torn = FlashReader(fd).read_table(1, SLAB, max_table_slots(SLAB))
+    assert entries == max_table_slots(SLAB) and len(cols.slot) == 3
+
+
+def test_torn_headers_are_reported_apart_from_records(image: tuple[int, Superblock]) -> None:
+    fd, sb = image
+    os.pwrite(fd, b"\xee\xee", header_offset(0, 2, SLAB) + REC_OFF_CRC)
+    reader = FlashReader(fd)
+    (scan,) = (s for s in reader.walk(sb, slabs=[0], torn=True))
+    assert scan.torn == [2] and scan.records.slot == [0, 1, 3, 4]
+    assert next(reader.walk(sb, slabs=[0])).torn == []  # only when asked for
+
+
+def test_a_short_device_gives_fewer_table_entries(image: tuple[int, Superblock]) -> None:
+    fd, _sb = image
+    cut = slab_base(3, SLAB) + SECTOR + 3 * SECTOR  # slab 3's table ends after 3 entries
+    os.ftruncate(fd, cut)
+    scan = FlashReader(fd).scan_slab(3, SLAB)
+    assert scan is not None and scan.entries == 3 and len(scan.records.slot) == 2
+
+
+def test_a_read_callable_sees_every_read(image: tuple[int, Superblock]) -> None:
+    fd, sb = image
+    seen: list[int] = []
+
+    def read_into(buf: memoryview, offset: int) -> int:
+        seen.append(offset)
+        return os.preadv(fd, [buf], offset)
+
+    reader = FlashReader(read_into)
+    assert reader.superblocks().current == sb
+    assert [s.slab for s in reader.walk(sb)] == [0, 3]
+    assert seen[:3] == [0, slab_base(0, SLAB), slab_base(0, SLAB) + SECTOR]
+
+
+def test_fit_records_drops_lengths_that_do_not_fit(image: tuple[int, Superblock]) -> None:
+    fd, _sb = image
+    scan = FlashReader(fd).scan_slab(0, SLAB)
+    assert scan is not None
+    assert fit_records(scan.records, SLOT) is scan.records  # all fit: the same columns
+    assert fit_records(scan.records, 999).slot == []  # 1000-byte records, 999-byte slots
