@@ -1,22 +1,30 @@
 """The fault campaign in CI: a short ``ctxmem chaos`` run against a live service. Every
-fault kind is injected at least once; no wrong block may be served, no durable block
-lost, no deleted block resurrected, no space leaked; ``ctxmem check --repair`` then
-``ctxmem check`` must leave the devices clean. The long campaign's figures are in
-docs/reliability.md."""
+default fault kind is injected at least once (the schedule's first pass, retried until
+each applies); no wrong block may be served, no durable block lost, no deleted block
+resurrected, no space leaked; ``ctxmem check --repair`` then ``ctxmem check`` must leave
+the devices clean. Each scenario kind (issue 13) runs once in a test of its own. The long
+campaign's figures are in docs/reliability.md."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
-from ctxmem_tools.chaos import KINDS, chaos_command
+import pytest
+
+from ctxmem_tools.chaos import DEFAULT_KINDS, KINDS, SCENARIO, chaos_command, select_kinds
+
+
+def _campaign(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    out = tmp_path / "chaos.json"
+    rc = chaos_command([*args, "--json", str(out), "--workdir", str(tmp_path / "work"), "-q"])
+    return rc, json.loads(out.read_text())
 
 
 def test_short_campaign(tmp_path: Path) -> None:
-    out = tmp_path / "chaos.json"
-    rc = chaos_command(["--faults", "300", "--seed", "6", "--json", str(out),
-                        "--workdir", str(tmp_path / "work"), "-q"])
-    report = json.loads(out.read_text())
+    rc, report = _campaign(tmp_path, "--faults", "300", "--seed", "6")
     assert report["wrong_blocks"] == 0, report["problems"]
     assert report["durable_blocks_lost"] == 0, report["problems"]
     assert report["resurrected_blocks"] == 0, report["problems"]
@@ -24,8 +32,46 @@ def test_short_campaign(tmp_path: Path) -> None:
     assert report["check_after_repair_clean"], report["check"]
     assert rc == 0 and report["passed"]
     assert report["faults_injected"] >= 300
-    assert set(report["faults_by_kind"]) == set(KINDS)  # every kind at least once
+    assert set(report["faults_by_kind"]) == set(DEFAULT_KINDS)  # every kind at least once
     assert report["blocks_committed"] > 0 and report["blocks_served"] > 0
     for field in ("faults_injected", "blocks_committed", "blocks_served", "wrong_blocks",
                   "blocks_lost", "lost_fraction"):
         assert field in report
+
+
+def test_kind_selection() -> None:
+    assert select_kinds("corruption,device,crash")[0] == DEFAULT_KINDS
+    kinds, _ = select_kinds("-scenario,-zero_header")
+    assert "zero_header" not in kinds and not set(SCENARIO) & set(kinds)
+    assert set(select_kinds("stalled_client,eio_read")[0]) == {"stalled_client", "eio_read"}
+    if os.geteuid() != 0:
+        kinds, skipped = select_kinds("all")
+        assert "full_filesystem" not in kinds and skipped
+    else:
+        assert select_kinds("all")[0] == KINDS
+    with pytest.raises(ValueError):
+        select_kinds("no_such_kind")
+
+
+# These find the service's current failures (issue 13): the fixes are in other branches.
+# Once merged, drop the xfail marks and the campaign's result must be clean.
+PENDING = "issue 13 service fix not merged yet"
+
+
+@pytest.mark.parametrize("kind,extra", [
+    pytest.param("stalled_client", (), marks=pytest.mark.xfail(strict=False, reason=PENDING)),
+    pytest.param("full_filesystem", ("--write-policy", "write_through"),
+                 marks=pytest.mark.xfail(strict=False, reason=PENDING)),
+    pytest.param("full_filesystem", (), marks=pytest.mark.xfail(strict=False, reason=PENDING)),
+    pytest.param("superblock_both", (), marks=pytest.mark.xfail(strict=False, reason=PENDING)),
+    pytest.param("alias_service", (), marks=pytest.mark.xfail(strict=False, reason=PENDING)),
+])
+def test_scenario_kind(tmp_path: Path, kind: str, extra: tuple[str, ...]) -> None:
+    if kind == "full_filesystem" and os.geteuid() != 0:
+        pytest.skip("full_filesystem mounts a tmpfs: needs root")
+    rc, report = _campaign(tmp_path, "--faults", "1", "--seed", "13", "--kinds", kind, *extra)
+    assert report["faults_by_kind"].get(kind) == 1, report["problems"]
+    assert report["kinds"] == [kind]
+    assert report["kind_failures"] == {kind: 0}, report["problems"]
+    assert report["wrong_blocks"] == 0 and report["durable_blocks_lost"] == 0
+    assert rc == 0 and report["passed"], report["problems"]

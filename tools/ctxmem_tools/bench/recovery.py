@@ -43,10 +43,12 @@ from ctxmem.client import Client
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.flash_format import (
     DATA_START,
+    SB_OFFSET,
     SECTOR,
     SlabHeader,
     Superblock,
     pack_header_table,
+    slab_base,
     slots_per_slab,
 )
 from ctxmem_common.keys import namespace_digest
@@ -84,19 +86,18 @@ def generate_image(path: Path, blocks: int, block: int, slab_size: int) -> dict[
     slot = (block + SECTOR - 1) // SECTOR * SECTOR
     per = slots_per_slab(slab_size, slot)
     slabs = max(1, -(-blocks // per))
-    size = DATA_START + (slabs + 1) * slab_size  # one spare slab for new writes
+    size = slab_base(slabs + 1, slab_size)  # one spare slab for new writes
     crc = crc32c(bytes(block))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, size)
-        sb = Superblock(slab_size, slabs + 1, os.urandom(16)).pack()
-        os.pwrite(fd, sb + sb, 0)
+        os.pwrite(fd, Superblock(slab_size, slabs + 1, os.urandom(16)).pack_pair(), SB_OFFSET)
         done = 0
         for s in range(slabs):
             n = min(per, blocks - done)
             seqs = np.arange(done + 1, done + n + 1, dtype=np.uint64)
             table = pack_header_table(per, ns, _keys(seqs), block, crc, seqs)
-            base = DATA_START + s * slab_size
+            base = slab_base(s, slab_size)
             os.pwrite(fd, SlabHeader(slot, per).pack(), base)
             os.pwrite(fd, table, base + SECTOR)
             done += n
@@ -203,7 +204,7 @@ def _through_service(workdir: Path, n: int, block: int, slab: str, rate: float) 
     slab_size = parse_size(slab)
     slot = (block + SECTOR - 1) // SECTOR * SECTOR
     per = slots_per_slab(slab_size, slot)
-    size = DATA_START + (-(-n // per) + 1) * slab_size
+    size = slab_base(-(-n // per) + 1, slab_size)
     cfg = local_config(workdir, encryption=False, dram_size="64MiB", dram_slab="8MiB",
                        flash_slab=slab, flash_path=str(image), flash_size=str(size),
                        logging={"level": "warning"})

@@ -21,7 +21,11 @@ Fault kinds (``KINDS``):
 * crashes: SIGKILL at a named fault point (``kill``), a power cut at a named point
   (unsynced writes dropped or torn, then SIGKILL), SIGKILL at a random moment, SIGKILL
   during the index rebuild itself, the device files swapped between restarts, a device
-  truncated between restarts.
+  truncated between restarts;
+* scenarios (issue 13, :mod:`.scenarios`; not in the default selection, ``--kinds``): a
+  stalled shared-memory client writing into slots after its allocation expired, a full
+  filesystem under the flash files, both superblock copies damaged (refused start, then
+  ``ctxmem check --repair``), a second service on the same bytes (same file, loop device).
 
 The model: every key's content is a function of the key (keys are content hashes, as
 engines' block hashes are), so "what was committed under this key" is known exactly and
@@ -43,13 +47,21 @@ Checks, counted in the JSON (``faults_injected``, ``blocks_committed``, ``blocks
 
 Modules: :mod:`.records` (kinds, key model, records on the files), :mod:`.driver` (the
 service and its fault controls), :mod:`.workload` (operations and checks), :mod:`.inject`
-(the faults), :mod:`.campaign` (schedule, report, :func:`run_campaign`), :mod:`.cli`.
+(the faults), :mod:`.scenarios` (the scenario episodes), :mod:`.campaign` (schedule,
+report, :func:`run_campaign`), :mod:`.cli`.
 """
 
-from ctxmem_tools.chaos.campaign import Campaign, run_campaign
+from ctxmem_tools.chaos.campaign import (
+    DEFAULT_KINDS,
+    KINDS,
+    Campaign,
+    run_campaign,
+    select_kinds,
+)
 from ctxmem_tools.chaos.cli import chaos_command
 from ctxmem_tools.chaos.driver import fresh_client
-from ctxmem_tools.chaos.records import CORRUPTION, CRASH, DEVICE, KINDS
+from ctxmem_tools.chaos.records import CORRUPTION, CRASH, DEVICE
+from ctxmem_tools.chaos.scenarios import SCENARIO
 
-__all__ = ["CORRUPTION", "CRASH", "DEVICE", "KINDS", "Campaign", "chaos_command",
-           "fresh_client", "run_campaign"]
+__all__ = ["CORRUPTION", "CRASH", "DEFAULT_KINDS", "DEVICE", "KINDS", "SCENARIO", "Campaign",
+           "chaos_command", "fresh_client", "run_campaign", "select_kinds"]

@@ -18,48 +18,106 @@ from pathlib import Path
 from typing import Any
 
 from ctxmem_common.faultpoints import ENV_CTL, ENV_JOURNAL
-from ctxmem_tools.chaos.inject import FaultInjector
 from ctxmem_tools.chaos.records import (
     CORRUPTION,
     CRASH,
     DEVICE,
-    KINDS,
+    SERVICE_COUNTERS,
+)
+from ctxmem_tools.chaos.scenarios import (
+    SCENARIO,
+    ScenarioFaults,
+    mount_tmpfs,
+    unmount,
+    unrunnable,
 )
 
+KINDS = CORRUPTION + DEVICE + CRASH + SCENARIO
+"""Every fault kind the campaign knows."""
+DEFAULT_KINDS = CORRUPTION + DEVICE + CRASH
+"""What the short CI campaign selects: the scenario kinds (seconds each) have tests of
+their own."""
 
-class Campaign(FaultInjector):
+
+def select_kinds(spec: str) -> tuple[tuple[str, ...], list[str]]:
+    """The kinds named by ``spec`` (comma-separated kinds or groups: ``all``,
+    ``corruption``, ``device``, ``crash``, ``scenario``; a leading ``-`` leaves one out),
+    less those this machine cannot run; returns (kinds, messages about those skipped)."""
+    groups = {"all": KINDS, "corruption": CORRUPTION, "device": DEVICE, "crash": CRASH,
+              "scenario": SCENARIO}
+    chosen: list[str] = []
+    for word in (w.strip() for w in spec.split(",") if w.strip()):
+        drop = word.startswith("-")
+        names = groups.get(word.lstrip("-"), (word.lstrip("-"),))
+        for name in names:
+            if name not in KINDS:
+                raise ValueError(f"unknown fault kind {name!r} (kinds: {', '.join(KINDS)})")
+            if drop and name in chosen:
+                chosen.remove(name)
+            elif not drop and name not in chosen:
+                chosen.append(name)
+    if spec.strip().startswith("-"):  # only exclusions: from everything
+        return select_kinds(",".join(("all", spec)))
+    skipped = [msg for msg in map(unrunnable, chosen) if msg]
+    kinds = tuple(k for k in KINDS if k in chosen and not unrunnable(k))
+    if not kinds:
+        raise ValueError(f"no fault kind left to run ({'; '.join(skipped) or spec})")
+    return kinds, skipped
+
+
+MAX_TRIES = 200
+"""How often a kind that has not run yet is tried again before the campaign gives up on it
+(and says so in ``problems``)."""
+
+
+class Campaign(ScenarioFaults):
     """A whole campaign against one service (see :mod:`ctxmem_tools.chaos`)."""
 
-    # -- the campaign -------------------------------------------------------------------
-    def schedule(self, n: int, device_frac: float, crash_frac: float) -> Iterator[str]:
-        first = list(KINDS)
-        self.rng.shuffle(first)
-        for i in range(n):
-            if i < len(first):
-                yield first[i]
-                continue
-            r = self.rng.random()
-            if r < crash_frac:
-                yield self.rng.choice(CRASH)
-            elif r < crash_frac + device_frac:
-                yield self.rng.choice(DEVICE)
-            else:
-                yield self.rng.choice(CORRUPTION)
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    skipped: tuple[str, ...] = ()  # why a selected kind cannot run here
 
-    def run(self, n: int, device_frac: float, crash_frac: float, progress: bool) -> None:
+    # -- the campaign -------------------------------------------------------------------
+    def schedule(self, n: int, fractions: dict[str, float]) -> Iterator[str]:
+        """``n`` kinds to inject: first every selected kind once, in seeded order (so each
+        is scheduled whatever the seed), then draws by group (``fractions`` of crashes,
+        device faults and scenarios; corruption takes the rest)."""
+        first = list(self.kinds)
+        self.rng.shuffle(first)
+        yield from first[:n]
+        groups = [(fractions.get(name, 0.0), [k for k in group if k in self.kinds])
+                  for name, group in (("crash", CRASH), ("device", DEVICE),
+                                      ("scenario", SCENARIO))]
+        rest = [k for k in CORRUPTION if k in self.kinds]
+        for _ in range(n - len(first)):
+            r = self.rng.random()
+            for frac, kinds in groups:
+                if r < frac and kinds:
+                    yield self.rng.choice(kinds)
+                    break
+                r -= frac
+            else:
+                yield self.rng.choice(rest or [k for _f, g in groups for k in g])
+
+    def run(self, n: int, fractions: dict[str, float], progress: bool) -> None:
         if not self.start():
             raise RuntimeError("the service did not start")
         t0 = time.monotonic()
         pending: list[str] = []
-        planned = list(self.schedule(n, device_frac, crash_frac))
+        planned = list(self.schedule(n, fractions))
         last_report = 0
         i = 0
         stuck = 0
         tries: Counter[str] = Counter()
-        while self.st.faults_injected < n:
+
+        def never_ran() -> list[str]:
+            return [k for k in self.kinds
+                    if not self.st.faults_by_kind[k] and tries[k] <= MAX_TRIES]
+
+        while self.st.faults_injected < n or never_ran():
             if i >= len(planned):  # some faults could not be applied: draw more
-                planned += list(self.schedule(n - self.st.faults_injected + len(KINDS),
-                                              device_frac, crash_frac))[len(KINDS):]
+                more = list(self.schedule(max(1, n - self.st.faults_injected) + len(self.kinds),
+                                          fractions))[len(self.kinds):]
+                planned += never_ran() + more
             kind = planned[i]
             i += 1
             if kind in CORRUPTION:
@@ -77,14 +135,23 @@ class Campaign(FaultInjector):
             else:
                 self.workload_round()
                 self.events.append(kind)
-                done = int(self.device_fault(kind) if kind in DEVICE else self.crash_fault(kind))
+                if kind in DEVICE:
+                    done = int(self.device_fault(kind))
+                elif kind in CRASH:
+                    done = int(self.crash_fault(kind))
+                else:
+                    done = int(self.scenario_fault(kind))
                 if done:
                     self.st.faults_by_kind[kind] += 1
                 retry = [] if done else [kind]
             for k in retry:  # not applicable right now (e.g. nothing deleted yet): later
                 tries[k] += 1
-                if tries[k] <= 20 and not self.st.faults_by_kind[k]:
-                    planned.insert(min(len(planned), i + 5), k)
+                if not self.st.faults_by_kind[k]:  # every kind runs once: retry until then
+                    if tries[k] <= MAX_TRIES:
+                        planned.insert(min(len(planned), i + 2), k)
+                    elif tries[k] == MAX_TRIES + 1:
+                        self.st.problems.append(f"{k}: could not be applied in {MAX_TRIES} "
+                                                "tries")
             if not self.alive():  # died outside a fault: that is a bug, but keep going
                 self.st.problems.append(f"the service died outside a fault (after {kind})")
                 self.crashed()
@@ -138,12 +205,10 @@ class Campaign(FaultInjector):
             "powercut_writes_dropped": st.powercut_writes_dropped,
             "leak_checks": st.leak_checks,
             "op_errors": st.op_errors,
-            "service": {
-                "integrity_failures": st.service_integrity_failures,
-                "flash_device_failures": st.service_flash_device_failures,
-                "flash_device_recoveries": st.service_flash_device_recoveries,
-                "evictions_flash": st.service_evictions_flash,
-            },
+            "kinds": list(self.kinds),
+            "kinds_skipped": list(self.skipped),
+            "kind_failures": {k: st.kind_failures[k] for k in SCENARIO if k in self.kinds},
+            "service": {name: st.service[name] for name in SERVICE_COUNTERS},
             "check": {
                 "before_repair_errors": self.check_before.get("errors"),
                 "repaired": self.check_repair.get("repaired"),
@@ -155,6 +220,7 @@ class Campaign(FaultInjector):
         }
         out["passed"] = (st.wrong_blocks == 0 and st.durable_blocks_lost == 0
                          and st.resurrected_blocks == 0 and st.space_leak_bytes == 0
+                         and not sum(st.kind_failures.values())
                          and bool(out["check_after_repair_clean"]))
         return out
 
@@ -175,31 +241,50 @@ def run_check(config: str, extra: list[str]) -> dict[str, Any]:
 
 def run_campaign(faults: int, seed: int, workdir: Path | None = None, device_frac: float = 0.05,
                  crash_frac: float = 0.02, block: int = 16384, working_set: int = 1200,
-                 progress: bool = False, keep: bool = False) -> dict[str, Any]:
-    """Run a campaign; returns the report (also what ``--json`` writes)."""
+                 progress: bool = False, keep: bool = False, kinds: str = "",
+                 scenario_frac: float = 0.002, write_policy: str = "write_back",
+                 allocation_ttl_s: float | None = None) -> dict[str, Any]:
+    """Run a campaign; returns the report (also what ``--json`` writes). ``kinds`` selects
+    fault kinds (:func:`select_kinds`; default :data:`DEFAULT_KINDS`)."""
+    selected, skipped = select_kinds(kinds or ",".join(DEFAULT_KINDS))
+    if progress:
+        for msg in skipped:
+            print(f"ctxmem chaos: skipped: {msg}", flush=True)
+    if allocation_ttl_s is None:  # a stalled client must outlive its allocation quickly
+        allocation_ttl_s = 2.0 if "stalled_client" in selected else 30.0
     base = workdir or Path(tempfile.mkdtemp(prefix="ctxmem-chaos-", dir="/var/tmp"))
     base.mkdir(parents=True, exist_ok=True)
+    flash_fs = base / "fs" if "full_filesystem" in selected else None
+    if flash_fs is not None:  # the two 64 MiB flash files and a little room
+        mount_tmpfs(flash_fs, 2 * 64 * 2**20 + 8 * 2**20)
     env = {ENV_CTL: str(base / "faults.json"), ENV_JOURNAL: "1",
            "CTXMEM_FLASH_PROBE_INTERVAL_S": "0.05", "CTXMEM_FLASH_SLOW_IO_S": "1.0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    camp = Campaign(base, seed, block, progress, working_set)
-    t0 = time.monotonic()
     try:
-        camp.run(faults, device_frac, crash_frac, progress)
-        report = camp.report(time.monotonic() - t0)
-    except BaseException:
-        print(f"ctxmem chaos: failed; service log:\n{camp.svc.log()}", file=sys.stderr)
-        raise
+        camp = Campaign(base, seed, block, progress, working_set, flash_dir=flash_fs,
+                        write_policy=write_policy, allocation_ttl_s=allocation_ttl_s)
+        camp.kinds, camp.skipped, camp.flash_fs = selected, tuple(skipped), flash_fs
+        t0 = time.monotonic()
+        try:
+            camp.run(faults, {"crash": crash_frac, "device": device_frac,
+                              "scenario": scenario_frac}, progress)
+            report = camp.report(time.monotonic() - t0)
+        except BaseException:
+            print(f"ctxmem chaos: failed; service log:\n{camp.svc.log()}", file=sys.stderr)
+            raise
+        finally:
+            camp.svc.kill()
+            if camp.client is not None:
+                camp.client.close()
     finally:
-        camp.svc.kill()
-        if camp.client is not None:
-            camp.client.close()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        if flash_fs is not None:
+            unmount(flash_fs)
         if not keep and workdir is None:
             shutil.rmtree(base, ignore_errors=True)
     report["workdir"] = str(base) if keep or workdir is not None else ""

@@ -10,7 +10,7 @@ import random
 import sys
 from pathlib import Path
 
-from ctxmem_tools.chaos.campaign import run_campaign
+from ctxmem_tools.chaos.campaign import run_campaign, select_kinds
 
 
 def chaos_command(argv: list[str]) -> int:
@@ -27,10 +27,26 @@ def chaos_command(argv: list[str]) -> int:
                    help="share of device faults (EIO, ENOSPC, slow, flaky, swap)")
     p.add_argument("--crash-fraction", type=float, default=0.02,
                    help="share of crashes (kill -9 at fault points, power cuts, ...)")
+    p.add_argument("--scenario-fraction", type=float, default=0.002,
+                   help="share of scenario faults (stalled client, full filesystem, both "
+                        "superblocks, alias service), when selected")
+    p.add_argument("--kinds", default="",
+                   help="comma-separated fault kinds or groups (all, corruption, device, "
+                        "crash, scenario; -KIND leaves one out); default: corruption, "
+                        "device and crash kinds (the scenario kinds take seconds each)")
+    p.add_argument("--write-policy", choices=("write_back", "write_through"),
+                   default="write_back", help="the service's flash.write_policy")
+    p.add_argument("--allocation-ttl", type=float, default=None,
+                   help="the service's allocation_ttl_s (default 2 s with stalled_client "
+                        "selected, else 30 s)")
     p.add_argument("--block-size", type=int, default=16384)
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
+    try:
+        select_kinds(args.kinds or "corruption,device,crash")
+    except ValueError as exc:
+        p.error(str(exc))
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     if not args.quiet:
         print(f"ctxmem chaos: {args.faults} faults, seed {seed}", flush=True)
@@ -41,7 +57,10 @@ def chaos_command(argv: list[str]) -> int:
     try:
         report = run_campaign(args.faults, seed, Path(args.workdir) if args.workdir else None,
                               args.device_fraction, args.crash_fraction, args.block_size,
-                              progress=not args.quiet, keep=args.keep)
+                              progress=not args.quiet, keep=args.keep, kinds=args.kinds,
+                              scenario_frac=args.scenario_fraction,
+                              write_policy=args.write_policy,
+                              allocation_ttl_s=args.allocation_ttl)
     finally:
         shim_log.setLevel(level)
     summary = {k: report[k] for k in ("faults_injected", "blocks_committed", "blocks_served",
@@ -50,6 +69,9 @@ def chaos_command(argv: list[str]) -> int:
                                       "space_leak_bytes", "check_after_repair_clean",
                                       "restarts", "duration_s", "passed")}
     print(json.dumps(summary, indent=2))
+    for kind, n in report["kind_failures"].items():
+        print(f"{kind}: {'FAILED, ' + str(n) + ' failures' if n else 'passed'}",
+              file=sys.stderr)
     for line in report["problems"]:
         print(f"problem: {line}", file=sys.stderr)
     if args.json:

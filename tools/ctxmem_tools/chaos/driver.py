@@ -18,20 +18,15 @@ import numpy as np
 
 from ctxmem.client import Client, Namespace
 from ctxmem_common.faultpoints import DEVICE_OPS, POWERCUT_DROPPED, read_ack, write_control
-from ctxmem_common.flash_format import (
-    SECTOR,
-    SlabHeader,
-    parse_header_columns,
-    slab_base,
-)
+from ctxmem_common.flash_format import SECTOR, FlashReader, max_table_slots
 from ctxmem_common.layout import KVLayout
 from ctxmem_tools.chaos.records import (
     IO_ERRORS,
+    SERVICE_COUNTERS,
     TENANTS,
     Files,
     Key,
     Stats,
-    scan_file,
 )
 from ctxmem_tools.launcher import ServiceProcess, local_config
 
@@ -49,7 +44,8 @@ class ServiceDriver:
     """The service under test, its fault controls and the key model."""
 
     def __init__(self, workdir: Path, seed: int, block: int, verbose: bool,
-                 working_set: int) -> None:
+                 working_set: int, *, flash_dir: Path | None = None,
+                 write_policy: str = "write_back", allocation_ttl_s: float = 30.0) -> None:
         self.workdir = workdir
         self.rng = random.Random(seed)
         self.seed = seed
@@ -71,11 +67,13 @@ class ServiceDriver:
         self.incarnation: dict[str, float] = {}
         self.events: deque[str] = deque(maxlen=400)
         self.ack_base: dict[str, int] = {}
-        flash = {"flash0": workdir / "flash0.img", "flash1": workdir / "flash1.img"}
+        fdir = flash_dir or workdir
+        flash = {"flash0": fdir / "flash0.img", "flash1": fdir / "flash1.img"}
         self.files = Files(flash, (block + SECTOR - 1) // SECTOR * SECTOR)
         cfg = local_config(workdir, encryption=True, dram_size="16MiB", dram_slab="4MiB",
                            flash_size="64MiB", flash_slab="4MiB", flash_path=str(flash["flash0"]),
-                           transports=["shm"], lease_ttl_s=30.0, allocation_ttl_s=30.0,
+                           transports=["shm"], lease_ttl_s=30.0,
+                           allocation_ttl_s=allocation_ttl_s, write_policy=write_policy,
                            logging={"level": os.environ.get("CTXMEM_CHAOS_LOG", "warning")})
         cfg["flash"]["devices"].append({"name": "flash1", "backend": "local",
                                         "path": str(flash["flash1"]), "size": "64MiB",
@@ -130,17 +128,19 @@ class ServiceDriver:
         self._write_ctl()
 
     def _taint_slab(self, dev: str, slab: int) -> None:
-        sb = scan_file(dev, self.files.paths[dev])[1]
-        if sb is None:
-            return
-        base = slab_base(slab, sb.slab_size)
-        if SlabHeader.unpack(self.files.read(dev, base, SECTOR).ljust(SECTOR, b"\0")):
-            self.events.append(f"slab {dev}/{slab} header intact at restart")
-            return  # the service rewrote it (scrub after a truncation): nothing is lost
-        # The slot size is unknown (the header is gone); every record in the table counts.
-        cap = (sb.slab_size - SECTOR) // (2 * SECTOR)
-        table = self.files.read(dev, base + SECTOR, cap * SECTOR)
-        cols = parse_header_columns(table, len(table) // SECTOR)
+        fd = os.open(self.files.paths[dev], os.O_RDONLY)
+        try:
+            reader = FlashReader(fd)
+            sb = reader.superblocks().current
+            if sb is None:
+                return
+            if reader.slab_header(slab, sb.slab_size) is not None:
+                self.events.append(f"slab {dev}/{slab} header intact at restart")
+                return  # the service rewrote it (scrub after a truncation): nothing is lost
+            # The slot size is unknown (the header is gone); every record in the table counts.
+            cols = reader.read_table(slab, sb.slab_size, max_table_slots(sb.slab_size))[0]
+        finally:
+            os.close(fd)
         for key in cols.key:
             self._taint(key)
         if cols.key:
@@ -170,11 +170,8 @@ class ServiceDriver:
         if not cur:
             cur = self.incarnation
         if final:
-            self.st.service_integrity_failures += int(cur.get("integrity_failures", 0))
-            self.st.service_flash_device_failures += int(cur.get("flash_device_failures", 0))
-            self.st.service_flash_device_recoveries += int(
-                cur.get("flash_device_recoveries", 0))
-            self.st.service_evictions_flash += int(cur.get("evictions_flash", 0))
+            for name in SERVICE_COUNTERS:
+                self.st.service[name] += int(cur.get(name, 0))
             self.incarnation = {}
         else:
             self.incarnation = cur

@@ -13,9 +13,9 @@ from typing import Any
 
 from ctxmem_common.faultpoints import ENV_POINTS, arm_spec
 from ctxmem_common.flash_format import (
-    DATA_START,
     REC_SIZE,
     SB_BACKUP_OFFSET,
+    SB_OFFSET,
     SECTOR,
     parse_header_columns,
     slab_base,
@@ -37,10 +37,9 @@ class FaultInjector(Workload):
     """Fault injection on top of the workload (each fault keeps the model right)."""
 
     # -- faults -------------------------------------------------------------------------
-    def _targets(self) -> list[Loc]:
+    def _targets(self, scan: list[Loc]) -> list[Loc]:
         """Records of durable, undamaged keys that are on flash only (so a get reads the
-        device), each found exactly once on the files."""
-        scan = self.files.scan()
+        device), each found exactly once on the files (``scan``)."""
         counts = Counter((loc.ns, loc.key) for loc in scan)
         flash_only: set[bytes] = set()
         for t in TENANTS:
@@ -62,7 +61,8 @@ class FaultInjector(Workload):
         miss (or, for a harmless hit, the exact bytes). Returns the kinds applied."""
         if not self.quiesce():
             return []
-        targets = self._targets()
+        scan = self.files.scan()
+        targets = self._targets(scan)
         self.rng.shuffle(targets)
         done: list[str] = []
         hit: list[Loc] = []
@@ -72,7 +72,8 @@ class FaultInjector(Workload):
             loc = targets.pop()
             if (loc.dev, loc.slab) in self.damaged_slabs or not self._still(loc):
                 continue
-            if self._corrupt(kind, loc, targets):
+            # Copies may take any record on the files (the other device's too) as source.
+            if self._corrupt(kind, loc, targets + scan):
                 self.events.append(f"{kind}@{loc.dev}/{loc.slab}/{loc.slot}/{loc.key.hex()[:8]}")
                 done.append(kind)
                 self.st.faults_by_kind[kind] += 1
@@ -122,11 +123,10 @@ class FaultInjector(Workload):
             # The slab's records stay readable until the restart, which loses them.
             return True
         elif kind == "superblock_damage":
-            off = 0 if rng.random() < 0.5 else SB_BACKUP_OFFSET
+            off = SB_OFFSET if rng.random() < 0.5 else SB_BACKUP_OFFSET
             if loc.dev in self.sb_damaged:
                 return False  # one copy per device until the restart repairs it
-            byte = f.read(loc.dev, off + 8, 1)[0]
-            f.write(loc.dev, off + 8, bytes([byte ^ 0x10]))
+            f.damage_superblock(loc.dev, (off,))
             self.sb_damaged.add(loc.dev)
             return True
         else:  # pragma: no cover
@@ -162,9 +162,9 @@ class FaultInjector(Workload):
         self.events.append(f"truncated: {len(beyond)} records cut")
         # Slab headers past the cut come back as zeros: what the service writes into those
         # slabs from now on is lost at the next restart, unless it rewrites the headers.
-        sb = scan_file(loc.dev, path)[1]
+        sb = self.files.superblock(loc.dev)
         if sb is not None:
-            first = (cut - DATA_START) // sb.slab_size + 1
+            first = (cut - slab_base(0, sb.slab_size)) // sb.slab_size + 1
             self.damaged_slabs.update((loc.dev, s) for s in range(first, sb.num_slabs))
         for t in TENANTS:
             self.get(t, [x.key for x in beyond if self.keys.get(x.key, Key("?")).tenant == t])

@@ -14,14 +14,11 @@ from ctxmem.transport.base import TransportError
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.faultpoints import POINTS
 from ctxmem_common.flash_format import (
-    SECTOR,
-    SlabHeader,
+    FlashReader,
     Superblock,
+    fit_records,
     header_offset,
-    parse_header_columns,
     payload_offset,
-    slab_base,
-    slots_per_slab,
 )
 
 CORRUPTION = ("bitflip_payload", "bitflip_header", "zero_payload_sector", "zero_header",
@@ -31,7 +28,6 @@ DEVICE = ("eio_read", "eio_write", "enospc_write", "eio_sync", "slow_device", "f
           "swap_devices_live")
 CRASH = ("kill_point", "powercut_point", "kill_random", "kill_rebuild", "swap_devices_restart",
          "truncate_device_restart")
-KINDS = CORRUPTION + DEVICE + CRASH
 KILL_POINTS = ("allocate.after_reserve", "commit.after_crc", "commit.after_index",
                "demote.before_write", "demote.after_payload", "demote.after_payload_sync",
                "demote.after_header", "demote.after_sync", "evict.after_demote",
@@ -87,30 +83,19 @@ def scan_file(name: str, path: Path, orphan_slot: int = 0
     uses them)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        raw = os.pread(fd, 2 * SECTOR, 0)
-        sb = Superblock.unpack(raw[:SECTOR]) or Superblock.unpack(raw[SECTOR:])
+        reader = FlashReader(fd)
+        sb = reader.superblocks().current
         if sb is None:
             return [], None, []
-        size = os.fstat(fd).st_size
         out: list[Loc] = []
         used: list[int] = []
-        for slab in range(sb.num_slabs):
-            base = slab_base(slab, sb.slab_size)
-            if base + SECTOR > size:
-                break
-            sh = SlabHeader.unpack(os.pread(fd, SECTOR, base))
-            if sh is None or sh.slots != slots_per_slab(sb.slab_size, sh.slot_size):
-                if not orphan_slot:
-                    continue
-                sh = SlabHeader(orphan_slot, slots_per_slab(sb.slab_size, orphan_slot))
-            table = os.pread(fd, sh.slots * SECTOR, base + SECTOR)
-            cols = parse_header_columns(table, len(table) // SECTOR)
-            if cols.slot:
-                used.append(slab)
-            for i, ns, key, length, _crc, seq, _enc, _ts in zip(*cols, strict=True):
-                if 0 < length <= sh.slot_size:
-                    out.append(Loc(name, path, slab, i, sh.slot_size, sb.slab_size, ns, key,
-                                   seq, length))
+        for scan in reader.walk(sb, orphan_slot_size=orphan_slot):
+            if scan.records.slot:
+                used.append(scan.slab)
+            for i, ns, key, length, _crc, seq, _enc, _ts in zip(
+                    *fit_records(scan.records, scan.slot_size), strict=True):
+                out.append(Loc(name, path, scan.slab, i, scan.slot_size, sb.slab_size, ns, key,
+                               seq, length))
         return out, sb, used
     finally:
         os.close(fd)
@@ -140,6 +125,21 @@ class Files:
         finally:
             os.close(fd)
 
+    def superblock(self, dev: str) -> Superblock | None:
+        """The superblock of ``dev`` that counts (either copy), ``None`` when both are bad."""
+        fd = os.open(self.paths[dev], os.O_RDONLY)
+        try:
+            return FlashReader(fd).superblocks().current
+        finally:
+            os.close(fd)
+
+    def damage_superblock(self, dev: str, offsets: tuple[int, ...]) -> None:
+        """Flip a bit inside the superblock copies at ``offsets`` (``SB_OFFSET``,
+        ``SB_BACKUP_OFFSET``): each then fails its CRC."""
+        for off in offsets:
+            byte = self.read(dev, off + 8, 1)[0]
+            self.write(dev, off + 8, bytes([byte ^ 0x10]))
+
     def scan(self, restart_view: bool = False) -> list[Loc]:
         """Every record the running service uses (``restart_view``: only those a restart
         would find: none in slabs whose header is damaged)."""
@@ -151,30 +151,39 @@ class Files:
         return out
 
 
+SERVICE_COUNTERS = ("integrity_failures", "flash_device_failures", "flash_device_recoveries",
+                    "evictions_flash")
+"""The service's own counters the report carries (summed over its incarnations)."""
+
+
 @dataclass
 class Stats:
+    """The campaign's counters (the report's fields of the same names)."""
+
+    # what was done to the service
     faults_injected: int = 0
+    restarts: int = 0
+    kills: int = 0
+    io_errors_injected: int = 0
+    powercut_writes_dropped: int = 0
     faults_by_kind: Counter[str] = field(default_factory=Counter)
+    # what the workload saw
     blocks_committed: int = 0
     blocks_served: int = 0
     wrong_blocks: int = 0
     blocks_lost: int = 0
     durable_blocks_lost: int = 0
+    kill_points_hit: Counter[str] = field(default_factory=Counter)
     resurrected_blocks: int = 0
     tainted_blocks: int = 0
     tainted_misses: int = 0
-    restarts: int = 0
-    kills: int = 0
-    kill_points_hit: Counter[str] = field(default_factory=Counter)
+    op_errors: int = 0
+    # per kind: the failures each found (wrong or lost blocks, an alias not refused, ...)
+    kind_failures: Counter[str] = field(default_factory=Counter)
+    # after every restart
     space_leak_bytes: int = 0
     leak_checks: int = 0
-    io_errors_injected: int = 0
-    powercut_writes_dropped: int = 0
-    op_errors: int = 0
-    service_integrity_failures: int = 0
-    service_flash_device_failures: int = 0
-    service_flash_device_recoveries: int = 0
-    service_evictions_flash: int = 0
+    service: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
 
