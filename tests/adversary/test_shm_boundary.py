@@ -225,3 +225,30 @@ def test_peer_uid_check(service_factory: Callable[..., ServiceHandle], allowed: 
         assert svc.stats()["shm_peers_refused"] == (0 if allowed else 1)
     finally:
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_unread_replies_past_the_deadline_close_the_connection(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """Replies that fit the queue but are never read: closed after the deadline."""
+    svc = service_factory(encryption=False, service={"shm_reply_queue": 100_000,
+                                                     "shm_reply_deadline_s": 0.5}, **SMALL)
+    raw = RawSession(svc.endpoint, LAYOUT, model_id="m")
+    try:
+        slot = raw.allocate(ctxmem.chain_hashes(range(16), 16)).slots[0]
+        sock, st = shm_connect(raw.health.shm_socket, raw.session_id, raw.token)
+        with sock:
+            assert st == Status.OK
+            sock.sendall(SHM_MAP.pack(b"CXSM", slot.region, slot.generation) * 2000)
+            time.sleep(1.5)  # past the deadline, reading nothing
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # drain what was sent; then end of file
+                try:
+                    if not sock.recv(65536):
+                        break
+                except ConnectionResetError:
+                    break
+            else:
+                pytest.fail("the connection that read nothing was never closed")
+        assert svc.stats()["shm_slow_readers"] == 1
+    finally:
+        raw.close()
