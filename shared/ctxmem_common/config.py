@@ -63,6 +63,17 @@ class ServiceConfig:
     # Tenants and their tokens. Empty: tenants are named by clients (single trust domain,
     # e.g. one host). Non-empty: Connect must present the tenant's token.
     tenant_tokens: dict[str, str] = field(default_factory=dict)
+    # Shared-memory socket (issue 12). MAP replies (each carries a slab fd) queued per
+    # connection while the client is not reading; a connection whose queue overflows, or
+    # that reads none of it for shm_reply_deadline_s, is disconnected so it can never
+    # block the service.
+    shm_reply_queue: int = 64
+    shm_reply_deadline_s: float = 5.0
+    # Peer credentials (SO_PEERCRED) allowed on the shared-memory socket: a peer whose uid
+    # is in shm_allowed_uids or whose gid is in shm_allowed_gids. Both empty: any process
+    # that can open the socket file (its mode, 0660, is then the only gate).
+    shm_allowed_uids: list[int] = field(default_factory=list)
+    shm_allowed_gids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -303,6 +314,11 @@ def _check(cfg: Config) -> None:
         raise ConfigError("service.shm_socket: required when 'shm' is in service.transports")
     if cfg.service.lease_ttl_s <= 0 or cfg.service.allocation_ttl_s <= 0:
         raise ConfigError("service.lease_ttl_s and allocation_ttl_s must be > 0")
+    if cfg.service.shm_reply_queue < 1:
+        raise ConfigError("service.shm_reply_queue: must be >= 1 (MAP replies pending per "
+                          "shared-memory connection)")
+    if cfg.service.shm_reply_deadline_s <= 0:
+        raise ConfigError("service.shm_reply_deadline_s: must be > 0")
     if not 0.0 <= cfg.eviction.protected_fraction <= 1.0:
         raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
     if cfg.eviction.protect_after_hits < 1:

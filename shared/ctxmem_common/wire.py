@@ -47,13 +47,16 @@ class Status(enum.IntEnum):
     EXPIRED = 4
     STALE = 5
     WRONG_LENGTH = 6
+    PEER_NOT_ALLOWED = 7
 
 
 STATUS_TEXT = {
     Status.BAD_REQUEST: "malformed data-plane request",
     Status.UNAUTHENTICATED: "unknown session or wrong session token (service restarted?)",
-    Status.DENIED: "the region or slot does not belong to this session's tenant",
+    Status.DENIED: "the region or slot does not belong to a namespace this session has open",
     Status.EXPIRED: "allocation or lease expired or unknown",
     Status.STALE: "region generation changed (the slab was recycled)",
     Status.WRONG_LENGTH: "payload length differs from the slot's block size",
+    Status.PEER_NOT_ALLOWED: "this process's uid/gid is not allowed on the shared-memory "
+                             "socket (service.shm_allowed_uids / shm_allowed_gids)",
 }

@@ -26,6 +26,14 @@ from ctxmem_dpu.tiers.flash import Extent
 Demote = Callable[[list[Block]], Awaitable[None]]
 
 
+def slab_owner(ns: Namespace) -> tuple[str, bytes]:
+    """The DRAM slab owner of ``ns``'s blocks: the namespace, not just its tenant, so two
+    namespaces (e.g. differing only in ``cache_salt``) never share a slab, and the
+    shared-memory transport grants a slab's fd only to sessions with that namespace open.
+    """
+    return (ns.tenant, ns.digest)
+
+
 class Placement:
     """Finds room in DRAM and on flash."""
 
@@ -41,11 +49,12 @@ class Placement:
         return self._ctx.dram.num_slabs * (self._ctx.cfg.dram.slab_size // slot_size)
 
     async def reserve_dram(self, ns: Namespace, n: int, demote: Demote) -> list[SlotRef]:
-        """``n`` DRAM slots for ``ns``, evicting (``demote`` first if needed) to make room."""
+        """``n`` DRAM slots for ``ns`` (in slabs of ``ns`` alone), evicting (``demote``
+        first if needed) to make room."""
         if n == 0:
             return []
         dram, cfg = self._ctx.dram, self._ctx.cfg
-        refs = dram.allocate(ns.slot_size, n, ns.tenant)
+        refs = dram.allocate(ns.slot_size, n, slab_owner(ns))
         if refs is not None:
             return refs
         capacity = self.dram_capacity(ns.slot_size)
@@ -71,7 +80,7 @@ class Placement:
                     if b in self._index.dirty:
                         self._ctx.counters["dirty_dropped"] += 1
                     self.drop_dram(b)
-                refs = dram.allocate(ns.slot_size, n, ns.tenant)
+                refs = dram.allocate(ns.slot_size, n, slab_owner(ns))
                 if refs is not None:
                     return refs
             if not need_demote:
@@ -80,7 +89,7 @@ class Placement:
             for b in need_demote:
                 if b.dram is not None and b.flash is not None and b.pins == 0 and b.io is None:
                     self.drop_dram(b)
-            refs = dram.allocate(ns.slot_size, n, ns.tenant)
+            refs = dram.allocate(ns.slot_size, n, slab_owner(ns))
             if refs is not None:
                 return refs
         self._ctx.counters["dram_full"] += 1

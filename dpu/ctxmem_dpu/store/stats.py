@@ -20,7 +20,7 @@ COUNTERS = (
     "flash_read_errors", "flash_write_errors", "flash_device_failures", "flash_full",
     "dram_full", "expired_allocations", "expired_leases", "recovered_blocks",
     "recovery_seconds_x1e6", "quarantined_extents", "dirty_dropped", "flash_device_recoveries",
-    "flash_device_reopened",
+    "flash_device_reopened", "shm_slow_readers", "shm_peers_refused",
 )
 
 

@@ -2,15 +2,23 @@
 
 Why one memfd per slab rather than one big region: the shared-memory transport gives a
 client the *fd* of a slab so it can copy straight into and out of its slots. A slab is
-only ever assigned to one tenant (the allocator's class includes the tenant), so handing
-out its fd never exposes another tenant's bytes. When a slab empties it is dropped and a
-fresh memfd (with a higher ``generation``) backs it the next time; a client still mapping
-the old one keeps private, detached pages and never sees the new tenant's data.
+only ever assigned to one *owner* at a time (the allocator's class includes it): the
+store's owner is a namespace, ``(tenant, namespace digest)``, so handing out a slab's fd
+never exposes another tenant's bytes, nor another namespace's of the same tenant (the
+``cache_salt`` separation). When a slab goes to another owner a fresh memfd (with a higher
+``generation``) backs it; a client still mapping the old one keeps private, detached pages
+and never sees the new owner's data.
+
+Every memfd is sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) before any fd of it
+leaves the service: a client holding the fd cannot resize it (ftruncate gets EPERM), so
+the service's own mapping can never lose its pages under it (SIGBUS would kill the
+service). A client that maps past the end faults only itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 from collections.abc import Callable, Hashable
@@ -19,6 +27,20 @@ from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
 from ctxmem_dpu.tiers.base import Tier
 
 PAGE = 4096
+
+# The seals every slab carries before its fd is handed out: no shrink, no grow, no
+# removing them.
+SLAB_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+# Who a slab belongs to: a tenant name (tests, tools) or (tenant, namespace digest).
+Owner = str | tuple[str, bytes] | None
+
+
+def owner_tenant(owner: object) -> str | None:
+    """The tenant of a slab owner (a tenant name, or a (tenant, digest) namespace)."""
+    if isinstance(owner, tuple):
+        return str(owner[0])
+    return owner if isinstance(owner, str) else None
 
 
 def round_up(n: int, align: int = PAGE) -> int:
@@ -32,9 +54,11 @@ class DramRegion:
         self.slab_id = slab_id
         self.size = size
         self.generation = generation
-        self.fd = os.memfd_create(f"ctxmem-slab-{slab_id}-g{generation}", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(f"ctxmem-slab-{slab_id}-g{generation}",
+                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SLAB_SEALS)
             # MAP_POPULATE: fault the whole slab in once, here, instead of one page fault
             # per 4 KiB on the first put into each slot (measured: it halved put time).
             self.mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE,
@@ -53,7 +77,7 @@ class DramRegion:
 
 
 class DramTier(Tier[SlotRef]):
-    """The DRAM tier: ``size // slab_size`` slabs, each assigned to one class (tenant,
+    """The DRAM tier: ``size // slab_size`` slabs, each assigned to one class (owner,
     slot size) at a time and backed by its own :class:`DramRegion` while assigned.
     ``prefault``: create and fault in every slab's memory up front."""
 
@@ -61,7 +85,7 @@ class DramTier(Tier[SlotRef]):
         self.slab_size = slab_size
         self.num_slabs = size // slab_size
         self.regions: dict[int, DramRegion] = {}
-        self._idle: dict[int, tuple[object, DramRegion]] = {}  # released slab -> (tenant, memory)
+        self._idle: dict[int, tuple[object, DramRegion]] = {}  # released slab -> (owner, memory)
         self._generations = [0] * self.num_slabs
         self.alloc = SlabAllocator(
             self.num_slabs,
@@ -70,21 +94,21 @@ class DramTier(Tier[SlotRef]):
             on_release=self._release,
         )
         # RDMA (issue 3): called with (slab_id, generation) just before a slab's memory is
-        # unmapped to go to another tenant, so memory regions over it are deregistered first.
+        # unmapped to go to another owner, so memory regions over it are deregistered first.
         self.on_retire: list[Callable[[int, int], None]] = []
         if prefault:
-            # Allocate and fault in the whole tier now (tenant None: never seen by anyone),
+            # Allocate and fault in the whole tier now (owner None: never seen by anyone),
             # so no request pays for zeroing fresh pages.
             for i in range(self.num_slabs):
                 self._generations[i] = 1
                 self._idle[i] = (None, DramRegion(i, slab_size, 1))
 
     def _assign(self, slab: Slab) -> None:
-        tenant = slab.klass[0] if isinstance(slab.klass, tuple) else None
+        owner = self._owner(slab.klass)
         kept = self._idle.pop(slab.id, None)
-        if kept is not None and kept[0] in (tenant, None):
-            # Same tenant as before: reuse the memory (already faulted in, and clients'
-            # mappings of this generation stay valid; no other tenant ever saw it).
+        if kept is not None and kept[0] in (owner, None):
+            # Same owner as before: reuse the memory (already faulted in, and clients'
+            # mappings of this generation stay valid; no other owner ever saw it).
             self.regions[slab.id] = kept[1]
             return
         if kept is not None:
@@ -97,19 +121,23 @@ class DramTier(Tier[SlotRef]):
     def _release(self, slab: Slab) -> None:
         region = self.regions.pop(slab.id, None)
         if region is not None:
-            # Keep the memory for this tenant until another tenant needs the slab; its
+            # Keep the memory for this owner until another owner needs the slab; its
             # generation bumps then, so no mapping of the old memory is ever reused.
-            tenant = slab.klass[0] if isinstance(slab.klass, tuple) else None
-            self._idle[slab.id] = (tenant, region)
+            self._idle[slab.id] = (self._owner(slab.klass), region)
 
-    def allocate(self, slot_size: int, n: int, owner: str | None = None
+    def allocate(self, slot_size: int, n: int, owner: Owner = None
                  ) -> list[SlotRef] | None:
-        """``n`` slots of ``slot_size`` in slabs of ``owner`` (the tenant), all or nothing."""
+        """``n`` slots of ``slot_size`` in slabs of ``owner`` (a namespace, ``(tenant,
+        digest)``, or a tenant name), all or nothing."""
         return self.alloc.allocate(self.klass(owner, slot_size), slot_size, n)
 
     @staticmethod
-    def klass(tenant: str | None, slot_size: int) -> Hashable:
-        return (tenant, slot_size)
+    def klass(owner: Owner, slot_size: int) -> Hashable:
+        return (owner, slot_size)
+
+    @staticmethod
+    def _owner(klass: object) -> object:
+        return klass[0] if isinstance(klass, tuple) else None
 
     def free(self, slot: SlotRef) -> None:
         self.alloc.free(slot)
@@ -134,9 +162,13 @@ class DramTier(Tier[SlotRef]):
     def generation(self, slab_id: int) -> int:
         return self._generations[slab_id]
 
+    def region_owner(self, slab_id: int) -> object:
+        """The slab's owner now (None when unassigned): what a MAP is checked against."""
+        return self._owner(self.alloc.slabs[slab_id].klass)
+
     def region_tenant(self, slab_id: int) -> str | None:
-        klass = self.alloc.slabs[slab_id].klass
-        return klass[0] if isinstance(klass, tuple) else None
+        """The tenant the slab's owner belongs to (RDMA checks, stats by tenant)."""
+        return owner_tenant(self.region_owner(slab_id))
 
     def used_bytes(self) -> int:
         return sum(s.used * s.slot_size for s in self.alloc.slabs)
@@ -144,7 +176,7 @@ class DramTier(Tier[SlotRef]):
     def close(self) -> None:
         for region in self.regions.values():
             region.close()
-        for _tenant, region in self._idle.values():
+        for _owner, region in self._idle.values():
             region.close()
         self.regions.clear()
         self._idle.clear()

@@ -1,27 +1,141 @@
-"""Shared-memory transport: give same-host clients the memfds of their tenant's slabs.
+"""Shared-memory transport: give same-host clients the memfds of their namespaces' slabs.
 
 The client copies straight into and out of the slots Allocate and Acquire name; the
-service only checks, on every MAP, that the region currently belongs to the session's
-tenant and is of the generation asked for. Bytes never cross this socket.
+service only checks, on every MAP, that the region currently belongs to a namespace the
+session has open and is of the generation asked for. Bytes never cross this socket.
+
+The socket is shared by clients that do not trust each other, so (issue 12):
+
+* the slab memfds are sealed against resizing (:mod:`ctxmem_dpu.tiers.dram`);
+* a reply is never sent with a blocking call: each connection has a bounded queue of MAP
+  replies, flushed with non-blocking ``sendmsg`` (SCM_RIGHTS); a client that lets it
+  overflow (``service.shm_reply_queue``) or reads nothing of it for
+  ``service.shm_reply_deadline_s`` is disconnected, logged and counted
+  (``shm_slow_readers``), and every other connection is served meanwhile;
+* with ``service.shm_allowed_uids`` / ``shm_allowed_gids`` set, a peer whose SO_PEERCRED
+  uid and gid are in neither list is answered PEER_NOT_ALLOWED at accept and closed
+  (``shm_peers_refused``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
+import struct
+from collections import deque
 from typing import TYPE_CHECKING
 
-from ctxmem_common.wire import SHM_HELLO, SHM_MAP, SHM_MAP_REPLY, SHM_STATUS, Status
+from ctxmem_common.wire import (
+    SHM_HELLO,
+    SHM_MAP,
+    SHM_MAP_REPLY,
+    SHM_STATUS,
+    Status,
+)
+from ctxmem_dpu.store.placement import slab_owner
 from ctxmem_dpu.transport.socket_server import SocketDataServer, recv_exact
 
 if TYPE_CHECKING:
+    from ctxmem_dpu.blocks import Session
     from ctxmem_dpu.store import BlockStore
+    from ctxmem_dpu.tiers.dram import DramTier
 
-__all__ = ["ShmServer"]
+__all__ = ["ShmServer", "SlowReader"]
+
+log = logging.getLogger(__name__)
 
 _recv_exact = recv_exact  # the name this module always had
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_REFUSED_HELLO_WAIT_S = 1.0  # how long a refused peer's hello is waited for
+
+
+class SlowReader(ConnectionError):
+    """A client did not read its MAP replies (queue overflow or deadline): disconnect."""
+
+
+class _Replies:
+    """One connection's MAP replies, sent without ever blocking the event loop.
+
+    A queued reply names its region and generation, not an fd: the fd is looked up when
+    the reply is actually sent, and if the slab changed hands meanwhile the client gets
+    STALE instead (a slab's fd is never held open for a client that is not reading).
+    """
+
+    def __init__(self, conn: socket.socket, dram: DramTier, limit: int,
+                 deadline_s: float) -> None:
+        self._conn = conn
+        self._dram = dram
+        self._limit = limit
+        self._deadline_s = deadline_s
+        self._queue: deque[tuple[int, int, int]] = deque()  # (status, region, generation)
+        self._wake = asyncio.Event()
+
+    def push(self, status: Status, region: int = 0, generation: int = 0) -> None:
+        """Queue a reply; SlowReader when ``limit`` replies are already waiting."""
+        if len(self._queue) >= self._limit:
+            raise SlowReader(f"{len(self._queue)} MAP replies unread "
+                             f"(service.shm_reply_queue={self._limit})")
+        self._queue.append((status, region, generation))
+        self._wake.set()
+
+    def _message(self, status: int, region: int, generation: int) -> tuple[bytes, list[int]]:
+        """The reply's bytes and the fd it carries (none unless OK and still current)."""
+        r = self._dram.regions.get(region) if status == Status.OK else None
+        if status == Status.OK and (r is None or r.generation != generation):
+            status = Status.STALE  # recycled while the reply waited
+        if status != Status.OK or r is None:
+            return SHM_MAP_REPLY.pack(b"CXSR", status, 0, 0), []
+        return SHM_MAP_REPLY.pack(b"CXSR", Status.OK, r.generation, r.size), [r.fd]
+
+    async def run(self) -> None:
+        """Send queued replies until cancelled; SlowReader when none of the pending bytes
+        could be sent for ``deadline_s``."""
+        loop = asyncio.get_running_loop()
+        pending = b""  # the tail of a reply whose first bytes (and fd) are sent
+        while True:
+            if not pending and not self._queue:
+                self._wake.clear()
+                await self._wake.wait()  # idle: the client has asked for nothing
+                continue
+            if not pending:
+                # Built at each try: the fd is looked up when it can actually be sent.
+                msg, fds = self._message(*self._queue[0])
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                        struct.pack(f"{len(fds)}i", *fds))] if fds else []
+                try:
+                    sent = self._conn.sendmsg([msg], anc)
+                except BlockingIOError:
+                    await self._writable(loop)
+                    continue
+                self._queue.popleft()
+                pending = msg[sent:]  # the fd went with the first byte
+                continue
+            try:
+                sent = self._conn.send(pending)
+            except BlockingIOError:
+                await self._writable(loop)
+                continue
+            pending = pending[sent:]
+
+    async def _writable(self, loop: asyncio.AbstractEventLoop) -> None:
+        fd = self._conn.fileno()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_writer(fd, wake)
+        try:
+            await asyncio.wait_for(ready, self._deadline_s)
+        except TimeoutError:
+            raise SlowReader(f"no MAP reply read for {self._deadline_s:g} s "
+                             f"(service.shm_reply_deadline_s)") from None
+        finally:
+            loop.remove_writer(fd)
 
 
 class ShmServer(SocketDataServer):
@@ -55,36 +169,79 @@ class ShmServer(SocketDataServer):
         return sock
 
     async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+        if not await self._peer_allowed(conn):
+            return
         s = await self._hello(conn, SHM_HELLO, b"CXS1",
                               lambda status: SHM_STATUS.pack(b"CXSA", status))
         if s is None:
             return
-        session_id = s.id
+        cfg = self.store.cfg.service
+        replies = _Replies(conn, self.store.dram, cfg.shm_reply_queue, cfg.shm_reply_deadline_s)
+        reader = asyncio.create_task(self._maps(conn, s, replies))
+        writer = asyncio.create_task(replies.run())
+        try:
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # the error that ended the connection, if any
+        except SlowReader as exc:
+            self.store.counters["shm_slow_readers"] += 1
+            log.warning("shared-memory connection of session %d (tenant %r) closed: %s; a "
+                        "client must read each MAP reply before it sends many more",
+                        s.id, s.tenant, exc)
+        finally:
+            for t in (reader, writer):
+                t.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+
+    async def _maps(self, conn: socket.socket, s: Session, replies: _Replies) -> None:
+        """Read MAP requests and queue their answers (never waits on the client reading)."""
+        loop = asyncio.get_running_loop()
+        dram = self.store.dram
         while True:
             magic, region, generation = SHM_MAP.unpack(
                 await recv_exact(loop, conn, SHM_MAP.size))
-            dram = self.store.dram
             status = Status.OK
             if magic != b"CXSM" or not 0 <= region < dram.num_slabs:
                 status = Status.BAD_REQUEST
-            elif session_id not in self.store.sessions:
+            elif s.id not in self.store.sessions:
                 status = Status.UNAUTHENTICATED
-            elif dram.region_tenant(region) != s.tenant or region not in dram.regions:
+            elif region not in dram.regions or not self._may_map(s, dram.region_owner(region)):
                 status = Status.DENIED
             elif dram.generation(region) != generation:
                 status = Status.STALE
-            if status != Status.OK:
-                await loop.sock_sendall(conn, SHM_MAP_REPLY.pack(b"CXSR", status, 0, 0))
-                continue
-            r = dram.regions[region]
-            reply = SHM_MAP_REPLY.pack(b"CXSR", Status.OK, r.generation, r.size)
-            # sendmsg with SCM_RIGHTS: the reply is tiny, a blocking send is fine.
-            conn.setblocking(True)
-            try:
-                socket.send_fds(conn, [reply], [r.fd])
-            finally:
-                conn.setblocking(False)
+            replies.push(status, region, generation)
+
+    @staticmethod
+    def _may_map(s: Session, owner: object) -> bool:
+        """Whether ``s`` has the namespace that owns the slab open (the owner is the
+        namespace, so another namespace of the same tenant, e.g. another cache_salt, is
+        refused)."""
+        return any(slab_owner(ns) == owner for ns in s.namespaces.values())
+
+    async def _peer_allowed(self, conn: socket.socket) -> bool:
+        """Check the peer's SO_PEERCRED against service.shm_allowed_uids/gids (both empty:
+        allowed). A refused peer gets PEER_NOT_ALLOWED, after its hello is read so the
+        status reaches it, and is logged and counted."""
+        cfg = self.store.cfg.service
+        if not cfg.shm_allowed_uids and not cfg.shm_allowed_gids:
+            return True
+        pid, uid, gid = _PEERCRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        if uid in cfg.shm_allowed_uids or gid in cfg.shm_allowed_gids:
+            return True
+        self.store.counters["shm_peers_refused"] += 1
+        log.warning("shared-memory peer pid %d uid %d gid %d refused: not in "
+                    "service.shm_allowed_uids %s nor shm_allowed_gids %s", pid, uid, gid,
+                    cfg.shm_allowed_uids, cfg.shm_allowed_gids)
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(TimeoutError, OSError):
+            await asyncio.wait_for(recv_exact(loop, conn, SHM_HELLO.size),
+                                   _REFUSED_HELLO_WAIT_S)
+        with contextlib.suppress(TimeoutError, OSError):
+            await asyncio.wait_for(
+                loop.sock_sendall(conn, SHM_STATUS.pack(b"CXSA", Status.PEER_NOT_ALLOWED)),
+                _REFUSED_HELLO_WAIT_S)
+        return False
 
     async def _release(self) -> None:
         with contextlib.suppress(FileNotFoundError):
