@@ -56,10 +56,29 @@ install_python() {
 
 run_demo() {
     local workdir ready pid rc=0
-    workdir=$(mktemp -d /var/tmp/ctxmem-main.XXXXXX)
+    # A private directory (mktemp -d: mode 0700, a fresh name) for every file the demo's
+    # service uses: never a fixed path in /tmp or /var/tmp that another user could prepare.
+    # /var/tmp rather than /tmp: the flash file needs O_DIRECT, which tmpfs lacks.
+    workdir=$(mktemp -d "${CTXMEM_DEMO_TMPDIR:-/var/tmp}/ctxmem-demo.XXXXXX")
+    chmod 700 "$workdir"
     ready="$workdir/ready"
-    log "starting ctxmem serve (fallback mode, embedded default config)"
-    "$VENV/bin/ctxmem" serve --ready-file "$ready" >"$workdir/service.log" 2>&1 &
+    # The embedded default config (ctxmem serve --print-default-config), with its socket,
+    # flash file and key moved into the private directory, so the demo leaves nothing in
+    # /run/ctxmem or /var/lib/ctxmem.
+    "$VENV/bin/python" - "$workdir" <<'PY'
+import sys, yaml
+from ctxmem_common.config import default_config_yaml
+work = sys.argv[1]
+cfg = yaml.safe_load(default_config_yaml())
+cfg["service"]["shm_socket"] = f"{work}/run/data.sock"
+cfg["flash"]["devices"][0]["path"] = f"{work}/state/flash0.img"
+cfg["encryption"]["key_file"] = f"{work}/state/master.key"
+with open(f"{work}/ctxmem.yaml", "w") as f:
+    yaml.safe_dump(cfg, f, sort_keys=False)
+PY
+    log "starting ctxmem serve (fallback mode, embedded default config, files in $workdir)"
+    "$VENV/bin/ctxmem" serve --config "$workdir/ctxmem.yaml" --ready-file "$ready" \
+        >"$workdir/service.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 600); do
         [ -s "$ready" ] && break

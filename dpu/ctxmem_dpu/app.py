@@ -11,11 +11,11 @@ import asyncio
 import logging
 import signal
 import uuid
-from pathlib import Path
 from types import TracebackType
 
 import grpc
 
+from ctxmem_common import safepaths
 from ctxmem_common.config import Config
 from ctxmem_common.errors import ConfigError
 from ctxmem_common.keyfile import load_master_key
@@ -164,6 +164,7 @@ async def serve(cfg: Config, ready_file: str | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with Service(cfg) as svc:
         if ready_file:
-            Path(ready_file).write_text(f"{svc.grpc_port}\n")
+            # No link followed, no other user's file truncated (ctxmem_common.safepaths).
+            safepaths.write_ready_file(ready_file, f"{svc.grpc_port}\n")
         await stop.wait()
         log.info("shutting down")

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 
-from ctxmem_common.config import DEFAULT_CONFIG_YAML, load_config
+from ctxmem_common.config import default_config_yaml, load_config
 from ctxmem_common.errors import CtxmemError
 
 
@@ -15,11 +15,12 @@ def serve_command(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ctxmem serve", description="Run the ctxmem service.")
     p.add_argument("--config", help="YAML config file (default: the embedded default config)")
     p.add_argument("--print-default-config", action="store_true",
-                   help="print the embedded default config and exit")
+                   help="print the embedded default config, its paths resolved for this user, "
+                        "and exit")
     p.add_argument("--ready-file", help="write the gRPC port here once serving (for scripts)")
     args = p.parse_args(argv)
     if args.print_default_config:
-        print(DEFAULT_CONFIG_YAML, end="")
+        print(default_config_yaml(), end="")
         return 0
     try:
         cfg = load_config(args.config)

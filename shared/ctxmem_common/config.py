@@ -3,8 +3,12 @@
 Every key is declared here as a dataclass field; an unknown key, a wrong type or an
 invalid value raises :class:`ConfigError` naming the full key path and what is allowed,
 e.g. ``flash.write_policy: 'write-back' is not one of ['write_back', 'write_through']``.
-Sizes accept ``"64MiB"``-style strings. ``DEFAULT_CONFIG_YAML`` is the embedded default
-(fallback mode, files under ``/tmp/ctxmem``) that ``ctxmem serve`` uses without ``--config``.
+Sizes accept ``"64MiB"``-style strings. :func:`default_config_yaml` is the embedded default
+(fallback mode) that ``ctxmem serve`` uses without ``--config``: its paths are resolved
+when it is loaded, for the user loading it (:mod:`ctxmem_common.safepaths`): the socket
+under ``/run/ctxmem`` and the flash file and key under ``/var/lib/ctxmem`` as root, the
+user's XDG runtime and state directories otherwise; never ``/tmp`` or ``/var/tmp``, where
+another local user could prepare them.
 
 Flash devices' backend sections (``kernel:``, ``spdk:``) are typed too: they are built
 into :mod:`ctxmem_common.device_settings` dataclasses while the config loads, so a bad
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,6 +39,7 @@ from ctxmem_common.device_settings import (
     parse_spdk_options,
 )
 from ctxmem_common.errors import ConfigError
+from ctxmem_common.safepaths import default_runtime_dir, default_state_dir
 from ctxmem_common.units import parse_size
 
 Size = typing.NewType("Size", int)
@@ -44,7 +51,10 @@ RdmaAccess = Literal["auto", "mw", "mr"]
 class ServiceConfig:
     listen: str = "127.0.0.1:50051"
     data_listen: str = "127.0.0.1:50052"
-    shm_socket: str = "/tmp/ctxmem.d/data.sock"
+    # Unset: data.sock in the user's runtime directory (/run/ctxmem as root), resolved
+    # when the config loads; never a shared temp directory.
+    shm_socket: str = field(default_factory=lambda: default_shm_socket(),
+                            metadata={"doc_default": "RUNTIME_DIR/data.sock"})
     transports: list[Transport] = field(default_factory=lambda: ["shm", "tcp"])
     lease_ttl_s: float = 30.0
     allocation_ttl_s: float = 30.0
@@ -162,13 +172,21 @@ class Config:
         return dataclasses.replace(self, **sections)
 
 
-DEFAULT_CONFIG_YAML = """\
+def default_shm_socket() -> str:
+    """``service.shm_socket`` when unset: ``data.sock`` in :func:`default_runtime_dir`."""
+    return os.path.join(default_runtime_dir(), "data.sock")
+
+
+# The embedded default, with its paths left as {placeholders}: default_config_yaml()
+# fills them in for the user loading it.
+DEFAULT_CONFIG_TEMPLATE = """\
 # ctxmem embedded default: fallback mode on one host, 1 GiB DRAM tier, a 4 GiB flash file.
+# Paths resolved for this user: runtime {runtime_dir}, state {state_dir}.
 mode: fallback
 service:
   listen: "127.0.0.1:50051"
   data_listen: "127.0.0.1:50052"
-  shm_socket: /tmp/ctxmem.d/data.sock
+  shm_socket: {shm_socket}
   transports: [shm, tcp]
 metrics:
   listen: "127.0.0.1:9464"
@@ -181,13 +199,39 @@ flash:
   devices:
     - name: flash0
       backend: local
-      path: /var/tmp/ctxmem/flash0.img
+      path: {flash_path}
       size: 4GiB
       create: true
 encryption:
   enabled: true
-  key_file: /var/tmp/ctxmem/master.key
+  key_file: {key_file}
 """
+
+
+def default_config_yaml(euid: int | None = None, env: typing.Mapping[str, str] | None = None
+                        ) -> str:
+    """The embedded default config with its paths resolved for user ``euid`` (default: the
+    effective uid) and environment ``env`` (default: ``os.environ``): the shm socket in
+    :func:`~ctxmem_common.safepaths.default_runtime_dir` (``/run/ctxmem`` as root, else
+    ``$XDG_RUNTIME_DIR/ctxmem`` or ``/run/user/UID/ctxmem``), the flash file and master key
+    in :func:`~ctxmem_common.safepaths.default_state_dir` (``/var/lib/ctxmem`` as root,
+    else ``$XDG_STATE_HOME/ctxmem`` or ``~/.local/state/ctxmem``). This is what
+    ``ctxmem serve --print-default-config`` prints."""
+    run = default_runtime_dir(euid, env)
+    state = default_state_dir(euid, env)
+    # json.dumps: a valid YAML double-quoted scalar whatever the path holds.
+    return DEFAULT_CONFIG_TEMPLATE.format(
+        runtime_dir=run, state_dir=state,
+        shm_socket=json.dumps(os.path.join(run, "data.sock")),
+        flash_path=json.dumps(os.path.join(state, "flash0.img")),
+        key_file=json.dumps(os.path.join(state, "master.key")))
+
+
+def __getattr__(name: str) -> str:
+    # DEFAULT_CONFIG_YAML, the name this text always had: resolved on each access.
+    if name == "DEFAULT_CONFIG_YAML":
+        return default_config_yaml()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _type_name(tp: Any) -> str:
@@ -368,7 +412,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
 def load_config(path: str | Path | None = None) -> Config:
     """Load and validate a config file; ``None`` gives the embedded default."""
     if path is None:
-        return parse_config(DEFAULT_CONFIG_YAML, "<embedded default>")
+        return parse_config(default_config_yaml(), "<embedded default>")
     p = Path(path)
     try:
         text = p.read_text()
@@ -398,7 +442,9 @@ def _reference_rows(cls: type[Any], prefix: str) -> list[str]:
         if dataclasses.is_dataclass(tp):
             rows += _reference_rows(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
             continue
-        if f.default is not dataclasses.MISSING:
+        if "doc_default" in f.metadata:
+            default = f.metadata["doc_default"]
+        elif f.default is not dataclasses.MISSING:
             default = repr(f.default)
         elif f.default_factory is not dataclasses.MISSING:
             default = repr(f.default_factory())
@@ -417,7 +463,11 @@ def reference_markdown() -> str:
         "`ctxmem_common.config.reference_markdown()`; a test fails when this file is stale.",
         "Unknown keys and invalid values are errors that name the key path. Sizes accept "
         "`64MiB`-style strings. `ctxmem serve --print-default-config` prints the embedded "
-        "default.",
+        "default, its paths resolved for the user running it: RUNTIME_DIR is `/run/ctxmem` "
+        "as root, else `$XDG_RUNTIME_DIR/ctxmem` (or `/run/user/UID/ctxmem`); STATE_DIR "
+        "(flash file, master key) is `/var/lib/ctxmem` as root, else "
+        "`$XDG_STATE_HOME/ctxmem` (or `~/.local/state/ctxmem`). docs/security.md "
+        "(\"Files and paths\") says which paths the service refuses.",
         "",
         "| key | type | default |",
         "|---|---|---|",

@@ -8,6 +8,7 @@ import os
 import secrets
 from pathlib import Path
 
+from ctxmem_common import safepaths
 from ctxmem_common.config import EncryptionConfig
 from ctxmem_common.errors import ConfigError
 
@@ -31,15 +32,16 @@ def load_master_key(enc: EncryptionConfig, *, create: bool) -> bytes | None:
         source = f"environment variable {enc.key_env}"
     elif enc.key_file:
         path = Path(enc.key_file)
-        if not path.exists():
-            if not create:
-                raise ConfigError(f"encryption key file {path} does not exist")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
+        # Created and read through safepaths: no symbolic link, not another user's file,
+        # not readable or writable by group/other, in a directory only we can write.
+        fresh = secrets.token_hex(32) + "\n" if create else None
+        existed = os.path.lexists(path)
+        try:
+            raw = safepaths.open_key_file(path, create_with=fresh).strip()
+        except FileNotFoundError:
+            raise ConfigError(f"encryption key file {path} does not exist") from None
+        if create and not existed:
             log.warning("created a new encryption master key file at %s (mode 0600)", path)
-        raw = path.read_text().strip()
         source = f"key file {path}"
     else:
         raise ConfigError(

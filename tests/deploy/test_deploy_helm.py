@@ -149,7 +149,11 @@ def test_render_defaults() -> None:
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert set(m["name"] for m in c["volumeMounts"]) <= set(volumes)
-    key_volume = volumes[mounts["/etc/ctxmem/keys"]["name"]]
+    # A subPath mount: the key is a plain file, not the symbolic link a Secret volume
+    # holds (the service opens it O_NOFOLLOW).
+    key_mount = mounts["/etc/ctxmem/keys/master.key"]
+    assert key_mount["subPath"] == "master.key" and key_mount["readOnly"] is True
+    key_volume = volumes[key_mount["name"]]
     assert key_volume["secret"]["secretName"] == "ctxmem-master-key"
     config_volume = volumes[mounts["/etc/ctxmem/ctxmem.yaml"]["name"]]
     assert config_volume["configMap"]["name"] == "ctxmem-config"

@@ -54,7 +54,7 @@ def read_back(endpoint: str, ks: list[bytes]) -> list[bytes | None]:
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
                        capture_output=True, text=True)
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); CI runs as root")

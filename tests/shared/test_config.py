@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxmem_common.config import DEFAULT_CONFIG_YAML, load_config, parse_config
+from ctxmem_common.config import default_config_yaml, load_config, parse_config
 from ctxmem_common.errors import ConfigError
 
 
@@ -12,7 +12,7 @@ def test_embedded_default_is_valid() -> None:
     cfg = load_config()
     assert cfg.mode == "fallback"
     assert cfg.dram.size == 1 << 30 and cfg.flash.devices[0].size == 4 << 30
-    assert parse_config(DEFAULT_CONFIG_YAML) == cfg
+    assert parse_config(default_config_yaml()) == cfg
 
 
 @pytest.mark.parametrize(("text", "message"), [

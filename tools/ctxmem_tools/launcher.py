@@ -29,12 +29,16 @@ def local_config(workdir: Path, *, encryption: bool = True, dram_size: str = "12
                  write_policy: str = "write_back", transports: list[str] | None = None,
                  lease_ttl_s: float = 30.0, allocation_ttl_s: float = 30.0,
                  **sections: Any) -> dict[str, Any]:
-    """A fallback-mode config on loopback with files under ``workdir`` (free ports)."""
-    workdir.mkdir(parents=True, exist_ok=True)
+    """A fallback-mode config on loopback with files under ``workdir`` (free ports).
+
+    ``workdir`` should be private (pytest's ``tmp_path``, ``tempfile.mkdtemp``: mode
+    0700): the service refuses a directory others can write (ctxmem_common.safepaths)."""
+    workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     key_file = workdir / "master.key"
-    if not key_file.exists():
-        key_file.write_text(secrets.token_hex(32))
-        key_file.chmod(0o600)
+    if not key_file.exists():  # created 0600 from the start: never readable by others
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
     cfg: dict[str, Any] = {
         "mode": "fallback",
         "service": {

@@ -58,7 +58,9 @@ def probe_o_direct(path: str, device_name: str) -> int:
         StorageError: if the path cannot be opened for O_DIRECT read/write, or the
             aligned read fails.
     """
-    flags = os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)
+    # O_NOFOLLOW: the local backend has refused a link already (safepaths); this keeps a
+    # link swapped in since from being followed.
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | getattr(os, "O_DIRECT", 0)
     try:
         fd = os.open(path, flags)
     except OSError as ex:

@@ -6,6 +6,8 @@ import errno
 import os
 import stat
 
+from ctxmem_common import safepaths
+
 from .base import StorageBackend, StorageError
 from .devices import probe_o_direct
 from .spec import DeviceSpec
@@ -20,6 +22,10 @@ class LocalBackend(StorageBackend):
     With `create: true` a missing file is created sparse with the configured size, and an
     existing smaller file is grown (never shrunk). Detaching never deletes the file: it
     holds the blocks that must survive a restart.
+
+    The path goes through :mod:`ctxmem_common.safepaths`: a symbolic link or another
+    user's file is refused, a missing directory is created 0700 and an existing one
+    another user owns or can write is refused, and files are opened ``O_NOFOLLOW``.
     """
 
     def __init__(self, spec: DeviceSpec) -> None:
@@ -31,8 +37,9 @@ class LocalBackend(StorageBackend):
     def attach(self, timeout_s: float = 30.0) -> str:
         # docstring inherited
         path = self._file_path
+        safepaths.check_flash_path(path, self.spec.name)  # no link, not another user's file
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             st = self._create_missing(path)
         except OSError as ex:
@@ -85,17 +92,23 @@ class LocalBackend(StorageBackend):
                 errno=errno.ENOENT,
             )
         parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
-            raise StorageError(
-                f"device {self.spec.name!r}: cannot create {path}: directory {parent} "
-                "does not exist",
-                f"create the directory first (mkdir -p {parent})",
-                errno=errno.ENOENT,
-            )
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            # Created 0700 if absent; refused if another user owns it or can write it
+            # (they could swap the file for a link to one of root's between our calls).
+            safepaths.ensure_dir(parent, what=f"flash device {self.spec.name!r}: directory")
+        except OSError as ex:
+            raise StorageError(
+                f"device {self.spec.name!r}: cannot create directory {parent} for {path}: "
+                f"[errno {ex.errno}] {ex.strerror}",
+                f"create it (install -d -m 0700 {parent}) as the service's user",
+                errno=ex.errno,
+            ) from ex
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                         | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
-            return os.stat(path)  # created concurrently; use it
+            safepaths.check_flash_path(path, self.spec.name)  # created concurrently: check it
+            return os.lstat(path)
         except OSError as ex:
             raise StorageError(
                 f"device {self.spec.name!r}: cannot create {path}: [errno {ex.errno}] "
@@ -122,7 +135,11 @@ class LocalBackend(StorageBackend):
         if size is None or current >= size or not self.spec.create:
             return  # a too-small file without create: true is reported by _usable_size
         try:
-            os.truncate(path, size)
+            fd = safepaths.open_nofollow(path, os.O_WRONLY, f"flash device {self.spec.name!r}:")
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
         except OSError as ex:
             raise StorageError(
                 f"device {self.spec.name!r}: cannot grow {path} from {format_size(current)} "

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from ctxmem_common import safepaths
 from ctxmem_common.flash_format import SECTOR, BufferPool
 from ctxmem_dpu import faults
 
@@ -85,8 +86,12 @@ class DeviceFile:
         # Descriptors replaced by reopen(): kept open until close(), since an I/O thread
         # may still be blocked on one, and a closed number could be reused under it.
         self._retired_fds: list[int] = []
-        self._flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if o_direct else 0)
+        # O_NOFOLLOW, and check_flash_path first: a symbolic link or another user's file
+        # at the flash path is refused (issue 12; ctxmem_common.safepaths).
+        self._flags = (os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+                       | (os.O_DIRECT if o_direct else 0))
         self.slow_ios = 0  # device calls slower than SLOW_IO_S (the store reads this)
+        safepaths.check_flash_path(path, name)
         try:
             self.fd = os.open(path, self._flags)
         except OSError as exc:
@@ -174,6 +179,7 @@ class DeviceFile:
     def open_other(self, path: str) -> int:
         """Open (and lock, as this device is) ``path`` with this device's flags, for
         :meth:`replace_fd`; raises FlashIOError."""
+        safepaths.check_flash_path(path, self.name)
         try:
             fd = os.open(path, self._flags)
         except OSError as exc:

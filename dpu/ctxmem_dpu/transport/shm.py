@@ -28,6 +28,7 @@ import struct
 from collections import deque
 from typing import TYPE_CHECKING
 
+from ctxmem_common import safepaths
 from ctxmem_common.wire import (
     SHM_HELLO,
     SHM_MAP,
@@ -154,7 +155,10 @@ class ShmServer(SocketDataServer):
         return self.path
 
     def _listen(self) -> socket.socket:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        # Created 0750 (the socket's group must reach the 0660 socket) if absent; refused
+        # if another user owns it or anyone else can write it (a planted socket or link).
+        safepaths.ensure_dir(os.path.dirname(os.path.abspath(self.path)),
+                             safepaths.SOCKET_DIR_MODE, "shm socket directory")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -85,10 +85,20 @@ def test_missing_file_names_path_and_remedy(tmp_path: Path) -> None:
     assert str(err).endswith("Remedy: " + err.remedy)
 
 
-def test_missing_parent_directory(tmp_path: Path) -> None:
-    with pytest.raises(StorageError, match=r"directory .* does not exist") as info:
-        local(tmp_path / "a" / "b.img", size="8MiB", create=True).attach()
-    assert "mkdir -p" in info.value.remedy
+def test_missing_parent_directory_is_created_private(tmp_path: Path) -> None:
+    """With create: true a missing directory is created 0700 (issue 12: it holds cached
+    data; ctxmem_common.safepaths); an existing one others can write is refused."""
+    from ctxmem_common.safepaths import UnsafePathError
+
+    path = tmp_path / "a" / "b.img"
+    local(path, size="8MiB", create=True).attach()
+    assert (path.parent.stat().st_mode & 0o777) == 0o700
+    assert (path.stat().st_mode & 0o777) == 0o600
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UnsafePathError, match=f"{shared} is writable by group or other"):
+        local(shared / "b.img", size="8MiB", create=True).attach()
 
 
 def test_directory_is_rejected(tmp_path: Path) -> None:

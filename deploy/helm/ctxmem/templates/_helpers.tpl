@@ -48,8 +48,8 @@ rather than ship a pod whose probes or key mount miss the service.
 {{- end -}}
 {{- $enc := $cfg.encryption | default dict -}}
 {{- if and $enc.enabled $enc.key_file -}}
-{{- if not (hasPrefix "/etc/ctxmem/keys/" ($enc.key_file | toString)) -}}
-{{- fail (printf "config.encryption.key_file (%q) must be under /etc/ctxmem/keys/, where the Secret is mounted" $enc.key_file) -}}
+{{- if ne "/etc/ctxmem/keys/master.key" ($enc.key_file | toString) -}}
+{{- fail (printf "config.encryption.key_file (%q) must be /etc/ctxmem/keys/master.key, where the Secret's key is mounted (a plain file: subPath)" $enc.key_file) -}}
 {{- end -}}
 {{- end -}}
 {{- if and .Values.masterKey.create (not .Values.masterKey.value) -}}
