@@ -23,7 +23,7 @@ from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.tiers.flash import Extent
 from ctxmem_dpu.tiers.flash_format import slots_per_slab
 
-Demote = Callable[[list[Block]], Awaitable[None]]
+Demote = Callable[[list[Block]], Awaitable[object]]
 
 
 class Placement:

@@ -17,6 +17,7 @@ from ctxmem_common.wire import SHM_HELLO, SHM_MAP, SHM_MAP_REPLY, SHM_STATUS, St
 from ctxmem_dpu.transport.socket_server import SocketDataServer, recv_exact
 
 if TYPE_CHECKING:
+    from ctxmem_dpu.blocks import Session
     from ctxmem_dpu.store import BlockStore
 
 __all__ = ["ShmServer"]
@@ -55,11 +56,22 @@ class ShmServer(SocketDataServer):
         return sock
 
     async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
         s = await self._hello(conn, SHM_HELLO, b"CXS1",
                               lambda status: SHM_STATUS.pack(b"CXSA", status))
         if s is None:
             return
+        # While this connection is open its client may map (and keep writing) the
+        # session's slabs: slots of its allocations that expire are quarantined, not
+        # reused, until its last connection closes (store.sessions).
+        self.store.shm_attached(s)
+        try:
+            await self._map_loop(conn, s)
+        finally:
+            self.store.shm_detached(s)
+
+    async def _map_loop(self, conn: socket.socket, s: Session) -> None:
+        """Answer MAP requests until the connection ends."""
+        loop = asyncio.get_running_loop()
         session_id = s.id
         while True:
             magic, region, generation = SHM_MAP.unpack(
