@@ -132,7 +132,10 @@ class Service:
         if self.store is None:
             return "starting"
         bad = [d.name for d in self.store.flash.devices if not d.healthy]
-        return f"degraded: flash device(s) {', '.join(bad)} failed" if bad else "serving"
+        full = self.store.full_devices
+        parts = ([f"flash device(s) {', '.join(bad)} failed"] if bad else []) + (
+            [f"flash device(s) {', '.join(full)} full"] if full else [])
+        return f"degraded: {'; '.join(parts)}" if parts else "serving"
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop in the reverse of start's order; idempotent, and safe after a failed start

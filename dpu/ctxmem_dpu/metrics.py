@@ -52,6 +52,22 @@ class StoreCollector:
         yield CounterMetricFamily("ctxmem_put_crc_mismatch",
                                   "Committed blocks whose client CRC32C did not match",
                                   value=c["put_crc_mismatch"])
+        yield CounterMetricFamily(
+            "ctxmem_dram_crc_mismatch",
+            "Blocks dropped at demotion: their DRAM bytes changed after commit",
+            value=c["dram_crc_mismatch"])
+        yield CounterMetricFamily(
+            "ctxmem_stale_allocations",
+            "Allocations that expired while their client mapped shared memory",
+            value=c["stale_allocations"])
+        yield GaugeMetricFamily(
+            "ctxmem_quarantined_slots",
+            "DRAM slots held back from stale shared-memory writers until their session "
+            "ends", value=s["quarantined_slots"])
+        yield CounterMetricFamily(
+            "ctxmem_write_through_failures",
+            "Write-through blocks refused because they could not be made durable",
+            value=c["write_through_failures"])
         io_err = CounterMetricFamily("ctxmem_flash_io_errors", "Flash I/O errors", labels=["op"])
         io_err.add_metric(["read"], c["flash_read_errors"])
         io_err.add_metric(["write"], c["flash_write_errors"])

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from ctxmem_common.errors import Unavailable
 from ctxmem_dpu import faults
 from ctxmem_dpu.store import BlockStore
 
 from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
-from .kit import FaultyService, keys, served, settled_audit, tiers
+from .kit import FaultyService, content, keys, served, settled_audit, tiers
 from .kit import put as put_live
 
 K = [bytes([i]) * 8 for i in range(1, 200)]
@@ -81,7 +82,8 @@ async def test_write_errors_keep_blocks_in_dram_until_the_device_is_back(
         data = {K[i]: payload(i + 1) for i in range(8)}
         await put(store, s, ns, data)
         assert await store.evict(ns, list(data), "dram") == 0  # cannot be made durable
-        assert not store.flash.devices[0].healthy
+        # ENOSPC on a file-backed device is a full filesystem, not a failed device.
+        assert store.flash.devices[0].healthy == (fault == {"write": "enospc"})
         assert store.counters["flash_write_errors"] >= 1
         assert store.lookup(ns, list(data), prefix=True) == (8, ["dram"] * 8)
         assert await get(store, s, ns, list(data)) == list(data.values())
@@ -153,15 +155,15 @@ def test_enospc_on_a_live_service_degrades_and_recovers(tmp_path: Path) -> None:
         during = keys("enospc/during", 8)
         put_live(ns, during)
         ns.evict(during)  # cannot make them durable
-        assert svc.client.health().status.startswith("degraded")
+        # A full filesystem is "full", not a failed device: it stays in service.
+        assert svc.client.health().status == "degraded: flash device(s) flash0 full"
         assert set(tiers(ns, during)) == {"dram"}
         assert all(served(ns, during).values())
         assert svc.injected().get("write:enospc", 0) >= 1
+        assert svc.stats()["flash_devices_healthy"] == 1
         svc.faults()
-        st = svc.wait_stat("flash_devices_healthy", 1)
-        assert st["flash_devices_healthy"] == 1 and st["flash_device_recoveries"] >= 1
-        assert svc.client.health().status == "serving"
         assert ns.evict(during) == 8
+        assert svc.client.health().status == "serving"
         assert all(served(ns, before + during).values())
     finally:
         svc.close()
@@ -247,3 +249,32 @@ async def test_a_device_that_moved_is_reopened_where_it_is_now(
         assert await settled_audit(store) == []
     finally:
         await store.close()
+
+
+def test_write_through_on_a_failed_device_is_refused_not_kept_in_dram(tmp_path: Path) -> None:
+    """Issue 13, case 2, through the shim: with the device failing writes (EIO), a
+    write-through put fails with UNAVAILABLE naming the device; nothing of it is stored,
+    the refusal is counted, and the service keeps serving what it has."""
+    svc = FaultyService(tmp_path / "svc", write_policy="write_through")
+    svc.start()
+    try:
+        ns = svc.ns()
+        before = keys("wt/before", 4)
+        put_live(ns, before)
+        svc.faults(devices={"flash0": {"write": "eio"}})
+        during = keys("wt/during", 4)
+        with pytest.raises(Unavailable) as err:
+            ns.put(during, [content(k) for k in during])
+        assert "flash0" in str(err.value) and "Errno" in str(err.value)
+        assert ns.lookup(during).num_hits == 0
+        st = svc.stats()
+        assert st["write_through_failures"] >= len(during) and st["dirty_blocks"] == 0
+        assert all(served(ns, before).values())
+        svc.faults()
+        svc.wait_stat("flash_devices_healthy", 1)
+        put_live(ns, during)
+        svc.restart()
+        ns = svc.ns()
+        assert all(served(ns, before + during).values())
+    finally:
+        svc.close()

@@ -4,11 +4,13 @@
 and the app use; every other module here holds one concept and is private to the store:
 
 * ``context``   — what every part shares: config, the tiers, counters, the I/O threads;
-* ``sessions``  — sessions, namespaces, allocations, leases, expiry, grant-end hooks;
+* ``sessions``  — sessions, namespaces, allocations, leases, expiry, grant-end hooks, the
+  quarantine of slots a stale shared-memory writer can still reach;
 * ``ciphers``   — per-namespace AES-XTS ciphers, and which devices encrypt in hardware;
 * ``index``     — the key → block map, the per-tier eviction order, the dirty set;
 * ``placement`` — DRAM and flash reservation, eviction;
 * ``demotion`` / ``promotion`` — DRAM → flash (the demoter) and flash → DRAM;
+* ``writethrough`` — write-through commits: visible only once durable, refused otherwise;
 * ``invalidation`` — zeroing record headers, parked extents, pins and freeing storage;
 * ``recovery``  — rebuilding the index from flash, verifying a record, the audit;
 * ``health``    — flash device health, slow I/O, probing and relocating failed devices;

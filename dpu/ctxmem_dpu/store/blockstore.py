@@ -48,6 +48,7 @@ from ctxmem_dpu.store.promotion import Promotion
 from ctxmem_dpu.store.recovery import Recovery, audit
 from ctxmem_dpu.store.sessions import SessionRegistry
 from ctxmem_dpu.store.stats import new_counters, snapshot
+from ctxmem_dpu.store.writethrough import WriteThrough
 from ctxmem_dpu.tiers.dram import DramTier
 from ctxmem_dpu.tiers.flash import FlashDevice, FlashTier
 
@@ -91,6 +92,8 @@ class BlockStore:
         self._promotion = Promotion(self._ctx, self._index, self._placement,
                                     self._invalidator, self._health, keyring,
                                     self._demotion.demote)
+        self._write_through = WriteThrough(self._ctx, self._index, self._demotion,
+                                           self._invalidator)
         self._recovery = Recovery(self._ctx, self._index, self._invalidator, keyring)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -146,6 +149,11 @@ class BlockStore:
         release, expiry, session close), before its slots are unpinned: transports revoke
         the client's access there (RDMA memory windows)."""
         return self._registry.on_grant_end
+
+    @property
+    def full_devices(self) -> list[str]:
+        """Names of devices whose filesystem was full at their last write."""
+        return [self._ctx.flash.devices[d].name for d in sorted(self._health.full)]
 
     @property
     def locators(self) -> dict[str, Callable[[], str | None]]:
@@ -245,8 +253,16 @@ class BlockStore:
         return self._registry.namespace(s, handle)
 
     def close_session(self, s: Session) -> None:
-        """End ``s`` with its allocations (slots returned) and leases (blocks unpinned)."""
+        """End ``s``: its allocations, leases and quarantined slots end with it."""
         self._registry.close_session(s)
+
+    def shm_attached(self, s: Session) -> None:
+        """A shared-memory connection of ``s`` opened: see ``sessions`` (quarantine)."""
+        self._registry.shm_attached(s.id)
+
+    def shm_detached(self, s: Session) -> None:
+        """One closed; after its last, the session's quarantined slots are freed."""
+        self._registry.shm_detached(s.id)
 
     # -- lookup ----------------------------------------------------------------------
     def lookup_blocks(self, ns: Namespace, keys: Sequence[bytes], prefix: bool
@@ -302,8 +318,8 @@ class BlockStore:
 
         Computes each slot's CRC32C; a block whose CRC differs from the client's (when
         sent) is dropped, as is one another writer committed meanwhile. Write-through
-        returns after the flash write is durable; write-back queues the blocks for the
-        demoter. Returns how many blocks were committed."""
+        makes blocks visible once durable on flash, or fails (``store.writethrough``);
+        write-back queues them for the demoter. Returns how many were committed."""
         a = self.allocation(s, allocation_id)
         if abort:
             self._registry.drop_allocation(a)
@@ -327,7 +343,7 @@ class BlockStore:
         faults.point("commit.after_crc")
         self._registry.forget_allocation(a)
         per_ns = self._index.namespace(a.ns.digest)
-        committed: list[Block] = []
+        fresh: list[Block] = []
         for i, (key, ref, crc) in enumerate(zip(a.keys, a.slots, crcs, strict=True)):
             if client_crcs and client_crcs[i] != crc:
                 self.counters["put_crc_mismatch"] += 1
@@ -338,21 +354,21 @@ class BlockStore:
             if key in per_ns:  # committed meanwhile by another writer
                 dram.free(ref)
                 continue
-            b = Block(a.ns.digest, key, a.ns.block_nbytes, a.ns.slot_size, crc,
-                      self._index.next_seq(), dram=ref)
-            per_ns[key] = b
-            self._index.dram_lru.add(b)
-            committed.append(b)
+            fresh.append(Block(a.ns.digest, key, a.ns.block_nbytes, a.ns.slot_size, crc,
+                               self._index.next_seq(), dram=ref))
+        if self._ctx.flash.enabled and self.cfg.flash.write_policy == "write_through":
+            # Visible only once durable; a failed flash write fails the commit.
+            committed = await self._write_through.commit(a, fresh)
+        else:
+            committed = fresh
+            for b in fresh:
+                per_ns[b.key] = b
+                self._index.dram_lru.add(b)
+                if self._ctx.flash.enabled:
+                    self._index.dirty[b] = None
+        faults.point("commit.after_index")
         self.counters["put_blocks"] += len(committed)
         self.counters["put_bytes"] += len(committed) * a.ns.block_nbytes
-        faults.point("commit.after_index")
-        if not self._ctx.flash.enabled:
-            return len(committed)
-        if self.cfg.flash.write_policy == "write_through":
-            await self._demotion.demote(committed)
-        else:
-            for b in committed:
-                self._index.dirty[b] = None
         return len(committed)
 
     # -- get -------------------------------------------------------------------------

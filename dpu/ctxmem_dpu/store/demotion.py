@@ -4,17 +4,31 @@ Write ordering (docs/reliability.md): payloads → fdatasync → headers → fda
 therefore never reaches stable storage before its payload, so after a crash or power cut
 every valid header on flash names a complete payload; a block is durable (and its extent
 recorded in the index) only after the second sync.
+
+A block is persisted only while its DRAM bytes still match the CRC32C computed at commit:
+each payload's CRC32C is recomputed from the DRAM slot right after the slot was written
+(encrypted from it, while it is still in cache), and a block that changed since commit (a
+shared-memory client writing slots it no longer holds) is dropped, a miss, counted in
+``dram_crc_mismatch``, and its header never written. A change racing the write itself and
+undone before the check is caught on read, where every record's CRC32C is verified.
+
+:meth:`Demotion.demote` returns, per block it could not make durable, why: the
+:class:`~ctxmem_dpu.tiers.flash.FlashIOError` of the failed write (``ENOSPC`` when the tier
+had no room, ``ENODEV`` when no device was usable), or :class:`DramChanged`. Write-through
+commits turn those into errors (``store.writethrough``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from ctxmem_common.codecs import crc32c
 from ctxmem_common.flash_format import RecordHeader
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
@@ -34,6 +48,11 @@ DEMOTE_POLL_S = 0.02
 DEMOTE_BACKOFF_MAX_S = 1.0
 # "flash tier full" is logged at most this often (each occurrence is counted in flash_full).
 FLASH_FULL_LOG_INTERVAL_S = 30.0
+
+
+class DramChanged(Exception):
+    """A block's DRAM bytes no longer match the CRC32C computed at its commit: it was not
+    persisted and is dropped (a miss)."""
 
 
 class Demotion:
@@ -76,8 +95,10 @@ class Demotion:
                     break
                 pause = DEMOTE_POLL_S
 
-    async def demote(self, blocks: list[Block]) -> None:
-        """Write DRAM-only blocks to flash and make them durable (see the module doc).
+    async def demote(self, blocks: list[Block]) -> dict[Block, BaseException]:
+        """Write DRAM-only blocks to flash and make them durable (see the module doc);
+        returns the blocks that are not durable now, each with why (blocks that need no
+        demotion, or that another demotion has in flight, are not named).
 
         Each record is encrypted with its namespace's key unless its device encrypts in
         hardware (:class:`~ctxmem_dpu.store.ciphers.Keyring`); the header's encrypted flag
@@ -85,8 +106,9 @@ class Demotion:
         ctx, index = self._ctx, self._index
         blocks = [b for b in blocks
                   if b.dram is not None and b.flash is None and not b.deleted and b.io is None]
+        failures: dict[Block, BaseException] = {}
         if not blocks or not ctx.flash.enabled:
-            return
+            return failures
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         for b in blocks:  # claimed before any await: no concurrent demotion takes them
@@ -103,7 +125,8 @@ class Demotion:
             for size, group in by_size.items():
                 exts = await self._placement.reserve_flash(size, len(group))
                 if exts is None:
-                    self._flash_full(len(group))
+                    no_room = self._no_room(size, len(group))
+                    failures.update(dict.fromkeys(group, no_room))
                     continue
                 plan.extend(zip(group, exts, strict=True))
                 self._invalidator.begin(exts)
@@ -131,11 +154,19 @@ class Demotion:
                     self._invalidator.unpin(b)
         written = 0
         for (b, ext), err in zip(plan, results or [None] * len(plan), strict=True):
-            if err is not None:
+            if isinstance(err, DramChanged):
+                failures[b] = err
+                # Its header was never written: the extent holds no record.
+                ctx.flash.free(ext)
+                self._drop_changed(b, err)
+            elif err is not None:
                 ctx.counters["flash_write_errors"] += 1
                 # The header may or may not have landed: zero it before reuse.
                 self._invalidator.park(ext)
-                self._health.mark_unhealthy(ext.device, err)
+                full = self._health.write_failed(ext.device, err)
+                failures[b] = err if not full or getattr(err, "errno", None) == errno.ENOSPC \
+                    else FlashIOError(errno.ENOSPC, f"the filesystem holding flash device "
+                                      f"{ctx.flash.devices[ext.device].name!r} is full: {err}")
             else:
                 # Durable. A block deleted meanwhile keeps its extent until ``delete``
                 # (waiting on ``b.io``) zeroes the header.
@@ -150,7 +181,32 @@ class Demotion:
             b.io = None
             self._invalidator.unpin(b)
         ctx.counters["demoted_blocks"] += written
+        self._health.wrote({ext.device for (_b, ext), err in zip(
+            plan, results or [], strict=False) if err is None})
         self._health.check_slow({ext.device for _b, ext in plan})
+        return failures
+
+    def _drop_changed(self, b: Block, err: DramChanged) -> None:
+        """``b``'s DRAM bytes changed after commit: it is a miss from now on; its slot is
+        freed by the last unpin."""
+        self._ctx.counters["dram_crc_mismatch"] += 1
+        log.warning("%s; dropped (a miss), not persisted", err)
+        b.deleted = True
+        self._index.forget(b)
+        self._index.dirty.pop(b, None)
+
+    def _no_room(self, size: int, n: int) -> FlashIOError:
+        """Why ``n`` extents of ``size`` could not be found: no device usable (ENODEV) or
+        the tier is full (ENOSPC, counted in ``flash_full``)."""
+        devices = self._ctx.flash.devices
+        if not self._health.usable():
+            states = ", ".join(f"{d.name} {d.health_reason or 'failed'}" for d in devices)
+            return FlashIOError(errno.ENODEV, f"no flash device is usable ({states}) for "
+                                f"{n} blocks")
+        self._flash_full(n)
+        names = ", ".join(d.name for d in devices if d.healthy)
+        return FlashIOError(errno.ENOSPC, f"flash tier full: no room for {n} blocks of "
+                            f"{size} bytes on {names}, none can be evicted")
 
     async def evict(self, per_ns: dict[bytes, Block], keys: Sequence[bytes]) -> int:
         """Make the DRAM blocks of ``keys`` durable on flash, then drop their DRAM copies;
@@ -182,12 +238,21 @@ class Demotion:
 
         def payloads(part: list[Any]) -> list[BaseException | None]:
             out: list[BaseException | None] = []
-            for dev, slot, _header, view, cipher in part:
+            for dev, slot, header, view, cipher in part:
                 try:
                     dev.write_payload(slot, view, cipher)
-                    out.append(None)
                 except (FlashIOError, ValueError) as exc:
                     out.append(exc)
+                    continue
+                # After the write, while the slot is in cache: what was written is what
+                # was committed, or the block is dropped (see the module doc).
+                with view[: header.length] as block:
+                    got = crc32c(block)
+                out.append(None if got == header.crc else DramChanged(
+                    f"block {header.key.hex()[:16]} of namespace {header.namespace.hex()[:16]}:"
+                    f" DRAM bytes changed after commit (CRC32C {got:08x}, committed "
+                    f"{header.crc:08x}; a shared-memory client wrote a slot it no longer "
+                    f"holds)"))
             return out
 
         def headers(part: list[Any]) -> list[BaseException | None]:

@@ -9,8 +9,10 @@ as another block node).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import stat
 from collections.abc import Callable, Iterable
 
 from ctxmem_dpu.store.context import StoreContext
@@ -36,6 +38,9 @@ class DeviceHealth:
         # NVMe namespace's current block node, from sysfs; None while it is not there). A
         # failed device whose probe fails is looked up and reopened there when it moved.
         self.locators: dict[str, Callable[[], str | None]] = {}
+        # Devices whose last write failed for want of space (a file-backed device's
+        # filesystem is full): in service, but the health status says degraded.
+        self.full: set[int] = set()
 
     def usable(self) -> bool:
         """Is any flash device healthy (is there anywhere to demote to)?"""
@@ -50,6 +55,26 @@ class DeviceHealth:
             dev.healthy = False
             dev.health_reason = reason
             self._ctx.counters["flash_device_failures"] += 1
+
+    def write_failed(self, device: int, err: BaseException) -> bool:
+        """A write to ``device`` failed. On a file-backed device whose filesystem is full
+        (ENOSPC, or a short write with no free blocks left) that is not a failed device:
+        counted in ``flash_full`` and the device stays in service (later writes fit once
+        space is freed). Any other error marks the device failed (:meth:`mark_unhealthy`).
+        Returns whether the device is full (rather than failed)."""
+        dev = self._ctx.flash.devices[device]
+        if _filesystem_full(dev, err):
+            self._ctx.counters["flash_full"] += 1
+            self.full.add(device)
+            log.warning("flash device %s: its filesystem is full (%s); the device stays "
+                        "in service", dev.name, err)
+            return True
+        self.mark_unhealthy(device, err)
+        return False
+
+    def wrote(self, devices: Iterable[int]) -> None:
+        """Writes to ``devices`` succeeded: none of them is full any more."""
+        self.full.difference_update(devices)
 
     def check_slow(self, devices: Iterable[int]) -> None:
         """Mark a device failed when it completed an I/O slower than ``SLOW_IO_S`` since
@@ -103,3 +128,16 @@ class DeviceHealth:
             return False
         self._ctx.counters["flash_device_reopened"] += 1
         return True
+
+
+def _filesystem_full(dev: FlashDevice, err: BaseException) -> bool:
+    """Whether ``err`` from a write to ``dev`` means the filesystem holding the device's
+    file is full: the device is a regular file and the error is ENOSPC, or the filesystem
+    has no free block left (a full filesystem can also answer with a short write)."""
+    try:
+        if not stat.S_ISREG(os.fstat(dev.fd).st_mode):
+            return False
+        return (getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+                or os.fstatvfs(dev.fd).f_bavail == 0)
+    except OSError:
+        return False

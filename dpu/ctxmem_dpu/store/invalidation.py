@@ -107,7 +107,7 @@ class Invalidator:
         for d, exc in failed.items():
             log.error("invalidating %d flash records on %s failed: %s", len(by_dev[d]),
                       flash.devices[d].name, exc)
-            self._health.mark_unhealthy(d, exc)
+            self._health.write_failed(d, exc)  # a full filesystem is not a failed device
             if free:
                 self.parked.setdefault(d, []).extend(by_dev[d])
         if free:

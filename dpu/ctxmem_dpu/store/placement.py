@@ -23,7 +23,7 @@ from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.tiers.flash import Extent
 
-Demote = Callable[[list[Block]], Awaitable[None]]
+Demote = Callable[[list[Block]], Awaitable[object]]
 
 
 def slab_owner(ns: Namespace) -> tuple[str, bytes]:

@@ -5,6 +5,15 @@ client reads before Release). Both end at commit/abort/release, at expiry (the r
 calls :meth:`SessionRegistry.expire`) or when their session closes; when one ends, the
 ``on_grant_end`` hooks run first so transports revoke the client's access (RDMA memory
 windows) before the slots can be freed or reused.
+
+Revoking access differs by transport. TCP needs nothing: the data server looks the
+allocation up (and holds it) for every write, so a late write is refused with EXPIRED.
+RDMA revokes the grant's memory windows / regions in ``on_grant_end``, so a late one-sided
+write fails on the client's QP. Shared memory cannot revoke: the client maps whole slabs
+and can still write the slots of an allocation that expired. Those slots are therefore
+*quarantined* with the session (never handed to anyone else) while the session has a
+shared-memory connection open, and freed when its last one closes or the session ends;
+an explicit abort is trusted (the client says it is done) and frees them at once.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from ctxmem_common.errors import (
 )
 from ctxmem_common.keys import namespace_digest
 from ctxmem_common.layout import KVLayout
+from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.tiers.dram import DramTier, round_up
@@ -47,6 +57,11 @@ class SessionRegistry:
         self.namespaces: dict[bytes, Namespace] = {}
         self.allocations: dict[int, Allocation] = {}
         self.leases: dict[int, Lease] = {}
+        # Session id -> DRAM slots of its expired allocations, held back while the
+        # session's client may still write them (see the module doc).
+        self.quarantine: dict[int, list[SlotRef]] = {}
+        # Session id -> open shared-memory connections (through which it maps slabs).
+        self.mapped: Counter[int] = Counter()
         # Called with an allocation's or lease's id when it ends, before its slots are
         # unpinned or freed: see grant_ended.
         self.on_grant_end: list[Callable[[int], None]] = []
@@ -124,6 +139,30 @@ class SessionRegistry:
         for lease in list(s.leases.values()):
             self.end_lease(lease, valid=False)
         self.sessions.pop(s.id, None)
+        self.mapped.pop(s.id, None)
+        self.release_quarantine(s.id)
+
+    # -- shared-memory mappings and the quarantine -------------------------------------
+    def shm_attached(self, session_id: int) -> None:
+        """A shared-memory connection of ``session_id`` opened: its client can map slabs."""
+        self.mapped[session_id] += 1
+
+    def shm_detached(self, session_id: int) -> None:
+        """A shared-memory connection of ``session_id`` closed; with its last one, the
+        slots quarantined for the session go back to the free pool."""
+        self.mapped[session_id] -= 1
+        if self.mapped[session_id] <= 0:
+            del self.mapped[session_id]
+            self.release_quarantine(session_id)
+
+    def release_quarantine(self, session_id: int) -> None:
+        """Free the slots held back from ``session_id``'s expired allocations."""
+        for ref in self.quarantine.pop(session_id, []):
+            self._dram.free(ref)
+
+    def quarantined_slots(self) -> int:
+        """How many DRAM slots are held back from stale shared-memory writers."""
+        return sum(len(v) for v in self.quarantine.values())
 
     # -- grants -------------------------------------------------------------------------
     def grant_ended(self, grant_id: int) -> None:
@@ -211,10 +250,24 @@ class SessionRegistry:
         lease.blocks = []
 
     def expire(self, counters: Counter[str], now: float) -> None:
-        """End every allocation (not held) and lease past its expiry; count them."""
+        """End every allocation (not held) and lease past its expiry; count them.
+
+        An expired allocation of a session with a shared-memory connection open is retired
+        but its slots are quarantined (counted in ``stale_allocations``), not freed: the
+        client can still write them through its mapping."""
         for a in [a for a in self.allocations.values() if a.expires < now and not a.done]:
             counters["expired_allocations"] += 1
-            self.drop_allocation(a)
+            if a.session_id in self.sessions and self.mapped.get(a.session_id, 0) > 0:
+                counters["stale_allocations"] += 1
+                log.warning("allocation %d of session %d expired while its client maps "
+                            "shared memory: %d slots held back until the session's "
+                            "shared-memory connection closes", a.id, a.session_id,
+                            len(a.slots))
+                self.forget_allocation(a)
+                self.quarantine.setdefault(a.session_id, []).extend(a.slots)
+                a.slots = []
+            else:
+                self.drop_allocation(a)
         for lease in [lease for lease in self.leases.values() if lease.expires < now]:
             counters["expired_leases"] += 1
             self.end_lease(lease, valid=False)

@@ -21,6 +21,7 @@ COUNTERS = (
     "dram_full", "expired_allocations", "expired_leases", "recovered_blocks",
     "recovery_seconds_x1e6", "quarantined_extents", "dirty_dropped", "flash_device_recoveries",
     "flash_device_reopened", "shm_slow_readers", "shm_peers_refused",
+    "stale_allocations", "dram_crc_mismatch", "write_through_failures",
 )
 
 
@@ -45,6 +46,7 @@ def snapshot(ctx: StoreContext, index: BlockIndex, registry: SessionRegistry
         allocations=float(len(registry.allocations)),
         sessions=float(len(registry.sessions)),
         dirty_blocks=float(len(index.dirty)),
+        quarantined_slots=float(registry.quarantined_slots()),
         flash_quarantined_slots=float(sum(len(d.alloc.quarantined)
                                           for d in ctx.flash.devices)),
         flash_devices_healthy=float(sum(d.healthy for d in ctx.flash.devices)),

@@ -181,6 +181,10 @@ class ShmServer(SocketDataServer):
             return
         cfg = self.store.cfg.service
         replies = _Replies(conn, self.store.dram, cfg.shm_reply_queue, cfg.shm_reply_deadline_s)
+        # While this connection is open its client may map (and keep writing) the
+        # session's slabs: slots of its allocations that expire are quarantined, not
+        # reused, until its last connection closes (store.sessions).
+        self.store.shm_attached(s)
         reader = asyncio.create_task(self._maps(conn, s, replies))
         writer = asyncio.create_task(replies.run())
         try:
@@ -196,6 +200,7 @@ class ShmServer(SocketDataServer):
             for t in (reader, writer):
                 t.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+            self.store.shm_detached(s)
 
     async def _maps(self, conn: socket.socket, s: Session, replies: _Replies) -> None:
         """Read MAP requests and queue their answers (never waits on the client reading)."""

@@ -1,0 +1,91 @@
+"""Write-through commits: a block becomes visible only once it is durable on flash.
+
+Under ``flash.write_policy: write_through`` an acknowledged Commit promises that its blocks
+survive a crash or restart. So a committed block is first written to flash (payload and
+header, each fdatasync'd: :mod:`~ctxmem_dpu.store.demotion`), and only then entered in the
+index. A block whose flash write failed or could not be tried is never made visible and
+never silently kept as a DRAM-only block: its DRAM slot and extent are freed, it is
+counted in ``write_through_failures``, and the Commit fails, naming the device and errno:
+
+* RESOURCE_EXHAUSTED when there was no room (the tier full, or ENOSPC from the device's
+  filesystem): retry later, free flash space or add devices;
+* UNAVAILABLE when a device failed (EIO, a failed sync) or none is usable: the device is
+  out of service until the reaper's probe finds it working again.
+
+Blocks of the same Commit that did become durable stay stored (a later Lookup finds
+them). A block whose DRAM bytes changed after its CRC was computed is dropped, as a
+client-CRC mismatch is (the Commit reports fewer blocks).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+from ctxmem_common.errors import ResourceExhausted, Unavailable
+from ctxmem_dpu.blocks import Allocation, Block
+from ctxmem_dpu.store.context import StoreContext
+from ctxmem_dpu.store.demotion import Demotion, DramChanged
+from ctxmem_dpu.store.index import BlockIndex
+from ctxmem_dpu.store.invalidation import Invalidator
+
+log = logging.getLogger("ctxmem_dpu.store")
+
+# errnos that mean "no room", not "the device failed".
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class WriteThrough:
+    """Commits that are acknowledged only for blocks durable on flash."""
+
+    def __init__(self, ctx: StoreContext, index: BlockIndex, demotion: Demotion,
+                 invalidator: Invalidator) -> None:
+        self._ctx = ctx
+        self._index = index
+        self._demotion = demotion
+        self._invalidator = invalidator
+
+    async def commit(self, a: Allocation, blocks: list[Block]) -> list[Block]:
+        """Make ``blocks`` (complete, CRC'd, not yet in the index) durable on flash, then
+        visible; returns those made visible. Raises ResourceExhausted or Unavailable (see
+        the module doc) when any could not be made durable."""
+        failures = await self._demotion.demote(blocks)
+        per_ns = self._index.namespace(a.ns.digest)
+        visible: list[Block] = []
+        errors: list[BaseException] = []
+        for b in blocks:
+            err = failures.get(b)
+            if isinstance(err, DramChanged):
+                continue  # dropped and counted by the demotion; its slot is freed
+            if err is not None or not b.durable or b.key in per_ns:
+                # Not durable (or another writer's copy became visible meanwhile): the
+                # block goes, with its DRAM slot and any flash record.
+                if err is not None or not b.durable:
+                    errors.append(err or OSError(errno.EIO, "not written"))
+                self._index.flash_lru.remove(b)
+                b.durable = False
+                b.deleted = True
+                if b.pins == 0 and b.io is None:
+                    self._invalidator.release_storage(b)
+                continue
+            per_ns[b.key] = b
+            self._index.dram_lru.add(b)
+            visible.append(b)
+        if errors:
+            self._fail(a, errors, len(blocks), len(visible))
+        return visible
+
+    def _fail(self, a: Allocation, errors: list[BaseException], n: int, stored: int) -> None:
+        self._ctx.counters["write_through_failures"] += len(errors)
+        no_room = all(getattr(e, "errno", None) in _NO_ROOM for e in errors)
+        first = next((e for e in errors if getattr(e, "errno", None) not in _NO_ROOM),
+                     errors[0])
+        msg = (f"write-through commit of allocation {a.id}: {len(errors)} of {n} blocks "
+               f"could not be made durable on flash and were not stored ({stored} stored): "
+               f"{first}; ")
+        log.warning("%s", msg.rstrip("; "))
+        if no_room:
+            raise ResourceExhausted(msg + "flash has no room for them: retry later, free "
+                                    "flash space (delete, evict) or add flash devices")
+        raise Unavailable(msg + "the flash device is out of service until a probe finds it "
+                          "working again; retry later")
