@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from ctxmem_common.errors import ResourceExhausted, Unavailable
+from ctxmem_common.flash_format import DATA_START
 from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Session
 from ctxmem_dpu.store import BlockStore
-from ctxmem_dpu.tiers.flash_format import DATA_START
 
 from .storekit import LAYOUT, get, make_flash, open_store, payload, put, session, store_config
 
