@@ -48,6 +48,7 @@ from ctxmem_dpu.store.promotion import Promotion
 from ctxmem_dpu.store.recovery import Recovery, audit
 from ctxmem_dpu.store.sessions import SessionRegistry
 from ctxmem_dpu.store.stats import new_counters, snapshot
+from ctxmem_dpu.tiers import flash_owner
 from ctxmem_dpu.tiers.dram import DramTier
 from ctxmem_dpu.tiers.flash import FlashDevice, FlashTier
 
@@ -213,6 +214,7 @@ class BlockStore:
         """Expire allocations and leases; re-probe failed flash devices; zero the headers
         of parked extents once their device works."""
         probe_at = 0.0
+        owner_at = time.monotonic() + flash_owner.LEASE_S / 3
         while True:
             # Read through the module: tests lower the interval by patching it.
             await asyncio.sleep(min(0.2, health_mod.PROBE_INTERVAL_S))
@@ -221,6 +223,9 @@ class BlockStore:
             if now >= probe_at:
                 probe_at = now + health_mod.PROBE_INTERVAL_S
                 await self._health.revive()
+            if now >= owner_at:
+                owner_at = now + flash_owner.LEASE_S / 3
+                await self._health.refresh_owners()
             await self._invalidator.retry_parked()
 
     # -- sessions and namespaces -----------------------------------------------------
