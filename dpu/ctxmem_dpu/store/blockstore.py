@@ -159,10 +159,16 @@ class BlockStore:
         """Open the flash devices, rebuild the index from them, start the demoter and the
         reaper."""
         faults.install_from_env()
-        devices = []
-        for i, (name, path) in enumerate(self._flash_paths):
-            devices.append(await self._ctx.io.run(
-                FlashDevice, i, name, path, self.cfg.flash.slab_size, self.cfg.flash.o_direct))
+        devices: list[FlashDevice] = []
+        try:
+            for i, (name, path) in enumerate(self._flash_paths):
+                devices.append(await self._ctx.io.run(
+                    FlashDevice, i, name, path, self.cfg.flash.slab_size,
+                    self.cfg.flash.o_direct))
+        except BaseException:
+            for dev in devices:  # release the ones already opened (lock, owner record)
+                dev.close()
+            raise
         self._ctx.flash = FlashTier(devices)
         await self._recovery.rebuild()
         self._tasks = [
