@@ -14,7 +14,13 @@ fixes what can be fixed without guessing — it never makes up data:
 * of several records for one key, all but the one the service would serve (highest
   sequence number) are invalidated — and when that one is bad, every record of the key
   is, so an older version never resurfaces;
-* records in a slab whose header is damaged are invalidated (they cannot be placed).
+* records in a slab whose header is damaged are invalidated (they cannot be placed);
+* a device whose two superblock copies are both damaged gets its superblock rebuilt
+  from the slab headers, device UUID included (:mod:`.check_superblock`).
+
+It never invalidates what may only be unreadable to it: an encrypted record written with
+another key (a wrong master key) is reported, not touched. ``--format`` formats a device
+on purpose (the service formats only blank devices by itself).
 
 Space accounting: on this format a slot is in use exactly when it holds a valid record,
 and a restart claims exactly those slots, so "leaked" space is space held by records that
@@ -46,8 +52,10 @@ from ctxmem_common.flash_format import (
     SB_OFFSET,
     SECTOR,
     FlashReader,
+    RecordHeader,
     SlabHeader,
     Superblock,
+    SuperblockPair,
     header_offset,
     max_table_slots,
     payload_offset,
@@ -55,11 +63,16 @@ from ctxmem_common.flash_format import (
     slots_per_slab,
 )
 from ctxmem_common.keyfile import load_master_key
+from ctxmem_dpu.check_superblock import format_command, refuse_if_owned
+from ctxmem_dpu.check_superblock import rebuild as rebuild_superblock
+from ctxmem_dpu.check_superblock import write_pair as write_superblock_pair
 
 # Problem kinds. "warning" kinds are reported but are not errors.
 KINDS = {
     "superblock_copy_damaged": "one superblock copy is damaged; the other is good",
-    "no_superblock": "no valid superblock: the device is unformatted or destroyed",
+    "no_superblock": "no valid superblock: the device is blank (the service formats it) "
+                     "or both copies are damaged (--repair rebuilds them from the slab "
+                     "headers)",
     "truncated": "the device is shorter than its formatted slabs",
     "slab_header_damaged": "a slab header is damaged but its table holds records",
     "record_header_corrupt": "a slot's header carries the record magic but fails its CRC "
@@ -68,12 +81,14 @@ KINDS = {
     "payload_crc": "a record's payload does not match its CRC32C",
     "payload_truncated": "a record's payload lies beyond the end of the device",
     "encryption_mismatch": "an encrypted record, and no master key to read it",
+    "key_mismatch": "an encrypted record written with another key (wrong master key?): "
+                    "not verified, never invalidated",
     "duplicate": "an older or redundant record of a key another record supersedes",
     "superseded_by_bad": "a key's newest record is bad; its older records must not serve",
 }
 # Reported, not errors: a torn header is an empty slot to the service (nothing is served
 # from it and its space is reused); an encrypted record without a key cannot be checked.
-WARNINGS = {"encryption_mismatch", "record_header_corrupt"}
+WARNINGS = {"encryption_mismatch", "record_header_corrupt", "key_mismatch"}
 
 
 @dataclass
@@ -146,6 +161,13 @@ class _Device:
                                            f"stop it before --repair") from None
             self.in_use = True
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            refuse_if_owned(self.fd, path, self.size)
+        except OSError:
+            if repair:
+                os.close(self.fd)
+                raise
+            self.in_use = True
         self.dirty = False
 
     def read(self, offset: int, n: int) -> bytes:
@@ -163,8 +185,9 @@ class _Device:
 
 def check_devices(devices: list[tuple[str, str]], master_key: bytes | None,
                   repair: bool = False, verify_payloads: bool = True,
-                  log: list[str] | None = None) -> Report:
-    """Check (and with ``repair``, fix) ``devices`` = [(name, path)]."""
+                  log: list[str] | None = None, slab_size: int = 0) -> Report:
+    """Check (and with ``repair``, fix) ``devices`` = [(name, path)]. ``slab_size``: the
+    configured one, tried first when a lost superblock is rebuilt."""
     report = Report()
     lines = log if log is not None else []
     opened: list[_Device] = []
@@ -179,7 +202,8 @@ def check_devices(devices: list[tuple[str, str]], master_key: bytes | None,
             if dev.in_use:
                 lines.append(f"{name}: in use by a running service: a live check may see "
                              f"writes in flight")
-            _check_device(dev, rep, master_key, verify_payloads, by_key, ciphers, report)
+            _check_device(dev, rep, master_key, verify_payloads, by_key, ciphers, report,
+                          slab_size)
         _resolve_duplicates(by_key, {d.name: d for d in opened}, repair)
         for rep in report.devices:
             for p in rep.problems:
@@ -206,7 +230,8 @@ def check_devices(devices: list[tuple[str, str]], master_key: bytes | None,
 
 def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
                   verify_payloads: bool, by_key: dict[tuple[bytes, bytes], list[_Rec]],
-                  ciphers: dict[bytes, XtsCipher], report: Report) -> None:
+                  ciphers: dict[bytes, XtsCipher], report: Report, slab_hint: int = 0
+                  ) -> None:
     def problem(kind: str, detail: str, slab: int = -1, slot: int = -1,
                 repaired: bool = False) -> Problem:
         p = Problem(kind, rep.name, slab, slot, detail, repaired)
@@ -216,10 +241,20 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
     reader = FlashReader(dev.fd)
     pair = reader.superblocks()
     sb = pair.current
+    uuid_known = True
     if sb is None:
-        problem("no_superblock", "neither superblock copy is valid; the service would "
-                                 "format this device (all its blocks lost)")
-        return
+        found = reader.find_slab_headers(dev.size, [slab_hint] if slab_hint else [])
+        if not found:
+            problem("no_superblock", "neither superblock copy is valid and no slab header "
+                                     "was found: a blank device (the service formats it)")
+            return
+        sb, uuid_known, basis = rebuild_superblock(found, dev.size)
+        p = problem("no_superblock", f"both superblock copies are damaged; rebuilt from "
+                                     f"the slab headers: {basis}")
+        if dev.repair:
+            write_superblock_pair(dev.fd, sb)
+            p.repaired = True
+        pair = SuperblockPair(sb, sb)
     if pair.damaged:
         p = problem("superblock_copy_damaged", f"the {pair.damaged} copy is damaged or missing")
         if dev.repair:
@@ -259,6 +294,7 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
                         dev.zero(header_offset(slab, i, sb.slab_size))
                 continue
             sh = SlabHeader(slot, slots)
+            sh = sh.for_device(sb) if uuid_known else sh
             if dev.repair:
                 p.repaired = True
                 os.pwrite(dev.fd, sh.pack(), slab_base(slab, sb.slab_size))
@@ -278,7 +314,7 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
         for i, ns, key, length, crc, seq, enc, _ts in zip(*cols, strict=True):
             fits_slot = 0 < length <= sh.slot_size
             state = (_payload_state(dev, sb, slab, i, sh.slot_size, ns, length, crc, enc,
-                                    master_key, ciphers)
+                                    master_key if uuid_known else None, ciphers)
                      if fits_slot and verify_payloads else "")
             if orphaned:
                 # Report bad records, but these are not the service's: no accounting.
@@ -293,8 +329,16 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
             elif state == "truncated":
                 bad = ("payload_truncated", _PAYLOAD_BAD[state])
             elif state == "no_key":
-                problem("encryption_mismatch", "encrypted record; no master key given, "
-                                               "payload not verified", slab, i)
+                problem("encryption_mismatch", "encrypted record; no master key given (or "
+                        "the device UUID is unknown), payload not verified", slab, i)
+            elif state == "wrong_key":
+                problem("key_mismatch", f"key {key.hex()[:16]}: written with another key "
+                                        f"(wrong master key?); not verified", slab, i)
+            elif state == "crc_unsure":
+                report.payloads_verified += 1
+                problem("payload_crc", f"key {key.hex()[:16]}: {_PAYLOAD_BAD['crc']}; "
+                        f"encrypted without a key check (older record): it may be a wrong "
+                        f"master key, so --repair does not invalidate it", slab, i)
             elif state:
                 report.payloads_verified += 1
                 if state == "crc":
@@ -321,7 +365,9 @@ def _payload_state(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: i
                    ns: bytes, length: int, crc: int, enc: bool, master_key: bytes | None,
                    ciphers: dict[bytes, XtsCipher]) -> str:
     """Read and check a record's payload: "ok", "crc" (CRC32C mismatch), "truncated"
-    (beyond the end of the device) or "no_key" (encrypted, and no master key to read it)."""
+    (beyond the end of the device), "no_key" (encrypted, and no master key to read it),
+    "wrong_key" (its header's key check names another key) or "crc_unsure" (a CRC32C
+    mismatch of an encrypted record without a key check: maybe a wrong key)."""
     poff = payload_offset(slab, i, sb.slab_size, slot_size)
     data = dev.read(poff, slot_size)
     if len(data) < slot_size:
@@ -335,7 +381,15 @@ def _payload_state(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: i
         plain = bytearray(len(data))
         cipher.decrypt_into(data, plain, xts_tweak(sb.tweak_id, poff))
         data = bytes(plain)
-    return "crc" if crc32c(memoryview(data)[:length]) != crc else "ok"
+    if crc32c(memoryview(data)[:length]) == crc:
+        return "ok"
+    if not enc:
+        return "crc"
+    hdr = RecordHeader.unpack(dev.read(header_offset(slab, i, sb.slab_size), SECTOR))
+    kcv = hdr.key_check if hdr is not None else 0
+    if not kcv:
+        return "crc_unsure"
+    return "crc" if kcv == ciphers[ns].check_value else "wrong_key"
 
 
 def _resolve_duplicates(by_key: dict[tuple[bytes, bytes], list[_Rec]],
@@ -385,6 +439,11 @@ def check_command(argv: list[str]) -> int:
     p.add_argument("--repair", action="store_true",
                    help="invalidate bad and shadowed records, restore a damaged superblock "
                         "copy (the service must be stopped)")
+    p.add_argument("--format", action="store_true",
+                   help="format the --device(s) as new, empty devices: DISCARDS every record "
+                        "on them (the service formats only blank devices by itself)")
+    p.add_argument("--slab-size", metavar="SIZE",
+                   help="slab size for --format (default: flash.slab_size of --config)")
     p.add_argument("--headers-only", action="store_true",
                    help="skip reading and verifying payloads (fast)")
     p.add_argument("--json", help="write the report as JSON here")
@@ -399,6 +458,8 @@ def check_command(argv: list[str]) -> int:
     for i, spec in enumerate(args.device):
         name, sep, path = spec.partition("=")
         devices.append((name, path) if sep else (f"device{i}", spec))
+    if args.format:
+        return format_command(args.device and devices, args.slab_size, cfg)
     if not devices and cfg is not None:
         for d in cfg.flash.devices:
             if d.backend != "local" or not d.path:
@@ -417,7 +478,8 @@ def check_command(argv: list[str]) -> int:
             master = None
     lines: list[str] = []
     try:
-        report = check_devices(devices, master, args.repair, not args.headers_only, lines)
+        report = check_devices(devices, master, args.repair, not args.headers_only, lines,
+                               cfg.flash.slab_size if cfg is not None else 0)
     except OSError as exc:
         print(f"ctxmem check: {exc}", file=sys.stderr)
         return 8
@@ -434,3 +496,4 @@ def check_command(argv: list[str]) -> int:
     unrepaired = sum(1 for d in report.devices for q in d.problems
                      if q.kind not in WARNINGS and not q.repaired)
     return 1 if unrepaired == 0 else 4
+

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
+import time
 
 from ctxmem_common import safepaths
+from ctxmem_common.flash_format import FlashReader
+from ctxmem_dpu.tiers.flash_owner import describe, stale_reason
 
 from .base import StorageBackend, StorageError
 from .devices import probe_o_direct
@@ -20,8 +24,12 @@ class LocalBackend(StorageBackend):
     """A block device (e.g. /dev/nvme0n1) or a regular file used as flash.
 
     With `create: true` a missing file is created sparse with the configured size, and an
-    existing smaller file is grown (never shrunk). Detaching never deletes the file: it
-    holds the blocks that must survive a restart.
+    existing smaller *blank* file is grown (never shrunk). A file that holds records (a
+    superblock or a slab header) is never grown: that is resizing, an operator action
+    (docs/storage.md), and a file smaller than configured is what a truncated device
+    looks like. The growth happens under the device's lock, after its owner record says
+    no service has it. Detaching never deletes the file: it holds the blocks that must
+    survive a restart.
 
     The path goes through :mod:`ctxmem_common.safepaths`: a symbolic link or another
     user's file is refused, a missing directory is created 0700 and an existing one
@@ -134,16 +142,53 @@ class LocalBackend(StorageBackend):
         size = self.spec.size_bytes
         if size is None or current >= size or not self.spec.create:
             return  # a too-small file without create: true is reported by _usable_size
+        name = self.spec.name
         try:
-            fd = safepaths.open_nofollow(path, os.O_WRONLY, f"flash device {self.spec.name!r}:")
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
+            fd = safepaths.open_nofollow(path, os.O_RDWR | os.O_CLOEXEC,
+                                         f"flash device {name!r}:")
         except OSError as ex:
             raise StorageError(
-                f"device {self.spec.name!r}: cannot grow {path} from {format_size(current)} "
+                f"device {name!r}: cannot open {path} to grow it: [errno {ex.errno}] "
+                f"{ex.strerror}", "check that the service user may write it",
+                errno=ex.errno) from ex
+        try:
+            self._refuse_growing(fd, path, current, size)
+            os.ftruncate(fd, size)
+        except OSError as ex:
+            raise StorageError(
+                f"device {name!r}: cannot grow {path} from {format_size(current)} "
                 f"to {format_size(size)}: [errno {ex.errno}] {ex.strerror}",
                 "check free space and permissions, or lower `size`",
                 errno=ex.errno,
             ) from ex
+        finally:
+            os.close(fd)  # drops the lock: the flash tier takes it again to open the file
+
+    def _refuse_growing(self, fd: int, path: str, current: int, size: int) -> None:
+        """Lock ``fd`` and raise StorageError unless the file may be grown: no service
+        holds it (its lock, or a live owner record: a loop device over the file) and it
+        holds no records."""
+        name = self.spec.name
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as ex:
+            raise StorageError(
+                f"flash device {name!r} ({path}) is in use by another process (a ctxmem "
+                f"service, or ctxmem check --repair); not growing it to {format_size(size)}",
+                "stop the other service first, or point this one at another device",
+                errno=errno.EBUSY) from ex
+        reader = FlashReader(fd)
+        owner = reader.owner() if current >= 1 << 20 else None
+        if owner is not None and not stale_reason(owner, time.time_ns()):
+            raise StorageError(
+                f"flash device {name!r} ({path}) is in use by {describe(owner)}; not "
+                f"growing it", "stop that service first", errno=errno.EBUSY)
+        formatted = current >= 2 * 4096 and reader.superblocks().current is not None
+        if formatted or reader.find_slab_headers(current):
+            raise StorageError(
+                f"flash device {name!r}: {path} holds {format_size(current)} of ctxmem "
+                f"records but `size` is {format_size(size)}; a file that holds records is "
+                f"never grown (it may have been truncated, and growing it would hide that)",
+                "if the file was truncated, restore it from where it was cut; to resize "
+                "a device on purpose, see docs/storage.md (resizing); or set `size` to "
+                f"{format_size(current)}", errno=errno.EEXIST)

@@ -49,6 +49,7 @@ from ctxmem_dpu.store.recovery import Recovery, audit
 from ctxmem_dpu.store.sessions import SessionRegistry
 from ctxmem_dpu.store.stats import new_counters, snapshot
 from ctxmem_dpu.store.writethrough import WriteThrough
+from ctxmem_dpu.tiers import flash_owner
 from ctxmem_dpu.tiers.dram import DramTier
 from ctxmem_dpu.tiers.flash import FlashDevice, FlashTier
 
@@ -166,10 +167,16 @@ class BlockStore:
         """Open the flash devices, rebuild the index from them, start the demoter and the
         reaper."""
         faults.install_from_env()
-        devices = []
-        for i, (name, path) in enumerate(self._flash_paths):
-            devices.append(await self._ctx.io.run(
-                FlashDevice, i, name, path, self.cfg.flash.slab_size, self.cfg.flash.o_direct))
+        devices: list[FlashDevice] = []
+        try:
+            for i, (name, path) in enumerate(self._flash_paths):
+                devices.append(await self._ctx.io.run(
+                    FlashDevice, i, name, path, self.cfg.flash.slab_size,
+                    self.cfg.flash.o_direct))
+        except BaseException:
+            for dev in devices:  # release the ones already opened (lock, owner record)
+                dev.close()
+            raise
         self._ctx.flash = FlashTier(devices)
         await self._recovery.rebuild()
         self._tasks = [
@@ -221,6 +228,7 @@ class BlockStore:
         """Expire allocations and leases; re-probe failed flash devices; zero the headers
         of parked extents once their device works."""
         probe_at = 0.0
+        owner_at = time.monotonic() + flash_owner.LEASE_S / 3
         while True:
             # Read through the module: tests lower the interval by patching it.
             await asyncio.sleep(min(0.2, health_mod.PROBE_INTERVAL_S))
@@ -229,6 +237,9 @@ class BlockStore:
             if now >= probe_at:
                 probe_at = now + health_mod.PROBE_INTERVAL_S
                 await self._health.revive()
+            if now >= owner_at:
+                owner_at = now + flash_owner.LEASE_S / 3
+                await self._health.refresh_owners()
             await self._invalidator.retry_parked()
 
     # -- sessions and namespaces -----------------------------------------------------

@@ -135,7 +135,8 @@ class Demotion:
                 dev = ctx.flash.devices[ext.device]
                 cipher = self._keyring.for_device(b.ns, dev.name)
                 header = RecordHeader(b.ns, b.key, b.length, b.crc, b.seq, cipher is not None,
-                                      time.time_ns())
+                                      time.time_ns(),
+                                      cipher.check_value if cipher is not None else 0)
                 jobs.append((dev, ext.slot, header, ctx.dram.slot_view(b.dram), cipher))
             if jobs:
                 faults.point("demote.before_write")

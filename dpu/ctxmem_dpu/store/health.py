@@ -86,10 +86,27 @@ class DeviceHealth:
                 self.mark_unhealthy(d, FlashIOError(
                     0, f"I/O slower than {flash_io.SLOW_IO_S:g} s"), reason="slow")
 
+    async def refresh_owners(self) -> None:
+        """Extend this service's lease in every device's owner record (see
+        :mod:`ctxmem_dpu.tiers.flash_owner`). A device another service has taken over
+        (this one's lease ran out, e.g. while it was stopped) is marked failed: writing
+        it now would destroy the other's records. Other errors leave the device to the
+        I/O paths and the probe."""
+        for dev in self._ctx.flash.devices:
+            try:
+                await self._ctx.io.run(dev.refresh_owner)
+            except FlashIOError as exc:
+                if exc.errno == errno.EBUSY:
+                    self.mark_unhealthy(dev.index, exc, reason="taken over")
+                else:
+                    log.warning("flash device %s: %s", dev.name, exc)
+
     async def revive(self) -> None:
         """Probe every failed device; mark those that work healthy again."""
         for dev in self._ctx.flash.devices:
-            if dev.healthy or not await self._usable_again(dev):
+            if dev.healthy or dev.health_reason == "taken over":
+                continue
+            if not await self._usable_again(dev):
                 continue
             dev.healthy = True
             dev.health_reason = ""

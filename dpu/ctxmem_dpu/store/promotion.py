@@ -201,6 +201,7 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
         # Check every header first; then read the payloads of the blocks that passed,
         # per device in device order, adjacent ones by one I/O (read_payloads).
         ready: list[int] = []
+        unsure: set[int] = set()
         for i, ((dev, _slot, _view, b, cipher), hdr) in enumerate(
                 zip(part, headers(part), strict=True)):
             try:
@@ -212,6 +213,8 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
                     raise ReadFailure("record length does not match the namespace's "
                                       "block size", ours=True)
                 dev.check_header(hdr, b.ns, b.key, b.length, b.crc, b.seq, cipher)
+                if cipher is not None and hdr is not None and not hdr.key_check:
+                    unsure.add(i)  # an older record: its key cannot be verified
                 ready.append(i)
             except ReadFailure as exc:
                 out[i] = failed(dev, exc)
@@ -224,6 +227,10 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
             got = dev.read_payloads([(part[i][1], part[i][2], part[i][3].length,
                                       part[i][3].crc) for i in group], cipher)
             for i, err in zip(group, got, strict=True):
+                if isinstance(err, ReadFailure) and i in unsure:
+                    # A CRC mismatch after decrypting with a key the header cannot confirm
+                    # may be a wrong master key, not a bad record: never invalidate it.
+                    err.ours = False
                 out[i] = failed(dev, err) if isinstance(err, ReadFailure) else err
         return out
 

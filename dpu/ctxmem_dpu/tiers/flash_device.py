@@ -68,8 +68,10 @@ class FlashSlabAllocator(SlabAllocator):
 
 
 class FormattedDevice(DeviceFile):
-    """One device or file, formatted with a superblock pair and cut into slabs (an
-    unformatted one is formatted on open; a damaged superblock copy is restored)."""
+    """One device or file, formatted with a superblock pair and cut into slabs (a blank
+    one is formatted on open; a damaged superblock copy is restored; a device that holds
+    slab headers but no valid superblock is refused: ``ctxmem check --repair`` rebuilds
+    its superblock, formatting it would lose every record)."""
 
     def __init__(self, index: int, name: str, path: str, slab_size: int, o_direct: bool,
                  lock: bool = True) -> None:
@@ -81,11 +83,17 @@ class FormattedDevice(DeviceFile):
         self._init_lock = threading.Lock()
         # Through read_into: O_DIRECT, the fault layer, FlashIOError/ShortRead.
         self.reader = FlashReader(self.read_into, scan_buffers)
-        self.superblock = self._load_or_format(slab_size)
+        try:
+            self.superblock = self._load_or_format(slab_size)
+        except BaseException:
+            self.close()
+            raise
         self.slab_size = self.superblock.slab_size
         self.num_slabs = self.superblock.num_slabs
         fits = max(0, (self.size - DATA_START) // self.slab_size)
         if fits < self.num_slabs:
+            # Served as it is (the blocks in the cut part are lost); it is never grown back
+            # behind the operator's back (see storage.local).
             log.error("flash device %s holds %d bytes, less than its %d formatted slabs need "
                       "(truncated?): using the first %d slabs", name, self.size,
                       self.num_slabs, fits)
@@ -123,11 +131,26 @@ class FormattedDevice(DeviceFile):
                 f"flash device {self.name!r} ({self.path}) has {self.size} bytes; it needs at "
                 f"least {DATA_START + slab_size} (1 MiB + one slab of flash.slab_size)",
             )
+        self._refuse_if_not_blank(slab_size)
         sb = Superblock.new(slab_size, self.size)
         self._write_superblocks(sb)
         log.info("formatted flash device %s: %d slabs of %d bytes", self.name, sb.num_slabs,
                  slab_size)
         return sb
+
+    def _refuse_if_not_blank(self, slab_size: int) -> None:
+        """Raise FlashIOError when a device without a valid superblock holds slab headers:
+        it is a damaged device with records, not a blank one, and only an operator may
+        format it (``ctxmem check --format``) or rebuild its superblock (``--repair``)."""
+        found = FlashReader(fd_read_into(self.fd)).find_slab_headers(self.size, [slab_size])
+        if found:
+            raise FlashIOError(
+                errno.EUCLEAN,
+                f"flash device {self.name!r} ({self.path}): both superblock copies are "
+                f"damaged, but the device holds records ({len(found)} slab headers found); "
+                f"not formatting it. Stop the service and run `ctxmem check --repair` "
+                f"(rebuilds the superblock from the slab headers), or, to discard its "
+                f"records, `ctxmem check --format --device {self.name}={self.path}`")
 
     def _write_superblocks(self, sb: Superblock) -> None:
         buf = aligned_buffer(2 * SECTOR)
@@ -169,7 +192,7 @@ class FormattedDevice(DeviceFile):
                 self._pwrite(memoryview(ZEROS)[:n], base + SECTOR + done)
                 done += n
             buf = aligned_buffer(SECTOR)
-            buf[:] = SlabHeader(s.slot_size, s.capacity).pack()
+            buf[:] = SlabHeader(s.slot_size, s.capacity).for_device(self.superblock).pack()
             self._pwrite(buf, base)
             self._fresh.discard(slab_id)
 
@@ -216,7 +239,7 @@ class FormattedDevice(DeviceFile):
         for slab in self.alloc.slabs:
             if slab.klass is None or slab.id in self._fresh:
                 continue
-            want = SlabHeader(slab.slot_size, slab.capacity)
+            want = SlabHeader(slab.slot_size, slab.capacity).for_device(self.superblock)
             self._pread(buf, self.slab_base(slab.id))
             if SlabHeader.unpack(memoryview(buf)) != want:
                 buf[:] = want.pack()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from ctxmem_common import safepaths
 from ctxmem_common.flash_format import SECTOR, BufferPool
 from ctxmem_dpu import faults
+from ctxmem_dpu.tiers.flash_owner import DeviceOwner
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer, Self
@@ -74,9 +75,11 @@ staging = Staging()
 class DeviceFile:
     """A flash device's open file: the I/O primitives the format code builds on.
 
-    ``lock``: take an exclusive ``flock`` on the device, so two services (or a service and
-    ``ctxmem check --repair``) never write one device at once. A context manager: leaving
-    it closes the file.
+    ``lock``: take an exclusive ``flock`` on the device and claim its owner record (see
+    :mod:`.flash_owner`; the flock covers one inode, the record every path to the same
+    bytes), both before anything on the device is changed, so two services (or a service
+    and ``ctxmem check --repair``) never write one device at once. A context manager:
+    leaving it closes the file (and clears the owner record).
     """
 
     def __init__(self, name: str, path: str, o_direct: bool, lock: bool = True) -> None:
@@ -114,6 +117,23 @@ class DeviceFile:
                     errno.EBUSY, f"flash device {name!r} ({path}) is in use by another "
                     f"process (another ctxmem service, or ctxmem check --repair)") from None
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
+        self.owner: DeviceOwner | None = None
+        if lock:
+            owner = DeviceOwner(name, path)
+            try:
+                owner.claim(self.fd, self.size)
+            except BaseException:
+                os.close(self.fd)
+                self.fd = -1
+                raise
+            self.owner = owner
+
+    def refresh_owner(self) -> None:
+        """Extend this service's lease on the device (the store's reaper calls it);
+        raises FlashIOError when another service took the device over, or on an I/O
+        error."""
+        if self.owner is not None and self.fd >= 0:
+            self.owner.refresh(self.fd)
 
     def _slow(self, t0: float) -> None:
         dt = time.perf_counter() - t0
@@ -204,7 +224,10 @@ class DeviceFile:
         self.path = path
 
     def close(self) -> None:
-        """Close the file and every retired descriptor (idempotent)."""
+        """Clear the owner record, close the file and every retired descriptor
+        (idempotent)."""
+        if self.fd >= 0 and self.owner is not None:
+            self.owner.release(self.fd)
         if self.fd >= 0:
             faults.forget_fd(self.fd)
             os.close(self.fd)

@@ -137,6 +137,11 @@ class FlashDevice(FormattedDevice):
             raise ReadFailure("record header does not match the index (stale extent)")
         if hdr.encrypted != (cipher is not None):
             raise ReadFailure("record encryption flag does not match the namespace")
+        if cipher is not None and hdr.key_check and hdr.key_check != cipher.check_value:
+            # Written with another key (a wrong master key now, or the record's own): not
+            # a bad record, so never invalidated (ours=False); the right key reads it.
+            raise ReadFailure("record was written with another encryption key (wrong "
+                              "master key?)")
 
     def read_payloads(self, items: list[tuple[SlotRef, memoryview, int, int]],
                       cipher: XtsCipher | None) -> list[BaseException | None]:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -56,6 +57,11 @@ class XtsCipher:
         if len(key) != XTS_KEY_BYTES:
             raise ValueError(f"AES-256-XTS key must be {XTS_KEY_BYTES} bytes, got {len(key)}")
         self._algorithm = algorithms.AES(key)
+        # Stored in each encrypted record's header (never 0: 0 means "not recorded"), so
+        # a reader with another key (a wrong master key) knows the record is not bad, only
+        # unreadable to it, and never invalidates it. 32 bits of a hash of the key.
+        digest = hashlib.sha256(b"ctxmem key check\0" + key).digest()
+        self.check_value = int.from_bytes(digest[:4], "little") | 1
 
     def _run(self, encrypt: bool, src: Buffer, dst: Buffer, tweak: bytes) -> None:
         src_mv = memoryview(src).cast("B")

@@ -11,14 +11,21 @@ Device layout (all offsets and sizes multiples of 4 KiB; every service I/O is O_
                device UUID, CRC32C
     4 KiB      backup superblock (identical copy; used when the first one is damaged)
     8 KiB      probe sector (scratch: the health probe writes and reads it back)
+    12 KiB     owner sector: magic "CTXOWNR1", service instance 16 B, pid u32, process
+               start u64 (clock ticks since boot), lease expiry u64 (wall-clock ns),
+               boot id 16 B, host name 64 B, CRC32C; zero when no service has the device
     1 MiB      slab 0 | slab 1 | ... (flash.slab_size each)
 
-    slab:      slab header (4 KiB): magic "CTXSLAB1", version, slot size, slot count, CRC
+    slab:      slab header (4 KiB): magic "CTXSLAB1", version, slot size, slot count, CRC,
+               then the extension: magic "CTXSLABX", device UUID 16 B, slab size u64,
+               slab count u64, CRC32C (the superblock's geometry when the slab was
+               assigned; a header without it, from before it existed, is still valid)
                record-header table: slot count x 4 KiB (one header per slot)
                payload area: slot count x slot size
 
     record header (first bytes of its 4 KiB entry, little-endian):
-        magic "CTXREC01" | version u16 | flags u16 (bit 0: payload encrypted) | pad u32 |
+        magic "CTXREC01" | version u16 | flags u16 (bit 0: payload encrypted) |
+        key check u32 (an encrypted record's cipher check value; 0: none recorded) |
         namespace digest 16 B | key length u8 | key 64 B | payload length u64 |
         CRC32C of the plaintext payload u32 | sequence number u64 | write time ns u64 |
         CRC32C of everything before it u32
@@ -28,6 +35,11 @@ one contiguous table per slab instead of one 4 KiB read per block (1M blocks is 
 tables, read at device speed). Why each header has a whole 4 KiB sector: a sector write
 is the unit a device writes atomically, so a torn header write can never damage another
 block's header.
+
+A device with no valid superblock is formatted implicitly only when it is blank (no
+valid slab header either): otherwise its superblock pair is rebuilt from the slab
+headers' extension by ``ctxmem check --repair``. The owner sector makes the device's
+exclusive use visible on every path to it (see ``ctxmem_dpu.tiers.flash_owner``).
 
 Write ordering (see docs/reliability.md): payload → ``fdatasync`` → header →
 ``fdatasync``. A valid header therefore always names a payload that is on stable
@@ -51,6 +63,8 @@ from ctxmem_common.flash_format.records import (
     DATA_START,
     FLAG_ENCRYPTED,
     FORMAT_VERSION,
+    OWNER_MAGIC,
+    OWNER_OFFSET,
     PROBE_OFFSET,
     REC_BODY,
     REC_MAGIC,
@@ -65,7 +79,9 @@ from ctxmem_common.flash_format.records import (
     SB_MAGIC,
     SB_OFFSET,
     SECTOR,
+    SLAB_EXT_MAGIC,
     SLAB_MAGIC,
+    OwnerRecord,
     RecordHeader,
     SlabHeader,
     Superblock,
@@ -87,6 +103,8 @@ __all__ = [
     "DATA_START",
     "FLAG_ENCRYPTED",
     "FORMAT_VERSION",
+    "OWNER_MAGIC",
+    "OWNER_OFFSET",
     "PROBE_OFFSET",
     "REC_BODY",
     "REC_MAGIC",
@@ -101,9 +119,11 @@ __all__ = [
     "SB_MAGIC",
     "SB_OFFSET",
     "SECTOR",
+    "SLAB_EXT_MAGIC",
     "SLAB_MAGIC",
     "BufferPool",
     "FlashReader",
+    "OwnerRecord",
     "ReadInto",
     "RecordHeader",
     "SlabHeader",

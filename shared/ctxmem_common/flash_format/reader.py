@@ -19,7 +19,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ctxmem_common.flash_format.records import (
+    DATA_START,
+    OWNER_OFFSET,
     SECTOR,
+    OwnerRecord,
     SlabHeader,
     Superblock,
     TableColumns,
@@ -157,6 +160,12 @@ class FlashReader:
         backup = Superblock.unpack(view[SECTOR:]) if n >= 2 * SECTOR else None
         return SuperblockPair(primary, backup)
 
+    def owner(self) -> OwnerRecord | None:
+        """The owner record (which service has the device), or ``None``."""
+        view = memoryview(aligned_buffer(SECTOR))
+        n = self._read(view, OWNER_OFFSET)
+        return OwnerRecord.unpack(view) if n == SECTOR else None
+
     def slab_header(self, slab: int, slab_size: int) -> SlabHeader | None:
         """Slab ``slab``'s header, or ``None`` when it is missing, damaged, or names a slot
         count that does not match its slot size on this slab size (not a header the
@@ -208,6 +217,29 @@ class FlashReader:
             return None
         cols, entries, bad = self.read_table(slab, slab_size, slots, torn)
         return SlabScan(slab, slot_size, header, cols, entries, bad)
+
+    def find_slab_headers(self, device_size: int, slab_sizes: Iterable[int] = (),
+                          limit: int = 64) -> list[tuple[int, int, SlabHeader]]:
+        """Valid slab headers on a device whose superblock is lost: (slab, slab size,
+        header) for each slab size tried. ``slab_sizes`` (e.g. the configured one) are
+        walked over the whole device; then the powers of two from 1 MiB to 1 GiB over
+        their first ``limit`` slabs (a service assigns slabs from the front). Slab 0
+        lies at ``DATA_START`` whatever the slab size. Empty: the device is blank."""
+        found: list[tuple[int, int, SlabHeader]] = []
+        tried: set[int] = set()
+        sizes = [(s, None) for s in slab_sizes] + [(1 << p, limit) for p in range(20, 31)]
+        for slab_size, cap in sizes:
+            if slab_size < 2 * SECTOR or slab_size % SECTOR or slab_size in tried:
+                continue
+            tried.add(slab_size)
+            fits = max(0, (device_size - DATA_START) // slab_size)
+            for slab in range(fits if cap is None else min(fits, cap)):
+                header = self.slab_header(slab, slab_size)
+                if header is not None:
+                    found.append((slab, slab_size, header))
+            if found and any(h.superblock() is not None for _s, _z, h in found):
+                break
+        return found
 
     def walk(self, sb: Superblock, slabs: Iterable[int] | None = None,
              orphan_slot_size: int = 0, torn: bool = False) -> Iterator[SlabScan]:

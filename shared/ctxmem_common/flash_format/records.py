@@ -26,13 +26,24 @@ FORMAT_VERSION = 1
 SB_OFFSET = 0
 SB_BACKUP_OFFSET = SECTOR
 PROBE_OFFSET = 2 * SECTOR
+OWNER_OFFSET = 3 * SECTOR
 
 SB_MAGIC = b"CTXMEMSB"
 SLAB_MAGIC = b"CTXSLAB1"
 REC_MAGIC = b"CTXREC01"
+SLAB_EXT_MAGIC = b"CTXSLABX"
+OWNER_MAGIC = b"CTXOWNR1"
 
 _SB = struct.Struct("<8sIQI16s")  # magic, version, slab_size, num_slabs, uuid
 _SLAB = struct.Struct("<8sIQI")  # magic, version, slot_size, slots
+# The slab header's extension (after the header's CRC; a reader of the first format
+# ignores it): magic, device UUID, slab size, slab count — what ``ctxmem check --repair``
+# rebuilds a lost superblock pair from.
+_SLAB_EXT = struct.Struct("<8s16sQQ")
+_SLAB_EXT_AT = _SLAB.size + 4
+# The owner record: magic, service instance, pid, process start (clock ticks since boot),
+# lease expiry (wall clock, ns), boot id, host name.
+_OWNER = struct.Struct("<8s16sIQQ16s64s")
 _REC = struct.Struct("<8sHHI16sB64sQIQQ")
 _CRC = struct.Struct("<I")
 FLAG_ENCRYPTED = 1
@@ -87,12 +98,25 @@ class Superblock:
 
 @dataclass(frozen=True, slots=True)
 class SlabHeader:
+    """A slab's header. ``device_uuid``/``slab_size``/``num_slabs`` are the device's
+    geometry as its superblock said when the slab was assigned (the extension; empty and
+    0 in a header written before it existed): they let ``ctxmem check --repair`` rebuild
+    a superblock pair that is lost, UUID included (the XTS tweak depends on it)."""
+
     slot_size: int
     slots: int
+    device_uuid: bytes = b""
+    slab_size: int = 0
+    num_slabs: int = 0
 
     def pack(self) -> bytes:
         body = _SLAB.pack(SLAB_MAGIC, FORMAT_VERSION, self.slot_size, self.slots)
-        return (body + _CRC.pack(crc32c(body))).ljust(SECTOR, b"\0")
+        out = body + _CRC.pack(crc32c(body))
+        if self.device_uuid:
+            ext = _SLAB_EXT.pack(SLAB_EXT_MAGIC, self.device_uuid, self.slab_size,
+                                 self.num_slabs)
+            out += ext + _CRC.pack(crc32c(ext))
+        return out.ljust(SECTOR, b"\0")
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> SlabHeader | None:
@@ -101,7 +125,53 @@ class SlabHeader:
         (crc,) = _CRC.unpack_from(raw, _SLAB.size)
         if magic != SLAB_MAGIC or crc != crc32c(body) or version != FORMAT_VERSION:
             return None
-        return cls(slot_size, slots)
+        ext = bytes(raw[_SLAB_EXT_AT : _SLAB_EXT_AT + _SLAB_EXT.size])
+        (ext_crc,) = _CRC.unpack_from(raw, _SLAB_EXT_AT + _SLAB_EXT.size)
+        emagic, dev_uuid, slab_size, num_slabs = _SLAB_EXT.unpack(ext)
+        if emagic != SLAB_EXT_MAGIC or ext_crc != crc32c(ext):
+            return cls(slot_size, slots)  # written before the extension existed
+        return cls(slot_size, slots, dev_uuid, slab_size, num_slabs)
+
+    def for_device(self, sb: Superblock) -> SlabHeader:
+        """This header carrying ``sb``'s geometry (what the service writes)."""
+        return SlabHeader(self.slot_size, self.slots, sb.device_uuid, sb.slab_size,
+                          sb.num_slabs)
+
+    def superblock(self) -> Superblock | None:
+        """The superblock this header's extension describes, or ``None`` without one."""
+        if not self.device_uuid or self.slab_size < SECTOR or self.slab_size % SECTOR:
+            return None
+        return Superblock(self.slab_size, self.num_slabs, self.device_uuid)
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerRecord:
+    """Who has a device open: the service instance, its process (pid and start time on
+    host ``host`` in boot ``boot_id``) and the wall-clock time its lease ends. Kept in the
+    owner sector (``OWNER_OFFSET``), so every path to the same bytes (a file and a loop
+    device over it, two device nodes) sees it; zero when no service has the device."""
+
+    instance: bytes
+    pid: int
+    start_ticks: int
+    expires_ns: int
+    boot_id: bytes
+    host: str
+
+    def pack(self) -> bytes:
+        body = _OWNER.pack(OWNER_MAGIC, self.instance, self.pid, self.start_ticks,
+                           self.expires_ns, self.boot_id, self.host.encode()[:64])
+        return (body + _CRC.pack(crc32c(body))).ljust(SECTOR, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> OwnerRecord | None:
+        """The record in ``raw``, or ``None`` (no owner: zero, torn or foreign)."""
+        body = bytes(raw[: _OWNER.size])
+        (crc,) = _CRC.unpack_from(raw, _OWNER.size)
+        magic, inst, pid, ticks, expires, boot, host = _OWNER.unpack(body)
+        if magic != OWNER_MAGIC or crc != crc32c(body):
+            return None
+        return cls(inst, pid, ticks, expires, boot, host.rstrip(b"\0").decode(errors="replace"))
 
 
 def slots_per_slab(slab_size: int, slot_size: int) -> int:
@@ -142,13 +212,16 @@ class RecordHeader:
     seq: int
     encrypted: bool
     committed_ns: int = 0
+    # The namespace cipher's check value (XtsCipher.check_value) of an encrypted record,
+    # in the header's former pad field; 0 when not recorded (unencrypted, or older).
+    key_check: int = 0
 
     def pack(self) -> bytes:
         body = _REC.pack(
             REC_MAGIC,
             FORMAT_VERSION,
             FLAG_ENCRYPTED if self.encrypted else 0,
-            0,
+            self.key_check,
             self.namespace,
             len(self.key),
             self.key,
@@ -168,10 +241,10 @@ class RecordHeader:
         (crc,) = _CRC.unpack_from(raw, _REC.size)
         if crc != crc32c(body):
             return None
-        _m, version, flags, _pad, ns, klen, key, length, dcrc, seq, ts = _REC.unpack(body)
+        _m, version, flags, kcv, ns, klen, key, length, dcrc, seq, ts = _REC.unpack(body)
         if version != FORMAT_VERSION or not 1 <= klen <= 64:
             return None
-        return cls(ns, key[:klen], length, dcrc, seq, bool(flags & FLAG_ENCRYPTED), ts)
+        return cls(ns, key[:klen], length, dcrc, seq, bool(flags & FLAG_ENCRYPTED), ts, kcv)
 
 
 # One parsed table entry: (slot index, namespace, key, length, crc, seq, encrypted, time ns)

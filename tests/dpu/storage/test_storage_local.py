@@ -168,3 +168,70 @@ class TestLocalBackend(BackendTests):
         raw = {"name": "flash0", "backend": "local", "path": str(tmp_path / "flash0.img"),
                "size": "4MiB", "create": True}
         return lambda: open_backend(parse_device_spec(raw, "flash.devices[0]"))
+
+
+def _formatted(path: Path, size: int) -> None:
+    """A file holding a ctxmem superblock pair (as a service leaves it)."""
+    from ctxmem_common.flash_format import Superblock
+
+    with open(path, "wb") as f:
+        f.truncate(size)
+        f.write(Superblock.new(1 << 20, size).pack_pair())
+
+
+def test_a_formatted_file_is_never_grown(tmp_path: Path) -> None:
+    path = tmp_path / "flash.img"
+    _formatted(path, 2 << 20)
+    with pytest.raises(StorageError, match=r"'f0': .* holds 2MiB of ctxmem records but "
+                                           r"`size` is 4MiB") as info:
+        local(path, size="4MiB", create=True).attach()
+    assert "docs/storage.md" in info.value.remedy and info.value.errno == errno.EEXIST
+    assert path.stat().st_size == 2 << 20
+
+
+def test_a_file_with_slab_headers_but_no_superblock_is_never_grown(tmp_path: Path) -> None:
+    from ctxmem_common.flash_format import DATA_START, SlabHeader, slots_per_slab
+
+    path = tmp_path / "flash.img"
+    with open(path, "wb") as f:
+        f.truncate(3 << 20)
+        f.seek(DATA_START)
+        f.write(SlabHeader(65536, slots_per_slab(1 << 20, 65536)).pack())
+    with pytest.raises(StorageError, match="ctxmem records"):
+        local(path, size="8MiB", create=True).attach()
+    assert path.stat().st_size == 3 << 20
+
+
+def test_a_locked_file_is_not_grown(tmp_path: Path) -> None:
+    import fcntl
+
+    path = tmp_path / "flash.img"
+    path.write_bytes(bytes(2 << 20))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(StorageError, match=r"'f0' .* is in use by another process") \
+                as info:
+            local(path, size="4MiB", create=True).attach()
+        assert info.value.errno == errno.EBUSY
+    finally:
+        os.close(fd)
+    assert path.stat().st_size == 2 << 20
+
+
+def test_a_file_with_a_live_owner_record_is_not_grown(tmp_path: Path) -> None:
+    from ctxmem_dpu.tiers.flash_owner import DeviceOwner
+
+    path = tmp_path / "flash.img"
+    path.write_bytes(bytes(2 << 20))
+    fd = os.open(path, os.O_RDWR)
+    owner = DeviceOwner("flash0", str(path))  # as a service on a loop device over the file
+    try:
+        owner.claim(fd, 2 << 20)
+        with pytest.raises(StorageError, match=r"'f0' .* is in use by service") as info:
+            local(path, size="4MiB", create=True).attach()
+        assert info.value.errno == errno.EBUSY
+    finally:
+        owner.release(fd)
+        os.close(fd)
+    assert path.stat().st_size == 2 << 20

@@ -1,0 +1,182 @@
+"""The owner record: which service has a flash device open, written on the device itself.
+
+An ``flock`` only covers one inode: a loop device over a file, or two device nodes for
+one namespace, are other inodes over the same bytes, and two services on them both
+"hold the lock" and destroy each other's records. So a service also writes an owner
+record into the device's owner sector (``OWNER_OFFSET``): its instance, pid and process
+start time, host name, boot id and a lease expiry (wall clock). It is read and written
+at open (before anything else on the device is changed), refreshed while the service
+runs (the store's reaper, every :data:`LEASE_S` / 3) and cleared on a clean close.
+
+A record found at open belongs to a live service (the open is refused) unless it is
+stale: its lease has expired; or it was written on this host in an earlier boot; or in
+this boot by a process that is gone (pid not running, a zombie, or a pid reused by
+another process: its start time differs). So a service killed with SIGKILL and
+restarted at once takes its device back, and a record from another host is honoured
+until its lease runs out.
+
+The record is read and written straight on the descriptor, not through the fault layer
+(like the superblock at open: owning a device is not an I/O path faults are injected
+into).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import time
+import uuid
+
+from ctxmem_common.flash_format import DATA_START, OWNER_OFFSET, SECTOR, OwnerRecord
+from ctxmem_common.flash_format.reader import aligned_buffer
+
+log = logging.getLogger(__name__)
+
+# How long an owner record is honoured without a refresh (seconds). Only a record from
+# another host (or one whose process cannot be checked) waits for it; tests lower it with
+# CTXMEM_FLASH_OWNER_LEASE_S.
+LEASE_S = float(os.environ.get("CTXMEM_FLASH_OWNER_LEASE_S", "30"))
+
+# Owner records this process holds (by instance): a record naming this pid is live only
+# if it is one of these (a device reopened through an alias in the same process).
+_held: set[bytes] = set()
+
+
+def boot_id() -> bytes:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``) as 16 bytes; zeros if none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return uuid.UUID(f.read().strip()).bytes
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+def process_start(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot), or ``None`` when no such process
+    runs (gone, or a zombie: a killed service its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) "
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # field 22 of the whole line
+
+
+def describe(rec: OwnerRecord) -> str:
+    """``service <id> (pid N on host H, lease until T)`` for messages."""
+    until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.expires_ns / 1e9))
+    return (f"service {rec.instance.hex()[:12]} (pid {rec.pid} on host {rec.host}, "
+            f"lease until {until})")
+
+
+def stale_reason(rec: OwnerRecord, now_ns: int) -> str:
+    """Why ``rec`` no longer names a live owner (``""``: it does)."""
+    if rec.instance in _held:
+        return ""
+    if now_ns > rec.expires_ns:
+        return "its lease has expired"
+    if rec.host != socket.gethostname():
+        return ""  # another host: only its lease tells
+    if rec.boot_id != boot_id():
+        return "it was written before this host rebooted"
+    if rec.pid == os.getpid():
+        return "its instance in this process is closed"
+    if process_start(rec.pid) != rec.start_ticks:
+        return "its process is gone"
+    return ""
+
+
+class DeviceOwner:
+    """This process's claim on one device's owner sector (see the module docstring)."""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name = name
+        self.path = path
+        self.instance = uuid.uuid4().bytes
+        self.held = False
+        self._buf = aligned_buffer(SECTOR)
+
+    def _record(self) -> OwnerRecord:
+        return OwnerRecord(self.instance, os.getpid(), process_start(os.getpid()) or 0,
+                           time.time_ns() + int(LEASE_S * 1e9), boot_id(),
+                           socket.gethostname())
+
+    def _read(self, fd: int) -> OwnerRecord | None:
+        view = memoryview(self._buf)
+        try:
+            n = os.preadv(fd, [view], OWNER_OFFSET)
+        finally:
+            view.release()
+        return OwnerRecord.unpack(memoryview(self._buf)) if n == SECTOR else None
+
+    def _write(self, fd: int, raw: bytes) -> None:
+        self._buf[:] = raw
+        os.pwritev(fd, [self._buf], OWNER_OFFSET)
+        os.fdatasync(fd)
+
+    def claim(self, fd: int, size: int) -> None:
+        """Take the device: refuse it (FlashIOError EBUSY) when the owner sector names a
+        live service, else write this process's record. A device too small to hold the
+        owner sector is left alone (the format check refuses it)."""
+        from ctxmem_dpu.tiers.flash_io import FlashIOError
+
+        if size < DATA_START:
+            return
+        try:
+            rec = self._read(fd)
+            if rec is not None and rec.instance != self.instance:
+                why = stale_reason(rec, time.time_ns())
+                if not why:
+                    raise FlashIOError(
+                        errno.EBUSY, f"flash device {self.name!r} ({self.path}) is in use by "
+                        f"{describe(rec)}; stop it first (the same bytes may be reached by "
+                        f"another path, e.g. a loop device over a file)")
+                log.warning("flash device %s: taking over from %s: %s", self.name,
+                            describe(rec), why)
+            self._write(fd, self._record().pack())
+        except OSError as exc:
+            if isinstance(exc, FlashIOError):
+                raise
+            raise FlashIOError(exc.errno, f"flash device {self.name!r} ({self.path}): "
+                                          f"cannot read or write its owner record: "
+                                          f"{exc.strerror}") from None
+        self.held = True
+        _held.add(self.instance)
+
+    def refresh(self, fd: int) -> None:
+        """Extend the lease. Raises FlashIOError (EBUSY) when another service has taken
+        the device over meanwhile (this one's lease ran out), or the write fails."""
+        from ctxmem_dpu.tiers.flash_io import FlashIOError
+
+        if not self.held or os.lseek(fd, 0, os.SEEK_END) < DATA_START:
+            return  # (a truncated device is not written beyond its end)
+        try:
+            rec = self._read(fd)
+            if rec is not None and rec.instance != self.instance:
+                raise FlashIOError(errno.EBUSY, f"flash device {self.name!r} ({self.path}) "
+                                                f"was taken over by {describe(rec)}")
+            self._write(fd, self._record().pack())
+        except OSError as exc:
+            if isinstance(exc, FlashIOError):
+                raise
+            raise FlashIOError(exc.errno, f"flash device {self.name!r}: refreshing its "
+                                          f"owner record failed: {exc.strerror}") from None
+
+    def release(self, fd: int) -> None:
+        """Clear the owner sector (a clean close), if it still names this process."""
+        if not self.held:
+            return
+        self.held = False
+        _held.discard(self.instance)
+        try:
+            rec = self._read(fd)
+            if rec is not None and rec.instance == self.instance:
+                self._write(fd, bytes(SECTOR))
+        except OSError as exc:
+            log.warning("flash device %s: clearing its owner record failed: %s", self.name,
+                        exc)
