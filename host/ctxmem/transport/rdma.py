@@ -49,6 +49,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem.transport.rdma_buffers import (
     Piece,
@@ -83,7 +85,9 @@ from ctxmem.transport.rdma_verbs import (
     _verbs,
     wc_status_text,
 )
+from ctxmem.transport.verified import ReadProgress
 from ctxmem_common import rdma_wire as rw
+from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
@@ -99,6 +103,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+LANDING_BYTES = 16 << 20  # a verified read's blocks per round of RDMA READs (>= one block)
 
 # ---------------------------------------------------------------------------------------
 # The channel
@@ -142,6 +147,7 @@ class RdmaChannel(DataChannel):
         self._bounce_mr: Any = None
         self._bounce: mmap.mmap | None = None
         self._bounce_view: memoryview | None = None
+        self._landing = np.empty(0, dtype=np.uint8)  # verified reads land here first
         self.cache = RegistrationCache(self._reg, self._dereg,
                                        min_bytes=_env_int(ENV_REG_MIN_KB, 256) << 10,
                                        max_bytes=_env_int(ENV_REG_CACHE_MB, 1024) << 20)
@@ -285,8 +291,49 @@ class RdmaChannel(DataChannel):
              views: Sequence[memoryview]) -> None:
         self._slots(OP_READ, slots, views, f"lease {lease_id}")
 
+    def read_verified(self, lease_id: int, slots: Sequence[pb.Slot],
+                      views: Sequence[memoryview], crcs: Sequence[int],
+                      progress: ReadProgress) -> None:
+        """RDMA READ whole blocks into the channel's private landing buffer (registered
+        once through the registration cache, up to :data:`LANDING_BYTES` of blocks per
+        round), then CRC-check each block there and copy it into its view only if it
+        matches; the first block that fails stops the read (it and later views untouched).
+        Nothing else writes the landing buffer once the READs completed, so the bytes
+        copied are the bytes checked."""
+        what = f"lease {lease_id}"
+        start = 0
+        while start < len(views):
+            stop, used = start, 0
+            while stop < len(views) and (stop == start
+                                         or used + views[stop].nbytes <= LANDING_BYTES):
+                used += views[stop].nbytes
+                stop += 1
+            landing = self._landing_view(used)
+            parts, off = [], 0
+            for v in views[start:stop]:
+                parts.append(landing[off : off + v.nbytes])
+                off += v.nbytes
+            self.transfer(OP_READ, self._items(OP_READ, slots[start:stop], parts, what))
+            for j, part in enumerate(parts):
+                i = start + j
+                if crc32c(part) != crcs[i]:
+                    progress.bad = i
+                    return
+                views[i][:] = part
+                progress.done = i + 1
+            start = stop
+
+    def _landing_view(self, nbytes: int) -> memoryview:
+        if self._landing.nbytes < nbytes:
+            self._landing = np.empty(nbytes, dtype=np.uint8)
+        return self._landing.data[:nbytes]
+
     def _slots(self, op: str, slots: Sequence[pb.Slot], views: Sequence[memoryview],
                what: str) -> None:
+        self.transfer(op, self._items(op, slots, views, what))
+
+    def _items(self, op: str, slots: Sequence[pb.Slot], views: Sequence[memoryview],
+               what: str) -> list[tuple[memoryview, int, int]]:
         if len(slots) < len(views):
             raise TransportError(f"RDMA {op} of {what}: {len(views)} buffers, {len(slots)} "
                                  f"slots")
@@ -300,7 +347,7 @@ class RdmaChannel(DataChannel):
                 raise TransportError(f"RDMA {op} of {what}: slot {i} is {slot.length} bytes, "
                                      f"the buffer {view.nbytes}")
             items.append((view, slot.remote_addr, slot.rkey))
-        self.transfer(op, items)
+        return items
 
     def transfer(self, op: str, items: Sequence[tuple[memoryview, int, int]]) -> None:
         """RDMA ``op`` (``"write"``: local -> remote, ``"read"``: remote -> local) of each
