@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import ctxmem
-from ctxmem.namespace import Namespace
 from ctxmem.transport.base import TransportError
 from ctxmem.transport.shm import ShmChannel
 from ctxmem.transport.verified import BlockBounce, ReadProgress
@@ -113,27 +112,29 @@ def test_expired_lease_keeps_the_verified_blocks(
         assert get_checked(ns, ks) == 5
 
 
-def test_service_restart_between_batches_leaves_later_buffers_untouched(svc: Any) -> None:
+@pytest.mark.parametrize(("when", "served"), [("before_acquire", 2), ("before_release", 4)])
+def test_service_restart_between_batches_leaves_later_buffers_untouched(
+        svc: Any, monkeypatch: pytest.MonkeyPatch, when: str, served: int) -> None:
+    """Batches of two blocks; the DRAM-only service restarts (losing every block) before
+    the second batch's Acquire, or after its copy and before its Release. Blocks already
+    verified count; nothing past them is written."""
     ks = keys("restart")
     with ctxmem.Client(svc.endpoint, transport="shm", max_batch_bytes=2 * BLOCK) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N
-        real = Namespace._get_batch
-        batches = 0
+        rpc = c._rpc
+        seen = {"Acquire": 0, "Release": 0}
+        method_at = "Acquire" if when == "before_acquire" else "Release"
 
-        def restart_after_first(self: Namespace, k: list[bytes], v: list[memoryview]
-                                ) -> tuple[int, bool]:
-            nonlocal batches
-            batches += 1
-            if batches == 2:
-                svc.restart()  # DRAM only: the blocks are gone with the old process
-            return real(self, k, v)
+        def restart_once(method: str, request: Any) -> Any:
+            if method in seen:
+                seen[method] += 1
+                if method == method_at and seen[method] == 2:
+                    svc.restart()
+            return rpc(method, request)
 
-        Namespace._get_batch = restart_after_first  # type: ignore[method-assign]
-        try:
-            assert get_checked(ns, ks) == 2
-        finally:
-            Namespace._get_batch = real  # type: ignore[method-assign]
+        monkeypatch.setattr(c, "_rpc", restart_once)
+        assert get_checked(ns, ks) == served
 
 
 def test_a_retry_goes_on_from_the_first_undelivered_block(
