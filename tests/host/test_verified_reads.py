@@ -12,6 +12,7 @@ import pytest
 import ctxmem.transport.rdma as rdma_mod
 from ctxmem.transport.base import DataChannel
 from ctxmem.transport.rdma import RdmaChannel
+from ctxmem.transport.rdma_buffers import landing_rounds
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
@@ -96,3 +97,9 @@ def test_default_verified_read_stops_at_the_first_bad_block() -> None:
     assert (progress.done, progress.bad) == (2, 2)
     assert [bytes(d) for d in dst[:2]] == blocks[:2]
     assert all(d.count(SENTINEL) == size for d in dst[2:])
+
+
+def test_landing_rounds_hold_whole_blocks_within_capacity() -> None:
+    assert landing_rounds([4, 4, 4, 4, 4], 8) == [(0, 2), (2, 4), (4, 5)]
+    assert landing_rounds([10, 2, 2], 8) == [(0, 1), (1, 3)]  # too big: a round alone
+    assert landing_rounds([], 8) == []

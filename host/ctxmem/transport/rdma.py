@@ -13,6 +13,9 @@ request per slot, straight from (put) or into (get) the caller's buffer:
   freed and reused under a live registration (the classic registration-cache hazard).
   Smaller buffers, or ones that cannot be registered (read-only mappings, memlock
   limit), are staged through a registered **bounce buffer** (one memcpy each way).
+* **verified reads** (the default get) READ whole blocks into a private landing buffer
+  (registered through the cache), check each block's CRC32C there and copy it into the
+  caller's buffer only if it matches (:meth:`RdmaChannel.read_verified`).
 * **batched, selectively signalled work requests** — up to ``signal_every`` WRs are
   linked into one chain and posted with one ``ibv_post_send``; only the chain's last WR
   asks for a completion (RC completes in order, so it retires the whole chain). At most
@@ -31,7 +34,8 @@ pyverbs is imported when the first channel opens, never by ``import ctxmem``.
 
 This module is the channel (its queue pair's life and the transfers);
 :mod:`~ctxmem.transport.rdma_exchange` holds the ``RdmaInfo`` exchange and device choice,
-:mod:`~ctxmem.transport.rdma_buffers` the registration cache, bounce plan and WR chains,
+:mod:`~ctxmem.transport.rdma_buffers` the registration cache, bounce plan, landing rounds
+and WR chains,
 :mod:`~ctxmem.transport.rdma_verbs` the knobs, the pyverbs import and :class:`RdmaError`.
 """
 
@@ -60,6 +64,7 @@ from ctxmem.transport.rdma_buffers import (
     address_of,
     bounce_plan,
     chains,
+    landing_rounds,
     owner_view,
 )
 from ctxmem.transport.rdma_exchange import choose_device, rdma_info, refusal
@@ -301,14 +306,8 @@ class RdmaChannel(DataChannel):
         Nothing else writes the landing buffer once the READs completed, so the bytes
         copied are the bytes checked."""
         what = f"lease {lease_id}"
-        start = 0
-        while start < len(views):
-            stop, used = start, 0
-            while stop < len(views) and (stop == start
-                                         or used + views[stop].nbytes <= LANDING_BYTES):
-                used += views[stop].nbytes
-                stop += 1
-            landing = self._landing_view(used)
+        for start, stop in landing_rounds([v.nbytes for v in views], LANDING_BYTES):
+            landing = self._landing_view(sum(v.nbytes for v in views[start:stop]))
             parts, off = [], 0
             for v in views[start:stop]:
                 parts.append(landing[off : off + v.nbytes])
@@ -321,7 +320,6 @@ class RdmaChannel(DataChannel):
                     return
                 views[i][:] = part
                 progress.done = i + 1
-            start = stop
 
     def _landing_view(self, nbytes: int) -> memoryview:
         if self._landing.nbytes < nbytes:
