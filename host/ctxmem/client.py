@@ -82,8 +82,13 @@ class Client:
     ``transport``: ``"shm"`` (same host), ``"tcp"``, or ``"auto"`` (shared memory when the
     service's socket is reachable here, else TCP). ``verify_puts`` sends the client's
     CRC32C of each block with Commit, so a block damaged between the caller's buffer and
-    the service is never committed; ``verify_gets`` checks each block's CRC32C after the
-    transfer (default: on for TCP; for shared memory the lease check covers it).
+    the service is never committed. ``verify_gets`` (default on, every transport) checks
+    each block against the CRC32C committed with it as it is copied out (fused with the
+    copy, through a one-block bounce), and writes it into the caller's buffer only if it
+    matches: a get then returns exactly the committed bytes or a miss, and leaves the
+    buffers past its count untouched, whatever other clients do. ``verify_gets=False``
+    copies unchecked; it is unsafe with untrusted writers on shared memory (a client
+    that once held a slot can still write its slab) and voids the untouched guarantee.
 
     ``channel_options``: extra gRPC channel arguments, merged with the client's own
     (64 MiB message size limits); one of the same name replaces the client's. For example
@@ -101,7 +106,7 @@ class Client:
         tenant_token: str = "",
         timeout_s: float = 30.0,
         verify_puts: bool = True,
-        verify_gets: bool | None = None,
+        verify_gets: bool = True,
         max_batch_bytes: int = 256 << 20,
         client_name: str = "",
         channel_options: Sequence[tuple[str, Any]] = (),

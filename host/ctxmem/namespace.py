@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ctxmem.buffers import Staged
 from ctxmem.transport.base import TransportError
+from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import (
     CtxmemError,
@@ -181,9 +182,12 @@ class Namespace:
     def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         """Fill ``buffers`` for the longest stored leading run of ``keys``; return its length.
 
-        Blocks after the returned count are untouched. A block that fails a check, a lease
-        that expired while reading, or a service that went away makes the run shorter
-        (a miss), never returns wrong bytes.
+        Blocks after the returned count are untouched. Each block is checked against the
+        CRC32C committed with it before it is written into its buffer (unless the client
+        was made with ``verify_gets=False``), so a block that fails the check, a lease that
+        expired while reading, or a service that went away makes the run shorter (a miss),
+        never returns wrong bytes. Blocks that passed the check count whatever happens
+        after: a retry after a reconnect goes on from the first block not yet delivered.
         """
         validate_keys(keys)
         if len(keys) != len(buffers):
@@ -196,45 +200,66 @@ class Namespace:
             # service could only stage part of it in DRAM; asking again from where it
             # stopped tells the two apart (a miss answers 0).
             sl = self._batch(total, len(keys))
-            n = self._get_batch(list(keys[sl]), staged.views[sl])
+            n, go_on = self._get_batch(list(keys[sl]), staged.views[sl])
             total += n
-            if n == 0:
+            if n == 0 or not go_on:
                 break
         staged.finish_get(total)
         return total
 
-    def _get_batch(self, keys: list[bytes], views: list[memoryview]) -> int:
-        rpc = self.client._rpc
+    def _get_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, bool]:
+        """Get one batch into ``views``; returns (leading blocks delivered, whether the get
+        may go on after them: ``False`` after a failed check or an unavailable service).
 
-        def op(s: _Session) -> int:
+        With verification, ``done`` advances block by block as blocks pass their CRC, so
+        a read that raises midway (service gone, lease refused) is retried, after a
+        reconnect, from ``keys[done:]`` only. Without it (``verify_gets=False``), nothing
+        counts until the whole read ended under a lease still valid at Release."""
+        rpc = self.client._rpc
+        verify = self.client.verify_gets
+        done = 0
+        failed = False
+
+        def op(s: _Session) -> None:
+            nonlocal done, failed
+            if done == len(keys):
+                return
             a = rpc("Acquire", pb.AcquireRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys))
+                session_id=s.id, namespace_handle=self.handle, keys=keys[done:]))
             n = a.num_acquired
+            base = done
+            dst = views[base : base + n]
+            progress = ReadProgress()
             try:
-                if n:
-                    s.channel.read(a.lease_id, a.slots, views[:n])
+                if n and verify:
+                    s.channel.read_verified(a.lease_id, a.slots[:n], dst, a.crc32c[:n],
+                                            progress)
+                elif n:
+                    s.channel.read(a.lease_id, a.slots[:n], dst)
             finally:
+                if verify:
+                    done = base + progress.done  # checked bytes are right, whatever follows
                 rel = rpc("Release", pb.ReleaseRequest(session_id=s.id, lease_ids=[a.lease_id]))
-            if s.channel.name == "shm" and not rel.valid[0]:
-                # The lease expired while we copied: the slots may have been reused.
-                log.warning("ctxmem: lease %d expired during the copy; treating as a miss",
-                            a.lease_id)
-                return 0
-            verify = self.client.verify_gets
-            if verify is None:
-                verify = s.channel.name != "shm"
-            if verify:
-                for i, (v, want) in enumerate(zip(views[:n], a.crc32c, strict=True)):
-                    if crc32c(v) != want:
-                        log.warning("ctxmem: block %d failed its CRC32C after transfer; miss", i)
-                        return i
-            return n
+            if progress.bad is not None:
+                log.warning("ctxmem: block %d of lease %d failed its CRC32C; the run ends "
+                            "there (a miss)", base + progress.bad, a.lease_id)
+                failed = True
+            elif not verify:
+                if s.channel.name == "shm" and not rel.valid[0]:
+                    # Unverified: the slots may have been reused while we copied.
+                    log.warning("ctxmem: lease %d expired during an unverified copy; "
+                                "treating as a miss", a.lease_id)
+                    failed = True
+                else:
+                    done = base + n
 
         try:
-            return self._retrying(op)
+            self._retrying(op)
         except Unavailable as exc:
-            log.warning("ctxmem get degraded to a miss: %s", exc)
-            return 0
+            log.warning("ctxmem get ends after %d verified blocks of this batch (a miss "
+                        "from there): %s", done, exc)
+            return done, False
+        return done, not failed
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Ask the service to promote flash blocks of ``keys`` to DRAM ahead of need;

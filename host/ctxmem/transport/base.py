@@ -5,6 +5,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+from ctxmem.transport.verified import BlockBounce, ReadProgress
+from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
 
@@ -25,7 +27,34 @@ class DataChannel(abc.ABC):
 
     @abc.abstractmethod
     def read(self, lease_id: int, slots: Sequence[pb.Slot],
-             views: Sequence[memoryview]) -> None: ...
+             views: Sequence[memoryview]) -> None:
+        """Copy each slot into its view, unchecked (what ``verify_gets=False`` uses)."""
+
+    def read_verified(self, lease_id: int, slots: Sequence[pb.Slot],
+                      views: Sequence[memoryview], crcs: Sequence[int],
+                      progress: ReadProgress) -> None:
+        """Read each block through the channel's bounce and write it into its view only if
+        its CRC32C equals ``crcs[i]``; stop at the first block that fails (recorded in
+        ``progress.bad``; it and later views stay untouched). ``progress.done`` counts the
+        blocks delivered so far, also when this raises.
+
+        This default reads one block per :meth:`read` call; channels override it to fuse
+        the check with their copy (see :mod:`ctxmem.transport.verified`)."""
+        bounce = self._verify_bounce()
+        for i, (slot, dst, want) in enumerate(zip(slots, views, crcs, strict=True)):
+            tmp = bounce.view(dst.nbytes)
+            self.read(lease_id, [slot], [tmp])
+            if not bounce.deliver(dst, crc32c(tmp), want):
+                progress.bad = i
+                return
+            progress.done = i + 1
+
+    def _verify_bounce(self) -> BlockBounce:
+        bounce: BlockBounce | None = getattr(self, "_block_bounce", None)
+        if bounce is None:
+            bounce = BlockBounce()
+            self._block_bounce = bounce
+        return bounce
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -13,6 +13,9 @@ request per slot, straight from (put) or into (get) the caller's buffer:
   freed and reused under a live registration (the classic registration-cache hazard).
   Smaller buffers, or ones that cannot be registered (read-only mappings, memlock
   limit), are staged through a registered **bounce buffer** (one memcpy each way).
+* **verified reads** (the default get) READ whole blocks into a private landing buffer
+  (registered through the cache), check each block's CRC32C there and copy it into the
+  caller's buffer only if it matches (:meth:`RdmaChannel.read_verified`).
 * **batched, selectively signalled work requests** — up to ``signal_every`` WRs are
   linked into one chain and posted with one ``ibv_post_send``; only the chain's last WR
   asks for a completion (RC completes in order, so it retires the whole chain). At most
@@ -31,7 +34,8 @@ pyverbs is imported when the first channel opens, never by ``import ctxmem``.
 
 This module is the channel (its queue pair's life and the transfers);
 :mod:`~ctxmem.transport.rdma_exchange` holds the ``RdmaInfo`` exchange and device choice,
-:mod:`~ctxmem.transport.rdma_buffers` the registration cache, bounce plan and WR chains,
+:mod:`~ctxmem.transport.rdma_buffers` the registration cache, bounce plan, landing rounds
+and WR chains,
 :mod:`~ctxmem.transport.rdma_verbs` the knobs, the pyverbs import and :class:`RdmaError`.
 """
 
@@ -49,6 +53,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem.transport.rdma_buffers import (
     Piece,
@@ -58,6 +64,7 @@ from ctxmem.transport.rdma_buffers import (
     address_of,
     bounce_plan,
     chains,
+    landing_rounds,
     owner_view,
 )
 from ctxmem.transport.rdma_exchange import choose_device, rdma_info, refusal
@@ -83,7 +90,9 @@ from ctxmem.transport.rdma_verbs import (
     _verbs,
     wc_status_text,
 )
+from ctxmem.transport.verified import ReadProgress
 from ctxmem_common import rdma_wire as rw
+from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
@@ -99,6 +108,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+LANDING_BYTES = 16 << 20  # a verified read's blocks per round of RDMA READs (>= one block)
 
 # ---------------------------------------------------------------------------------------
 # The channel
@@ -142,6 +152,7 @@ class RdmaChannel(DataChannel):
         self._bounce_mr: Any = None
         self._bounce: mmap.mmap | None = None
         self._bounce_view: memoryview | None = None
+        self._landing = np.empty(0, dtype=np.uint8)  # verified reads land here first
         self.cache = RegistrationCache(self._reg, self._dereg,
                                        min_bytes=_env_int(ENV_REG_MIN_KB, 256) << 10,
                                        max_bytes=_env_int(ENV_REG_CACHE_MB, 1024) << 20)
@@ -285,8 +296,42 @@ class RdmaChannel(DataChannel):
              views: Sequence[memoryview]) -> None:
         self._slots(OP_READ, slots, views, f"lease {lease_id}")
 
+    def read_verified(self, lease_id: int, slots: Sequence[pb.Slot],
+                      views: Sequence[memoryview], crcs: Sequence[int],
+                      progress: ReadProgress) -> None:
+        """RDMA READ whole blocks into the channel's private landing buffer (registered
+        once through the registration cache, up to :data:`LANDING_BYTES` of blocks per
+        round), then CRC-check each block there and copy it into its view only if it
+        matches; the first block that fails stops the read (it and later views untouched).
+        Nothing else writes the landing buffer once the READs completed, so the bytes
+        copied are the bytes checked."""
+        what = f"lease {lease_id}"
+        for start, stop in landing_rounds([v.nbytes for v in views], LANDING_BYTES):
+            landing = self._landing_view(sum(v.nbytes for v in views[start:stop]))
+            parts, off = [], 0
+            for v in views[start:stop]:
+                parts.append(landing[off : off + v.nbytes])
+                off += v.nbytes
+            self.transfer(OP_READ, self._items(OP_READ, slots[start:stop], parts, what))
+            for j, part in enumerate(parts):
+                i = start + j
+                if crc32c(part) != crcs[i]:
+                    progress.bad = i
+                    return
+                views[i][:] = part
+                progress.done = i + 1
+
+    def _landing_view(self, nbytes: int) -> memoryview:
+        if self._landing.nbytes < nbytes:
+            self._landing = np.empty(nbytes, dtype=np.uint8)
+        return self._landing.data[:nbytes]
+
     def _slots(self, op: str, slots: Sequence[pb.Slot], views: Sequence[memoryview],
                what: str) -> None:
+        self.transfer(op, self._items(op, slots, views, what))
+
+    def _items(self, op: str, slots: Sequence[pb.Slot], views: Sequence[memoryview],
+               what: str) -> list[tuple[memoryview, int, int]]:
         if len(slots) < len(views):
             raise TransportError(f"RDMA {op} of {what}: {len(views)} buffers, {len(slots)} "
                                  f"slots")
@@ -300,7 +345,7 @@ class RdmaChannel(DataChannel):
                 raise TransportError(f"RDMA {op} of {what}: slot {i} is {slot.length} bytes, "
                                      f"the buffer {view.nbytes}")
             items.append((view, slot.remote_addr, slot.rkey))
-        self.transfer(op, items)
+        return items
 
     def transfer(self, op: str, items: Sequence[tuple[memoryview, int, int]]) -> None:
         """RDMA ``op`` (``"write"``: local -> remote, ``"read"``: remote -> local) of each

@@ -175,6 +175,22 @@ def bounce_plan(lengths: Sequence[int], capacity: int) -> list[list[Piece]]:
     return rounds
 
 
+def landing_rounds(lengths: Sequence[int], capacity: int) -> list[tuple[int, int]]:
+    """[start, stop) of each round of whole items that fit ``capacity`` bytes together (an
+    item bigger than ``capacity`` gets a round of its own): a verified read lands whole
+    blocks, so it can check each before delivering it."""
+    rounds: list[tuple[int, int]] = []
+    start = 0
+    while start < len(lengths):
+        stop, used = start + 1, lengths[start]
+        while stop < len(lengths) and used + lengths[stop] <= capacity:
+            used += lengths[stop]
+            stop += 1
+        rounds.append((start, stop))
+        start = stop
+    return rounds
+
+
 def chains(n: int, signal_every: int) -> list[tuple[int, int]]:
     """[start, stop) of each chain of WRs; the last WR of each is the signalled one."""
     per = max(1, signal_every)

@@ -2,7 +2,11 @@
 
 Regions are mapped on first use and cached by ``(region, generation)``; a slot naming a
 newer generation means the slab was recycled, so the old mapping is dropped and the new
-memfd fetched. The copy is a memoryview slice assignment: a single C ``memcpy``.
+memfd fetched. A write is a memoryview slice assignment: a single C ``memcpy``. A verified
+read (the default get) copies each block out of the mapping through a private bounce of
+one block, CRC-ing it chunk by chunk as it passes, and delivers it only if the CRC matches
+(:mod:`ctxmem.transport.verified`): another client that still maps the slab cannot make a
+get return bytes that were not committed.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import threading
 from collections.abc import Sequence
 
 from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import (
     SHM_HELLO,
@@ -106,6 +111,19 @@ class ShmChannel(DataChannel):
             for slot, dst in zip(slots, views, strict=True):
                 region = self._region(slot.region, slot.generation)
                 dst[:] = region[slot.offset : slot.offset + slot.length]
+
+    def read_verified(self, lease_id: int, slots: Sequence[pb.Slot],
+                      views: Sequence[memoryview], crcs: Sequence[int],
+                      progress: ReadProgress) -> None:
+        bounce = self._verify_bounce()
+        with self._lock:
+            for i, (slot, dst, want) in enumerate(zip(slots, views, crcs, strict=True)):
+                region = self._region(slot.region, slot.generation)
+                crc = bounce.copy_in(region[slot.offset : slot.offset + slot.length])
+                if not bounce.deliver(dst, crc, want):
+                    progress.bad = i
+                    return
+                progress.done = i + 1
 
     def close(self) -> None:
         with self._lock:

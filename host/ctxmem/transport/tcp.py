@@ -1,8 +1,12 @@
 """TCP channel: pipelined writes and reads over one connection per client.
 
 A batch is sent back to back (request headers and payloads), then the answers are read,
-so a batch costs one round trip, not one per block. Payloads go straight from and into
-the caller's buffers (``sendall`` of a memoryview, ``recv_into``): no extra copy.
+so a batch costs one round trip, not one per block. Writes go straight from the caller's
+buffers (``sendall`` of a memoryview). A verified read (the default get) receives each
+block into the channel's one-block bounce, CRC-ing each received piece while it is in
+cache, and copies it into the caller's buffer only if the CRC matches
+(:mod:`ctxmem.transport.verified`); an unverified read receives straight into the caller's
+buffer.
 """
 
 from __future__ import annotations
@@ -12,17 +16,24 @@ import threading
 from collections.abc import Sequence
 
 from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem.transport.verified import ReadProgress
+from ctxmem_common.codecs import crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import OP_READ, OP_WRITE, STATUS_TEXT, TCP_HELLO, TCP_REQ, TCP_RESP, Status
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
+def _recv_into(sock: socket.socket, view: memoryview, crc: bool = False) -> int:
+    """Fill ``view`` from ``sock``; with ``crc``, return the CRC32C of what arrived,
+    computed piece by piece as each ``recv`` lands (0 otherwise)."""
+    got = value = 0
     while got < len(view):
         k = sock.recv_into(view[got:])
         if k == 0:
             raise TransportError("TCP data connection closed by the service mid-transfer")
+        if crc:
+            value = crc32c(view[got : got + k], value)
         got += k
+    return value
 
 
 def _recv_resp(sock: socket.socket) -> tuple[int, int]:
@@ -76,6 +87,20 @@ class TcpChannel(DataChannel):
 
     def read(self, lease_id: int, slots: Sequence[pb.Slot],
              views: Sequence[memoryview]) -> None:
+        self._read(lease_id, views, None, ReadProgress())
+
+    def read_verified(self, lease_id: int, slots: Sequence[pb.Slot],
+                      views: Sequence[memoryview], crcs: Sequence[int],
+                      progress: ReadProgress) -> None:
+        self._read(lease_id, views, crcs, progress)
+
+    def _read(self, lease_id: int, views: Sequence[memoryview], crcs: Sequence[int] | None,
+              progress: ReadProgress) -> None:
+        """Pipelined read of every block of the lease: into ``views`` directly when
+        ``crcs`` is ``None``, else through the bounce, delivering only blocks that match.
+        After a failed block the rest of the answers are still drained (into the bounce)
+        so the connection stays in step."""
+        bounce = self._verify_bounce()
         with self._lock:
             try:
                 self._sock.sendall(b"".join(
@@ -86,7 +111,16 @@ class TcpChannel(DataChannel):
                     if length != len(view):
                         raise TransportError(f"TCP read of block {i}: {length} bytes, expected "
                                              f"{len(view)}")
-                    _recv_into(self._sock, view)
+                    if crcs is None:
+                        _recv_into(self._sock, view)
+                        progress.done = i + 1
+                        continue
+                    crc = _recv_into(self._sock, bounce.view(length), crc=True)
+                    if progress.bad is None:
+                        if bounce.deliver(view, crc, crcs[i]):
+                            progress.done = i + 1
+                        else:
+                            progress.bad = i
             except OSError as exc:
                 raise TransportError(f"TCP read failed: {exc}") from None
 

@@ -7,7 +7,10 @@ In one run, on the same buffers and the same flash file, it measures:
 * through a real service and the shim: DRAM-hit get and put, cold flash get (each batch
   evicted to flash first, so every byte is read from the device, decrypted and
   CRC-checked), demotion to flash, for 2 MiB and 64 KiB blocks, encryption on and off;
-* a 10,000-key Lookup (p50/p99 of one call).
+* a 10,000-key Lookup (p50/p99 of one call);
+* DRAM-hit get with CRC32C verification on (the default) and off (``verify_gets=False``),
+  alternating on the same blocks, next to memcpy, CRC32C and copy-then-CRC (``copy_crc``:
+  the one-thread cost of copying and checking every byte).
 
 Each figure is printed next to its limit, and ``--json`` writes
 ``{"results": [{"name", "value", "unit", "limit", "fraction_of_limit"}]}``.
@@ -72,6 +75,11 @@ def measure_limits(flash_path: Path, block: int, count: int, repeat: int) -> dic
         for s in src:
             crc32c(s.data)
 
+    def copy_crc() -> None:
+        for s, d in zip(src, dst, strict=True):
+            np.copyto(d, s)
+            crc32c(d.data)
+
     cipher = XtsCipher(os.urandom(64))
     out = np.empty(block, dtype=np.uint8)
 
@@ -82,6 +90,7 @@ def measure_limits(flash_path: Path, block: int, count: int, repeat: int) -> dic
     limits = {
         "memcpy": _best_rate(memcpy, total, repeat) / GB,
         "crc32c": _best_rate(crc, total, repeat) / GB,
+        "copy_crc": _best_rate(copy_crc, total, repeat) / GB,
         "aes_xts": _best_rate(xts, total, repeat) / GB,
     }
     # O_DIRECT on a scratch file beside the flash file (same filesystem, same device).
@@ -117,6 +126,33 @@ def limit_for(name: str, limits: dict[str, float]) -> float:
         return limits["memcpy"]
     device = limits["odirect_read" if name.startswith("flash_get") else "odirect_write"]
     return min(device, limits["aes_xts"]) if "_xts" in name else device
+
+
+def bench_verify(svc: ServiceProcess, transport: str, layout: KVLayout, size: str,
+                 bufs: list[np.ndarray], outs: list[np.ndarray], rounds: int,
+                 limits: dict[str, float], results: list[Result]) -> None:
+    """DRAM-hit get of the same blocks with verification on and off, alternating round by
+    round so both see the same machine load: ``dram_get_<size>_verify`` / ``_noverify``."""
+    nbytes = sum(b.nbytes for b in bufs)
+    keys = chain_hashes(np.arange(len(bufs)), 1, salt=f"verify-{size}".encode())
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with Client(svc.endpoint, transport=transport,  # type: ignore[arg-type]
+                verify_gets=True) as on, \
+            Client(svc.endpoint, transport=transport,  # type: ignore[arg-type]
+                   verify_gets=False) as off:
+        spaces = {v: c.open_namespace(layout, model_id=f"bench-verify-{size}")
+                  for v, c in ((True, on), (False, off))}
+        assert spaces[True].put(keys, bufs).stored == len(keys)
+        for _ in range(rounds):
+            for verify, ns in spaces.items():
+                t = time.perf_counter()
+                assert ns.get(keys, outs) == len(keys)
+                times[verify].append(time.perf_counter() - t)
+        spaces[True].delete(keys)
+    for verify, label in ((True, "verify"), (False, "noverify")):
+        gbs = nbytes / statistics.median(times[verify]) / GB
+        name = f"dram_get_{size}_{label}"
+        results.append(Result(name, gbs, "GB/s", limits["memcpy"], gbs / limits["memcpy"]))
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -157,6 +193,8 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
             cold_t.append(time.perf_counter() - t)
             assert n == batch, f"cold get served {n} of {batch}"
             ns.delete(keys)
+        if tag == "plain":
+            bench_verify(svc, transport, layout, size, bufs, outs, rounds, limits, results)
         crypt = "_xts" if tag == "xts" else ""
         cases = [
             (f"dram_put_{size}{crypt}", put_t),

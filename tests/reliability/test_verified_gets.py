@@ -1,0 +1,191 @@
+"""Issue 13, case 1 (shim side) and case 5: every get checks each block's CRC32C as it is
+copied out, writes a block into the caller's buffer only if it passed, and leaves every
+buffer past the returned count untouched: whatever happened to the block's bytes in DRAM,
+whenever the lease expired, whether the service went away between batches.
+
+The bytes of a committed block are changed in DRAM by a raw client that maps the slab
+(it acquired the block, so it may map the region, and a shared-memory mapping is
+writable): the shim must not trust the slab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ctxmem
+from ctxmem.transport.base import TransportError
+from ctxmem.transport.shm import ShmChannel
+from ctxmem.transport.verified import BlockBounce, ReadProgress
+from ctxmem_common.codecs import crc32c
+from ctxmem_common.layout import KVLayout
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from tests.adversary.raw import RawAllocation, RawSession
+
+BLOCK = 256 << 10
+LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
+                  tokens_per_block=1)
+SENTINEL = 0xA5
+N = 8
+
+
+def keys(tag: str, n: int = N) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+
+
+def content(key: bytes) -> bytes:
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    return rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+
+
+def get_checked(ns: ctxmem.Namespace, ks: list[bytes]) -> int:
+    """Get ``ks`` into sentinel-filled buffers; assert the returned blocks are exact and
+    the buffers past the count still all sentinel. Returns the count."""
+    bufs = [bytearray([SENTINEL]) * BLOCK for _ in ks]
+    n = ns.get(ks, bufs)
+    for i in range(n):
+        assert bytes(bufs[i]) == content(ks[i]), f"block {i} of {n} served with wrong bytes"
+    for i in range(n, len(ks)):
+        assert bufs[i].count(SENTINEL) == BLOCK, f"buffer {i} past the count {n} was written"
+    return n
+
+
+def corrupt(raw: RawSession, key: bytes) -> None:
+    """Change one byte of ``key``'s committed block in DRAM, through ``raw``'s mapping."""
+    a = raw.call("Acquire", pb.AcquireRequest(session_id=raw.session_id,
+                                               namespace_handle=raw.handle, keys=[key]))
+    assert a.num_acquired == 1
+    bad = bytearray(content(key))
+    bad[BLOCK // 2] ^= 0xFF
+    raw.write(RawAllocation(0, [a.slots[0]], [True]), [bytes(bad)])
+    raw.call("Release", pb.ReleaseRequest(session_id=raw.session_id, lease_ids=[a.lease_id]))
+
+
+@pytest.fixture
+def svc(service_factory: Callable[..., Any]) -> Any:
+    return service_factory(transports=["shm", "tcp"], flash_size=None, lease_ttl_s=1.0)
+
+
+@pytest.fixture
+def raw(svc: Any) -> Iterator[RawSession]:
+    with RawSession(svc.endpoint, LAYOUT, model_id="m") as r:
+        yield r
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_block_changed_in_dram_is_a_miss_and_nothing_past_it_is_written(
+        svc: Any, raw: RawSession, transport: str) -> None:
+    ks = keys(transport)
+    with ctxmem.Client(svc.endpoint, transport=transport) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        assert ns.put(ks, [content(k) for k in ks]).stored == N
+        corrupt(raw, ks[5])
+        assert get_checked(ns, ks) == 5
+        assert get_checked(ns, ks[:5]) == 5
+
+
+def test_expired_lease_keeps_the_verified_blocks(
+        svc: Any, raw: RawSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease expires while block 3 is copied and block 5 changes meanwhile: blocks
+    0-4 passed their check and count; 5 fails and is not written, nor are 6 and 7."""
+    ks = keys("lease")
+    real = BlockBounce.deliver
+    calls = 0
+
+    def slow_deliver(self: BlockBounce, dst: memoryview, crc: int, want: int) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            corrupt(raw, ks[5])
+            time.sleep(1.6)  # past lease_ttl_s: Release will say the lease expired
+        return real(self, dst, crc, want)
+
+    with ctxmem.Client(svc.endpoint, transport="shm") as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        assert ns.put(ks, [content(k) for k in ks]).stored == N
+        monkeypatch.setattr(BlockBounce, "deliver", slow_deliver)
+        assert get_checked(ns, ks) == 5
+
+
+@pytest.mark.parametrize(("when", "served"), [("before_acquire", 2), ("before_release", 4)])
+def test_service_restart_between_batches_leaves_later_buffers_untouched(
+        svc: Any, monkeypatch: pytest.MonkeyPatch, when: str, served: int) -> None:
+    """Batches of two blocks; the DRAM-only service restarts (losing every block) before
+    the second batch's Acquire, or after its copy and before its Release. Blocks already
+    verified count; nothing past them is written."""
+    ks = keys("restart")
+    with ctxmem.Client(svc.endpoint, transport="shm", max_batch_bytes=2 * BLOCK) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        assert ns.put(ks, [content(k) for k in ks]).stored == N
+        rpc = c._rpc
+        seen = {"Acquire": 0, "Release": 0}
+        method_at = "Acquire" if when == "before_acquire" else "Release"
+
+        def restart_once(method: str, request: Any) -> Any:
+            if method in seen:
+                seen[method] += 1
+                if method == method_at and seen[method] == 2:
+                    svc.restart()
+            return rpc(method, request)
+
+        monkeypatch.setattr(c, "_rpc", restart_once)
+        assert get_checked(ns, ks) == served
+
+
+def test_a_retry_goes_on_from_the_first_undelivered_block(
+        svc: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A channel that fails after delivering three blocks: the retry acquires only the
+    other five, and the get returns all eight."""
+    ks = keys("retry")
+    real = ShmChannel.read_verified
+    failed = False
+
+    def flaky(self: ShmChannel, lease_id: int, slots: Any, views: Any, crcs: Any,
+              progress: ReadProgress) -> None:
+        nonlocal failed
+        if not failed:
+            failed = True
+            real(self, lease_id, slots[:3], views[:3], crcs[:3], progress)
+            raise TransportError("injected: channel dropped after three blocks")
+        real(self, lease_id, slots, views, crcs, progress)
+
+    with ctxmem.Client(svc.endpoint, transport="shm") as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        assert ns.put(ks, [content(k) for k in ks]).stored == N
+        acquired: list[int] = []
+        rpc = c._rpc
+
+        def spy(method: str, request: Any) -> Any:
+            if method == "Acquire":
+                acquired.append(len(request.keys))
+            return rpc(method, request)
+
+        monkeypatch.setattr(c, "_rpc", spy)
+        monkeypatch.setattr(ShmChannel, "read_verified", flaky)
+        assert get_checked(ns, ks) == N
+        assert acquired == [N, N - 3]
+
+
+def test_unverified_get_still_works(svc: Any) -> None:
+    ks = keys("unverified")
+    with ctxmem.Client(svc.endpoint, transport="shm", verify_gets=False) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        assert ns.put(ks, [content(k) for k in ks]).stored == N
+        assert get_checked(ns, ks) == N
+
+
+def test_bounce_delivers_only_matching_bytes() -> None:
+    src = memoryview(np.arange(3 * BLOCK + 7, dtype=np.uint64).view(np.uint8))
+    dst = bytearray([SENTINEL]) * src.nbytes
+    b = BlockBounce()
+    crc = b.copy_in(src)
+    assert crc == crc32c(src)
+    assert not b.deliver(memoryview(dst), crc, crc ^ 1)
+    assert dst.count(SENTINEL) == len(dst)
+    assert b.deliver(memoryview(dst), crc, crc32c(src))
+    assert bytes(dst) == bytes(src)
