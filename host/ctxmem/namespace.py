@@ -52,7 +52,7 @@ class PutResult:
     """Blocks already stored (nothing was written for them)."""
 
 
-def _lookup_request(session_id: int, handle: int, keys: Sequence[bytes], prefix: bool
+def _lookup_request(session_id: bytes, handle: int, keys: Sequence[bytes], prefix: bool
                     ) -> pb.LookupRequest:
     packed = pack_keys(keys) if len(keys) >= 64 else None
     if packed is not None:
@@ -153,7 +153,7 @@ class Namespace:
         return PutResult(stored, existing)
 
     def _put_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, int]:
-        crcs = [crc32c(v) for v in views] if self.client.verify_puts else []
+        crcs = [crc32c(v) for v in views]  # Commit requires them (end-to-end integrity)
         rpc = self.client._rpc
 
         def op(s: _Session) -> tuple[int, int]:

@@ -20,11 +20,11 @@ class DataChannel(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def write(self, allocation_id: int, slots: Sequence[pb.Slot],
+    def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None: ...
 
     @abc.abstractmethod
-    def read(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read(self, lease_id: bytes, slots: Sequence[pb.Slot],
              views: Sequence[memoryview]) -> None: ...
 
     @abc.abstractmethod

@@ -37,7 +37,7 @@ def _recv_resp(sock: socket.socket) -> tuple[int, int]:
 class TcpChannel(DataChannel):
     name = "tcp"
 
-    def __init__(self, host: str, port: int, session_id: int, token: bytes,
+    def __init__(self, host: str, port: int, session_id: bytes, token: bytes,
                  timeout_s: float) -> None:
         self._lock = threading.Lock()
         try:
@@ -60,7 +60,7 @@ class TcpChannel(DataChannel):
         if status != Status.OK:
             raise TransportError(f"{what}: {STATUS_TEXT.get(Status(status), status)}")
 
-    def write(self, allocation_id: int, slots: Sequence[pb.Slot],
+    def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None:
         with self._lock:
             try:
@@ -70,11 +70,12 @@ class TcpChannel(DataChannel):
                     self._sock.sendall(view)
                 for i in range(len(views)):
                     status, _ = _recv_resp(self._sock)
-                    self._check(status, f"TCP write of slot {i} of allocation {allocation_id}")
+                    self._check(status,
+                                f"TCP write of slot {i} of allocation {allocation_id.hex()}")
             except OSError as exc:
                 raise TransportError(f"TCP write failed: {exc}") from None
 
-    def read(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read(self, lease_id: bytes, slots: Sequence[pb.Slot],
              views: Sequence[memoryview]) -> None:
         with self._lock:
             try:
@@ -82,7 +83,7 @@ class TcpChannel(DataChannel):
                     TCP_REQ.pack(b"CXTR", OP_READ, lease_id, i, 0) for i in range(len(views))))
                 for i, view in enumerate(views):
                     status, length = _recv_resp(self._sock)
-                    self._check(status, f"TCP read of block {i} of lease {lease_id}")
+                    self._check(status, f"TCP read of block {i} of lease {lease_id.hex()}")
                     if length != len(view):
                         raise TransportError(f"TCP read of block {i}: {length} bytes, expected "
                                              f"{len(view)}")
