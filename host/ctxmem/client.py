@@ -156,6 +156,8 @@ class Client:
 
     def _rpc(self, method: str, request: Any) -> Any:
         fn = getattr(self._stub_(), method)
+        # The token of the session the request names; empty for one this client no longer
+        # holds (a stale id after a reconnect): the service answers "unknown session".
         session_id = getattr(request, "session_id", b"")
         metadata = ((SESSION_TOKEN_METADATA_KEY, self._tokens.get(session_id, b"")),) \
             if session_id else None

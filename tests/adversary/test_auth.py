@@ -162,6 +162,9 @@ def test_calls_without_the_session_token_are_refused(tcp_service: Any) -> None:
             err = error_for_code(kind, info.value.details())  # type: ignore[attr-defined]
             assert isinstance(err, PermissionDenied)
             assert "session token" in str(err)
+        # An empty token is a wrong one: answered as an unknown session.
+        assert_refused(lambda: a.call("Lookup", pb.LookupRequest(
+            session_id=a.session_id, namespace_handle=a.handle, keys=[b"k"]), token=b""))
         # The session still works with its token.
         a.call("Lookup", pb.LookupRequest(session_id=a.session_id, namespace_handle=a.handle,
                                           keys=[b"k"]))

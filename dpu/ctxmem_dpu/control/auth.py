@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -69,10 +69,10 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
         method = str(details.method).rpartition("/")[2]
         if handler is None or method in OPEN_METHODS:
             return handler
-        token = b""
+        token: bytes | None = None  # None: no token metadata at all
         for key, value in details.invocation_metadata or ():
-            if key == SESSION_TOKEN_METADATA_KEY and isinstance(value, bytes):
-                token = value
+            if key == SESSION_TOKEN_METADATA_KEY:
+                token = value if isinstance(value, bytes) else b""
         check = self._check
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -97,11 +97,14 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer)
         return _refuse_handler(f"{method}: streaming requests are not served")
 
-    async def _check(self, method: str, request: Any, token: bytes, context: Any) -> None:
+    async def _check(self, method: str, request: Any, token: bytes | None, context: Any
+                     ) -> None:
         """Abort the call unless ``request.session_id`` is a live session and ``token``
-        is its token (constant-time compare)."""
+        is its token (constant-time compare). No token metadata at all is a client that
+        does not speak this protocol (PERMISSION_DENIED); a wrong or empty one is
+        answered as an unknown session (the shim reconnects)."""
         session_id = getattr(request, "session_id", b"")
-        if not token:
+        if token is None:
             await _deny(context, grpc.StatusCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED,
                         f"{method}: no session token; send the session_token from Connect as "
                         f"the call metadata {SESSION_TOKEN_METADATA_KEY!r} (the ctxmem shim "
@@ -115,9 +118,12 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
                         f"restarted or the session closed); reconnect")
 
 
-async def _deny(context: Any, status: grpc.StatusCode, code: ErrorCode, message: str) -> None:
+async def _deny(context: Any, status: grpc.StatusCode, code: ErrorCode, message: str
+                ) -> NoReturn:
+    """End the call with ``status`` and the ``ctxmem-error`` the shim maps to a class."""
     context.set_trailing_metadata(((ERROR_METADATA_KEY, code.value),))
     await context.abort(status, message)
+    raise AssertionError("grpc.aio context.abort returned")  # it always raises
 
 
 def _refuse_handler(message: str) -> Any:
