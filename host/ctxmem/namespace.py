@@ -217,8 +217,8 @@ class Namespace:
                 rel = rpc("Release", pb.ReleaseRequest(session_id=s.id, lease_ids=[a.lease_id]))
             if s.channel.name == "shm" and not rel.valid[0]:
                 # The lease expired while we copied: the slots may have been reused.
-                log.warning("ctxmem: lease %d expired during the copy; treating as a miss",
-                            a.lease_id)
+                log.warning("ctxmem: lease %s expired during the copy; treating as a miss",
+                            a.lease_id.hex())
                 return 0
             verify = self.client.verify_gets
             if verify is None:
