@@ -18,9 +18,11 @@ import grpc
 from ctxmem_common import safepaths
 from ctxmem_common.config import Config
 from ctxmem_common.errors import ConfigError
+from ctxmem_common.identity import check_identity_mode, network_listens
 from ctxmem_common.keyfile import load_master_key
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
+from ctxmem_dpu.control.auth import SessionAuthInterceptor
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
 from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend
@@ -61,6 +63,13 @@ class Service:
 
     async def start(self) -> None:
         cfg = self.cfg
+        # Nothing listens without an identity rule; insecure mode only on loopback.
+        if check_identity_mode(cfg) == "insecure":
+            log.warning(
+                "service.insecure: true: the tenant name clients send is trusted (no "
+                "tenant tokens); acceptable only with every client on this host (listening "
+                "on %s). Set service.tenant_tokens for anything else.",
+                ", ".join(addr for _key, addr in network_listens(cfg)))
         master_key = load_master_key(cfg.encryption, create=True)
         specs = self._device_specs()
         flash_paths: list[tuple[str, str]] = []
@@ -94,7 +103,8 @@ class Service:
                                    cfg.service.rdma_gid_index, cfg.service.rdma_access)
             await self.rdma.start()
 
-        self.server = grpc.aio.server(options=[
+        self.server = grpc.aio.server(interceptors=[
+            SessionAuthInterceptor(self.store.sessions.get)], options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),

@@ -61,8 +61,8 @@ class Allocation:
     """DRAM slots a client writes before Commit. ``done``: the reaper must leave it alone
     (Commit is checksumming it, or a data-plane server is writing into it)."""
 
-    id: int
-    session_id: int
+    id: bytes
+    session_id: bytes
     ns: Namespace
     keys: list[bytes]
     slots: list[SlotRef]
@@ -74,8 +74,8 @@ class Allocation:
 class Lease:
     """Pinned blocks a client reads before Release; ``valid`` turns false at expiry."""
 
-    id: int
-    session_id: int
+    id: bytes
+    session_id: bytes
     ns: Namespace
     blocks: list[Block]
     expires: float
@@ -84,13 +84,14 @@ class Lease:
 
 @dataclass(eq=False)
 class Session:
-    """One client connection's state; ``token`` authenticates its data connections."""
+    """One client connection's state. ``id`` (16 random bytes) names it; ``token``
+    authenticates every call after Connect and its data connections."""
 
-    id: int
+    id: bytes
     tenant: str
     transport: str
     client_name: str
     token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
     namespaces: dict[int, Namespace] = field(default_factory=dict)
-    allocations: dict[int, Allocation] = field(default_factory=dict)
-    leases: dict[int, Lease] = field(default_factory=dict)
+    allocations: dict[bytes, Allocation] = field(default_factory=dict)
+    leases: dict[bytes, Lease] = field(default_factory=dict)

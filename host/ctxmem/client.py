@@ -41,6 +41,7 @@ from ctxmem_common.errors import (
     UnknownSession,
     error_for_code,
 )
+from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2 as pb
@@ -69,9 +70,11 @@ def _rpc_error(exc: grpc.RpcError, endpoint: str, method: str) -> CtxmemError:
 
 
 class _Session:
-    def __init__(self, tenant: str, session_id: int, channel: DataChannel, epoch: int) -> None:
+    def __init__(self, tenant: str, session_id: bytes, token: bytes, channel: DataChannel,
+                 epoch: int) -> None:
         self.tenant = tenant
         self.id = session_id
+        self.token = token
         self.channel = channel
         self.epoch = epoch
 
@@ -80,15 +83,17 @@ class Client:
     """Blocking client; safe from any thread and across ``fork()``.
 
     ``transport``: ``"shm"`` (same host), ``"tcp"``, or ``"auto"`` (shared memory when the
-    service's socket is reachable here, else TCP). ``verify_puts`` sends the client's
-    CRC32C of each block with Commit, so a block damaged between the caller's buffer and
-    the service is never committed. ``verify_gets`` (default on, every transport) checks
-    each block against the CRC32C committed with it as it is copied out (fused with the
-    copy, through a one-block bounce), and writes it into the caller's buffer only if it
-    matches: a get then returns exactly the committed bytes or a miss, and leaves the
-    buffers past its count untouched, whatever other clients do. ``verify_gets=False``
-    copies unchecked; it is unsafe with untrusted writers on shared memory (a client
-    that once held a slot can still write its slab) and voids the untouched guarantee.
+    service's socket is reachable here, else TCP). Commit always carries the client's
+    CRC32C of each block (the service requires it), so a block damaged between the
+    caller's buffer and the service is never committed (``verify_puts`` is kept for
+    compatibility and no longer turns that off). ``verify_gets`` (default on, every
+    transport) checks each block against the CRC32C committed with it as it is copied out
+    (fused with the copy, through a one-block bounce), and writes it into the caller's
+    buffer only if it matches: a get then returns exactly the committed bytes or a miss,
+    and leaves the buffers past its count untouched, whatever other clients do.
+    ``verify_gets=False`` copies unchecked; it is unsafe with untrusted writers on shared
+    memory (a client that once held a slot can still write its slab) and voids the
+    untouched guarantee.
 
     ``channel_options``: extra gRPC channel arguments, merged with the client's own
     (64 MiB message size limits); one of the same name replaces the client's. For example
@@ -132,6 +137,9 @@ class Client:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ContextMemoryStub | None = None
         self._sessions: dict[str, _Session] = {}
+        # session id -> session token: every call after Connect carries its session's
+        # token as call metadata (the service's interceptor checks it).
+        self._tokens: dict[bytes, bytes] = {}
         self._epoch = 0
         self.transport_in_use = ""
 
@@ -144,6 +152,7 @@ class Client:
                 self._pid = os.getpid()
                 self._channel = None
                 self._sessions = {}
+                self._tokens = {}
                 self._epoch += 1
             if self._stub is None or self._channel is None:
                 self._channel = grpc.insecure_channel(self.endpoint,
@@ -153,8 +162,13 @@ class Client:
 
     def _rpc(self, method: str, request: Any) -> Any:
         fn = getattr(self._stub_(), method)
+        # The token of the session the request names; empty for one this client no longer
+        # holds (a stale id after a reconnect): the service answers "unknown session".
+        session_id = getattr(request, "session_id", b"")
+        metadata = ((SESSION_TOKEN_METADATA_KEY, self._tokens.get(session_id, b"")),) \
+            if session_id else None
         try:
-            return fn(request, timeout=self.timeout_s)
+            return fn(request, timeout=self.timeout_s, metadata=metadata)
         except grpc.RpcError as exc:
             raise _rpc_error(exc, self.endpoint, method) from None
 
@@ -181,7 +195,7 @@ class Client:
         raise InvalidArgument(f"no usable transport: the service offers {sorted(offered)}; "
                               f"pass transport= explicitly")
 
-    def _open_channel(self, name: str, health: pb.HealthResponse, session_id: int,
+    def _open_channel(self, name: str, health: pb.HealthResponse, session_id: bytes,
                       token: bytes) -> DataChannel:
         if name == "shm":
             from ctxmem.transport.shm import ShmChannel
@@ -211,14 +225,16 @@ class Client:
                 return s
             if s is not None:
                 s.channel.close()
+                self._tokens.pop(s.id, None)
             health = self.health()
             name = self._choose_transport(health)
             resp = self._rpc("Connect", pb.ConnectRequest(
                 client_name=self.client_name, transport=transport_to_pb(name), tenant=tenant,
                 tenant_token=self.tenant_token))
+            self._tokens[resp.session_id] = resp.session_token
             channel = self._open_channel(name, health, resp.session_id, resp.session_token)
             self._epoch += 1
-            s = _Session(tenant, resp.session_id, channel, self._epoch)
+            s = _Session(tenant, resp.session_id, resp.session_token, channel, self._epoch)
             self._sessions[tenant] = s
             self.transport_in_use = name
             return s
@@ -242,6 +258,7 @@ class Client:
                 if self._channel is not None:
                     self._channel.close()
             self._sessions = {}
+            self._tokens = {}
             self._channel = None
             self._stub = None
 

@@ -53,7 +53,7 @@ class PutResult:
     """Blocks already stored (nothing was written for them)."""
 
 
-def _lookup_request(session_id: int, handle: int, keys: Sequence[bytes], prefix: bool
+def _lookup_request(session_id: bytes, handle: int, keys: Sequence[bytes], prefix: bool
                     ) -> pb.LookupRequest:
     packed = pack_keys(keys) if len(keys) >= 64 else None
     if packed is not None:
@@ -154,7 +154,7 @@ class Namespace:
         return PutResult(stored, existing)
 
     def _put_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, int]:
-        crcs = [crc32c(v) for v in views] if self.client.verify_puts else []
+        crcs = [crc32c(v) for v in views]  # Commit requires them (end-to-end integrity)
         rpc = self.client._rpc
 
         def op(s: _Session) -> tuple[int, int]:
@@ -241,14 +241,14 @@ class Namespace:
                     done = base + progress.done  # checked bytes are right, whatever follows
                 rel = rpc("Release", pb.ReleaseRequest(session_id=s.id, lease_ids=[a.lease_id]))
             if progress.bad is not None:
-                log.warning("ctxmem: block %d of lease %d failed its CRC32C; the run ends "
-                            "there (a miss)", base + progress.bad, a.lease_id)
+                log.warning("ctxmem: block %d of lease %s failed its CRC32C; the run ends "
+                            "there (a miss)", base + progress.bad, a.lease_id.hex())
                 failed = True
             elif not verify:
                 if s.channel.name == "shm" and not rel.valid[0]:
                     # Unverified: the slots may have been reused while we copied.
-                    log.warning("ctxmem: lease %d expired during an unverified copy; "
-                                "treating as a miss", a.lease_id)
+                    log.warning("ctxmem: lease %s expired during an unverified copy; "
+                                "treating as a miss", a.lease_id.hex())
                     failed = True
                 else:
                     done = base + n

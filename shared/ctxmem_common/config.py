@@ -70,9 +70,12 @@ class ServiceConfig:
     # registers a memory region per run; "auto" picks "mw" where the device has type-2
     # windows and checks their bounds (not Soft-RoCE), else "mr".
     rdma_access: RdmaAccess = "auto"
-    # Tenants and their tokens. Empty: tenants are named by clients (single trust domain,
-    # e.g. one host). Non-empty: Connect must present the tenant's token.
+    # Identity (ctxmem_common.identity, docs/security.md): tenants and their tokens
+    # (Connect must present the tenant's, at least 16 characters), or, on one host only,
+    # insecure: true (trust the tenant name a client sends; refused unless every listen
+    # address is loopback or a Unix socket). The service refuses to start with neither.
     tenant_tokens: dict[str, str] = field(default_factory=dict)
+    insecure: bool = False
     # Shared-memory socket (issue 12). MAP replies (each carries a slab fd) queued per
     # connection while the client is not reading; a connection whose queue overflows, or
     # that reads none of it for shm_reply_deadline_s, is disconnected so it can never
@@ -188,6 +191,7 @@ service:
   data_listen: "127.0.0.1:50052"
   shm_socket: {shm_socket}
   transports: [shm, tcp]
+  insecure: true          # loopback only: trusts the tenant name (docs/security.md)
 metrics:
   listen: "127.0.0.1:9464"
 dram:

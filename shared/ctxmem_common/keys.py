@@ -30,14 +30,23 @@ def namespace_digest(
     for what, value in (("tenant", tenant), ("model_id", model_id)):
         if not value or len(value.encode()) > MAX_NAME_BYTES:
             raise InvalidArgument(f"{what} must be 1..{MAX_NAME_BYTES} bytes, got {value!r}")
-    h = hashlib.sha256(b"ctxmem-ns-v1")
+    h = hashlib.sha256(b"ctxmem-ns-v2")
     for part in (tenant, model_id):
-        h.update(len(part.encode()).to_bytes(4, "little") + part.encode())
+        h.update(_field(part.encode()))
     h.update(layout.digest())
-    for k, v in sorted((tags or {}).items()):
-        item = f"{k}={v}".encode()
-        h.update(len(item).to_bytes(4, "little") + item)
+    # Tags: a count, then each key and value length-prefixed on its own, sorted by key.
+    # (v1 hashed "k=v" joined, so {"a": "b=c"} and {"a=b": "c"} shared a digest.)
+    items = sorted((k.encode(), v.encode()) for k, v in (tags or {}).items())
+    h.update(len(items).to_bytes(4, "little"))
+    for k, v in items:
+        h.update(_field(k) + _field(v))
     return h.digest()[:16]
+
+
+def _field(data: bytes) -> bytes:
+    """``data`` prefixed with its length (u32 little-endian): no two sequences of fields
+    concatenate to the same bytes."""
+    return len(data).to_bytes(4, "little") + data
 
 
 def validate_keys(keys: Sequence[bytes]) -> None:

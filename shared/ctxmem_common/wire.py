@@ -5,7 +5,7 @@ bound to one session, and through it to one tenant. All integers little-endian.
 
 Shared memory (Unix stream socket)::
 
-    C->S  HELLO  "CXS1" session_id u64 token 16B          S->C  "CXSA" status u32
+    C->S  HELLO  "CXS1" session_id 16B token 16B          S->C  "CXSA" status u32
     C->S  MAP    "CXSM" region u32 generation u32          S->C  "CXSR" status u32
                                                                  generation u32 size u64
                                                                  (+ the region's memfd as
@@ -13,12 +13,16 @@ Shared memory (Unix stream socket)::
 
 TCP::
 
-    C->S  HELLO  "CXT1" session_id u64 token 16B          S->C  "CXTA" status u8 len u64=0
-    C->S  REQ    "CXTR" op u8 id u64 index u32 length u64  (+ payload for WRITE)
+    C->S  HELLO  "CXT1" session_id 16B token 16B          S->C  "CXTA" status u8 len u64=0
+    C->S  REQ    "CXTR" op u8 id 16B index u32 length u64  (+ payload for WRITE)
     S->C  RESP   "CXTA" status u8 length u64               (+ payload for READ)
 
 ``id`` is an allocation id (WRITE into its ``index``-th slot) or a lease id (READ its
 ``index``-th block). Requests are answered in order, so a client pipelines a whole batch.
+
+Session, allocation and lease ids are 16 random bytes (:data:`ID_BYTES`), as in the
+protobuf messages (they were u64 counters before: a session one id away was found by
+guessing).
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ from __future__ import annotations
 import enum
 import struct
 
-SHM_HELLO = struct.Struct("<4sQ16s")
+ID_BYTES = 16  # session, allocation and lease ids: secrets.token_bytes(16)
+
+SHM_HELLO = struct.Struct("<4s16s16s")
 SHM_STATUS = struct.Struct("<4sI")
 SHM_MAP = struct.Struct("<4sII")
 SHM_MAP_REPLY = struct.Struct("<4sIIQ")
 
-TCP_HELLO = struct.Struct("<4sQ16s")
-TCP_REQ = struct.Struct("<4sBxxxQIQ")
+TCP_HELLO = struct.Struct("<4s16s16s")
+TCP_REQ = struct.Struct("<4sBxxx16sIQ")
 TCP_RESP = struct.Struct("<4sBxxxQ")
 
 OP_WRITE = 1

@@ -6,6 +6,7 @@ the DPUService example, so that what the manifests ship is what the service acce
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,27 @@ def test_embedded_configs_match_dpu_example() -> None:
                              ("metrics", "listen"), ("encryption", "key_file")]:
             assert cfg[section][key] == dpu[section][key], f"{name}: {section}.{key}"
         assert cfg["mode"] == "dpu", name
+
+
+def test_no_config_listens_beyond_loopback_without_tokens(tmp_path: Path) -> None:
+    """Issue 12: nothing binds a non-loopback address with the trust-the-name mode; the
+    example tokens are placeholders the service refuses until they are replaced."""
+    from ctxmem_common.config import load_config
+    from ctxmem_common.errors import ConfigError
+    from ctxmem_common.identity import check_identity_mode, is_local_listen, network_listens
+
+    for path in _all_configs(tmp_path):
+        cfg = load_config(path)
+        exposed = [a for _k, a in network_listens(cfg) if not is_local_listen(a)]
+        if exposed:
+            assert cfg.service.tenant_tokens and not cfg.service.insecure, path
+            with pytest.raises(ConfigError, match="placeholder"):
+                check_identity_mode(cfg)
+            real = {t: "s3cret-token-0123456789" for t in cfg.service.tenant_tokens}
+            svc = dataclasses.replace(cfg.service, tenant_tokens=real)
+            assert check_identity_mode(cfg.replace(service=svc)) == "tokens"
+        else:
+            assert check_identity_mode(cfg) in ("tokens", "insecure"), path
 
 
 def test_configs_load_with_service_validator(tmp_path: Path) -> None:

@@ -186,6 +186,7 @@ def service(bundle: Bundle, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             f'  data_listen: "127.0.0.1:{data_port}"',
             '  shm_socket: ""',
             "  transports: [tcp]",
+            "  insecure: true",
             "metrics:",
             f'  listen: "127.0.0.1:{metrics_port}"',
             "dram:",

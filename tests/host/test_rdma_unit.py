@@ -41,6 +41,7 @@ from ctxmem_common.errors import (
     Unavailable,
     UnknownSession,
 )
+from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 
@@ -65,9 +66,9 @@ def test_exchange_is_part_of_the_context_memory_service() -> None:
 def test_qp_messages_round_trip() -> None:
     tok = bytes(range(16))
     qp = rw.QpInfo(0x11, 0xABCDEF, GID_V4, 5, 3, 8)
-    req = pb.RdmaAttachRequest(session_id=9, session_token=tok, qp=qp.to_pb())
+    req = pb.RdmaAttachRequest(session_id=b"\x09" * 16, session_token=tok, qp=qp.to_pb())
     back = pb.RdmaAttachRequest.FromString(req.SerializeToString())
-    assert (back.session_id, back.session_token) == (9, tok)
+    assert (back.session_id, back.session_token) == (b"\x09" * 16, tok)
     assert rw.QpInfo.from_pb(back.qp) == qp and qp.check("here") is qp
     resp = pb.RdmaAttachResponse.FromString(pb.RdmaAttachResponse(qp=qp.to_pb())
                                             .SerializeToString())
@@ -315,7 +316,7 @@ def test_exchange_refuses_bad_tokens_and_non_rdma_sessions(store: Any) -> None:
     s = store.connect("alice", "", "rdma", "t")
     t = store.connect("alice", "", "tcp", "t")
 
-    def refused(cls: type[CtxmemError], session_id: int, token: bytes, *words: str,
+    def refused(cls: type[CtxmemError], session_id: bytes, token: bytes, *words: str,
                 peer: rw.QpInfo = qp, calls: tuple[str, ...] = ("info", "attach")) -> None:
         """Each call raises ``cls`` with the session id, the call and ``words`` in it."""
         run: dict[str, Callable[[], object]] = {
@@ -326,7 +327,7 @@ def test_exchange_refuses_bad_tokens_and_non_rdma_sessions(store: Any) -> None:
                 run[name]()
             assert type(info.value) is cls and info.value.code == cls.code
             msg = info.value.message
-            assert str(session_id) in msg and all(w in msg for w in words), msg
+            assert session_id.hex() in msg and all(w in msg for w in words), msg
             if cls is not UnknownSession:  # the store's own message, as for every call
                 assert ("RdmaInfo" if name == "info" else "RdmaAttach") in msg
         assert not srv.endpoints
@@ -335,18 +336,18 @@ def test_exchange_refuses_bad_tokens_and_non_rdma_sessions(store: Any) -> None:
     srv.dev = object()  # type: ignore[assignment]  # checks before any verbs call
     refused(PermissionDenied, s.id, bytes(16), "wrong session token", "Connect")
     refused(PermissionDenied, s.id, b"", "wrong session token")
-    refused(UnknownSession, s.id + 999, s.token, "unknown", "reconnect")
+    refused(UnknownSession, bytes(16), s.token, "unknown", "reconnect")
     refused(InvalidArgument, t.id, t.token, "transport 'tcp'", "TRANSPORT_RDMA")
     refused(InvalidArgument, s.id, s.token, "RdmaAttachRequest.qp", "gid is 4 bytes",
             peer=rw.QpInfo(1, 2, b"\0" * 4, 0, 3, 4), calls=("attach",))
     assert srv.info(s.id, s.token) is srv.dev
     srv.endpoints[s.id] = object()  # type: ignore[assignment]  # an open RdmaAttach call
-    with pytest.raises(InvalidArgument, match=f"session {s.id}: the session already has an "
+    with pytest.raises(InvalidArgument, match=f"session {s.id.hex()}: the session already has an "
                                               f"RDMA connection"):
         srv.open_endpoint(s.id, s.token, qp)
     del srv.endpoints[s.id]
     with pytest.raises(Unavailable, match="no RDMA connection"):
-        asyncio.run(srv.grant(s, 1, [], [], write=False))
+        asyncio.run(srv.grant(s, bytes(16), [], [], write=False))
 
 
 class StandInEndpoint:
@@ -422,14 +423,14 @@ def test_attach_call_lives_as_long_as_the_connection(monkeypatch: pytest.MonkeyP
                     session_id=s.id, session_token=bytes(16)), timeout=10))
                 assert (code, kind) == (grpc.StatusCode.PERMISSION_DENIED,
                                         ErrorCode.PERMISSION_DENIED.value)
-                assert f"RdmaInfo for session {s.id}: wrong session token" in details
+                assert f"RdmaInfo for session {s.id.hex()}: wrong session token" in details
                 code, details, kind = await status(stub.RdmaAttach(attach_req(bytes(16)),
                                                                    timeout=10).read())
                 assert code == grpc.StatusCode.PERMISSION_DENIED and "RdmaAttach" in details
                 code, details, kind = await status(stub.RdmaAttach(pb.RdmaAttachRequest(
-                    session_id=s.id + 99, session_token=s.token), timeout=10).read())
-                assert (code, kind) == (grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_SESSION")
-                assert f"session {s.id + 99} is unknown" in details
+                    session_id=bytes(16), session_token=s.token), timeout=10).read())
+                assert (code, kind) == (grpc.StatusCode.UNAUTHENTICATED, "UNKNOWN_SESSION")
+                assert f"session {bytes(16).hex()} is unknown" in details
 
                 # A device error creating the QP: UNAVAILABLE, with the verbs message.
                 def broken(*_a: Any) -> None:
@@ -550,11 +551,14 @@ def test_rdma_calls_against_a_service_without_it(service: Any) -> None:
         t = stub.Connect(pb.ConnectRequest(client_name="t", transport=pb.TRANSPORT_TCP,
                                            tenant="t"), timeout=30)
         qp = rw.QpInfo(1, 2, GID_V4, 0, 3, 4).to_pb()
+        md = ((SESSION_TOKEN_METADATA_KEY, t.session_token),)
         calls = {
             "RdmaInfo": lambda: stub.RdmaInfo(pb.RdmaInfoRequest(
-                session_id=t.session_id, session_token=t.session_token), timeout=30),
+                session_id=t.session_id, session_token=t.session_token), timeout=30,
+                metadata=md),
             "RdmaAttach": lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
-                session_id=t.session_id, session_token=t.session_token, qp=qp), timeout=30)),
+                session_id=t.session_id, session_token=t.session_token, qp=qp), timeout=30,
+                metadata=md)),
         }
         for name, call in calls.items():
             with pytest.raises(grpc.RpcError) as info:
@@ -562,7 +566,7 @@ def test_rdma_calls_against_a_service_without_it(service: Any) -> None:
             e: Any = info.value
             assert e.code() == grpc.StatusCode.UNAVAILABLE, name
             assert (ERROR_METADATA_KEY, "UNAVAILABLE") in tuple(e.trailing_metadata())
-            assert e.details().startswith(f"{name} for session {t.session_id}: this service "
+            assert e.details().startswith(f"{name} for session {t.session_id.hex()}: this service "
                                           f"has no RDMA transport")
             assert "service.transports" in e.details()
 
@@ -571,7 +575,7 @@ def test_rdma_calls_against_a_service_without_it(service: Any) -> None:
         from ctxmem.transport.base import TransportError
         from ctxmem.transport.rdma import RdmaChannel
 
-        with pytest.raises(TransportError, match=rf"RdmaInfo for session {t.session_id} "
+        with pytest.raises(TransportError, match=rf"RdmaInfo for session {t.session_id.hex()} "
                                                  rf"failed \(UNAVAILABLE\): .*no RDMA transport"):
             RdmaChannel(ch, t.session_id, t.session_token, 30)
 

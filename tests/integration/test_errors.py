@@ -52,29 +52,32 @@ def test_service_rejects_bad_keys_even_from_a_raw_client(service: ServiceHandle)
     # Bypass the shim's own checks: the service validates too.
     import grpc
 
+    from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
     from ctxmem_common.proto import ctxmem_pb2 as pb
     from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(service.endpoint) as ch:
         stub = pb_grpc.ContextMemoryStub(ch)
         s = stub.Connect(pb.ConnectRequest(tenant="t", transport=pb.TRANSPORT_TCP))
+        md = ((SESSION_TOKEN_METADATA_KEY, s.session_token),)
         with pytest.raises(grpc.RpcError) as exc:
             stub.Lookup(pb.LookupRequest(session_id=s.session_id, namespace_handle=9,
-                                         keys=[b"a"]))
+                                         keys=[b"a"]), metadata=md)
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND
         assert "namespace handle 9 is not open" in exc.value.details()
         ns = stub.OpenNamespace(pb.OpenNamespaceRequest(
             session_id=s.session_id, model_id="m",
             layout=pb.Layout(dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8,
-                             tokens_per_block=16)))
+                             tokens_per_block=16)), metadata=md)
         with pytest.raises(grpc.RpcError) as exc:
             stub.Allocate(pb.AllocateRequest(session_id=s.session_id,
                                              namespace_handle=ns.namespace_handle,
-                                             keys=[b"x" * 80]))
+                                             keys=[b"x" * 80]), metadata=md)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.RpcError) as exc:
-            stub.Lookup(pb.LookupRequest(session_id=424242, namespace_handle=1, keys=[b"a"]))
-        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            stub.Lookup(pb.LookupRequest(session_id=bytes(16), namespace_handle=1, keys=[b"a"]),
+                        metadata=md)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "reconnect" in exc.value.details()
 
 

@@ -24,7 +24,7 @@ from tests.dpu.storekit import open_store, store_config
 def service_config(tmp_path: Path, **metrics: Any) -> Config:
     return config_from_dict({
         "service": {"listen": "127.0.0.1:0", "data_listen": "127.0.0.1:0",
-                    "shm_socket": str(tmp_path / "data.sock")},
+                    "shm_socket": str(tmp_path / "data.sock"), "insecure": True},
         "metrics": {"listen": "127.0.0.1:0", **metrics},
         "dram": {"size": "4MiB", "slab_size": "1MiB", "prefault": False},
         "flash": {"slab_size": "1MiB", "devices": [

@@ -76,7 +76,7 @@ def test_shm_channel_rejects_a_wrong_token(service: ServiceHandle) -> None:
     with ctxmem.Client(service.endpoint) as c:
         health = c.health()
     with pytest.raises(ctxmem.Unavailable, match="wrong session token"):
-        ShmChannel(health.shm_socket, 1, b"\0" * 16, timeout_s=5)
+        ShmChannel(health.shm_socket, bytes(16), b"\0" * 16, timeout_s=5)
 
 
 def test_tcp_data_port_rejects_unauthenticated_peers(service: ServiceHandle) -> None:
@@ -85,7 +85,7 @@ def test_tcp_data_port_rejects_unauthenticated_peers(service: ServiceHandle) -> 
     from ctxmem_common.wire import TCP_HELLO, TCP_RESP, Status
 
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(TCP_HELLO.pack(b"CXT1", 1, b"x" * 16))
+        s.sendall(TCP_HELLO.pack(b"CXT1", bytes(16), b"x" * 16))
         _m, status, _n = TCP_RESP.unpack(s.recv(TCP_RESP.size))
         assert status == Status.UNAUTHENTICATED
 

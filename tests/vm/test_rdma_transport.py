@@ -386,8 +386,11 @@ def test_access_ends_with_the_grant(scoped_service: Any) -> None:
         slot = alloc.slots[0]
         committed = data[1].copy()
         s.channel.transfer("write", [(committed.data, slot.remote_addr, slot.rkey)])
+        from ctxmem_common.codecs import crc32c
+
         done = c._rpc("Commit", pb.CommitRequest(session_id=s.id,
-                                                 allocation_id=alloc.allocation_id))
+                                                 allocation_id=alloc.allocation_id,
+                                                 crc32c=[crc32c(committed.tobytes())]))
         assert done.committed == 1
         refused(s, "write", slot)
         out[:] = 0
@@ -399,6 +402,7 @@ def test_attach_needs_the_session_token_and_an_rdma_session(service: Any) -> Non
     import grpc
 
     from ctxmem_common.errors import ERROR_METADATA_KEY
+    from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY as KEY
     from ctxmem_common.proto import ctxmem_pb2 as pb
     from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 
@@ -417,28 +421,35 @@ def test_attach_needs_the_session_token_and_an_rdma_session(service: Any) -> Non
         r = stub.Connect(pb.ConnectRequest(client_name="t", transport=pb.TRANSPORT_RDMA,
                                            tenant="mallory"), timeout=60)
         bad = bytes(16)
+        md = ((KEY, r.session_token),)
         qp = pb.RdmaQp(qpn=1, psn=1, gid=bytes(16), lid=0, mtu=3, rd_atomic=1)
+        # A wrong token as call metadata: the interceptor refuses it first.
         refused(lambda: stub.RdmaInfo(pb.RdmaInfoRequest(
-                    session_id=r.session_id, session_token=bad), timeout=60),
+                    session_id=r.session_id, session_token=r.session_token), timeout=60,
+                    metadata=((KEY, bad),)),
+                grpc.StatusCode.UNAUTHENTICATED, "UNKNOWN_SESSION", "wrong session token")
+        # A wrong token in the request itself: the RDMA exchange checks it too.
+        refused(lambda: stub.RdmaInfo(pb.RdmaInfoRequest(
+                    session_id=r.session_id, session_token=bad), timeout=60, metadata=md),
                 grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED",
-                f"RdmaInfo for session {r.session_id}", "wrong session token")
+                f"RdmaInfo for session {r.session_id.hex()}", "wrong session token")
         # The stream's one answer is never sent: the call fails before it.
         refused(lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
-                    session_id=r.session_id, session_token=bad, qp=qp), timeout=60)),
+                    session_id=r.session_id, session_token=bad, qp=qp), timeout=60,
+                    metadata=md)),
                 grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED",
-                f"RdmaAttach for session {r.session_id}", "wrong session token")
+                f"RdmaAttach for session {r.session_id.hex()}", "wrong session token")
         refused(lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
-                    session_id=r.session_id + 1000, session_token=r.session_token, qp=qp),
-                    timeout=60)),
-                grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_SESSION",
-                f"session {r.session_id + 1000} is unknown")
+                    session_id=bytes(16), session_token=r.session_token, qp=qp),
+                    timeout=60, metadata=md)),
+                grpc.StatusCode.UNAUTHENTICATED, "UNKNOWN_SESSION", "unknown session")
         t = stub.Connect(pb.ConnectRequest(client_name="t", transport=pb.TRANSPORT_TCP,
                                            tenant="mallory"), timeout=60)
         refused(lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
                     session_id=t.session_id, session_token=t.session_token, qp=qp),
-                    timeout=60)),
+                    timeout=60, metadata=((KEY, t.session_token),))),
                 grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
-                f"RdmaAttach for session {t.session_id}", "TRANSPORT_RDMA")
+                f"RdmaAttach for session {t.session_id.hex()}", "TRANSPORT_RDMA")
         # Nothing was attached by the refused calls: the RDMA session attaches for real,
         # once; a second RdmaAttach while the first call is open is refused.
         from ctxmem.transport.rdma import RdmaChannel
@@ -447,9 +458,10 @@ def test_attach_needs_the_session_token_and_an_rdma_session(service: Any) -> Non
         try:
             refused(lambda: next(stub.RdmaAttach(pb.RdmaAttachRequest(
                         session_id=r.session_id, session_token=r.session_token, qp=qp),
-                        timeout=60)),
+                        timeout=60, metadata=md)),
                     grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
-                    f"RdmaAttach for session {r.session_id}", "already has an RDMA connection")
+                    f"RdmaAttach for session {r.session_id.hex()}",
+                    "already has an RDMA connection")
         finally:
             channel.close()
 

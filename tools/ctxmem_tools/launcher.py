@@ -48,6 +48,7 @@ def local_config(workdir: Path, *, encryption: bool = True, dram_size: str = "12
             "transports": transports or ["shm", "tcp"],
             "lease_ttl_s": lease_ttl_s,
             "allocation_ttl_s": allocation_ttl_s,
+            "insecure": True,  # loopback only; pass service={"tenant_tokens": ...} for tokens
         },
         "metrics": {"listen": f"127.0.0.1:{free_port()}"},
         "dram": {"size": dram_size, "slab_size": dram_slab},
@@ -62,6 +63,8 @@ def local_config(workdir: Path, *, encryption: bool = True, dram_size: str = "12
             "create": True}]
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
+    if cfg["service"].get("tenant_tokens"):
+        cfg["service"]["insecure"] = False  # tokens mode: the two modes are exclusive
     return cfg
 
 

@@ -36,6 +36,7 @@ from ctxmem_common.protoconv import (
     transport_to_pb,
 )
 from ctxmem_common.rdma_wire import QpInfo
+from ctxmem_dpu.control.auth import connect_tenant
 from ctxmem_dpu.store import BlockStore
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ log = logging.getLogger(__name__)
 _STATUS = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorCode.UNKNOWN_NAMESPACE: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.UNKNOWN_SESSION: grpc.StatusCode.FAILED_PRECONDITION,
+    # Unknown session and wrong session token look the same (control/auth.py).
+    ErrorCode.UNKNOWN_SESSION: grpc.StatusCode.UNAUTHENTICATED,
     ErrorCode.EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
@@ -125,7 +127,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         return pb.Slot(region=ref.slab, generation=dram.generation(ref.slab),
                        offset=dram.offset(ref), length=nbytes)
 
-    async def _grant_rdma(self, s: Any, grant_id: int, refs: Sequence[Any],
+    async def _grant_rdma(self, s: Any, grant_id: bytes, refs: Sequence[Any],
                           slots: Sequence[pb.Slot], write: bool) -> None:
         """RDMA sessions: the address and rkey of each slot, valid for this grant only."""
         if s.transport != "rdma" or self.rdma is None or not slots:
@@ -148,8 +150,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         transport = transport_from_pb(request.transport)
         if transport is None:
             raise InvalidArgument("Connect.transport must be SHM, TCP or RDMA")
-        s = self.store.connect(request.tenant, request.tenant_token, transport,
-                               request.client_name)
+        tenant = connect_tenant(self.store.cfg, request, context)
+        s = self.store.connect(tenant, request.tenant_token, transport, request.client_name)
         cfg = self.store.cfg.service
         return pb.ConnectResponse(
             session_id=s.id, session_token=s.token, instance_id=self.instance_id,
@@ -200,6 +202,15 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     @_rpc
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
         s = self.store.session(request.session_id)
+        if not request.abort:
+            # The client's CRC of every slot is required: without it a commit of slots
+            # that were never written (stale bytes) would be accepted with a valid CRC.
+            a = self.store.allocation(s, request.allocation_id)
+            if len(request.crc32c) != len(a.slots):
+                raise InvalidArgument(
+                    f"Commit of allocation {a.id.hex()} carries {len(request.crc32c)} CRC32Cs "
+                    f"for {len(a.slots)} slots; send the CRC32C of every block written, in "
+                    f"slot order (or abort=true to give the slots back)")
         n = await self.store.commit(s, request.allocation_id, request.crc32c, request.abort)
         return pb.CommitResponse(committed=n)
 
@@ -254,10 +265,10 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         return pb.StatsResponse(values=self.store.stats())
 
     # -- RDMA connection exchange ----------------------------------------------------
-    def _rdma(self, call: str, session_id: int) -> RdmaServer:
+    def _rdma(self, call: str, session_id: bytes) -> RdmaServer:
         if self.rdma is None:
             raise Unavailable(
-                f"{call} for session {session_id}: this service has no RDMA transport "
+                f"{call} for session {session_id.hex()}: this service has no RDMA transport "
                 f"(service.transports is {self.store.cfg.service.transports}); use transport "
                 f"'tcp' or 'shm', or add 'rdma' to service.transports and restart it")
         return self.rdma

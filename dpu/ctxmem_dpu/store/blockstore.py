@@ -125,7 +125,7 @@ class BlockStore:
         return self._index.flash_lru
 
     @property
-    def sessions(self) -> dict[int, Session]:
+    def sessions(self) -> dict[bytes, Session]:
         """Open sessions by id (the data-plane servers authenticate against them)."""
         return self._registry.sessions
 
@@ -135,17 +135,17 @@ class BlockStore:
         return self._registry.namespaces
 
     @property
-    def allocations(self) -> dict[int, Allocation]:
+    def allocations(self) -> dict[bytes, Allocation]:
         """Open allocations by id."""
         return self._registry.allocations
 
     @property
-    def leases(self) -> dict[int, Lease]:
+    def leases(self) -> dict[bytes, Lease]:
         """Open leases by id."""
         return self._registry.leases
 
     @property
-    def on_grant_end(self) -> list[Callable[[int], None]]:
+    def on_grant_end(self) -> list[Callable[[bytes], None]]:
         """Hooks called with an allocation's or lease's id when it ends (commit, abort,
         release, expiry, session close), before its slots are unpinned: transports revoke
         the client's access there (RDMA memory windows)."""
@@ -248,7 +248,7 @@ class BlockStore:
         enabled ``transport``."""
         return self._registry.connect(tenant, token, transport, client_name)
 
-    def session(self, session_id: int) -> Session:
+    def session(self, session_id: bytes) -> Session:
         """The open session ``session_id``; UnknownSession (reconnect) otherwise."""
         return self._registry.session(session_id)
 
@@ -313,7 +313,7 @@ class BlockStore:
         faults.point("allocate.after_reserve")
         return a, exists
 
-    def allocation(self, s: Session, allocation_id: int) -> Allocation:
+    def allocation(self, s: Session, allocation_id: bytes) -> Allocation:
         """The open allocation ``allocation_id`` of ``s``; Expired otherwise."""
         return self._registry.allocation(s, allocation_id)
 
@@ -323,7 +323,7 @@ class BlockStore:
         return self._registry.held(a)
 
     async def commit(
-        self, s: Session, allocation_id: int, client_crcs: Sequence[int], abort: bool
+        self, s: Session, allocation_id: bytes, client_crcs: Sequence[int], abort: bool
     ) -> int:
         """Make an allocation's blocks visible (``abort``: return its slots instead).
 
@@ -337,7 +337,7 @@ class BlockStore:
             return 0
         if client_crcs and len(client_crcs) != len(a.slots):
             raise InvalidArgument(
-                f"commit of allocation {a.id} carries {len(client_crcs)} CRCs for "
+                f"commit of allocation {a.id.hex()} carries {len(client_crcs)} CRCs for "
                 f"{len(a.slots)} slots; send one per slot or none"
             )
         # The client's write access ends before the service reads what it wrote: no byte
@@ -358,8 +358,8 @@ class BlockStore:
         for i, (key, ref, crc) in enumerate(zip(a.keys, a.slots, crcs, strict=True)):
             if client_crcs and client_crcs[i] != crc:
                 self.counters["put_crc_mismatch"] += 1
-                log.warning("commit %d: block %d CRC32C from client %08x != %08x; dropped",
-                            a.id, i, client_crcs[i], crc)
+                log.warning("commit %s: block %d CRC32C from client %08x != %08x; dropped",
+                            a.id.hex(), i, client_crcs[i], crc)
                 dram.free(ref)
                 continue
             if key in per_ns:  # committed meanwhile by another writer
@@ -432,11 +432,11 @@ class BlockStore:
         self.counters["misses"] += len(keys) - n
         return lease, sources[:n]
 
-    def release(self, s: Session, lease_ids: Sequence[int]) -> list[bool]:
+    def release(self, s: Session, lease_ids: Sequence[bytes]) -> list[bool]:
         """End leases; per lease, whether it was still valid (not expired) at release."""
         return self._registry.release(s, lease_ids)
 
-    def lease(self, s: Session, lease_id: int) -> Lease:
+    def lease(self, s: Session, lease_id: bytes) -> Lease:
         """The valid, unexpired lease ``lease_id`` of ``s``; Expired otherwise."""
         return self._registry.lease(s, lease_id)
 

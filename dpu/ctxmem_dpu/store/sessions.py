@@ -19,7 +19,7 @@ an explicit abort is trusted (the client says it is done) and frees them at once
 from __future__ import annotations
 
 import contextlib
-import itertools
+import hmac
 import logging
 import secrets
 import time
@@ -53,34 +53,38 @@ class SessionRegistry:
         self._dram = dram
         self._index = index
         self._unpin = unpin
-        self.sessions: dict[int, Session] = {}
+        self.sessions: dict[bytes, Session] = {}
         self.namespaces: dict[bytes, Namespace] = {}
-        self.allocations: dict[int, Allocation] = {}
-        self.leases: dict[int, Lease] = {}
+        self.allocations: dict[bytes, Allocation] = {}
+        self.leases: dict[bytes, Lease] = {}
         # Session id -> DRAM slots of its expired allocations, held back while the
         # session's client may still write them (see the module doc).
-        self.quarantine: dict[int, list[SlotRef]] = {}
+        self.quarantine: dict[bytes, list[SlotRef]] = {}
         # Session id -> open shared-memory connections (through which it maps slabs).
-        self.mapped: Counter[int] = Counter()
+        self.mapped: Counter[bytes] = Counter()
         # Called with an allocation's or lease's id when it ends, before its slots are
         # unpinned or freed: see grant_ended.
-        self.on_grant_end: list[Callable[[int], None]] = []
-        # Session, allocation and lease ids start at a random point per service instance:
-        # after a restart a client still holding an old session id must get "unknown
-        # session" (and reconnect), never alias a new session of another tenant — ids that
-        # restarted at 1 did exactly that (found by ``ctxmem chaos``).
-        self._ids = itertools.count(secrets.randbits(48) + 1)
+        self.on_grant_end: list[Callable[[bytes], None]] = []
 
-    def new_id(self) -> int:
-        """A fresh session, allocation or lease id (one sequence for all three)."""
-        return next(self._ids)
+    def new_id(self) -> bytes:
+        """A fresh session, allocation or lease id: 16 random bytes.
+
+        Never sequential: ids from one counter let a tenant find another's session one id
+        away and name its allocations (issue 12). Random ids also never alias across a
+        restart (a client holding an old id gets "unknown session" and reconnects).
+        """
+        while True:
+            new = secrets.token_bytes(16)
+            if new not in self.sessions and new not in self.allocations \
+                    and new not in self.leases:
+                return new
 
     # -- sessions and namespaces ------------------------------------------------------
     def connect(self, tenant: str, token: str, transport: str, client_name: str) -> Session:
         tokens = self.cfg.service.tenant_tokens
         if not tenant:
             raise InvalidArgument("tenant must not be empty")
-        if tokens and tokens.get(tenant) != token:
+        if tokens and not hmac.compare_digest(tokens.get(tenant, "").encode(), token.encode()):
             raise PermissionDenied(f"tenant {tenant!r}: missing or wrong tenant token")
         if transport not in self.cfg.service.transports:
             raise InvalidArgument(
@@ -91,12 +95,12 @@ class SessionRegistry:
         self.sessions[s.id] = s
         return s
 
-    def session(self, session_id: int) -> Session:
+    def session(self, session_id: bytes) -> Session:
         try:
             return self.sessions[session_id]
         except KeyError:
             raise UnknownSession(
-                f"session {session_id} is unknown to this service instance (it restarted or "
+                f"session {session_id.hex()} is unknown to this service instance (it restarted or "
                 f"the session was closed); reconnect"
             ) from None
 
@@ -129,7 +133,7 @@ class SessionRegistry:
             return s.namespaces[handle]
         except KeyError:
             raise UnknownNamespace(
-                f"namespace handle {handle} is not open in session {s.id}; call "
+                f"namespace handle {handle} is not open in session {s.id.hex()}; call "
                 f"OpenNamespace first"
             ) from None
 
@@ -143,11 +147,11 @@ class SessionRegistry:
         self.release_quarantine(s.id)
 
     # -- shared-memory mappings and the quarantine -------------------------------------
-    def shm_attached(self, session_id: int) -> None:
+    def shm_attached(self, session_id: bytes) -> None:
         """A shared-memory connection of ``session_id`` opened: its client can map slabs."""
         self.mapped[session_id] += 1
 
-    def shm_detached(self, session_id: int) -> None:
+    def shm_detached(self, session_id: bytes) -> None:
         """A shared-memory connection of ``session_id`` closed; with its last one, the
         slots quarantined for the session go back to the free pool."""
         self.mapped[session_id] -= 1
@@ -155,7 +159,7 @@ class SessionRegistry:
             del self.mapped[session_id]
             self.release_quarantine(session_id)
 
-    def release_quarantine(self, session_id: int) -> None:
+    def release_quarantine(self, session_id: bytes) -> None:
         """Free the slots held back from ``session_id``'s expired allocations."""
         for ref in self.quarantine.pop(session_id, []):
             self._dram.free(ref)
@@ -165,24 +169,24 @@ class SessionRegistry:
         return sum(len(v) for v in self.quarantine.values())
 
     # -- grants -------------------------------------------------------------------------
-    def grant_ended(self, grant_id: int) -> None:
+    def grant_ended(self, grant_id: bytes) -> None:
         """An allocation or lease ended: transports revoke the client's access to its
         slots (RDMA memory windows) before the slots can be freed or reused."""
         for hook in self.on_grant_end:
             try:
                 hook(grant_id)
             except Exception:
-                log.exception("revoking access to grant %d failed", grant_id)
+                log.exception("revoking access to grant %s failed", grant_id.hex())
 
     def add_allocation(self, s: Session, a: Allocation) -> None:
         self.allocations[a.id] = a
         s.allocations[a.id] = a
 
-    def allocation(self, s: Session, allocation_id: int) -> Allocation:
+    def allocation(self, s: Session, allocation_id: bytes) -> Allocation:
         a = s.allocations.get(allocation_id)
         if a is None:
             raise Expired(
-                f"allocation {allocation_id} is unknown or expired (allocations live "
+                f"allocation {allocation_id.hex()} is unknown or expired (allocations live "
                 f"{self.cfg.service.allocation_ttl_s:g} s); allocate again and rewrite"
             )
         return a
@@ -217,16 +221,16 @@ class SessionRegistry:
         self.leases[lease.id] = lease
         s.leases[lease.id] = lease
 
-    def lease(self, s: Session, lease_id: int) -> Lease:
+    def lease(self, s: Session, lease_id: bytes) -> Lease:
         lease = s.leases.get(lease_id)
         if lease is None or not lease.valid or time.monotonic() > lease.expires:
             raise Expired(
-                f"lease {lease_id} is unknown or expired (leases live "
+                f"lease {lease_id.hex()} is unknown or expired (leases live "
                 f"{self.cfg.service.lease_ttl_s:g} s); acquire again"
             )
         return lease
 
-    def release(self, s: Session, lease_ids: Sequence[int]) -> list[bool]:
+    def release(self, s: Session, lease_ids: Sequence[bytes]) -> list[bool]:
         out = []
         for lid in lease_ids:
             lease = s.leases.get(lid)
@@ -259,9 +263,9 @@ class SessionRegistry:
             counters["expired_allocations"] += 1
             if a.session_id in self.sessions and self.mapped.get(a.session_id, 0) > 0:
                 counters["stale_allocations"] += 1
-                log.warning("allocation %d of session %d expired while its client maps "
+                log.warning("allocation %s of session %s expired while its client maps "
                             "shared memory: %d slots held back until the session's "
-                            "shared-memory connection closes", a.id, a.session_id,
+                            "shared-memory connection closes", a.id.hex(), a.session_id.hex(),
                             len(a.slots))
                 self.forget_allocation(a)
                 self.quarantine.setdefault(a.session_id, []).extend(a.slots)

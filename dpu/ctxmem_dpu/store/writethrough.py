@@ -80,7 +80,7 @@ class WriteThrough:
         no_room = all(getattr(e, "errno", None) in _NO_ROOM for e in errors)
         first = next((e for e in errors if getattr(e, "errno", None) not in _NO_ROOM),
                      errors[0])
-        msg = (f"write-through commit of allocation {a.id}: {len(errors)} of {n} blocks "
+        msg = (f"write-through commit of allocation {a.id.hex()}: {len(errors)} of {n} blocks "
                f"could not be made durable on flash and were not stored ({stored} stored): "
                f"{first}; ")
         log.warning("%s", msg.rstrip("; "))

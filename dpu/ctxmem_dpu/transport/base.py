@@ -74,7 +74,7 @@ class DataServer(AsyncResource):
         await self._drop_connections()
         await self._release()
 
-    def authenticate(self, session_id: int, token: bytes) -> Session | None:
+    def authenticate(self, session_id: bytes, token: bytes) -> Session | None:
         """The store's live session ``session_id`` if ``token`` is its token, else None.
 
         Every new data connection presents these before anything else; the compare is

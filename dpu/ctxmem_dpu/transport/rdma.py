@@ -97,8 +97,8 @@ class RdmaServer(DataServer):
         self.access_wanted = access
         self.access = ""  # resolved at start
         self.dev: RdmaDevice | None = None
-        self.endpoints: dict[int, SessionEndpoint] = {}
-        self._grant_owner: dict[int, SessionEndpoint] = {}
+        self.endpoints: dict[bytes, SessionEndpoint] = {}
+        self._grant_owner: dict[bytes, SessionEndpoint] = {}
         self._closing = asyncio.Event()
 
     @property
@@ -133,33 +133,33 @@ class RdmaServer(DataServer):
                  dev.max_mw)
 
     # -- exchange (the servicer's RdmaInfo and RdmaAttach) ----------------------------
-    def _session(self, call: str, session_id: int, token: bytes) -> Session:
+    def _session(self, call: str, session_id: bytes, token: bytes) -> Session:
         """The RDMA session ``session_id`` if ``token`` is its token, else the error
         ``call`` (``"RdmaInfo"``, ``"RdmaAttach"``) answers with."""
         if self._closing.is_set() or self.dev is None:
             raise Unavailable(
-                f"{call} for session {session_id}: the service's RDMA transport is shutting "
+                f"{call} for session {session_id.hex()}: the service's RDMA transport is shutting "
                 f"down; reconnect (a new Connect) once the service is back")
         s = self.store.session(session_id)  # UnknownSession, as for every other call
         if self.authenticate(session_id, token) is None:
             raise PermissionDenied(
-                f"{call} for session {session_id}: wrong session token; send the "
+                f"{call} for session {session_id.hex()}: wrong session token; send the "
                 f"session_token that Connect returned for this session")
         if s.transport != "rdma":
             raise InvalidArgument(
-                f"{call} for session {session_id}: the session was opened with transport "
+                f"{call} for session {session_id.hex()}: the session was opened with transport "
                 f"{s.transport!r}, not 'rdma'; Connect with transport TRANSPORT_RDMA to use "
                 f"RdmaInfo/RdmaAttach")
         return s
 
-    def info(self, session_id: int, token: bytes) -> RdmaDevice:
+    def info(self, session_id: bytes, token: bytes) -> RdmaDevice:
         """The device a client of RDMA session ``session_id`` connects to (its GID, LID,
         MTU and responder depth). Raises the :class:`CtxmemError` to answer with."""
         self._session("RdmaInfo", session_id, token)
         assert self.dev is not None
         return self.dev
 
-    def open_endpoint(self, session_id: int, token: bytes, peer: rw.QpInfo) -> SessionEndpoint:
+    def open_endpoint(self, session_id: bytes, token: bytes, peer: rw.QpInfo) -> SessionEndpoint:
         """Authenticate an attach, build the session's endpoint and connect its QP to
         ``peer`` (the client's QP). The caller answers with :meth:`SessionEndpoint.info`
         and must :meth:`drop_endpoint` when the ``RdmaAttach`` call ends.
@@ -173,10 +173,10 @@ class RdmaServer(DataServer):
         s = self._session("RdmaAttach", session_id, token)
         if s.id in self.endpoints:
             raise InvalidArgument(
-                f"RdmaAttach for session {s.id}: the session already has an RDMA connection "
+                f"RdmaAttach for session {s.id.hex()}: the session already has an RDMA connection "
                 f"(an earlier RdmaAttach call of it is still open); end that call first, or "
                 f"Connect a new session")
-        peer.check(f"RdmaAttach for session {s.id}: RdmaAttachRequest.qp")
+        peer.check(f"RdmaAttach for session {s.id.hex()}: RdmaAttachRequest.qp")
         assert self.dev is not None
         try:
             ep = SessionEndpoint(self.dev, s.id, s.tenant, peer, self.access)
@@ -184,18 +184,18 @@ class RdmaServer(DataServer):
             log.warning("%s", exc.message)
             raise
         self.endpoints[s.id] = ep
-        log.info("RDMA session %d (tenant %r) attached: QP %d <- peer QP %d", s.id, s.tenant,
+        log.info("RDMA session %s (tenant %r) attached: QP %d <- peer QP %d", s.id.hex(), s.tenant,
                  ep.qp.qp_num, peer.qpn)
         return ep
 
     def drop_endpoint(self, ep: SessionEndpoint) -> None:
         if self.endpoints.get(ep.session_id) is ep:
             del self.endpoints[ep.session_id]
-            log.info("RDMA session %d detached", ep.session_id)
+            log.info("RDMA session %s detached", ep.session_id.hex())
         ep.close()
 
     # -- keys ------------------------------------------------------------------------
-    async def grant(self, s: Session, grant_id: int, refs: Sequence[SlotRef],
+    async def grant(self, s: Session, grant_id: bytes, refs: Sequence[SlotRef],
                     lengths: Sequence[int], write: bool) -> list[tuple[int, int]]:
         """(remote address, rkey) for each slot of an allocation (``write``) or a lease.
 
@@ -206,7 +206,7 @@ class RdmaServer(DataServer):
         ep = self.endpoints.get(s.id)
         if ep is None or ep.closed:
             raise Unavailable(
-                f"session {s.id} has no RDMA connection (its RdmaAttach call ended or never "
+                f"session {s.id.hex()} has no RDMA connection (its RdmaAttach call ended or never "
                 f"happened); reconnect")
         dram = self.store.dram
         spans = []
@@ -225,13 +225,13 @@ class RdmaServer(DataServer):
             raise
         if grant_id not in self._grant_owner:  # ended while the binds were in flight
             ep.revoke(grant_id)
-            raise Unavailable(f"grant {grant_id} of session {s.id} ended before its keys "
-                              f"were ready (expired or the session closed); retry")
+            raise Unavailable(f"grant {grant_id.hex()} of session {s.id.hex()} ended before "
+                              f"its keys were ready (expired or the session closed); retry")
         base = {slab: buffer_address(dram.regions[slab].mm) for slab, _o, _n in runs}
         return [(base[slab] + off, keys[which[i]])
                 for i, (slab, off, _n) in enumerate(spans)]
 
-    def revoke(self, grant_id: int) -> None:
+    def revoke(self, grant_id: bytes) -> None:
         """The store's grant-end hook: the grant's keys stop working now."""
         ep = self._grant_owner.pop(grant_id, None)
         if ep is not None:

@@ -75,7 +75,7 @@ class SessionEndpoint:
             ends and the device, and says what to check.
     """
 
-    def __init__(self, dev: RdmaDevice, session_id: int, tenant: str, peer: rw.QpInfo,
+    def __init__(self, dev: RdmaDevice, session_id: bytes, tenant: str, peer: rw.QpInfo,
                  access: str) -> None:
         pv = _verbs()
         e = pv.libibverbs_enums
@@ -87,7 +87,7 @@ class SessionEndpoint:
         # no remote access themselves, only the right to bind windows over them.
         self.slab_mrs: dict[int, tuple[int, Any, int]] = {}
         # grant id -> the windows (mw) or regions (mr) that carry its rkeys
-        self.grants: dict[int, list[Any]] = {}
+        self.grants: dict[bytes, list[Any]] = {}
         self.closed = False
         self.ended = asyncio.Event()  # set by close(): ends the client's RdmaAttach call
         self._bind_lock = asyncio.Lock()
@@ -128,7 +128,7 @@ class SessionEndpoint:
         except pv.pyverbs_error.PyverbsError as exc:
             self.close()
             raise rw.RdmaDeviceError(
-                f"creating/connecting the queue pair of RDMA session {session_id} (towards "
+                f"creating/connecting the queue pair of RDMA session {session_id.hex()} (towards "
                 f"the client's QP {peer.qpn}, GID {rw.gid_to_str(peer.gid)}) on "
                 f"{dev.choice.describe()} failed: {exc}; {rw.verbs_hint(_errno(exc))}",
                 _errno(exc)) from None
@@ -141,7 +141,7 @@ class SessionEndpoint:
                          self.dev.responder_depth)
 
     # -- grants ----------------------------------------------------------------------
-    async def grant(self, grant_id: int, runs: Sequence[tuple[DramRegion, int, int]],
+    async def grant(self, grant_id: bytes, runs: Sequence[tuple[DramRegion, int, int]],
                     write: bool) -> list[int]:
         """Keys for ``runs`` ((region, offset, length) each) until :meth:`revoke`.
 
@@ -150,7 +150,7 @@ class SessionEndpoint:
         session is unusable afterwards in ``mw`` mode: a failed bind breaks its QP).
         """
         if self.closed:
-            raise Unavailable(f"RDMA session {self.session_id} is closed; reconnect")
+            raise Unavailable(f"RDMA session {self.session_id.hex()} is closed; reconnect")
         e = _verbs().libibverbs_enums.ibv_access_flags
         remote = int(e.IBV_ACCESS_REMOTE_WRITE if write else e.IBV_ACCESS_REMOTE_READ)
         if self.access == "mr":  # a region that is remotely writable must be locally so too
@@ -158,7 +158,7 @@ class SessionEndpoint:
             return self._register(grant_id, runs, remote | local)
         return await self._bind(grant_id, runs, remote)
 
-    def _register(self, grant_id: int, runs: Sequence[tuple[DramRegion, int, int]],
+    def _register(self, grant_id: bytes, runs: Sequence[tuple[DramRegion, int, int]],
                   flags: int) -> list[int]:
         pv = _verbs()
         held = self.grants.setdefault(grant_id, [])
@@ -170,13 +170,13 @@ class SessionEndpoint:
                 self.revoke(grant_id)
                 raise Unavailable(
                     f"registering {length} bytes of DRAM slab {region.slab_id} for RDMA "
-                    f"session {self.session_id} failed: {exc}; "
+                    f"session {self.session_id.hex()} failed: {exc}; "
                     f"{rw.verbs_hint(_errno(exc))}") from None
             held.append(mr)
             keys.append(int(mr.rkey))
         return keys
 
-    async def _bind(self, grant_id: int, runs: Sequence[tuple[DramRegion, int, int]],
+    async def _bind(self, grant_id: bytes, runs: Sequence[tuple[DramRegion, int, int]],
                     flags: int) -> list[int]:
         pv = _verbs()
         e = pv.libibverbs_enums
@@ -207,26 +207,27 @@ class SessionEndpoint:
                     self.revoke(grant_id)
                     raise Unavailable(
                         f"binding {len(chunk)} memory windows for RDMA session "
-                        f"{self.session_id} failed: {exc}; {rw.verbs_hint(_errno(exc))} "
+                        f"{self.session_id.hex()} failed: {exc}; {rw.verbs_hint(_errno(exc))} "
                         f"(windows in use by this session: {self.windows()}, device max "
                         f"{self.dev.max_mw}; or set service.rdma_access: mr)") from None
                 await self._wait_bind(grant_id, len(chunk))
                 if self.grants.get(grant_id) is not held:  # revoked while binding
                     for handle in held:
                         handle.close()
-                    raise Unavailable(f"grant {grant_id} of RDMA session {self.session_id} "
-                                      f"ended while its memory windows were being bound")
+                    raise Unavailable(f"grant {grant_id.hex()} of RDMA session "
+                                      f"{self.session_id.hex()} ended while its memory "
+                                      f"windows were being bound")
                 keys.extend(int(wr.rkey) for wr in reversed(wrs))
             return keys
 
-    async def _wait_bind(self, grant_id: int, n: int) -> None:
+    async def _wait_bind(self, grant_id: bytes, n: int) -> None:
         pv = _verbs()
         ok = pv.libibverbs_enums.ibv_wc_status.IBV_WC_SUCCESS
         deadline = time.monotonic() + BIND_TIMEOUT_S
         spin_until = time.monotonic() + BIND_SPIN_S
         while True:
             if self.cq is None:
-                raise Unavailable(f"RDMA session {self.session_id} ended while binding "
+                raise Unavailable(f"RDMA session {self.session_id.hex()} ended while binding "
                                   f"memory windows; reconnect")
             got, wcs = self.cq.poll(1)
             if got:
@@ -234,7 +235,7 @@ class SessionEndpoint:
                 if wc.status != ok:
                     self.close()
                     raise Unavailable(
-                        f"binding {n} memory windows for RDMA session {self.session_id} "
+                        f"binding {n} memory windows for RDMA session {self.session_id.hex()} "
                         f"failed: {_wc_name(int(wc.status))}; the session's QP is in the "
                         f"error state and the session is closed; reconnect")
                 return
@@ -242,13 +243,13 @@ class SessionEndpoint:
             if now >= deadline:
                 self.close()
                 raise Unavailable(
-                    f"binding {n} memory windows for RDMA session {self.session_id}: no "
+                    f"binding {n} memory windows for RDMA session {self.session_id.hex()}: no "
                     f"completion within {BIND_TIMEOUT_S:g} s; check the device "
                     f"(`rdma link show`, dmesg)")
             if now >= spin_until:
                 await asyncio.sleep(0.0005)
 
-    def revoke(self, grant_id: int) -> None:
+    def revoke(self, grant_id: bytes) -> None:
         """End a grant's keys now: deallocated windows and deregistered regions refuse
         every later access (the NIC answers with a remote access error)."""
         for handle in self.grants.pop(grant_id, ()):
@@ -285,26 +286,26 @@ class SessionEndpoint:
             try:
                 self.revoke(grant_id)
             except Exception:
-                log.exception("RDMA session %d: revoking grant %d failed", self.session_id,
-                              grant_id)
+                log.exception("RDMA session %s: revoking grant %s failed", self.session_id.hex(),
+                              grant_id.hex())
         for name in ("qp", "cq"):
             obj = getattr(self, name)
             if obj is not None:
                 try:
                     obj.close()
                 except Exception:
-                    log.exception("RDMA session %d: closing its %s failed", self.session_id,
+                    log.exception("RDMA session %s: closing its %s failed", self.session_id.hex(),
                                   name.upper())
                 setattr(self, name, None)
         for slab_id in list(self.slab_mrs):
             try:
                 self.drop_slab(slab_id)
             except Exception:
-                log.exception("RDMA session %d: deregistering slab %d failed",
-                              self.session_id, slab_id)
+                log.exception("RDMA session %s: deregistering slab %d failed",
+                              self.session_id.hex(), slab_id)
         if self.pd is not None:
             try:
                 self.pd.close()
             except Exception:
-                log.exception("RDMA session %d: closing its PD failed", self.session_id)
+                log.exception("RDMA session %s: closing its PD failed", self.session_id.hex())
             self.pd = None

@@ -193,9 +193,9 @@ class ShmServer(SocketDataServer):
                 t.result()  # the error that ended the connection, if any
         except SlowReader as exc:
             self.store.counters["shm_slow_readers"] += 1
-            log.warning("shared-memory connection of session %d (tenant %r) closed: %s; a "
+            log.warning("shared-memory connection of session %s (tenant %r) closed: %s; a "
                         "client must read each MAP reply before it sends many more",
-                        s.id, s.tenant, exc)
+                        s.id.hex(), s.tenant, exc)
         finally:
             for t in (reader, writer):
                 t.cancel()

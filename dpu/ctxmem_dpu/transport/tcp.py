@@ -85,7 +85,7 @@ class TcpDataServer(SocketDataServer):
                 await self._read(loop, conn, s, ident, index)
 
     async def _write(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, s: object,
-                     ident: int, index: int, length: int) -> None:
+                     ident: bytes, index: int, length: int) -> None:
         store = self.store
         status = Status.OK
         try:
@@ -109,7 +109,7 @@ class TcpDataServer(SocketDataServer):
         await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.OK, 0))
 
     async def _read(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, s: object,
-                    ident: int, index: int) -> None:
+                    ident: bytes, index: int) -> None:
         store = self.store
         try:
             lease = store.lease(s, ident)  # type: ignore[arg-type]

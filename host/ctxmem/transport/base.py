@@ -22,15 +22,15 @@ class DataChannel(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def write(self, allocation_id: int, slots: Sequence[pb.Slot],
+    def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None: ...
 
     @abc.abstractmethod
-    def read(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read(self, lease_id: bytes, slots: Sequence[pb.Slot],
              views: Sequence[memoryview]) -> None:
         """Copy each slot into its view, unchecked (what ``verify_gets=False`` uses)."""
 
-    def read_verified(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read_verified(self, lease_id: bytes, slots: Sequence[pb.Slot],
                       views: Sequence[memoryview], crcs: Sequence[int],
                       progress: ReadProgress) -> None:
         """Read each block through the channel's bounce and write it into its view only if

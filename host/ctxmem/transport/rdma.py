@@ -94,6 +94,7 @@ from ctxmem.transport.verified import ReadProgress
 from ctxmem_common import rdma_wire as rw
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import InvalidArgument
+from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 
@@ -131,7 +132,7 @@ os.register_at_fork(after_in_child=_orphan_in_child)
 class RdmaChannel(DataChannel):
     name = "rdma"
 
-    def __init__(self, grpc_channel: Any, session_id: int, token: bytes, timeout_s: float,
+    def __init__(self, grpc_channel: Any, session_id: bytes, token: bytes, timeout_s: float,
                  *, device: str = "", gid_index: int = -1) -> None:
         pv = _verbs()
         self._pv = pv
@@ -220,7 +221,8 @@ class RdmaChannel(DataChannel):
         mine = rw.QpInfo(self.qp.qp_num, self.psn, self.choice.gid, self.lid, self.mtu,
                          self.depth)
         call = stub.RdmaAttach(pb.RdmaAttachRequest(
-            session_id=self.session_id, session_token=token, qp=mine.to_pb()))
+            session_id=self.session_id, session_token=token, qp=mine.to_pb()),
+            metadata=((SESSION_TOKEN_METADATA_KEY, token),))
         self._attach_call = call
         # The call lives as long as the connection (no deadline); only the first answer's
         # wait is bounded, by cancelling the call if it has not come in time.
@@ -232,20 +234,20 @@ class RdmaChannel(DataChannel):
         except grpc.RpcError as exc:
             raise self._refused("RdmaAttach", exc) from None
         except StopIteration:
-            raise TransportError(f"RdmaAttach for session {self.session_id}: the service "
+            raise TransportError(f"RdmaAttach for session {self.session_id.hex()}: the service "
                                  f"ended the call without an answer") from None
         finally:
             timer.cancel()
         try:
             peer = rw.QpInfo.from_pb(resp.qp).check("RdmaAttachResponse.qp")
         except InvalidArgument as exc:
-            raise TransportError(f"RdmaAttach for session {self.session_id}: the service's "
+            raise TransportError(f"RdmaAttach for session {self.session_id.hex()}: the service's "
                                  f"answer is malformed: {exc.message}") from None
         # The service ending the call (shutdown, restart, a broken QP) ends the connection.
         call.add_done_callback(lambda _c: self._peer_gone.set())
         self._connect(peer)
-        log.info("ctxmem rdma: session %d on %s, QP %d -> service QP %d, MTU enum %d, "
-                 "READ depth %d", self.session_id, self.choice.describe(), self.qp.qp_num,
+        log.info("ctxmem rdma: session %s on %s, QP %d -> service QP %d, MTU enum %d, "
+                 "READ depth %d", self.session_id.hex(), self.choice.describe(), self.qp.qp_num,
                  peer.qpn, min(self.mtu, peer.mtu), self.depth)
 
     def _connect(self, peer: rw.QpInfo) -> None:
@@ -288,15 +290,15 @@ class RdmaChannel(DataChannel):
         handle.close()
 
     # -- DataChannel -----------------------------------------------------------------
-    def write(self, allocation_id: int, slots: Sequence[pb.Slot],
+    def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None:
-        self._slots(OP_WRITE, slots, views, f"allocation {allocation_id}")
+        self._slots(OP_WRITE, slots, views, f"allocation {allocation_id.hex()}")
 
-    def read(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read(self, lease_id: bytes, slots: Sequence[pb.Slot],
              views: Sequence[memoryview]) -> None:
-        self._slots(OP_READ, slots, views, f"lease {lease_id}")
+        self._slots(OP_READ, slots, views, f"lease {lease_id.hex()}")
 
-    def read_verified(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read_verified(self, lease_id: bytes, slots: Sequence[pb.Slot],
                       views: Sequence[memoryview], crcs: Sequence[int],
                       progress: ReadProgress) -> None:
         """RDMA READ whole blocks into the channel's private landing buffer (registered
@@ -305,7 +307,7 @@ class RdmaChannel(DataChannel):
         matches; the first block that fails stops the read (it and later views untouched).
         Nothing else writes the landing buffer once the READs completed, so the bytes
         copied are the bytes checked."""
-        what = f"lease {lease_id}"
+        what = f"lease {lease_id.hex()}"
         for start, stop in landing_rounds([v.nbytes for v in views], LANDING_BYTES):
             landing = self._landing_view(sum(v.nbytes for v in views[start:stop]))
             parts, off = [], 0
@@ -484,7 +486,7 @@ class RdmaChannel(DataChannel):
     def _break(self, why: str) -> None:
         """Destroy the QP now: nothing may land in the caller's buffers after we return."""
         self._broken = why
-        log.warning("ctxmem rdma: session %d: %s", self.session_id, why)
+        log.warning("ctxmem rdma: session %s: %s", self.session_id.hex(), why)
         if self.qp is not None:
             try:
                 self.qp.close()

@@ -15,13 +15,14 @@ from ctxmem.transport.base import TransportError
 from ctxmem.transport.rdma_verbs import ENV_DEVICE, ENV_GID_INDEX, RdmaError, _env_int
 from ctxmem_common import rdma_wire as rw
 from ctxmem_common.errors import ERROR_METADATA_KEY
+from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 
 __all__ = ["choose_device", "rdma_info", "refusal"]
 
 
-def rdma_info(stub: pb_grpc.ContextMemoryStub, session_id: int, token: bytes,
+def rdma_info(stub: pb_grpc.ContextMemoryStub, session_id: bytes, token: bytes,
               timeout_s: float) -> pb.RdmaInfoResponse:
     """The service's RDMA device (GID, LID, MTU, READ depth) for ``session_id``.
 
@@ -34,23 +35,23 @@ def rdma_info(stub: pb_grpc.ContextMemoryStub, session_id: int, token: bytes,
     try:
         resp: pb.RdmaInfoResponse = stub.RdmaInfo(
             pb.RdmaInfoRequest(session_id=session_id, session_token=token),
-            timeout=timeout_s)
+            timeout=timeout_s, metadata=((SESSION_TOKEN_METADATA_KEY, token),))
     except grpc.RpcError as exc:
         raise refusal("RdmaInfo", session_id, timeout_s, exc) from None
     if len(resp.gid) != 16:
-        raise TransportError(f"RdmaInfo for session {session_id}: the service sent a "
+        raise TransportError(f"RdmaInfo for session {session_id.hex()}: the service sent a "
                              f"{len(resp.gid)}-byte GID, not 16; is it a ctxmem service "
                              f"of this version?")
     return resp
 
 
-def refusal(call: str, session_id: int, timeout_s: float, exc: Any) -> TransportError:
+def refusal(call: str, session_id: bytes, timeout_s: float, exc: Any) -> TransportError:
     """The :class:`TransportError` for a failed ``RdmaInfo``/``RdmaAttach`` call."""
     import grpc
 
     code = exc.code()
     details = exc.details() or ""
-    what = f"{call} for session {session_id}"
+    what = f"{call} for session {session_id.hex()}"
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return TransportError(f"{what}: the service does not implement {call} (a ctxmem "
                               f"version without RDMA in ctxmem.proto); upgrade it or use "

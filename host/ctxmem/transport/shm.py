@@ -43,7 +43,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 class ShmChannel(DataChannel):
     name = "shm"
 
-    def __init__(self, path: str, session_id: int, token: bytes, timeout_s: float) -> None:
+    def __init__(self, path: str, session_id: bytes, token: bytes, timeout_s: float) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._maps: dict[int, tuple[int, mmap.mmap, memoryview]] = {}
@@ -98,21 +98,21 @@ class ShmChannel(DataChannel):
         with contextlib.suppress(BufferError):
             mm.close()
 
-    def write(self, allocation_id: int, slots: Sequence[pb.Slot],
+    def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None:
         with self._lock:
             for slot, src in zip(slots, views, strict=True):
                 region = self._region(slot.region, slot.generation)
                 region[slot.offset : slot.offset + slot.length] = src
 
-    def read(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read(self, lease_id: bytes, slots: Sequence[pb.Slot],
              views: Sequence[memoryview]) -> None:
         with self._lock:
             for slot, dst in zip(slots, views, strict=True):
                 region = self._region(slot.region, slot.generation)
                 dst[:] = region[slot.offset : slot.offset + slot.length]
 
-    def read_verified(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read_verified(self, lease_id: bytes, slots: Sequence[pb.Slot],
                       views: Sequence[memoryview], crcs: Sequence[int],
                       progress: ReadProgress) -> None:
         bounce = self._verify_bounce()

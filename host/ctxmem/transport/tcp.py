@@ -48,7 +48,7 @@ def _recv_resp(sock: socket.socket) -> tuple[int, int]:
 class TcpChannel(DataChannel):
     name = "tcp"
 
-    def __init__(self, host: str, port: int, session_id: int, token: bytes,
+    def __init__(self, host: str, port: int, session_id: bytes, token: bytes,
                  timeout_s: float) -> None:
         self._lock = threading.Lock()
         try:
@@ -71,7 +71,7 @@ class TcpChannel(DataChannel):
         if status != Status.OK:
             raise TransportError(f"{what}: {STATUS_TEXT.get(Status(status), status)}")
 
-    def write(self, allocation_id: int, slots: Sequence[pb.Slot],
+    def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None:
         with self._lock:
             try:
@@ -81,20 +81,21 @@ class TcpChannel(DataChannel):
                     self._sock.sendall(view)
                 for i in range(len(views)):
                     status, _ = _recv_resp(self._sock)
-                    self._check(status, f"TCP write of slot {i} of allocation {allocation_id}")
+                    self._check(status,
+                                f"TCP write of slot {i} of allocation {allocation_id.hex()}")
             except OSError as exc:
                 raise TransportError(f"TCP write failed: {exc}") from None
 
-    def read(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read(self, lease_id: bytes, slots: Sequence[pb.Slot],
              views: Sequence[memoryview]) -> None:
         self._read(lease_id, views, None, ReadProgress())
 
-    def read_verified(self, lease_id: int, slots: Sequence[pb.Slot],
+    def read_verified(self, lease_id: bytes, slots: Sequence[pb.Slot],
                       views: Sequence[memoryview], crcs: Sequence[int],
                       progress: ReadProgress) -> None:
         self._read(lease_id, views, crcs, progress)
 
-    def _read(self, lease_id: int, views: Sequence[memoryview], crcs: Sequence[int] | None,
+    def _read(self, lease_id: bytes, views: Sequence[memoryview], crcs: Sequence[int] | None,
               progress: ReadProgress) -> None:
         """Pipelined read of every block of the lease: into ``views`` directly when
         ``crcs`` is ``None``, else through the bounce, delivering only blocks that match.
@@ -107,7 +108,7 @@ class TcpChannel(DataChannel):
                     TCP_REQ.pack(b"CXTR", OP_READ, lease_id, i, 0) for i in range(len(views))))
                 for i, view in enumerate(views):
                     status, length = _recv_resp(self._sock)
-                    self._check(status, f"TCP read of block {i} of lease {lease_id}")
+                    self._check(status, f"TCP read of block {i} of lease {lease_id.hex()}")
                     if length != len(view):
                         raise TransportError(f"TCP read of block {i}: {length} bytes, expected "
                                              f"{len(view)}")

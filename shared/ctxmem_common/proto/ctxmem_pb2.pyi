@@ -106,12 +106,12 @@ class ConnectResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     session_token: bytes
     instance_id: str
     lease_ttl_ms: int
     allocation_ttl_ms: int
-    def __init__(self, session_id: _Optional[int] = ..., session_token: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., allocation_ttl_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., session_token: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., allocation_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("session_id", "model_id", "layout", "tags")
@@ -126,11 +126,11 @@ class OpenNamespaceRequest(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     model_id: str
     layout: Layout
     tags: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[int] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tags: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tags: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class OpenNamespaceResponse(_message.Message):
     __slots__ = ("namespace_handle", "namespace_digest", "block_nbytes")
@@ -150,13 +150,13 @@ class LookupRequest(_message.Message):
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_LEN_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prefix: bool
     packed_keys: bytes
     key_len: int
-    def __init__(self, session_id: _Optional[int] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: _Optional[bool] = ..., packed_keys: _Optional[bytes] = ..., key_len: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: _Optional[bool] = ..., packed_keys: _Optional[bytes] = ..., key_len: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_hits", "tiers")
@@ -171,10 +171,10 @@ class AllocateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("allocation_id", "exists", "slots", "expires_in_ms")
@@ -182,11 +182,11 @@ class AllocateResponse(_message.Message):
     EXISTS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
-    allocation_id: int
+    allocation_id: bytes
     exists: _containers.RepeatedScalarFieldContainer[bool]
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     expires_in_ms: int
-    def __init__(self, allocation_id: _Optional[int] = ..., exists: _Optional[_Iterable[bool]] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, allocation_id: _Optional[bytes] = ..., exists: _Optional[_Iterable[bool]] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("session_id", "allocation_id", "crc32c", "abort")
@@ -194,11 +194,11 @@ class CommitRequest(_message.Message):
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
-    allocation_id: int
+    session_id: bytes
+    allocation_id: bytes
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     abort: bool
-    def __init__(self, session_id: _Optional[int] = ..., allocation_id: _Optional[int] = ..., crc32c: _Optional[_Iterable[int]] = ..., abort: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., allocation_id: _Optional[bytes] = ..., crc32c: _Optional[_Iterable[int]] = ..., abort: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -211,10 +211,10 @@ class AcquireRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "num_acquired", "slots", "crc32c", "source_tiers", "expires_in_ms")
@@ -224,21 +224,21 @@ class AcquireResponse(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TIERS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
-    lease_id: int
+    lease_id: bytes
     num_acquired: int
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     source_tiers: _containers.RepeatedScalarFieldContainer[Tier]
     expires_in_ms: int
-    def __init__(self, lease_id: _Optional[int] = ..., num_acquired: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., crc32c: _Optional[_Iterable[int]] = ..., source_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[bytes] = ..., num_acquired: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., crc32c: _Optional[_Iterable[int]] = ..., source_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
-    lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[int] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    session_id: bytes
+    lease_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[bytes] = ..., lease_ids: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("valid",)
@@ -251,10 +251,10 @@ class PrefetchRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("queued", "in_dram")
@@ -269,10 +269,10 @@ class DeleteRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[int] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("deleted",)
@@ -286,11 +286,11 @@ class EvictRequest(_message.Message):
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: Tier
-    def __init__(self, session_id: _Optional[int] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("evicted",)
@@ -335,9 +335,9 @@ class RdmaInfoRequest(_message.Message):
     __slots__ = ("session_id", "session_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     session_token: bytes
-    def __init__(self, session_id: _Optional[int] = ..., session_token: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., session_token: _Optional[bytes] = ...) -> None: ...
 
 class RdmaInfoResponse(_message.Message):
     __slots__ = ("gid", "lid", "mtu", "rd_atomic")
@@ -356,10 +356,10 @@ class RdmaAttachRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     QP_FIELD_NUMBER: _ClassVar[int]
-    session_id: int
+    session_id: bytes
     session_token: bytes
     qp: RdmaQp
-    def __init__(self, session_id: _Optional[int] = ..., session_token: _Optional[bytes] = ..., qp: _Optional[_Union[RdmaQp, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., session_token: _Optional[bytes] = ..., qp: _Optional[_Union[RdmaQp, _Mapping]] = ...) -> None: ...
 
 class RdmaAttachResponse(_message.Message):
     __slots__ = ("qp",)

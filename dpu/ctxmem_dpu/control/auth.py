@@ -1,0 +1,133 @@
+"""Authentication of control-plane calls: who a Connect is, and that every later call is
+made by the session it names.
+
+* :func:`connect_tenant` decides a Connect's tenant from the request and the call's peer
+  context. It is the one hook for identity: tokens mode checks the tenant's token, the
+  insecure mode (loopback only) trusts the name. mTLS will extend it (the tenant from the
+  client certificate in ``context.auth_context()``).
+* :class:`SessionAuthInterceptor` is the one check of every call after Connect: the
+  request's ``session_id`` must name a live session whose token the call carries as the
+  metadata ``ctxmem-session-token-bin``. An unknown session id and a wrong token get the
+  same answer, so a guess tells nothing about which ids exist.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from ctxmem_common.config import Config
+from ctxmem_common.errors import ERROR_METADATA_KEY, ErrorCode, InvalidArgument, PermissionDenied
+from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY, check_identity_mode
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_dpu.blocks import Session
+
+log = logging.getLogger(__name__)
+
+# Calls that need no session: Connect makes one; Health and Stats name none.
+OPEN_METHODS = frozenset({"Health", "Connect", "Stats"})
+
+
+def connect_tenant(cfg: Config, request: pb.ConnectRequest, context: Any) -> str:
+    """The tenant a Connect opens its session for, or PermissionDenied.
+
+    ``context`` (the call's ``grpc.aio.ServicerContext``) is unused until mTLS derives
+    the tenant from the peer's certificate; the argument is here so that change stays in
+    this function.
+    """
+    del context  # the mTLS hook: peer identity from context.auth_context()
+    tenant = request.tenant
+    if not tenant:
+        raise InvalidArgument("Connect.tenant must not be empty")
+    mode = check_identity_mode(cfg)  # the service refused to start without a valid one
+    if mode == "insecure":
+        return tenant
+    want = cfg.service.tenant_tokens.get(tenant, "")
+    # Compare even for an unknown tenant (against itself), so timing tells nothing.
+    ok = hmac.compare_digest(want.encode() or b"\0", request.tenant_token.encode())
+    if not (ok and want):
+        raise PermissionDenied(
+            f"tenant {tenant!r}: missing or wrong tenant token; pass the tenant's token "
+            f"from service.tenant_tokens (Client(tenant_token=...))")
+    return tenant
+
+
+class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses any call after Connect that does not carry its session's token."""
+
+    def __init__(self, sessions: Callable[[bytes], Session | None]) -> None:
+        self._sessions = sessions
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: Any,
+    ) -> Any:
+        handler = await continuation(details)
+        method = str(details.method).rpartition("/")[2]
+        if handler is None or method in OPEN_METHODS:
+            return handler
+        token: bytes | None = None  # None: no token metadata at all
+        for key, value in details.invocation_metadata or ():
+            if key == SESSION_TOKEN_METADATA_KEY:
+                token = value if isinstance(value, bytes) else b""
+        check = self._check
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: Any) -> Any:
+                await check(method, request, token, context)
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                await check(method, request, token, context)
+                async for response in inner_stream(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return _refuse_handler(f"{method}: streaming requests are not served")
+
+    async def _check(self, method: str, request: Any, token: bytes | None, context: Any
+                     ) -> None:
+        """Abort the call unless ``request.session_id`` is a live session and ``token``
+        is its token (constant-time compare). No token metadata at all is a client that
+        does not speak this protocol (PERMISSION_DENIED); a wrong or empty one is
+        answered as an unknown session (the shim reconnects)."""
+        session_id = getattr(request, "session_id", b"")
+        if token is None:
+            await _deny(context, grpc.StatusCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED,
+                        f"{method}: no session token; send the session_token from Connect as "
+                        f"the call metadata {SESSION_TOKEN_METADATA_KEY!r} (the ctxmem shim "
+                        f"does this)")
+        s = self._sessions(session_id) if isinstance(session_id, bytes) else None
+        # Compare against a dummy when the session is unknown: same work, same answer.
+        want = s.token if s is not None else b"\0" * 16
+        if not hmac.compare_digest(want, token) or s is None:
+            await _deny(context, grpc.StatusCode.UNAUTHENTICATED, ErrorCode.UNKNOWN_SESSION,
+                        f"{method}: unknown session or wrong session token (the service "
+                        f"restarted or the session closed); reconnect")
+
+
+async def _deny(context: Any, status: grpc.StatusCode, code: ErrorCode, message: str
+                ) -> NoReturn:
+    """End the call with ``status`` and the ``ctxmem-error`` the shim maps to a class."""
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, code.value),))
+    await context.abort(status, message)
+    raise AssertionError("grpc.aio context.abort returned")  # it always raises
+
+
+def _refuse_handler(message: str) -> Any:
+    async def refuse(request_iterator: Any, context: Any) -> Any:
+        await _deny(context, grpc.StatusCode.UNIMPLEMENTED, ErrorCode.INVALID_ARGUMENT, message)
+
+    return grpc.stream_unary_rpc_method_handler(refuse)

@@ -1,0 +1,98 @@
+"""Who may call the service, and from where: identity modes and the listen-address rule.
+
+Two modes, chosen explicitly in the config (``docs/security.md``, "Authentication and
+identity"):
+
+* **tokens** (``service.tenant_tokens`` non-empty): Connect must present the tenant's
+  token. Any listen address is allowed.
+* **insecure** (``service.insecure: true``, no tokens): the service trusts the tenant
+  name a client sends, so every client is one trust domain. Allowed only when every
+  listen address is loopback or a Unix socket; the service logs a warning at start.
+
+A config with neither is refused at start: nothing listens without an identity rule.
+TLS (next) will also satisfy the non-loopback rule: :func:`check_identity_mode` is the
+one place that decides.
+
+After Connect, every call proves its session with the session token as the call
+metadata :data:`SESSION_TOKEN_METADATA_KEY` (binary: the ``-bin`` suffix).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import TYPE_CHECKING, Literal
+
+from ctxmem_common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ctxmem_common.config import Config
+
+SESSION_TOKEN_METADATA_KEY = "ctxmem-session-token-bin"
+
+IdentityMode = Literal["tokens", "insecure"]
+
+
+def is_local_listen(listen: str) -> bool:
+    """Whether a listen address reaches only this host: a loopback IP (127.0.0.0/8,
+    ``::1``), ``localhost``, or a Unix socket (``unix:``/``unix-abstract:``)."""
+    text = listen.strip()
+    if text.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = text.rpartition(":")[0] if ":" in text else text
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name, "", "0.0.0.0" or "::" may reach other hosts
+
+
+def network_listens(cfg: Config) -> list[tuple[str, str]]:
+    """``(config key, address)`` of every listener clients reach: the gRPC control plane
+    and, with the TCP transport, the data plane. (RDMA connects over the gRPC channel;
+    the metrics endpoint serves no tenant data.)"""
+    out = [("service.listen", cfg.service.listen)]
+    if "tcp" in cfg.service.transports:
+        out.append(("service.data_listen", cfg.service.data_listen))
+    return out
+
+
+def check_identity_mode(cfg: Config) -> IdentityMode:
+    """The identity mode ``cfg`` asks for, or ConfigError saying why the service must
+    not start with it (and what to change).
+
+    Raises:
+        ConfigError: no mode, both modes, or insecure mode on a non-loopback address.
+    """
+    svc = cfg.service
+    if svc.tenant_tokens and svc.insecure:
+        raise ConfigError(
+            "service.insecure: true and service.tenant_tokens are both set; pick one "
+            "(remove service.insecure to require the tenants' tokens)")
+    if svc.tenant_tokens:
+        for tenant, token in svc.tenant_tokens.items():
+            if "change-me" in token.lower():
+                raise ConfigError(
+                    f"service.tenant_tokens[{tenant!r}] is still the example's placeholder; "
+                    f"set a secret token (e.g. `python -c 'import secrets; "
+                    f"print(secrets.token_hex(16))'`)")
+            if len(token) < 16:
+                raise ConfigError(
+                    f"service.tenant_tokens[{tenant!r}]: a token must be at least 16 "
+                    f"characters (e.g. `python -c 'import secrets; "
+                    f"print(secrets.token_hex(16))'`)")
+        return "tokens"
+    exposed = [f"{key}={addr!r}" for key, addr in network_listens(cfg)
+               if not is_local_listen(addr)]
+    if not svc.insecure:
+        raise ConfigError(
+            "no identity mode: set service.tenant_tokens (tenant -> token; Connect must "
+            "present it) or, on one host only, service.insecure: true (trusts the tenant "
+            "name; loopback or Unix-socket listen addresses only)")
+    if exposed:
+        raise ConfigError(
+            f"service.insecure: true trusts the tenant name any client sends, so it is "
+            f"refused on a non-loopback address ({', '.join(exposed)}); listen on "
+            f"127.0.0.1 or set service.tenant_tokens")
+    return "insecure"
