@@ -24,6 +24,7 @@ import pytest
 
 import ctxmem
 from ctxmem.transport.base import TransportError
+from ctxmem_common.codecs import crc32c
 from ctxmem_common.wire import SHM_HELLO, SHM_MAP, Status
 from tests.adversary.raw import RawSession
 from tests.adversary.shm_raw import run_in_child, shm_connect, shm_map
@@ -169,7 +170,7 @@ def test_map_is_scoped_to_the_namespace(service_factory: Callable[..., ServiceHa
         secret = bytes(range(256)) * (a.block_nbytes // 256)
         alloc_a = a.allocate(ctxmem.chain_hashes(range(16), 16))
         a.write(alloc_a, [secret])
-        a.commit(alloc_a)
+        a.commit(alloc_a, [crc32c(secret)])
         slot = alloc_a.slots[0]
         alloc_b = b.allocate(ctxmem.chain_hashes(range(1000, 1016), 16))
         assert alloc_b.slots[0].region != slot.region

@@ -54,7 +54,7 @@ def test_rdma_verified_read_delivers_only_checked_blocks(
     slots = [pb.Slot(length=size, remote_addr=0x1000 * (i + 1), rkey=9) for i in range(8)]
     dst = [bytearray([SENTINEL]) * size for _ in range(8)]
     progress = ReadProgress()
-    ch.read_verified(1, slots, [memoryview(d) for d in dst], crcs, progress)
+    ch.read_verified(b"\x01" * 16, slots, [memoryview(d) for d in dst], crcs, progress)
     good = 8 if bad is None else bad
     assert progress.done == good and progress.bad == bad
     for i in range(good):
@@ -92,7 +92,7 @@ def test_default_verified_read_stops_at_the_first_bad_block() -> None:
     ch = _PerBlock(remote)
     dst = [bytearray([SENTINEL]) * size for _ in range(4)]
     progress = ReadProgress()
-    ch.read_verified(1, [pb.Slot(offset=i, length=size) for i in range(4)],
+    ch.read_verified(b"\x01" * 16, [pb.Slot(offset=i, length=size) for i in range(4)],
                      [memoryview(d) for d in dst], crcs, progress)
     assert (progress.done, progress.bad) == (2, 2)
     assert [bytes(d) for d in dst[:2]] == blocks[:2]
