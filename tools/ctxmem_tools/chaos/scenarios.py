@@ -57,8 +57,10 @@ def unrunnable(kind: str) -> str:
 def mount_tmpfs(where: Path, size: int) -> None:
     """Mount a tmpfs of ``size`` bytes at ``where`` (the full-filesystem fault's home)."""
     where.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                   check=True, capture_output=True)
+    # mode=0700: a tmpfs root is 1777 by default, and the service refuses a flash
+    # directory other users can write (ctxmem_common.safepaths).
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                    str(where)], check=True, capture_output=True)
 
 
 def unmount(where: Path) -> None:
