@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from dataclasses import dataclass, field
 
 from ctxmem_common.layout import KVLayout
@@ -84,7 +85,9 @@ class Lease:
 
 @dataclass(eq=False)
 class Session:
-    """One client connection's state; ``token`` authenticates its data connections."""
+    """One client connection's state; ``token`` authenticates its data connections.
+    ``last_used`` (monotonic) is refreshed by every call and data-plane request: a
+    session idle for ``service.session_idle_s`` is closed by the reaper."""
 
     id: int
     tenant: str
@@ -94,3 +97,4 @@ class Session:
     namespaces: dict[int, Namespace] = field(default_factory=dict)
     allocations: dict[int, Allocation] = field(default_factory=dict)
     leases: dict[int, Lease] = field(default_factory=dict)
+    last_used: float = field(default_factory=time.monotonic)
