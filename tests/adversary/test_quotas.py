@@ -11,6 +11,7 @@ sessions and namespaces, and the reclaim of idle sessions.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -177,3 +178,18 @@ def test_idle_sessions_are_reclaimed(service_factory: Callable[..., ServiceHandl
         ns.put(keys, data)
         time.sleep(2.5)
         assert _get_exact(ns, keys, data) == 4
+
+
+@pytest.mark.parametrize(("quota", "words"), [
+    ({"dram_max": 1.5}, "quotas.default.dram_max"),
+    ({"dram_guaranteed": 0.6, "dram_max": 0.5}, "cannot exceed its ceiling"),
+    ({"max_sessions": 0}, "quotas.default.max_sessions"),
+    ({"bogus": 1}, "quotas.default.bogus"),
+])
+def test_bad_quota_config_names_the_key(quota: dict[str, object], words: str) -> None:
+    from ctxmem_common.config import config_from_dict
+    from ctxmem_common.errors import ConfigError
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        config_from_dict({"quotas": {"default": quota}})
+    with pytest.raises(ConfigError, match=re.escape("quotas.tenants.t")):
+        config_from_dict({"quotas": {"tenants": {"t": quota}}})

@@ -66,6 +66,8 @@ class Quotas:
         self._labels: dict[str, str] = {}
         #: (label, counter) -> value: evictions_dram, evictions_flash, refusals.
         self.counters: Counter[tuple[str, str]] = Counter()
+        # Flash bytes per tenant while a flash eviction walks (see flash_victims).
+        self._flash_use: Counter[str] = Counter()
 
     # -- who is who ---------------------------------------------------------------------
     def quota(self, tenant: str) -> TenantQuota:
@@ -203,15 +205,18 @@ class Quotas:
         guaranteed share (rechecked per block, so a tenant evicted down to its share is
         left alone); its own last when it is under its guarantee. Never a block of
         another tenant at or under its guarantee."""
-        lru = self._index.dram_lru
+        lru, alloc = self._index.dram_lru, self._ctx.dram.alloc
         active = self.active_tenants()
-        own_first = self.dram_slabs()[tenant] >= self.dram_guaranteed(tenant, active)
+        slabs, free_seen = self.dram_slabs(), alloc.free_slabs
+        own_first = slabs[tenant] >= self.dram_guaranteed(tenant, active)
         if own_first:
             yield from (b for b in lru.victims(skip) if self.tenant_of(b) == tenant)
         if self.dram_slabs()[tenant] < self.dram_ceiling(tenant):
             for b in lru.victims(skip):
+                if alloc.free_slabs != free_seen:  # a slab was released or assigned
+                    slabs, free_seen = self.dram_slabs(), alloc.free_slabs
                 t = self.tenant_of(b)
-                if t != tenant and self.dram_slabs()[t] > self.dram_guaranteed(t, active):
+                if t != tenant and slabs[t] > self.dram_guaranteed(t, active):
                     yield b
         if not own_first:
             yield from (b for b in lru.victims(skip) if self.tenant_of(b) == tenant)
