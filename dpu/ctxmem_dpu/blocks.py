@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from dataclasses import dataclass, field
 
 from ctxmem_common.layout import KVLayout
@@ -85,7 +86,9 @@ class Lease:
 @dataclass(eq=False)
 class Session:
     """One client connection's state. ``id`` (16 random bytes) names it; ``token``
-    authenticates every call after Connect and its data connections."""
+    authenticates every call after Connect and its data connections. ``last_used``
+    (monotonic) is refreshed by every call and data-plane request: a session idle for
+    ``service.session_idle_s`` is closed by the reaper."""
 
     id: bytes
     tenant: str
@@ -95,3 +98,4 @@ class Session:
     namespaces: dict[int, Namespace] = field(default_factory=dict)
     allocations: dict[bytes, Allocation] = field(default_factory=dict)
     leases: dict[bytes, Lease] = field(default_factory=dict)
+    last_used: float = field(default_factory=time.monotonic)

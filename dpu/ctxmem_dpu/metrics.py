@@ -89,6 +89,26 @@ class StoreCollector:
         yield blocks
         yield GaugeMetricFamily("ctxmem_flash_devices_healthy", "Flash devices in service",
                                 value=s["flash_devices_healthy"])
+        # Per tenant (issue 12): bounded by quotas.stats_tenants (the rest is "_other").
+        t_bytes = GaugeMetricFamily("ctxmem_tenant_used_bytes", "Bytes in use per tenant "
+                                    "and tier", labels=["tenant", "tier"])
+        t_ev = CounterMetricFamily("ctxmem_tenant_evictions", "Blocks of a tenant evicted, "
+                                   "by tier", labels=["tenant", "tier"])
+        t_ref = CounterMetricFamily("ctxmem_tenant_refusals", "Requests of a tenant refused "
+                                    "for a quota or a full tier", labels=["tenant"])
+        for key, v in s.items():
+            if not key.startswith("tenant."):
+                continue
+            tenant, _, name = key[len("tenant."):].rpartition(".")
+            if name in ("dram_bytes", "flash_bytes"):
+                t_bytes.add_metric([tenant, name[:-len("_bytes")]], v)
+            elif name in ("evictions_dram", "evictions_flash"):
+                t_ev.add_metric([tenant, name[len("evictions_"):]], v)
+            elif name == "refusals":
+                t_ref.add_metric([tenant], v)
+        yield t_bytes
+        yield t_ev
+        yield t_ref
 
 
 class HttpEndpoint(AsyncResource):

@@ -87,6 +87,10 @@ class ServiceConfig:
     # that can open the socket file (its mode, 0660, is then the only gate).
     shm_allowed_uids: list[int] = field(default_factory=list)
     shm_allowed_gids: list[int] = field(default_factory=list)
+    # A session with no control-plane call and no data-plane request (and no shared-memory
+    # connection open) for this long is closed with its allocations and leases, so a
+    # client that vanished cannot hold slots, pins or a session slot forever (issue 12).
+    session_idle_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,42 @@ class EvictionConfig:
 
 
 @dataclass(frozen=True)
+class TenantQuota:
+    """One tenant's limits (docs/security.md, "Quotas and fair eviction").
+
+    Shares are fractions of a tier (DRAM counted in slabs, since a slab belongs to one
+    namespace; flash in bytes). A guaranteed share of 0 means the fair share: the tier
+    divided by the number of tenants with an open session.
+    """
+
+    dram_guaranteed: float = 0.0
+    dram_max: float = 1.0
+    flash_guaranteed: float = 0.0
+    flash_max: float = 1.0
+    # Open leases and open allocations (grants) at once.
+    max_leases: int = 1024
+    max_allocations: int = 1024
+    # Fraction of the DRAM tier's slabs in which the tenant may hold leased blocks or
+    # allocated slots at once (a held slot keeps its whole slab from being reclaimed);
+    # 0: the tier less the other active tenants' guaranteed shares.
+    dram_held_max: float = 0.0
+    max_sessions: int = 64
+    max_namespaces: int = 64
+
+
+@dataclass(frozen=True)
+class QuotasConfig:
+    default: TenantQuota = field(default_factory=TenantQuota)
+    tenants: dict[str, TenantQuota] = field(default_factory=dict)
+    # Tenants reported by name in Stats and /metrics; the rest are summed as "_other".
+    stats_tenants: int = 32
+
+    def of(self, tenant: str) -> TenantQuota:
+        """The quota of ``tenant``: its own entry, else ``default``."""
+        return self.tenants.get(tenant, self.default)
+
+
+@dataclass(frozen=True)
 class EncryptionConfig:
     enabled: bool = True
     key_file: str = ""  # 64 hex characters (a 32-byte master key)
@@ -168,6 +208,7 @@ class Config:
     dram: DramConfig = field(default_factory=DramConfig)
     flash: FlashConfig = field(default_factory=FlashConfig)
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    quotas: QuotasConfig = field(default_factory=QuotasConfig)
     encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -280,7 +321,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-        return dict(value)
+        _key_tp, val_tp = get_args(tp)
+        return {k: _convert(val_tp, v, f"{where}.{k}") for k, v in value.items()}
     if origin in (types.UnionType, typing.Union):
         args = [a for a in get_args(tp) if a is not type(None)]
         if value is None or len(args) != 1:
@@ -367,10 +409,29 @@ def _check(cfg: Config) -> None:
                           "shared-memory connection)")
     if cfg.service.shm_reply_deadline_s <= 0:
         raise ConfigError("service.shm_reply_deadline_s: must be > 0")
+    if cfg.service.session_idle_s <= 0:
+        raise ConfigError("service.session_idle_s: must be > 0")
+    for name, q in [("default", cfg.quotas.default), *(
+            (f"tenants.{t}", q) for t, q in cfg.quotas.tenants.items())]:
+        _check_quota(f"quotas.{name}", q)
+    if cfg.quotas.stats_tenants < 0:
+        raise ConfigError("quotas.stats_tenants: must be >= 0")
     if not 0.0 <= cfg.eviction.protected_fraction <= 1.0:
         raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
     if cfg.eviction.protect_after_hits < 1:
         raise ConfigError("eviction.protect_after_hits: must be >= 1")
+
+
+def _check_quota(where: str, q: TenantQuota) -> None:
+    for key in ("dram_guaranteed", "dram_max", "flash_guaranteed", "flash_max",
+                "dram_held_max"):
+        if not 0.0 <= getattr(q, key) <= 1.0:
+            raise ConfigError(f"{where}.{key}: must be a fraction between 0 and 1")
+    if q.dram_guaranteed > q.dram_max or q.flash_guaranteed > q.flash_max:
+        raise ConfigError(f"{where}: a guaranteed share cannot exceed its ceiling (_max)")
+    for key in ("max_leases", "max_allocations", "max_sessions", "max_namespaces"):
+        if getattr(q, key) < 1:
+            raise ConfigError(f"{where}.{key}: must be >= 1")
 
 
 def rdma_ip(listen: str) -> str:

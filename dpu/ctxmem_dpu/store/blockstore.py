@@ -45,6 +45,7 @@ from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.promotion import Promotion
+from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.store.recovery import Recovery, audit
 from ctxmem_dpu.store.sessions import SessionRegistry
 from ctxmem_dpu.store.stats import new_counters, snapshot
@@ -87,7 +88,10 @@ class BlockStore:
         self._invalidator = Invalidator(self._ctx, self._health)
         self._registry = SessionRegistry(cfg, self._ctx.dram, self._index,
                                          self._invalidator.unpin)
-        self._placement = Placement(self._ctx, self._index, self._health, self._invalidator)
+        self._quotas = Quotas(self._ctx, self._index, self._registry)
+        self._registry.quotas = self._quotas
+        self._placement = Placement(self._ctx, self._index, self._health, self._invalidator,
+                                    self._quotas)
         self._demotion = Demotion(self._ctx, self._index, self._placement, self._invalidator,
                                   self._health, keyring)
         self._promotion = Promotion(self._ctx, self._index, self._placement,
@@ -306,7 +310,14 @@ class BlockStore:
         per_ns = self._index.get(ns.digest)
         exists = [k in per_ns for k in keys]
         new_keys = [k for k, e in zip(keys, exists, strict=True) if not e]
+        self._quotas.check_grants(s, "allocations")
         slots = await self._placement.reserve_dram(ns, len(new_keys), self._demotion.demote)
+        try:
+            self._quotas.check_held(ns.tenant, {ref.slab for ref in slots})
+        except BaseException:
+            for ref in slots:
+                self._ctx.dram.free(ref)
+            raise
         a = Allocation(self._registry.new_id(), s.id, ns, new_keys, slots,
                        time.monotonic() + self.cfg.service.allocation_ttl_s)
         self._registry.add_allocation(s, a)
@@ -391,6 +402,7 @@ class BlockStore:
         a block fails its check or DRAM could stage no more (the shim continues with
         another Acquire from there)."""
         validate_keys(keys)
+        self._quotas.check_grants(s, "leases")
         per_ns = self._index.get(ns.digest)
         # One lease holds at most half the DRAM tier, so the rest can be evicted to stage
         # cold blocks; the shim asks for the remainder in a following Acquire.
@@ -414,6 +426,12 @@ class BlockStore:
         n = 0
         while n < len(run) and run[n].dram is not None and id(run[n]) not in ok.failed:
             n += 1
+        try:  # a tenant's leases never hold slots in more slabs than its quota allows
+            n = self._quotas.fit_lease(ns.tenant, run[:n]) if n else 0
+        except BaseException:
+            for b in run:
+                self.unpin(b)
+            raise
         for b in run[n:]:
             self.unpin(b)
         run = run[:n]
@@ -509,4 +527,4 @@ class BlockStore:
 
     def stats(self) -> dict[str, float]:
         """Every counter and gauge (the Stats RPC and /metrics)."""
-        return snapshot(self._ctx, self._index, self._registry)
+        return snapshot(self._ctx, self._index, self._registry, self._quotas)

@@ -119,11 +119,12 @@ class Demotion:
         results: list[BaseException | None] = []
         ok = False
         try:
-            by_size: dict[int, list[Block]] = {}
+            # Grouped by tenant too: flash eviction is fair per tenant (store.quotas).
+            by_size: dict[tuple[int, str], list[Block]] = {}
             for b in blocks:
-                by_size.setdefault(b.slot_size, []).append(b)
-            for size, group in by_size.items():
-                exts = await self._placement.reserve_flash(size, len(group))
+                by_size.setdefault((b.slot_size, self._placement.tenant_of(b)), []).append(b)
+            for (size, tenant), group in by_size.items():
+                exts = await self._placement.reserve_flash(size, len(group), tenant)
                 if exts is None:
                     no_room = self._no_room(size, len(group))
                     failures.update(dict.fromkeys(group, no_room))

@@ -6,6 +6,11 @@ already durable on flash; a block not yet on flash is demoted first (batched), o
 usable flash, dropped. Flash eviction drops the block, or only its flash copy when it is
 also in DRAM (the block is dirty again). When nothing can be freed the request fails with
 RESOURCE_EXHAUSTED; the service never crashes for it.
+
+Victims are chosen per tenant (``ctxmem_dpu.store.quotas``): a request evicts its own
+tenant's blocks first when that tenant is at or over its guaranteed share, then blocks of
+tenants above theirs; a tenant at or under its guarantee never loses blocks to another
+tenant's puts, and a tenant at its DRAM ceiling only reuses its own slabs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.tiers.flash import Extent
 
 Demote = Callable[[list[Block]], Awaitable[object]]
@@ -38,11 +44,16 @@ class Placement:
     """Finds room in DRAM and on flash."""
 
     def __init__(self, ctx: StoreContext, index: BlockIndex, health: DeviceHealth,
-                 invalidator: Invalidator) -> None:
+                 invalidator: Invalidator, quotas: Quotas) -> None:
         self._ctx = ctx
         self._index = index
         self._health = health
         self._invalidator = invalidator
+        self._quotas = quotas
+
+    def tenant_of(self, b: Block) -> str:
+        """The tenant owning ``b`` (see ``Quotas.tenant_of``)."""
+        return self._quotas.tenant_of(b)
 
     def dram_capacity(self, slot_size: int) -> int:
         """How many blocks of ``slot_size`` the whole DRAM tier holds."""
@@ -53,20 +64,27 @@ class Placement:
         first if needed) to make room."""
         if n == 0:
             return []
-        dram, cfg = self._ctx.dram, self._ctx.cfg
-        refs = dram.allocate(ns.slot_size, n, slab_owner(ns))
-        if refs is not None:
-            return refs
+        cfg, quotas = self._ctx.cfg, self._quotas
         capacity = self.dram_capacity(ns.slot_size)
         if n > capacity:
             raise ResourceExhausted(
                 f"a batch of {n} blocks needs more DRAM than the tier holds ({capacity} "
                 f"blocks of {ns.slot_size} bytes); send smaller batches or raise dram.size"
             )
+        ceiling = quotas.dram_ceiling(ns.tenant)
+        if n > ceiling * (cfg.dram.slab_size // ns.slot_size):
+            raise quotas.refuse(
+                ns.tenant, "dram_max",
+                f"a batch of {n} blocks needs more than the tenant's DRAM ceiling of "
+                f"{ceiling} slabs; send smaller batches or raise quotas.*.dram_max")
+        refs = self._allocate(ns, n)
+        if refs is not None:
+            return refs
         for _round in range(3):
             need_demote: list[Block] = []
             usable = self._health.usable()
-            for b in self._index.dram_lru.victims(skip=lambda b: b.pins > 0 or b.io is not None):
+            for b in quotas.dram_victims(
+                    ns.tenant, skip=lambda b: b.pins > 0 or b.io is not None or b.dram is None):
                 if b.flash is not None and b.durable:
                     self.drop_dram(b)
                 elif usable:
@@ -80,7 +98,7 @@ class Placement:
                     if b in self._index.dirty:
                         self._ctx.counters["dirty_dropped"] += 1
                     self.drop_dram(b)
-                refs = dram.allocate(ns.slot_size, n, slab_owner(ns))
+                refs = self._allocate(ns, n)
                 if refs is not None:
                     return refs
             if not need_demote:
@@ -89,15 +107,29 @@ class Placement:
             for b in need_demote:
                 if b.dram is not None and b.flash is not None and b.pins == 0 and b.io is None:
                     self.drop_dram(b)
-            refs = dram.allocate(ns.slot_size, n, slab_owner(ns))
+            refs = self._allocate(ns, n)
             if refs is not None:
                 return refs
+        if ceiling < self._ctx.dram.num_slabs and not quotas.fits_ceiling(ns, n):
+            raise quotas.refuse(
+                ns.tenant, "dram_max",
+                f"{n} slots of {ns.slot_size} bytes would take more than its DRAM ceiling "
+                f"of {ceiling} slabs and none of its own blocks can be evicted (leased or "
+                f"not yet durable); release leases, retry later or raise quotas.*.dram_max")
         self._ctx.counters["dram_full"] += 1
+        quotas.count(ns.tenant, "refusals")
         raise ResourceExhausted(
             f"DRAM tier full: {n} slots of {ns.slot_size} bytes for tenant {ns.tenant!r} "
-            f"cannot be freed (blocks are leased, or flash is full or failing); retry later "
-            f"or raise dram.size"
+            f"cannot be freed (blocks are leased, other tenants are within their "
+            f"guaranteed shares, or flash is full or failing); retry later or raise "
+            f"dram.size"
         )
+
+    def _allocate(self, ns: Namespace, n: int) -> list[SlotRef] | None:
+        """``n`` slots for ``ns`` if free ones fit within its tenant's DRAM ceiling."""
+        if not self._quotas.fits_ceiling(ns, n):
+            return None
+        return self._ctx.dram.allocate(ns.slot_size, n, slab_owner(ns))
 
     def drop_dram(self, b: Block) -> None:
         """Evict ``b``'s DRAM copy (unpinned); a block with no flash copy is gone."""
@@ -107,11 +139,14 @@ class Placement:
         self._index.dram_lru.remove(b)
         self._index.dirty.pop(b, None)
         self._ctx.counters["evictions_dram"] += 1
+        self._quotas.count(self._quotas.tenant_of(b), "evictions_dram")
         if b.flash is None:
             self._index.forget(b)
 
-    async def reserve_flash(self, slot_size: int, n: int) -> list[Extent] | None:
-        """``n`` extents of ``slot_size``, evicting flash blocks (LRU) to make room;
+    async def reserve_flash(self, slot_size: int, n: int, tenant: str | None = None
+                            ) -> list[Extent] | None:
+        """``n`` extents of ``slot_size`` for blocks of ``tenant`` (None: several),
+        evicting flash blocks (LRU, fairly: ``Quotas.flash_victims``) to make room;
         ``None`` when the tier cannot make that much room.
 
         A victim's header is zeroed and synced before its extent is freed, so a crash or
@@ -127,8 +162,9 @@ class Placement:
             evicted: list[Extent] = []
             # Never evict from a failed device: that frees no usable space, it only drops
             # blocks that come back when the device does.
-            for b in index.flash_lru.victims(skip=lambda b: b.pins > 0 or b.io is not None or (
-                    b.flash is not None and not flash.devices[b.flash.device].healthy)):
+            for b in self._quotas.flash_victims(tenant, skip=lambda b: (
+                    b.pins > 0 or b.io is not None or b.flash is None
+                    or not flash.devices[b.flash.device].healthy)):
                 if room >= n:
                     break
                 assert b.flash is not None
@@ -137,6 +173,7 @@ class Placement:
                 b.durable = False
                 index.flash_lru.remove(b)
                 self._ctx.counters["evictions_flash"] += 1
+                self._quotas.flash_evicted(b)
                 if b.dram is None:
                     index.forget(b)
                 else:

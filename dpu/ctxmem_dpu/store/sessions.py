@@ -14,6 +14,12 @@ and can still write the slots of an allocation that expired. Those slots are the
 *quarantined* with the session (never handed to anyone else) while the session has a
 shared-memory connection open, and freed when its last one closes or the session ends;
 an explicit abort is trusted (the client says it is done) and frees them at once.
+
+A session with no call and no data-plane request for ``service.session_idle_s``, and no
+shared-memory connection open, is closed by the reaper (:meth:`SessionRegistry.reap_idle`)
+with its grants, so a vanished client holds no slots, pins or session slot; its next call
+gets UNKNOWN_SESSION and the shim reconnects. Per-tenant caps on sessions and namespaces
+are checked here through ``quotas`` (``ctxmem_dpu.store.quotas``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from ctxmem_common.config import Config
 from ctxmem_common.errors import (
@@ -40,6 +47,9 @@ from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.tiers.dram import DramTier, round_up
+
+if TYPE_CHECKING:
+    from ctxmem_dpu.store.quotas import Quotas
 
 log = logging.getLogger("ctxmem_dpu.store")
 
@@ -65,6 +75,8 @@ class SessionRegistry:
         # Called with an allocation's or lease's id when it ends, before its slots are
         # unpinned or freed: see grant_ended.
         self.on_grant_end: list[Callable[[bytes], None]] = []
+        # Per-tenant caps (set by the store once built: quotas reads this registry).
+        self.quotas: Quotas | None = None
 
     def new_id(self) -> bytes:
         """A fresh session, allocation or lease id: 16 random bytes.
@@ -91,13 +103,17 @@ class SessionRegistry:
                 f"transport {transport!r} is not enabled on this service; it offers "
                 f"{self.cfg.service.transports} (service.transports)"
             )
+        if self.quotas is not None:
+            self.quotas.check_session(tenant)
         s = Session(self.new_id(), tenant, transport, client_name)
         self.sessions[s.id] = s
         return s
 
     def session(self, session_id: bytes) -> Session:
         try:
-            return self.sessions[session_id]
+            s = self.sessions[session_id]
+            s.last_used = time.monotonic()
+            return s
         except KeyError:
             raise UnknownSession(
                 f"session {session_id.hex()} is unknown to this service instance (it restarted or "
@@ -108,6 +124,8 @@ class SessionRegistry:
         self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str]
     ) -> tuple[int, Namespace]:
         digest = namespace_digest(s.tenant, model_id, layout, tags)
+        if self.quotas is not None:
+            self.quotas.check_namespace(s, digest)
         ns = self.namespaces.get(digest)
         if ns is None:
             slot_size = round_up(layout.block_nbytes)
@@ -275,3 +293,17 @@ class SessionRegistry:
         for lease in [lease for lease in self.leases.values() if lease.expires < now]:
             counters["expired_leases"] += 1
             self.end_lease(lease, valid=False)
+        self.reap_idle(counters, now)
+
+    def reap_idle(self, counters: Counter[str], now: float) -> None:
+        """Close every session idle for ``service.session_idle_s``: no call, no data
+        request, no shared-memory connection open and no allocation being written."""
+        idle_s = self.cfg.service.session_idle_s
+        for s in [s for s in self.sessions.values() if now - s.last_used > idle_s]:
+            if self.mapped.get(s.id, 0) > 0 or any(a.done for a in s.allocations.values()):
+                continue
+            log.info("session %d of tenant %r idle for %.0f s: closed with its %d "
+                     "allocations and %d leases", s.id, s.tenant, now - s.last_used,
+                     len(s.allocations), len(s.leases))
+            counters["idle_sessions_closed"] += 1
+            self.close_session(s)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctxmem_dpu.store.context import StoreContext
     from ctxmem_dpu.store.index import BlockIndex
+    from ctxmem_dpu.store.quotas import Quotas
     from ctxmem_dpu.store.sessions import SessionRegistry
 
 # Every counter the store keeps; all are reported (as 0 until they move) by Stats and
@@ -22,6 +23,7 @@ COUNTERS = (
     "recovery_seconds_x1e6", "quarantined_extents", "dirty_dropped", "flash_device_recoveries",
     "flash_device_reopened", "shm_slow_readers", "shm_peers_refused",
     "stale_allocations", "dram_crc_mismatch", "write_through_failures",
+    "quota_refusals", "idle_sessions_closed",
 )
 
 
@@ -30,9 +32,10 @@ def new_counters() -> Counter[str]:
     return Counter(dict.fromkeys(COUNTERS, 0))
 
 
-def snapshot(ctx: StoreContext, index: BlockIndex, registry: SessionRegistry
-             ) -> dict[str, float]:
-    """Every counter plus the gauges (blocks, bytes, grants, device health)."""
+def snapshot(ctx: StoreContext, index: BlockIndex, registry: SessionRegistry,
+             quotas: Quotas) -> dict[str, float]:
+    """Every counter plus the gauges (blocks, bytes, grants, device health), and the
+    per-tenant ones (``tenant.NAME.*``, bounded by ``quotas.stats_tenants``)."""
     out: dict[str, float] = {k: float(v) for k, v in ctx.counters.items()}
     out.update(
         blocks=float(index.count()),
@@ -51,4 +54,5 @@ def snapshot(ctx: StoreContext, index: BlockIndex, registry: SessionRegistry
                                           for d in ctx.flash.devices)),
         flash_devices_healthy=float(sum(d.healthy for d in ctx.flash.devices)),
     )
+    out.update(quotas.snapshot())
     return out

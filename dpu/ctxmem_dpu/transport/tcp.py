@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from typing import TYPE_CHECKING
 
 from ctxmem_common.errors import CtxmemError
@@ -79,6 +80,7 @@ class TcpDataServer(SocketDataServer):
                 await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.UNAUTHENTICATED,
                                                             0))
                 return
+            s.last_used = time.monotonic()  # a data request keeps the session from idling
             if op == OP_WRITE:
                 await self._write(loop, conn, s, ident, index, length)
             else:

@@ -1,0 +1,195 @@
+"""Per-tenant quotas, fair eviction, caps and idle reclaim (issue 12), against the real
+service.
+
+Two tenants on one service (loopback, tenant names trusted). Tenant B stores a working
+set within its guaranteed share; tenant A attacks: it floods puts far beyond DRAM and
+flash, leases one block in every DRAM slab it can, and opens allocations until refused.
+B's blocks must all still hit byte-exact and B must still be able to put; A's requests
+over a limit get RESOURCE_EXHAUSTED naming the tenant and the quota. Then the caps on
+sessions and namespaces, and the reclaim of idle sessions.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+
+import ctxmem
+from ctxmem_common.errors import ERROR_METADATA_KEY, ResourceExhausted
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from tests.adversary.raw import RawSession
+from tests.conftest import ServiceHandle
+
+# 128 KiB blocks: 32 per 4 MiB slab; DRAM is 8 slabs (256 blocks), flash ~450 blocks.
+LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
+                         tokens_per_block=128)
+SMALL = {"dram_size": "32MiB", "dram_slab": "4MiB", "flash_size": "64MiB",
+         "flash_slab": "4MiB"}
+
+
+def _blocks(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
+
+
+def _keys(start: int, n: int) -> list[bytes]:
+    t = LAYOUT.tokens_per_block
+    return ctxmem.chain_hashes(range(start * t, (start + n) * t), t)
+
+
+def _get_exact(ns: ctxmem.Namespace, keys: list[bytes], data: list[np.ndarray]) -> int:
+    """How many leading blocks come back, asserting they are byte-exact."""
+    out = [np.zeros_like(d) for d in data]
+    n = ns.get(keys, out)
+    for a, b in zip(data[:n], out[:n], strict=True):
+        assert np.array_equal(a, b)
+    return n
+
+
+def _code(exc: grpc.RpcError) -> str:
+    return dict(exc.trailing_metadata() or ()).get(ERROR_METADATA_KEY, "")
+
+
+def test_flood_pins_and_allocations_cannot_starve_another_tenant(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    svc = service_factory(encryption=False, **SMALL)
+    with ctxmem.Client(svc.endpoint, transport="shm") as cb, \
+            ctxmem.Client(svc.endpoint, transport="shm") as ca:
+        nb = cb.open_namespace(LAYOUT, model_id="m", tenant="b")
+        b_keys, b_data = _keys(0, 48), _blocks(48, 1)
+        nb.put(b_keys, b_data)
+        na = ca.open_namespace(LAYOUT, model_id="m", tenant="a")
+        # A floods: ~3.5x DRAM + flash together.
+        refused = 0
+        stored: list[bytes] = []
+        for i in range(30):
+            keys = _keys(10_000 + 32 * i, 32)
+            try:
+                na.put(keys, _blocks(32, 100 + i))
+                stored += keys
+            except ResourceExhausted:
+                refused += 1
+        assert stored, "tenant a could not put at all"
+        assert _get_exact(nb, b_keys, b_data) == 48, "the flood evicted tenant b's blocks"
+
+        # A leases one block per DRAM slab, for as many slabs as it can.
+        raw = RawSession(svc.endpoint, LAYOUT, tenant="a", model_id="m", transport="tcp")
+        try:
+            regions: set[int] = set()
+            lease_refusal = ""
+            for key in stored[::-1][:300]:
+                try:
+                    r = raw.call("Acquire", pb.AcquireRequest(
+                        session_id=raw.session_id, namespace_handle=raw.handle, keys=[key]))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    lease_refusal = exc.details() or ""
+                    break
+                if r.num_acquired and r.slots[0].region not in regions:
+                    regions.add(r.slots[0].region)
+                else:
+                    raw.call("Release", pb.ReleaseRequest(session_id=raw.session_id,
+                                                          lease_ids=[r.lease_id]))
+            # And allocations up to its ceiling.
+            alloc_refusal = ""
+            for i in range(40):
+                try:
+                    raw.allocate(_keys(50_000 + 32 * i, 32))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    alloc_refusal = exc.details() or ""
+                    break
+            assert "tenant 'a'" in alloc_refusal and "quota" in alloc_refusal, alloc_refusal
+            assert "tenant 'a'" in lease_refusal and "quota" in lease_refusal, lease_refusal
+            # B: every block still hits byte-exact, and B can still put within its share.
+            assert _get_exact(nb, b_keys, b_data) == 48
+            more_keys, more_data = _keys(1000, 48), _blocks(48, 2)
+            nb.put(more_keys, more_data)
+            assert _get_exact(nb, more_keys, more_data) == 48
+            assert _get_exact(nb, b_keys, b_data) == 48
+        finally:
+            raw.close()
+        stats = cb.stats()
+        assert stats["tenant.a.refusals"] >= 1
+        assert stats.get("tenant.b.evictions_flash", 0) == 0
+        assert stats.get("tenant.b.evictions_dram", 0) == 0
+        assert stats["tenant.b.dram_bytes"] > 0
+
+
+def test_session_and_namespace_caps(service_factory: Callable[..., ServiceHandle]) -> None:
+    svc = service_factory(encryption=False, transports=["tcp"], **SMALL,
+                          quotas={"default": {"max_sessions": 2, "max_namespaces": 2}})
+    first = RawSession(svc.endpoint, LAYOUT, tenant="a", model_id="m0", transport="tcp")
+    second = RawSession(svc.endpoint, LAYOUT, tenant="a", model_id="m1", transport="tcp")
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            RawSession(svc.endpoint, LAYOUT, tenant="a", transport="tcp")
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_sessions" in (info.value.details() or "")
+        with pytest.raises(grpc.RpcError) as info:
+            first.call("OpenNamespace", pb.OpenNamespaceRequest(
+                session_id=first.session_id, model_id="m2",
+                layout=ctxmem_layout_pb()))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_namespaces" in (info.value.details() or "")
+        # Another tenant is not affected by a's caps.
+        RawSession(svc.endpoint, LAYOUT, tenant="b", transport="tcp").close()
+    finally:
+        first.close()
+        second.close()
+
+
+def ctxmem_layout_pb() -> pb.KVLayout:
+    from ctxmem_common.protoconv import layout_to_pb
+    return layout_to_pb(LAYOUT)
+
+
+def test_idle_sessions_are_reclaimed(service_factory: Callable[..., ServiceHandle]) -> None:
+    svc = service_factory(encryption=False, transports=["tcp"], **SMALL,
+                          service={"session_idle_s": 1.0})
+    raw = RawSession(svc.endpoint, LAYOUT, tenant="a", model_id="m", transport="tcp")
+    try:
+        raw.allocate(_keys(0, 40))
+        stats = raw.call("Stats", pb.StatsRequest()).values
+        assert stats["allocations"] == 1 and stats["dram_used_bytes"] > 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = raw.call("Stats", pb.StatsRequest()).values
+            if stats["sessions"] == 0:
+                break
+            time.sleep(0.2)
+        assert stats["sessions"] == 0, "the idle session was never reclaimed"
+        assert stats["allocations"] == 0 and stats["dram_used_bytes"] == 0
+        assert stats["idle_sessions_closed"] >= 1
+        with pytest.raises(grpc.RpcError) as info:
+            raw.allocate(_keys(100, 2))
+        assert _code(info.value) == "UNKNOWN_SESSION"
+    finally:
+        raw.close()
+    # The shim reconnects after its session was reclaimed.
+    with ctxmem.Client(svc.endpoint, transport="tcp") as client:
+        ns = client.open_namespace(LAYOUT, model_id="m", tenant="c")
+        keys, data = _keys(200, 4), _blocks(4, 3)
+        ns.put(keys, data)
+        time.sleep(2.5)
+        assert _get_exact(ns, keys, data) == 4
+
+
+@pytest.mark.parametrize(("quota", "words"), [
+    ({"dram_max": 1.5}, "quotas.default.dram_max"),
+    ({"dram_guaranteed": 0.6, "dram_max": 0.5}, "cannot exceed its ceiling"),
+    ({"max_sessions": 0}, "quotas.default.max_sessions"),
+    ({"bogus": 1}, "quotas.default.bogus"),
+])
+def test_bad_quota_config_names_the_key(quota: dict[str, object], words: str) -> None:
+    from ctxmem_common.config import config_from_dict
+    from ctxmem_common.errors import ConfigError
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        config_from_dict({"quotas": {"default": quota}})
+    with pytest.raises(ConfigError, match=re.escape("quotas.tenants.t")):
+        config_from_dict({"quotas": {"tenants": {"t": quota}}})
