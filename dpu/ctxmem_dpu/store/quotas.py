@@ -261,6 +261,11 @@ class Quotas:
             t = self.tenant_of(b)
             if t != tenant and self._flash_use[t] > self.flash_guaranteed(t, active):
                 yield b
+        if tenant is not None and not over:
+            # Under its guarantee (a tenant alone has the whole tier as its share, and
+            # never reaches it: slab headers and partly used slabs): its own LRU blocks
+            # go last, as for DRAM, so its puts still make room for themselves.
+            yield from (b for b in lru.victims(skip) if self.tenant_of(b) == tenant)
 
     def flash_evicted(self, b: Block) -> None:
         """``b``'s flash copy was evicted: count it and update the usage being walked."""

@@ -302,8 +302,8 @@ class SessionRegistry:
         for s in [s for s in self.sessions.values() if now - s.last_used > idle_s]:
             if self.mapped.get(s.id, 0) > 0 or any(a.done for a in s.allocations.values()):
                 continue
-            log.info("session %d of tenant %r idle for %.0f s: closed with its %d "
-                     "allocations and %d leases", s.id, s.tenant, now - s.last_used,
+            log.info("session %s of tenant %r idle for %.0f s: closed with its %d "
+                     "allocations and %d leases", s.id.hex(), s.tenant, now - s.last_used,
                      len(s.allocations), len(s.leases))
             counters["idle_sessions_closed"] += 1
             self.close_session(s)
