@@ -19,6 +19,12 @@ TCP::
 
 ``id`` is an allocation id (WRITE into its ``index``-th slot) or a lease id (READ its
 ``index``-th block). Requests are answered in order, so a client pipelines a whole batch.
+
+The service checks a request's header (magic, op, id, index, length) against the named
+allocation or lease before it reads or allocates anything; a bad one is answered with its
+status and the connection is closed (no payload is read "to keep framing"). Over a
+connection cap the HELLO is answered TOO_MANY_CONNECTIONS. Deadlines and caps:
+``data_plane`` in docs/config.md, docs/security.md.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class Status(enum.IntEnum):
     EXPIRED = 4
     STALE = 5
     WRONG_LENGTH = 6
+    TOO_MANY_CONNECTIONS = 7
 
 
 STATUS_TEXT = {
@@ -56,4 +63,7 @@ STATUS_TEXT = {
     Status.EXPIRED: "allocation or lease expired or unknown",
     Status.STALE: "region generation changed (the slab was recycled)",
     Status.WRONG_LENGTH: "payload length differs from the slot's block size",
+    Status.TOO_MANY_CONNECTIONS: "too many data connections open (the service's "
+                                 "data_plane.max_connections caps); close idle clients or "
+                                 "raise the cap",
 }
