@@ -175,6 +175,22 @@ def test_a_stalled_write_is_dropped_and_its_allocation_expires(svc: ServiceHandl
         assert all(np.array_equal(x, y) for x, y in zip(data, out, strict=True))
 
 
+def test_a_second_connection_cannot_write_an_allocation_being_written(
+        svc: ServiceHandle) -> None:
+    """Two writers would each hold the allocation and the first to finish would end the
+    other's hold: the reaper could then recycle slots still being written."""
+    with _raw(svc) as r:
+        a = r.allocate([b"c" * 16, b"d" * 16])
+        first = _connect(r)
+        first.sendall(TCP_REQ.pack(b"CXTR", OP_WRITE, a.id, 0, BLOCK) + b"x")  # stalls
+        time.sleep(0.2)
+        second = _connect(r)
+        second.sendall(TCP_REQ.pack(b"CXTR", OP_WRITE, a.id, 1, BLOCK) + b"y" * BLOCK)
+        assert _status_then_closed(second, 5) == Status.BAD_REQUEST
+        second.close()
+        first.close()
+
+
 def test_no_hello_is_closed_after_the_hello_deadline(svc: ServiceHandle) -> None:
     with _raw(svc) as r:
         sock = _connect(r, hello=False)

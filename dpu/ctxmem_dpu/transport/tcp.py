@@ -113,6 +113,10 @@ class TcpDataServer(SocketDataServer):
             await self._fail(conn, _resp(Status.WRONG_LENGTH),
                              f"{what}: {length} bytes claimed, blocks are "
                              f"{a.ns.block_nbytes}")
+        if a.done:  # held: a write on another connection, or Commit checksumming it
+            await self._fail(conn, _resp(Status.BAD_REQUEST),
+                             f"{what}: the allocation is being written on another "
+                             f"connection or committed")
         # The reaper leaves the allocation alone only while bytes keep coming: the read
         # deadline ends the hold, and then the allocation expires like any other.
         with store.writing(a):
