@@ -90,12 +90,13 @@ class Service:
         data_endpoint = ""
         if "tcp" in cfg.service.transports:
             host, port = split_hostport(cfg.service.data_listen, "service.data_listen")
-            self.tcp = TcpDataServer(self.store, host, port)
+            self.tcp = TcpDataServer(self.store, host, port, cfg.data_plane)
             await self.tcp.start()
             data_endpoint = self.tcp.address
         shm_path = ""
         if "shm" in cfg.service.transports:
             self.shm = ShmServer(self.store, cfg.service.shm_socket)
+            self.shm.limits = cfg.data_plane  # deadlines and caps (SocketDataServer)
             await self.shm.start()
             shm_path = self.shm.address
         if "rdma" in cfg.service.transports:  # RDMA (issue 3): opens the verbs device
@@ -120,7 +121,9 @@ class Service:
         await self.server.start()
         if cfg.metrics.listen:
             host, port = split_hostport(cfg.metrics.listen, "metrics.listen")
-            self.http = HttpEndpoint(self.store, host, port, lambda: self.ready)
+            self.http = HttpEndpoint(self.store, host, port, lambda: self.ready,
+                                     request_timeout_s=cfg.metrics.request_timeout_s,
+                                     max_connections=cfg.metrics.max_connections)
             await self.http.start()
         self.ready = True
         log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s)",

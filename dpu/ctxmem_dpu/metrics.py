@@ -4,14 +4,30 @@ The store keeps plain integer counters on its hot paths; this collector turns th
 Prometheus families only when scraped, so metrics cost nothing per block.
 ``/metrics`` (Prometheus text), ``/healthz`` (the process is alive: 200), ``/readyz``
 (200 once serving, 503 while starting or draining).
+
+The endpoint is served by the standard library's HTTP server (``wsgiref``, the server
+prometheus-client's own ``start_http_server`` uses), never a hand-written parser: a
+malformed request gets its 4xx from a proven parser. It is bounded (docs/security.md):
+at most ``metrics.max_connections`` connections are served at once (one thread each,
+more are closed at accept), and each has ``metrics.request_timeout_s`` from accept to
+its last byte, after which its socket is shut down, so a slow-loris client holds one
+thread for a bounded time and never the service's event loop. The metrics themselves
+are rendered on the event loop (the store is not thread-safe); HTTP threads only wait
+for them, with the same timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+import socket
+import socketserver
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,6 +36,8 @@ from ctxmem_dpu.lifetime import AsyncResource
 from ctxmem_dpu.store import BlockStore
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class StoreCollector:
@@ -111,57 +129,170 @@ class StoreCollector:
         yield t_ref
 
 
-class HttpEndpoint(AsyncResource):
-    """A minimal HTTP/1.0 server on the service's loop: /metrics, /healthz, /readyz.
+class _QuietHandler(WSGIRequestHandler):
+    """wsgiref's handler, logging to the service's logger at DEBUG, not to stderr.
 
-    ``start()`` binds ``host:port`` (port 0: any; the bound one is in :attr:`port`
-    after), ``close()`` stops serving; both idempotent, and ``async with`` pairs them.
+    A request line it cannot parse is answered ``HTTP/1.0 400`` (the stdlib default,
+    HTTP/0.9, would send the error page with no status line)."""
+
+    default_request_version = "HTTP/1.0"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("metrics HTTP %s: " + format, self.address_string(), *args)
+
+
+class _BoundedWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A threading WSGI server with a cap on connections and a deadline per connection.
+
+    A connection over ``max_connections`` is closed at accept. Each served one gets a
+    per-operation socket timeout and a watchdog that shuts its socket down at
+    ``request_timeout_s`` (a client trickling bytes resets no timer).
     """
 
-    def __init__(self, store: BlockStore, host: str, port: int, ready: Callable[[], bool]) -> None:
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+    def __init__(self, host: str, port: int, request_timeout_s: float,
+                 max_connections: int) -> None:
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.request_timeout_s = request_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        handler = type("_Handler", (_QuietHandler,), {"timeout": request_timeout_s})
+        super().__init__((host, port), handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning("metrics HTTP connection from %s refused: %s connections open "
+                        "(metrics.max_connections)", client_address, len(self._open))
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self._open.add(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._done(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        watchdog = threading.Timer(self.request_timeout_s, _shut, (request,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            watchdog.cancel()
+            self._done(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("metrics HTTP connection from %s ended with an error", client_address)
+
+    def _done(self, request: socket.socket) -> None:
+        with self._lock:
+            if request not in self._open:
+                return
+            self._open.discard(request)
+        self._slots.release()
+
+    def drop_all(self) -> None:
+        """Shut down every connection being served (their threads then end)."""
+        with self._lock:
+            open_now = list(self._open)
+        for r in open_now:
+            _shut(r)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class HttpEndpoint(AsyncResource):
+    """The HTTP endpoint: /metrics, /healthz, /readyz, on a bounded threading server.
+
+    ``start()`` binds ``host:port`` (port 0: any; the bound one is in :attr:`port`
+    after), ``close()`` stops serving and drops open connections; both idempotent, and
+    ``async with`` pairs them. Must be started on the service's event loop: metrics are
+    rendered there.
+    """
+
+    def __init__(self, store: BlockStore, host: str, port: int, ready: Callable[[], bool],
+                 *, request_timeout_s: float = 5.0, max_connections: int = 16) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StoreCollector(store))
         self.host = host
         self.port = port
         self.ready = ready
-        self._server: asyncio.base_events.Server | None = None
+        self.request_timeout_s = request_timeout_s
+        self.max_connections = max_connections
+        self._server: _BoundedWSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         if self._server is not None:
             return
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._loop = asyncio.get_running_loop()
+        server = await asyncio.to_thread(_BoundedWSGIServer, self.host, self.port,
+                                         self.request_timeout_s, self.max_connections)
+        server.set_app(self._app)
+        self.port = server.server_address[1]
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={
+            "poll_interval": 0.2}, name="ctxmem-metrics-http", daemon=True)
+        self._thread.start()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), timeout=5)
-            parts = line.decode("latin-1").split()
-            path = parts[1] if len(parts) > 1 else "/"
-            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (b"\r\n", b""):
-                pass
-            if path.startswith("/metrics"):
-                code, body, ctype = 200, generate_latest(self.registry), "text/plain; version=0.0.4"
-            elif path == "/healthz":
-                code, body, ctype = 200, b"ok\n", "text/plain"
-            elif path == "/readyz":
-                ok = self.ready()
-                code, body, ctype = (200 if ok else 503), (b"ready\n" if ok else b"not ready\n"), \
-                    "text/plain"
-            else:
-                code, body, ctype = 404, b"not found\n", "text/plain"
-            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[code]
-            writer.write(f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the service's loop (from an HTTP thread), within the request
+        timeout; raises if the loop is gone or busy past it."""
+        assert self._loop is not None
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # handed to the waiting thread
+                    fut.set_exception(exc)
+
+        self._loop.call_soon_threadsafe(run)
+        return fut.result(timeout=self.request_timeout_s)
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]
+             ) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        method = environ.get("REQUEST_METHOD", "GET")
+        ctype = "text/plain; charset=utf-8"
+        if method not in ("GET", "HEAD"):
+            code, body = "405 Method Not Allowed", b"only GET and HEAD\n"
+        elif path == "/metrics":
+            try:
+                code, body = "200 OK", self._on_loop(lambda: generate_latest(self.registry))
+                ctype = "text/plain; version=0.0.4; charset=utf-8"
+            except Exception as exc:  # loop stopping or stalled: say so, keep serving
+                log.warning("metrics: rendering /metrics failed: %r", exc)
+                code, body = "503 Service Unavailable", b"metrics unavailable\n"
+        elif path == "/healthz":
+            code, body = "200 OK", b"ok\n"
+        elif path == "/readyz":
+            ok = self.ready()
+            code, body = ("200 OK", b"ready\n") if ok else \
+                ("503 Service Unavailable", b"not ready\n")
+        else:
+            code, body = "404 Not Found", b"not found\n"
+        start_response(code, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
+        return [b"" if method == "HEAD" else body]
 
     async def close(self) -> None:
         server, self._server = self._server, None
-        if server is not None:
-            server.close()
-            await server.wait_closed()
+        thread, self._thread = self._thread, None
+        if server is None:
+            return
+        await asyncio.to_thread(server.shutdown)
+        server.drop_all()
+        server.server_close()
+        if thread is not None:
+            await asyncio.to_thread(thread.join, 5.0)

@@ -94,8 +94,30 @@ class ServiceConfig:
 
 
 @dataclass(frozen=True)
+class DataPlaneConfig:
+    """Bounds on the socket data servers (TCP, shared memory's Unix socket): a slow, buggy
+    or hostile client holds at most these, for at most this long (docs/security.md)."""
+
+    # Seconds a new connection has to send its HELLO before it is closed.
+    hello_timeout_s: float = 5.0
+    # Seconds to receive the rest of a request once its first byte arrived (header and
+    # WRITE payload); a write that stalls past it is closed and its allocation expires.
+    read_timeout_s: float = 10.0
+    # Seconds an authenticated connection may sit between requests before it is closed.
+    idle_timeout_s: float = 300.0
+    # Data connections open at once, per server, in total and per tenant; over a cap a new
+    # connection is answered "too many connections" and closed.
+    max_connections: int = 1024
+    max_connections_per_tenant: int = 64
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     listen: str = "127.0.0.1:9464"  # "" disables the HTTP endpoint (/metrics, /healthz, /readyz)
+    # Seconds one HTTP request may take from accept to the last byte of the answer.
+    request_timeout_s: float = 5.0
+    # HTTP connections served at once; more are closed at accept.
+    max_connections: int = 16
 
 
 @dataclass(frozen=True)
@@ -204,6 +226,7 @@ class LoggingConfig:
 class Config:
     mode: Literal["fallback", "dpu"] = "fallback"
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     dram: DramConfig = field(default_factory=DramConfig)
     flash: FlashConfig = field(default_factory=FlashConfig)
@@ -416,6 +439,16 @@ def _check(cfg: Config) -> None:
         _check_quota(f"quotas.{name}", q)
     if cfg.quotas.stats_tenants < 0:
         raise ConfigError("quotas.stats_tenants: must be >= 0")
+    dp = cfg.data_plane
+    for name in ("hello_timeout_s", "read_timeout_s", "idle_timeout_s"):
+        if not getattr(dp, name) > 0:
+            raise ConfigError(f"data_plane.{name}: must be > 0 (seconds)")
+    if dp.max_connections < 1 or dp.max_connections_per_tenant < 1:
+        raise ConfigError("data_plane.max_connections and max_connections_per_tenant: "
+                          "must be >= 1")
+    if not cfg.metrics.request_timeout_s > 0 or cfg.metrics.max_connections < 1:
+        raise ConfigError("metrics.request_timeout_s must be > 0 and metrics.max_connections "
+                          ">= 1")
     if not 0.0 <= cfg.eviction.protected_fraction <= 1.0:
         raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
     if cfg.eviction.protect_after_hits < 1:

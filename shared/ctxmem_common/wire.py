@@ -23,6 +23,12 @@ TCP::
 Session, allocation and lease ids are 16 random bytes (:data:`ID_BYTES`), as in the
 protobuf messages (they were u64 counters before: a session one id away was found by
 guessing).
+
+The service checks a request's header (magic, op, id, index, length) against the named
+allocation or lease before it reads or allocates anything; a bad one is answered with its
+status and the connection is closed (no payload is read "to keep framing"). Over a
+connection cap the HELLO is answered TOO_MANY_CONNECTIONS. Deadlines and caps:
+``data_plane`` in docs/config.md, docs/security.md.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class Status(enum.IntEnum):
     STALE = 5
     WRONG_LENGTH = 6
     PEER_NOT_ALLOWED = 7
+    TOO_MANY_CONNECTIONS = 8
 
 
 STATUS_TEXT = {
@@ -65,4 +72,7 @@ STATUS_TEXT = {
     Status.WRONG_LENGTH: "payload length differs from the slot's block size",
     Status.PEER_NOT_ALLOWED: "this process's uid/gid is not allowed on the shared-memory "
                              "socket (service.shm_allowed_uids / shm_allowed_gids)",
+    Status.TOO_MANY_CONNECTIONS: "too many data connections open (the service's "
+                                 "data_plane.max_connections caps); close idle clients or "
+                                 "raise the cap",
 }

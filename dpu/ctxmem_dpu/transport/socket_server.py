@@ -4,6 +4,14 @@ A :class:`SocketDataServer` listens on one socket, runs one task per accepted
 connection, authenticates the connection's hello (session id and token) before serving
 anything, and on close cancels every connection's task and waits for it, so each socket
 is closed by the time :meth:`~ctxmem_dpu.transport.base.DataServer.close` returns.
+
+Every client may be slow, buggy or hostile (docs/security.md), so every wait here is
+bounded (``data_plane`` config): the hello must arrive within ``hello_timeout_s``, a
+connection may sit idle between requests ``idle_timeout_s``, and once a request's first
+byte arrived the rest (and every answer sent) must move within ``read_timeout_s``. The
+connections open at once are capped in total and per tenant. A connection ended for a
+reason (a deadline, a cap, a bad header) is logged as one line naming the peer and the
+reason: :class:`Dropped`.
 """
 
 from __future__ import annotations
@@ -14,9 +22,12 @@ import logging
 import socket
 import struct
 from abc import abstractmethod
-from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
+from ctxmem_common.config import DataPlaneConfig
 from ctxmem_common.wire import Status
 from ctxmem_dpu.transport.base import DataServer
 
@@ -24,9 +35,38 @@ if TYPE_CHECKING:
     from ctxmem_dpu.blocks import Session
     from ctxmem_dpu.store import BlockStore
 
-__all__ = ["SocketDataServer", "recv_exact", "recv_into"]
+__all__ = ["Dropped", "SocketDataServer", "recv_exact", "recv_into"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Dropped(Exception):
+    """A connection is being closed on purpose; ``str(exc)`` says why (for the log line).
+
+    ``level`` is the log level of that line: WARNING for what a correct client never does
+    (a bad header, a missed deadline mid-request), INFO for the ordinary (idle too long).
+    """
+
+    def __init__(self, reason: str, level: int = logging.WARNING) -> None:
+        super().__init__(reason)
+        self.level = level
+
+
+@dataclass
+class _ConnInfo:
+    """What the server knows of one accepted connection (for caps and the log)."""
+
+    peer: str
+    tenant: str | None = None
+
+
+def _peer_name(addr: Any) -> str:
+    """``host:port`` of a TCP peer; a Unix-socket peer has no address."""
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return "a local process"
 
 
 async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
@@ -54,17 +94,23 @@ class SocketDataServer(DataServer):
 
     Subclasses build the socket (:meth:`_listen`), may tune each accepted one
     (:meth:`_configure`), and serve a connection (:meth:`_serve`), usually starting with
-    :meth:`_hello`. A connection that ends with a socket error ends quietly; any other
-    error is logged; either way its socket is closed.
+    :meth:`_hello` and reading requests with :meth:`_next_request` and
+    :meth:`_recv_into`. A connection that ends with a socket error ends quietly, one ended
+    by :class:`Dropped` is logged as one line; either way its socket is closed.
+    ``limits`` bounds every wait and the connections open (default: the config's
+    defaults); set it before :meth:`start`.
     """
 
     connection_kind: ClassVar[str]  # for the log: "shared-memory", "TCP data"
 
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(self, store: BlockStore, limits: DataPlaneConfig | None = None) -> None:
         super().__init__(store)
+        self.limits = limits or DataPlaneConfig()
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._info: dict[socket.socket, _ConnInfo] = {}
+        self._per_tenant: Counter[str] = Counter()
 
     @abstractmethod
     def _listen(self) -> socket.socket:
@@ -73,12 +119,21 @@ class SocketDataServer(DataServer):
     def _configure(self, conn: socket.socket) -> None:
         """Tune an accepted connection (socket options) before it is served."""
 
+    def _refusal(self, status: Status) -> bytes:
+        """The hello answer carrying ``status``, sent to a connection refused at accept
+        (over ``max_connections``) before it is closed; b"": close without one."""
+        return b""
+
     @abstractmethod
     async def _serve(self, conn: socket.socket) -> None:
         """Serve one connection until it ends; the caller closes ``conn``."""
 
     def connection_count(self) -> int:
         return len(self._conns)
+
+    def tenant_connections(self, tenant: str) -> int:
+        """Authenticated connections of ``tenant`` open now."""
+        return self._per_tenant[tenant]
 
     async def _open(self) -> None:
         self._sock = self._listen()
@@ -89,35 +144,134 @@ class SocketDataServer(DataServer):
         loop = asyncio.get_running_loop()
         assert self._sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            try:
+                conn, addr = await loop.sock_accept(self._sock)
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: keep the server, back off
+                log.warning("%s server: accept failed (%s); retrying in 0.1 s",
+                            self.connection_kind, exc)
+                await asyncio.sleep(0.1)
+                continue
+            peer = _peer_name(addr)
             conn.setblocking(False)
+            if len(self._conns) >= self.limits.max_connections:
+                log.warning("%s connection from %s refused: %d connections open "
+                            "(data_plane.max_connections)", self.connection_kind, peer,
+                            len(self._conns))
+                self._refuse_now(conn)
+                continue
             self._configure(conn)
+            self._info[conn] = _ConnInfo(peer)
             t = asyncio.create_task(self._connection(conn))
             self._conns.add(t)
             t.add_done_callback(self._conns.discard)
 
+    def _refuse_now(self, conn: socket.socket) -> None:
+        """Answer TOO_MANY_CONNECTIONS if the socket takes it at once, and close: no task,
+        no wait, nothing read beyond what already arrived."""
+        with contextlib.suppress(OSError):
+            conn.recv(256)  # the hello, if here: closing over unread bytes resets the reply
+        with contextlib.suppress(OSError):
+            reply = self._refusal(Status.TOO_MANY_CONNECTIONS)
+            if reply:
+                conn.send(reply)
+        conn.close()
+
     async def _connection(self, conn: socket.socket) -> None:
         try:
             await self._serve(conn)
+        except Dropped as exc:
+            log.log(exc.level, "%s connection from %s closed: %s", self.connection_kind,
+                    self._peer(conn), exc)
         except (ConnectionError, OSError):
             pass
         except Exception:
-            log.exception("%s connection failed", self.connection_kind)
+            log.exception("%s connection from %s failed", self.connection_kind,
+                          self._peer(conn))
         finally:
+            info = self._info.pop(conn, None)
+            if info is not None and info.tenant is not None:
+                self._per_tenant[info.tenant] -= 1
+                if self._per_tenant[info.tenant] <= 0:
+                    del self._per_tenant[info.tenant]
             conn.close()
+
+    def _peer(self, conn: socket.socket) -> str:
+        info = self._info.get(conn)
+        return info.peer if info is not None else "an unknown peer"
+
+    async def _within(self, aw: Awaitable[T], timeout_s: float, what: str) -> T:
+        """``await aw``, or :class:`Dropped` naming ``what`` after ``timeout_s``."""
+        try:
+            return await asyncio.wait_for(aw, timeout_s)
+        except asyncio.TimeoutError:
+            raise Dropped(f"{what} took longer than {timeout_s:g} s") from None
+
+    async def _recv_into(self, conn: socket.socket, view: memoryview, what: str) -> None:
+        """Fill ``view`` within ``read_timeout_s`` (:class:`Dropped` after it)."""
+        loop = asyncio.get_running_loop()
+        await self._within(recv_into(loop, conn, view), self.limits.read_timeout_s,
+                           f"{what} (data_plane.read_timeout_s)")
+
+    async def _sendall(self, conn: socket.socket, data: bytes | memoryview, what: str) -> None:
+        """Send ``data`` within ``read_timeout_s``: a peer that stops reading is dropped."""
+        loop = asyncio.get_running_loop()
+        await self._within(loop.sock_sendall(conn, data), self.limits.read_timeout_s,
+                           f"{what} (data_plane.read_timeout_s)")
+
+    async def _next_request(self, conn: socket.socket, size: int) -> bytes | None:
+        """The next ``size``-byte request header, or None when the peer closed cleanly
+        between requests. Waits ``idle_timeout_s`` for its first byte (then
+        :class:`Dropped` at INFO), ``read_timeout_s`` for the rest."""
+        loop = asyncio.get_running_loop()
+        buf = bytearray(size)
+        view = memoryview(buf)
+        idle = self.limits.idle_timeout_s
+        try:
+            k = await asyncio.wait_for(loop.sock_recv_into(conn, view), idle)
+        except asyncio.TimeoutError:
+            raise Dropped(f"idle for {idle:g} s (data_plane.idle_timeout_s)",
+                          logging.INFO) from None
+        if k == 0:
+            return None
+        if k < size:
+            await self._recv_into(conn, view[k:], "receiving a request header")
+        return bytes(buf)
+
+    async def _fail(self, conn: socket.socket, answer: bytes, reason: str) -> NoReturn:
+        """Answer ``answer`` (best effort, bounded) and drop the connection for
+        ``reason``: after a bad header nothing more is read from it."""
+        with contextlib.suppress(OSError, Dropped):
+            await self._sendall(conn, answer, "answering a refused request")
+        raise Dropped(reason)
 
     async def _hello(self, conn: socket.socket, hello: struct.Struct, magic: bytes,
                      reply: Callable[[Status], bytes]) -> Session | None:
         """Read the connection's hello (magic, session id, token) and answer it.
 
         Returns the authenticated session, or None after answering UNAUTHENTICATED (a
-        wrong magic, an unknown session or a wrong token); the caller then ends.
+        wrong magic, an unknown session or a wrong token) or TOO_MANY_CONNECTIONS (the
+        tenant's cap); the caller then ends. No hello within ``hello_timeout_s``:
+        :class:`Dropped`.
         """
         loop = asyncio.get_running_loop()
-        got, session_id, token = hello.unpack(await recv_exact(loop, conn, hello.size))
+        raw = await self._within(recv_exact(loop, conn, hello.size),
+                                 self.limits.hello_timeout_s,
+                                 "waiting for HELLO (data_plane.hello_timeout_s)")
+        got, session_id, token = hello.unpack(raw)
         s = self.authenticate(session_id, token) if got == magic else None
-        await loop.sock_sendall(conn, reply(Status.OK if s is not None
-                                            else Status.UNAUTHENTICATED))
+        if s is None:
+            await self._fail(conn, reply(Status.UNAUTHENTICATED),
+                             f"bad HELLO magic {got!r}" if got != magic else
+                             f"unknown session {session_id} or wrong token")
+        cap = self.limits.max_connections_per_tenant
+        if self._per_tenant[s.tenant] >= cap:
+            await self._fail(conn, reply(Status.TOO_MANY_CONNECTIONS),
+                             f"tenant {s.tenant!r} already has {cap} data connections "
+                             f"(data_plane.max_connections_per_tenant)")
+        info = self._info.setdefault(conn, _ConnInfo("an unknown peer"))
+        info.tenant = s.tenant
+        self._per_tenant[s.tenant] += 1
+        await self._sendall(conn, reply(Status.OK), "answering HELLO")
         return s
 
     async def _stop_accepting(self) -> None:

@@ -3,21 +3,29 @@
 The service receives straight into the DRAM slot (``sock_recv_into`` on a view of the
 slot) and sends straight from it: no intermediate copy. A block being sent is pinned for
 the duration, so even a lease that expires mid-send never lets its slot be reused under
-the transfer; a slot being written keeps its allocation alive the same way.
+the transfer; a slot being written keeps its allocation alive the same way, but only
+until the read deadline: a write that stalls is dropped, and its allocation then expires
+like any other.
+
+Every header is checked against the allocation or lease it names (the slot index, the
+block length) before a byte of payload is read or a buffer allocated; a bad one is
+answered with its status and the connection closed. Deadlines and caps:
+:class:`~ctxmem_dpu.transport.socket_server.SocketDataServer`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
 from typing import TYPE_CHECKING
 
+from ctxmem_common.config import DataPlaneConfig
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.wire import OP_READ, OP_WRITE, TCP_HELLO, TCP_REQ, TCP_RESP, Status
 from ctxmem_dpu.transport.socket_server import SocketDataServer, recv_exact, recv_into
 
 if TYPE_CHECKING:
+    from ctxmem_dpu.blocks import Session
     from ctxmem_dpu.store import BlockStore
 
 __all__ = ["TcpDataServer"]
@@ -34,8 +42,9 @@ class TcpDataServer(SocketDataServer):
     transport = "tcp"
     connection_kind = "TCP data"
 
-    def __init__(self, store: BlockStore, host: str, port: int) -> None:
-        super().__init__(store)
+    def __init__(self, store: BlockStore, host: str, port: int,
+                 limits: DataPlaneConfig | None = None) -> None:
+        super().__init__(store, limits)
         self.host = host
         self.port = port
 
@@ -62,72 +71,91 @@ class TcpDataServer(SocketDataServer):
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             conn.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
 
+    def _refusal(self, status: Status) -> bytes:
+        return _resp(status)
+
     async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        store = self.store
-        s = await self._hello(conn, TCP_HELLO, b"CXT1",
-                              lambda status: TCP_RESP.pack(b"CXTA", status, 0))
+        s = await self._hello(conn, TCP_HELLO, b"CXT1", _resp)
         if s is None:
             return
-        session_id = s.id
         while True:
-            magic, op, ident, index, length = TCP_REQ.unpack(
-                await _recv_exact(loop, conn, TCP_REQ.size))
+            raw = await self._next_request(conn, TCP_REQ.size)
+            if raw is None:
+                return
+            magic, op, ident, index, length = TCP_REQ.unpack(raw)
             if magic != b"CXTR" or op not in (OP_READ, OP_WRITE):
-                await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.BAD_REQUEST, 0))
-                return
-            if session_id not in store.sessions:
-                await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.UNAUTHENTICATED,
-                                                            0))
-                return
+                await self._fail(conn, _resp(Status.BAD_REQUEST),
+                                 f"bad request header (magic {magic!r}, op {op})")
+            if s.id not in self.store.sessions:
+                await self._fail(conn, _resp(Status.UNAUTHENTICATED),
+                                 f"session {s.id.hex()} ended")
             s.last_used = time.monotonic()  # a data request keeps the session from idling
             if op == OP_WRITE:
-                await self._write(loop, conn, s, ident, index, length)
+                await self._write(conn, s, ident, index, length)
             else:
-                await self._read(loop, conn, s, ident, index)
+                await self._read(conn, s, ident, index, length)
 
-    async def _write(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, s: object,
-                     ident: bytes, index: int, length: int) -> None:
+    async def _write(self, conn: socket.socket, s: Session, ident: bytes, index: int,
+                     length: int) -> None:
         store = self.store
-        status = Status.OK
+        what = f"WRITE of slot {index} of allocation {ident.hex()}"
         try:
-            a = store.allocation(s, ident)  # type: ignore[arg-type]
-            if not 0 <= index < len(a.slots):
-                status = Status.BAD_REQUEST
-            elif length != a.ns.block_nbytes:
-                status = Status.WRONG_LENGTH
+            a = store.allocation(s, ident)
         except CtxmemError:
-            status = Status.EXPIRED
-        if status != Status.OK:
-            await _recv_into(loop, conn, memoryview(bytearray(length)))  # keep framing
-            await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", status, 0))
-            return
-        with store.writing(a):  # the reaper leaves the allocation alone meanwhile
+            a = None
+        if a is None or a.expires < time.monotonic():
+            await self._fail(conn, _resp(Status.EXPIRED),
+                             f"{what}: allocation unknown or expired")
+        if not 0 <= index < len(a.slots):
+            await self._fail(conn, _resp(Status.BAD_REQUEST),
+                             f"{what}: index out of range (the allocation has "
+                             f"{len(a.slots)} slots)")
+        if length != a.ns.block_nbytes:
+            await self._fail(conn, _resp(Status.WRONG_LENGTH),
+                             f"{what}: {length} bytes claimed, blocks are "
+                             f"{a.ns.block_nbytes}")
+        if a.done:  # held: a write on another connection, or Commit checksumming it
+            await self._fail(conn, _resp(Status.BAD_REQUEST),
+                             f"{what}: the allocation is being written on another "
+                             f"connection or committed")
+        # The reaper leaves the allocation alone only while bytes keep coming: the read
+        # deadline ends the hold, and then the allocation expires like any other.
+        with store.writing(a):
             view = store.dram.view(a.slots[index], length)
             try:
-                await _recv_into(loop, conn, view)
+                await self._recv_into(conn, view, f"receiving the payload of the {what}")
             finally:
                 view.release()
-        await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.OK, 0))
+        await self._sendall(conn, _resp(Status.OK), f"answering the {what}")
 
-    async def _read(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, s: object,
-                    ident: bytes, index: int) -> None:
+    async def _read(self, conn: socket.socket, s: Session, ident: bytes, index: int,
+                    length: int) -> None:
         store = self.store
+        what = f"READ of block {index} of lease {ident.hex()}"
         try:
-            lease = store.lease(s, ident)  # type: ignore[arg-type]
+            lease = store.lease(s, ident)
         except CtxmemError:
-            await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.EXPIRED, 0))
-            return
+            await self._fail(conn, _resp(Status.EXPIRED), f"{what}: lease unknown or expired")
         if not 0 <= index < len(lease.blocks):
-            await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.BAD_REQUEST, 0))
-            return
+            await self._fail(conn, _resp(Status.BAD_REQUEST),
+                             f"{what}: index out of range (the lease has "
+                             f"{len(lease.blocks)} blocks)")
         b = lease.blocks[index]
+        if length not in (0, b.length):
+            await self._fail(conn, _resp(Status.WRONG_LENGTH),
+                             f"{what}: {length} bytes asked, the block has {b.length}")
         assert b.dram is not None
         store.pin(b)
         view = store.dram.view(b.dram, b.length)
         try:
-            await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.OK, b.length))
-            await loop.sock_sendall(conn, view)
+            await self._sendall(conn, TCP_RESP.pack(b"CXTA", Status.OK, b.length),
+                                f"answering the {what}")
+            await self._sendall(conn, view, f"sending the {what}")
         finally:
             view.release()
             store.unpin(b)
+
+
+def _resp(status: Status) -> bytes:
+    """A response header with ``status`` and no payload."""
+    return TCP_RESP.pack(b"CXTA", status, 0)

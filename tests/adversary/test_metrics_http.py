@@ -1,0 +1,120 @@
+"""Issue 12 item 4: the metrics endpoint is a real, bounded HTTP server.
+
+Against a REAL service: a malformed request gets 400 from a proven parser (not a guess
+at the path), and a slow-loris client that trickles header lines is cut off at the
+request deadline while /metrics keeps answering everyone else.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from ctxmem_common.netaddr import split_hostport
+from ctxmem_tools.launcher import local_config
+from tests.conftest import ServiceHandle
+
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceHandle]:
+    workdir = tmp_path_factory.mktemp("metrics")
+    cfg = local_config(workdir, flash_size=None, dram_size="8MiB", dram_slab="4MiB",
+                       transports=["tcp"],
+                       metrics={"request_timeout_s": TIMEOUT_S, "max_connections": 4})
+    h = ServiceHandle(workdir, cfg)
+    yield h
+    h.stop()
+
+
+def _connect(svc: ServiceHandle) -> socket.socket:
+    host, port = split_hostport(svc.metrics_listen, "metrics.listen")
+    return socket.create_connection((host, port), timeout=10)
+
+
+def _get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.status, r.read().decode()
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /metrics HTTP/9.9 extra\r\n\r\n",
+    b"\x00\xff\xfe junk \x01\r\n\r\n",
+], ids=["one-word", "bad-version", "binary"])
+def test_a_malformed_request_gets_400(svc: ServiceHandle, request_bytes: bytes) -> None:
+    sock = _connect(svc)
+    try:
+        sock.sendall(request_bytes)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    finally:
+        sock.close()
+    assert answer.split(b"\r\n", 1)[0].split()[1] == b"400", answer[:200]
+
+
+def test_a_slow_loris_is_cut_off_and_metrics_keep_answering(svc: ServiceHandle) -> None:
+    loris = _connect(svc)
+    loris.sendall(b"GET /metrics HTTP/1.1\r\n")
+    t0 = time.monotonic()
+    closed_after: float | None = None
+    try:
+        while time.monotonic() - t0 < TIMEOUT_S + 4:
+            # Another client is served while the loris holds its connection.
+            code, text = _get(f"http://{svc.metrics_listen}/metrics")
+            assert code == 200 and "ctxmem_hits" in text
+            try:
+                loris.sendall(b"X-Slow: 1\r\n")  # a header line every 0.3 s
+                loris.settimeout(0.3)
+                if loris.recv(4096) == b"":
+                    closed_after = time.monotonic() - t0
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed_after = time.monotonic() - t0
+                break
+    finally:
+        loris.close()
+    assert closed_after is not None, "a client trickling header lines was never cut off"
+    assert closed_after < TIMEOUT_S + 2
+
+
+def test_connections_over_the_cap_are_closed_and_health_stays(svc: ServiceHandle) -> None:
+    held = [_connect(svc) for _ in range(4)]
+    try:
+        time.sleep(0.3)
+        extra = _connect(svc)
+        extra.settimeout(5)
+        try:
+            extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            assert extra.recv(4096) == b"", "a connection over metrics.max_connections served"
+        except ConnectionResetError:
+            pass
+        finally:
+            extra.close()
+    finally:
+        for s in held:
+            s.close()
+
+    def healthy() -> bool:
+        try:
+            return _get(f"http://{svc.metrics_listen}/healthz") == (200, "ok\n")
+        except OSError:
+            return False
+
+    _wait(healthy, TIMEOUT_S + 3)
+    assert _get(f"http://{svc.metrics_listen}/readyz")[0] == 200
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "the endpoint did not recover"
+        time.sleep(0.2)
