@@ -32,6 +32,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ctxmem_common.errors import ConfigError
 from ctxmem_dpu.lifetime import AsyncResource
 from ctxmem_dpu.store import BlockStore
 
@@ -236,8 +237,15 @@ class HttpEndpoint(AsyncResource):
         if self._server is not None:
             return
         self._loop = asyncio.get_running_loop()
-        server = await asyncio.to_thread(_BoundedWSGIServer, self.host, self.port,
-                                         self.request_timeout_s, self.max_connections)
+        try:
+            server = await asyncio.to_thread(_BoundedWSGIServer, self.host, self.port,
+                                             self.request_timeout_s, self.max_connections)
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics.listen: cannot bind {self.host}:{self.port}: [errno {exc.errno}] "
+                f"{exc.strerror} (address already in use, or not an address of this host); "
+                f"pick another port, or set metrics.listen: \"\" to disable the endpoint"
+            ) from None
         server.set_app(self._app)
         self.port = server.server_address[1]
         self._server = server

@@ -130,7 +130,7 @@ def test_a_huge_write_header_allocates_nothing_and_closes(svc: ServiceHandle) ->
     (lambda a: TCP_REQ.pack(b"CXTR", OP_WRITE, a, 0, (1 << 64) - 1), Status.WRONG_LENGTH),
     (lambda a: TCP_REQ.pack(b"XXXX", OP_WRITE, a, 0, BLOCK), Status.BAD_REQUEST),
     (lambda a: TCP_REQ.pack(b"CXTR", 99, a, 0, BLOCK), Status.BAD_REQUEST),
-    (lambda a: TCP_REQ.pack(b"CXTR", OP_WRITE, a + 12345, 0, BLOCK), Status.EXPIRED),
+    (lambda a: TCP_REQ.pack(b"CXTR", OP_WRITE, b"\xff" * 16, 0, BLOCK), Status.EXPIRED),
     (lambda a: TCP_REQ.pack(b"CXTR", OP_WRITE, a, (1 << 32) - 1, BLOCK), Status.BAD_REQUEST),
     (lambda a: TCP_REQ.pack(b"CXTR", OP_READ, a, 0, (1 << 64) - 1), Status.EXPIRED),
 ], ids=["len-2^64-1", "bad-magic", "bad-op", "unknown-allocation", "index-2^32-1",
@@ -220,7 +220,9 @@ def test_an_idle_connection_is_closed(svc: ServiceHandle) -> None:
 
 def test_connections_over_the_caps_are_refused(svc: ServiceHandle) -> None:
     with _raw(svc, tenant="greedy") as r, _raw(svc, tenant="other") as other:
-        mine = [_connect(r) for _ in range(PER_TENANT)]
+        # Each raw session holds one data connection of its own: the greedy tenant opens
+        # the rest of its per-tenant cap.
+        mine = [_connect(r) for _ in range(PER_TENANT - 1)]
         extra = _connect(r, hello=False)
         extra.sendall(TCP_HELLO.pack(b"CXT1", r.session_id, r.token))
         assert _status_then_closed(extra, 5) == Status.TOO_MANY_CONNECTIONS
@@ -229,7 +231,7 @@ def test_connections_over_the_caps_are_refused(svc: ServiceHandle) -> None:
         # Fill the total cap with connections that never say HELLO: the next is refused.
         host, port = split_hostport(r.health.data_endpoint, "data endpoint")
         silent = [socket.create_connection((host, port), timeout=5)
-                  for _ in range(TOTAL - PER_TENANT - 1)]
+                  for _ in range(TOTAL - PER_TENANT - 2)]
         time.sleep(0.2)
         over = socket.create_connection((host, port), timeout=5)
         assert _status_then_closed(over, 5) == Status.TOO_MANY_CONNECTIONS

@@ -110,8 +110,9 @@ class ServiceProcess:
                 self._started_once = True
                 return
             except RuntimeError as exc:
+                text = str(exc).lower()
                 retry = (not self._started_once and attempt < 2
-                         and ("address already in use" in str(exc) or "cannot bind" in str(exc)))
+                         and ("address already in use" in text or "cannot bind" in text))
                 if not retry:
                     raise
                 self._repick_ports()
