@@ -195,7 +195,8 @@ class SessionEndpoint:
                         held.append(mw)
                         info = pv.mr.MWBindInfo(mr, base + off, length, flags)
                         wr = pv.wr.SendWR(
-                            wr_id=grant_id, opcode=e.ibv_wr_opcode.IBV_WR_BIND_MW,
+                            wr_id=int.from_bytes(grant_id[:8], "little"),  # u64 tag
+                            opcode=e.ibv_wr_opcode.IBV_WR_BIND_MW,
                             send_flags=(e.ibv_send_flags.IBV_SEND_SIGNALED
                                         if j == len(chunk) - 1 else 0),
                             next_wr=follow)
