@@ -10,6 +10,7 @@ and the app use; every other module here holds one concept and is private to the
 * ``index``     — the key → block map, the per-tier eviction order, the dirty set;
 * ``placement`` — DRAM and flash reservation, eviction;
 * ``demotion`` / ``promotion`` — DRAM → flash (the demoter) and flash → DRAM;
+* ``puts``      — the put path: allocate (reserve DRAM slots), commit (CRC, index);
 * ``writethrough`` — write-through commits: visible only once durable, refused otherwise;
 * ``invalidation`` — zeroing record headers, parked extents, pins and freeing storage;
 * ``recovery``  — rebuilding the index from flash, verifying a record, the audit;

@@ -13,9 +13,10 @@ Flows (see docs/architecture.md):
 Invariant: a block is in the index only once complete; a pinned block's slots are never
 freed; an extent is freed only once nothing can read it.
 
-The flows live here; each concept they use (sessions, index, placement, demotion,
-promotion, invalidation, recovery, health, stats) is its own module, wired together in
-``__init__`` through explicit objects.
+The get, delete and evict flows live here, the put flow in :mod:`~ctxmem_dpu.store.puts`;
+each concept they use (sessions, index, placement, demotion, promotion, invalidation,
+recovery, health, stats) is its own module, wired together in ``__init__`` through
+explicit objects.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 
-from ctxmem_common.codecs import crc32c
 from ctxmem_common.config import Config
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.keys import validate_keys
@@ -45,6 +45,7 @@ from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.promotion import Promotion
+from ctxmem_dpu.store.puts import PutPath
 from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.store.recovery import Recovery, audit
 from ctxmem_dpu.store.sessions import SessionRegistry
@@ -100,6 +101,8 @@ class BlockStore:
         self._write_through = WriteThrough(self._ctx, self._index, self._demotion,
                                            self._invalidator)
         self._recovery = Recovery(self._ctx, self._index, self._invalidator, keyring)
+        self._puts = PutPath(self._ctx, self._index, self._registry, self._quotas,
+                             self._placement, self._demotion, self._write_through)
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- state the servicer, transports and tests read -----------------------------------
@@ -306,23 +309,7 @@ class BlockStore:
     ) -> tuple[Allocation, list[bool]]:
         """Reserve one DRAM slot per key not yet stored, under an allocation with a TTL;
         returns it and, per key, whether it is already stored (no slot for those)."""
-        validate_keys(keys)
-        per_ns = self._index.get(ns.digest)
-        exists = [k in per_ns for k in keys]
-        new_keys = [k for k, e in zip(keys, exists, strict=True) if not e]
-        self._quotas.check_grants(s, "allocations")
-        slots = await self._placement.reserve_dram(ns, len(new_keys), self._demotion.demote)
-        try:
-            self._quotas.check_held(ns.tenant, {ref.slab for ref in slots})
-        except BaseException:
-            for ref in slots:
-                self._ctx.dram.free(ref)
-            raise
-        a = Allocation(self._registry.new_id(), s.id, ns, new_keys, slots,
-                       time.monotonic() + self.cfg.service.allocation_ttl_s)
-        self._registry.add_allocation(s, a)
-        faults.point("allocate.after_reserve")
-        return a, exists
+        return await self._puts.allocate(s, ns, keys)
 
     def allocation(self, s: Session, allocation_id: bytes) -> Allocation:
         """The open allocation ``allocation_id`` of ``s``; Expired otherwise."""
@@ -342,56 +329,7 @@ class BlockStore:
         sent) is dropped, as is one another writer committed meanwhile. Write-through
         makes blocks visible once durable on flash, or fails (``store.writethrough``);
         write-back queues them for the demoter. Returns how many were committed."""
-        a = self.allocation(s, allocation_id)
-        if abort:
-            self._registry.drop_allocation(a)
-            return 0
-        if client_crcs and len(client_crcs) != len(a.slots):
-            raise InvalidArgument(
-                f"commit of allocation {a.id.hex()} carries {len(client_crcs)} CRCs for "
-                f"{len(a.slots)} slots; send one per slot or none"
-            )
-        # The client's write access ends before the service reads what it wrote: no byte
-        # can change between the CRC below and the index.
-        self._registry.grant_ended(a.id)
-        # The allocation stays registered while its CRCs are computed so the reaper
-        # cannot recycle its slots underneath; then it is retired.
-        a.done = True
-        dram = self._ctx.dram
-        views = [dram.view(ref, a.ns.block_nbytes) for ref in a.slots]
-        crcs = await self._ctx.io.run(lambda: [crc32c(v) for v in views])
-        for v in views:
-            v.release()
-        faults.point("commit.after_crc")
-        self._registry.forget_allocation(a)
-        per_ns = self._index.namespace(a.ns.digest)
-        fresh: list[Block] = []
-        for i, (key, ref, crc) in enumerate(zip(a.keys, a.slots, crcs, strict=True)):
-            if client_crcs and client_crcs[i] != crc:
-                self.counters["put_crc_mismatch"] += 1
-                log.warning("commit %s: block %d CRC32C from client %08x != %08x; dropped",
-                            a.id.hex(), i, client_crcs[i], crc)
-                dram.free(ref)
-                continue
-            if key in per_ns:  # committed meanwhile by another writer
-                dram.free(ref)
-                continue
-            fresh.append(Block(a.ns.digest, key, a.ns.block_nbytes, a.ns.slot_size, crc,
-                               self._index.next_seq(), dram=ref))
-        if self._ctx.flash.enabled and self.cfg.flash.write_policy == "write_through":
-            # Visible only once durable; a failed flash write fails the commit.
-            committed = await self._write_through.commit(a, fresh)
-        else:
-            committed = fresh
-            for b in fresh:
-                per_ns[b.key] = b
-                self._index.dram_lru.add(b)
-                if self._ctx.flash.enabled:
-                    self._index.dirty[b] = None
-        faults.point("commit.after_index")
-        self.counters["put_blocks"] += len(committed)
-        self.counters["put_bytes"] += len(committed) * a.ns.block_nbytes
-        return len(committed)
+        return await self._puts.commit(s, allocation_id, client_crcs, abort)
 
     # -- get -------------------------------------------------------------------------
     async def acquire(self, s: Session, ns: Namespace, keys: Sequence[bytes]) -> tuple[

@@ -33,9 +33,9 @@ The shim's own memory is never exposed: its QP and MRs grant no remote access.
 pyverbs is imported when the first channel opens, never by ``import ctxmem``.
 
 This module is the channel (its queue pair's life and the transfers);
-:mod:`~ctxmem.transport.rdma_exchange` holds the ``RdmaInfo`` exchange and device choice,
-:mod:`~ctxmem.transport.rdma_buffers` the registration cache, bounce plan, landing rounds
-and WR chains,
+:mod:`~ctxmem.transport.rdma_exchange` holds the ``RdmaInfo`` and ``RdmaAttach`` exchange,
+device choice and connecting the QP, :mod:`~ctxmem.transport.rdma_buffers` the
+registration cache, bounce plan, slot checks, verified reads' landing and WR chains,
 :mod:`~ctxmem.transport.rdma_verbs` the knobs, the pyverbs import and :class:`RdmaError`.
 """
 
@@ -64,10 +64,11 @@ from ctxmem.transport.rdma_buffers import (
     address_of,
     bounce_plan,
     chains,
-    landing_rounds,
+    land_verified,
     owner_view,
+    slot_items,
 )
-from ctxmem.transport.rdma_exchange import choose_device, rdma_info, refusal
+from ctxmem.transport.rdma_exchange import choose_device, connect_qp, rdma_attach, rdma_info
 from ctxmem.transport.rdma_verbs import (
     ACK_TIMEOUT,
     ENV_BOUNCE_MB,
@@ -92,9 +93,6 @@ from ctxmem.transport.rdma_verbs import (
 )
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common import rdma_wire as rw
-from ctxmem_common.codecs import crc32c
-from ctxmem_common.errors import InvalidArgument
-from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 
@@ -173,9 +171,6 @@ class RdmaChannel(DataChannel):
     def _info(self, stub: pb_grpc.ContextMemoryStub, token: bytes) -> pb.RdmaInfoResponse:
         return rdma_info(stub, self.session_id, token, self.timeout_s)
 
-    def _refused(self, call: str, exc: Any) -> TransportError:
-        return refusal(call, self.session_id, self.timeout_s, exc)
-
     def _choose_device(self, server: pb.RdmaInfoResponse, device: str, gid_index: int
                        ) -> rw.GidChoice:
         return choose_device(server, device, gid_index)
@@ -216,64 +211,17 @@ class RdmaChannel(DataChannel):
                                 server.rd_atomic or 1))
 
     def _attach(self, stub: pb_grpc.ContextMemoryStub, token: bytes) -> None:
-        import grpc
-
         mine = rw.QpInfo(self.qp.qp_num, self.psn, self.choice.gid, self.lid, self.mtu,
                          self.depth)
-        call = stub.RdmaAttach(pb.RdmaAttachRequest(
-            session_id=self.session_id, session_token=token, qp=mine.to_pb()),
-            metadata=((SESSION_TOKEN_METADATA_KEY, token),))
-        self._attach_call = call
-        # The call lives as long as the connection (no deadline); only the first answer's
-        # wait is bounded, by cancelling the call if it has not come in time.
-        timer = threading.Timer(self.timeout_s, call.cancel)
-        timer.daemon = True
-        timer.start()
-        try:
-            resp: pb.RdmaAttachResponse = next(call)
-        except grpc.RpcError as exc:
-            raise self._refused("RdmaAttach", exc) from None
-        except StopIteration:
-            raise TransportError(f"RdmaAttach for session {self.session_id.hex()}: the service "
-                                 f"ended the call without an answer") from None
-        finally:
-            timer.cancel()
-        try:
-            peer = rw.QpInfo.from_pb(resp.qp).check("RdmaAttachResponse.qp")
-        except InvalidArgument as exc:
-            raise TransportError(f"RdmaAttach for session {self.session_id.hex()}: the service's "
-                                 f"answer is malformed: {exc.message}") from None
+        self._attach_call, peer = rdma_attach(stub, self.session_id, token, self.timeout_s,
+                                              mine)
         # The service ending the call (shutdown, restart, a broken QP) ends the connection.
-        call.add_done_callback(lambda _c: self._peer_gone.set())
-        self._connect(peer)
+        self._attach_call.add_done_callback(lambda _c: self._peer_gone.set())
+        connect_qp(self._pv, self.qp, self.choice, peer, psn=self.psn, mtu=self.mtu,
+                   depth=self.depth)
         log.info("ctxmem rdma: session %s on %s, QP %d -> service QP %d, MTU enum %d, "
                  "READ depth %d", self.session_id.hex(), self.choice.describe(), self.qp.qp_num,
                  peer.qpn, min(self.mtu, peer.mtu), self.depth)
-
-    def _connect(self, peer: rw.QpInfo) -> None:
-        pv = self._pv
-        c = self.choice
-        attr = pv.qp.QPAttr(port_num=c.port)
-        attr.qp_access_flags = 0
-        attr.path_mtu = min(self.mtu, peer.mtu) if peer.mtu else self.mtu
-        attr.dest_qp_num = peer.qpn
-        attr.rq_psn = self.psn
-        attr.sq_psn = peer.psn
-        attr.max_dest_rd_atomic = 1
-        attr.max_rd_atomic = min(self.depth, peer.rd_atomic or 1)
-        attr.min_rnr_timer = MIN_RNR_TIMER
-        attr.timeout = ACK_TIMEOUT
-        attr.retry_cnt = RETRY_CNT
-        attr.rnr_retry = RNR_RETRY
-        try:
-            gr = pv.addr.GlobalRoute(dgid=pv.addr.GID(rw.gid_to_str(peer.gid)),
-                                     sgid_index=c.gid_index, hop_limit=64)
-            attr.ah_attr = pv.addr.AHAttr(port_num=c.port, is_global=1, gr=gr, dlid=peer.lid)
-            self.qp.to_rts(attr)
-        except pv.pyverbs_error.PyverbsError as exc:
-            raise RdmaError(f"connecting QP {self.qp.qp_num} to the service's QP {peer.qpn} "
-                            f"(GID {rw.gid_to_str(peer.gid)}, local {c.describe()}) failed: "
-                            f"{exc}", _errno(exc) or 22) from None
 
     # -- registration (the cache's verbs calls) --------------------------------------
     def _reg(self, addr: int, nbytes: int, writable: bool) -> tuple[int, Any]:
@@ -308,20 +256,11 @@ class RdmaChannel(DataChannel):
         Nothing else writes the landing buffer once the READs completed, so the bytes
         copied are the bytes checked."""
         what = f"lease {lease_id.hex()}"
-        for start, stop in landing_rounds([v.nbytes for v in views], LANDING_BYTES):
-            landing = self._landing_view(sum(v.nbytes for v in views[start:stop]))
-            parts, off = [], 0
-            for v in views[start:stop]:
-                parts.append(landing[off : off + v.nbytes])
-                off += v.nbytes
-            self.transfer(OP_READ, self._items(OP_READ, slots[start:stop], parts, what))
-            for j, part in enumerate(parts):
-                i = start + j
-                if crc32c(part) != crcs[i]:
-                    progress.bad = i
-                    return
-                views[i][:] = part
-                progress.done = i + 1
+
+        def fetch(start: int, stop: int, parts: list[memoryview]) -> None:
+            self.transfer(OP_READ, slot_items(OP_READ, slots[start:stop], parts, what))
+
+        land_verified(views, crcs, progress, LANDING_BYTES, self._landing_view, fetch)
 
     def _landing_view(self, nbytes: int) -> memoryview:
         if self._landing.nbytes < nbytes:
@@ -330,24 +269,7 @@ class RdmaChannel(DataChannel):
 
     def _slots(self, op: str, slots: Sequence[pb.Slot], views: Sequence[memoryview],
                what: str) -> None:
-        self.transfer(op, self._items(op, slots, views, what))
-
-    def _items(self, op: str, slots: Sequence[pb.Slot], views: Sequence[memoryview],
-               what: str) -> list[tuple[memoryview, int, int]]:
-        if len(slots) < len(views):
-            raise TransportError(f"RDMA {op} of {what}: {len(views)} buffers, {len(slots)} "
-                                 f"slots")
-        items = []
-        for i, view in enumerate(views):
-            slot = slots[i]
-            if not slot.rkey or not slot.remote_addr:
-                raise TransportError(f"RDMA {op} of {what}: slot {i} carries no RDMA address "
-                                     f"or rkey (the session is not attached over RDMA)")
-            if slot.length != view.nbytes:
-                raise TransportError(f"RDMA {op} of {what}: slot {i} is {slot.length} bytes, "
-                                     f"the buffer {view.nbytes}")
-            items.append((view, slot.remote_addr, slot.rkey))
-        return items
+        self.transfer(op, slot_items(op, slots, views, what))
 
     def transfer(self, op: str, items: Sequence[tuple[memoryview, int, int]]) -> None:
         """RDMA ``op`` (``"write"``: local -> remote, ``"read"``: remote -> local) of each

@@ -1,6 +1,8 @@
 """RDMA channel, shim side: caller buffers (addresses, owners), the registration cache,
-the bounce plan and work-request chains. Pure bookkeeping: no verbs calls here, so all
-of it is tested without a device (tests/host/test_rdma_unit.py).
+the bounce plan, slot checks, the verified reads' landing rounds and work-request
+chains. Pure bookkeeping: no verbs calls here (a verified read's transfer is passed in),
+so all of it is tested without a device (tests/host/test_rdma_unit.py,
+tests/host/test_verified_reads.py).
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from typing import Any
 
 import numpy as np
 
+from ctxmem.transport.base import TransportError
 from ctxmem.transport.rdma_verbs import RdmaError
+from ctxmem.transport.verified import ReadProgress
+from ctxmem_common.codecs import crc32c
+from ctxmem_common.proto import ctxmem_pb2 as pb
 
 __all__ = [
     "Piece", "Registration", "RegistrationCache", "Work", "address_of", "bounce_plan",
-    "chains", "owner_view",
+    "chains", "land_verified", "landing_rounds", "owner_view", "slot_items",
 ]
 
 log = logging.getLogger(__name__)
@@ -189,6 +195,58 @@ def landing_rounds(lengths: Sequence[int], capacity: int) -> list[tuple[int, int
         rounds.append((start, stop))
         start = stop
     return rounds
+
+
+def land_verified(views: Sequence[memoryview], crcs: Sequence[int], progress: ReadProgress,
+                  capacity: int, landing: Callable[[int], memoryview],
+                  fetch: Callable[[int, int, list[memoryview]], None]) -> None:
+    """A verified read, round by round of whole blocks (:func:`landing_rounds` of
+    ``capacity`` bytes): ``fetch(start, stop, parts)`` fills ``parts``, the round's slices
+    of ``landing(nbytes)`` (the channel's private landing buffer), with blocks
+    ``start..stop``; each is then CRC-checked against ``crcs`` there and copied into its
+    view only if it matches. The first block that fails stops the read (``progress.bad``;
+    it and later views untouched); ``progress.done`` counts the blocks delivered. Nothing
+    else writes the landing buffer once ``fetch`` returned, so the bytes copied are the
+    bytes checked."""
+    for start, stop in landing_rounds([v.nbytes for v in views], capacity):
+        buf = landing(sum(v.nbytes for v in views[start:stop]))
+        parts, off = [], 0
+        for v in views[start:stop]:
+            parts.append(buf[off : off + v.nbytes])
+            off += v.nbytes
+        fetch(start, stop, parts)
+        for j, part in enumerate(parts):
+            i = start + j
+            if crc32c(part) != crcs[i]:
+                progress.bad = i
+                return
+            views[i][:] = part
+            progress.done = i + 1
+
+
+def slot_items(op: str, slots: Sequence[pb.Slot], views: Sequence[memoryview],
+               what: str) -> list[tuple[memoryview, int, int]]:
+    """``(view, remote address, rkey)`` per view, from the slot at the same index.
+
+    Raises:
+        TransportError: fewer slots than views, a slot without an RDMA address or rkey
+            (the session is not attached over RDMA), or a slot and view that differ in
+            length; ``op`` and ``what`` (``"lease <id>"``) name the transfer.
+    """
+    if len(slots) < len(views):
+        raise TransportError(f"RDMA {op} of {what}: {len(views)} buffers, {len(slots)} "
+                             f"slots")
+    items = []
+    for i, view in enumerate(views):
+        slot = slots[i]
+        if not slot.rkey or not slot.remote_addr:
+            raise TransportError(f"RDMA {op} of {what}: slot {i} carries no RDMA address "
+                                 f"or rkey (the session is not attached over RDMA)")
+        if slot.length != view.nbytes:
+            raise TransportError(f"RDMA {op} of {what}: slot {i} is {slot.length} bytes, "
+                                 f"the buffer {view.nbytes}")
+        items.append((view, slot.remote_addr, slot.rkey))
+    return items
 
 
 def chains(n: int, signal_every: int) -> list[tuple[int, int]]:

@@ -1,0 +1,127 @@
+"""The put path: reserving DRAM slots for an allocation, then committing them.
+
+``allocate`` reserves one DRAM slot per key not yet stored (evicting if needed, within the
+tenant's quota) under an allocation with a TTL; the client writes the slots; ``commit``
+ends the client's write access, computes each slot's CRC32C (checking the client's when
+sent) and makes the blocks visible: at once under write-back (queued for the demoter),
+only once durable on flash under write-through (:mod:`~ctxmem_dpu.store.writethrough`).
+
+Invariant: a block is in the index only once complete; the allocation stays registered
+while its CRCs are computed, so the reaper cannot recycle its slots underneath.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from ctxmem_common.codecs import crc32c
+from ctxmem_common.errors import InvalidArgument
+from ctxmem_common.keys import validate_keys
+from ctxmem_dpu import faults
+from ctxmem_dpu.blocks import Allocation, Block, Namespace, Session
+from ctxmem_dpu.store.context import StoreContext
+from ctxmem_dpu.store.demotion import Demotion
+from ctxmem_dpu.store.index import BlockIndex
+from ctxmem_dpu.store.placement import Placement
+from ctxmem_dpu.store.quotas import Quotas
+from ctxmem_dpu.store.sessions import SessionRegistry
+from ctxmem_dpu.store.writethrough import WriteThrough
+
+log = logging.getLogger("ctxmem_dpu.store")
+
+
+class PutPath:
+    """Allocate and commit, over the store's index, placement, quotas and sessions."""
+
+    def __init__(self, ctx: StoreContext, index: BlockIndex, registry: SessionRegistry,
+                 quotas: Quotas, placement: Placement, demotion: Demotion,
+                 write_through: WriteThrough) -> None:
+        self._ctx = ctx
+        self._index = index
+        self._registry = registry
+        self._quotas = quotas
+        self._placement = placement
+        self._demotion = demotion
+        self._write_through = write_through
+
+    async def allocate(
+        self, s: Session, ns: Namespace, keys: Sequence[bytes]
+    ) -> tuple[Allocation, list[bool]]:
+        """Reserve one DRAM slot per key not yet stored, under an allocation with a TTL;
+        returns it and, per key, whether it is already stored (no slot for those)."""
+        validate_keys(keys)
+        per_ns = self._index.get(ns.digest)
+        exists = [k in per_ns for k in keys]
+        new_keys = [k for k, e in zip(keys, exists, strict=True) if not e]
+        self._quotas.check_grants(s, "allocations")
+        slots = await self._placement.reserve_dram(ns, len(new_keys), self._demotion.demote)
+        try:
+            self._quotas.check_held(ns.tenant, {ref.slab for ref in slots})
+        except BaseException:
+            for ref in slots:
+                self._ctx.dram.free(ref)
+            raise
+        a = Allocation(self._registry.new_id(), s.id, ns, new_keys, slots,
+                       time.monotonic() + self._ctx.cfg.service.allocation_ttl_s)
+        self._registry.add_allocation(s, a)
+        faults.point("allocate.after_reserve")
+        return a, exists
+
+    async def commit(
+        self, s: Session, allocation_id: bytes, client_crcs: Sequence[int], abort: bool
+    ) -> int:
+        """Make an allocation's blocks visible (``abort``: return its slots instead);
+        returns how many were committed (see :meth:`BlockStore.commit`)."""
+        a = self._registry.allocation(s, allocation_id)
+        if abort:
+            self._registry.drop_allocation(a)
+            return 0
+        if client_crcs and len(client_crcs) != len(a.slots):
+            raise InvalidArgument(
+                f"commit of allocation {a.id.hex()} carries {len(client_crcs)} CRCs for "
+                f"{len(a.slots)} slots; send one per slot or none"
+            )
+        # The client's write access ends before the service reads what it wrote: no byte
+        # can change between the CRC below and the index.
+        self._registry.grant_ended(a.id)
+        # The allocation stays registered while its CRCs are computed so the reaper
+        # cannot recycle its slots underneath; then it is retired.
+        a.done = True
+        dram = self._ctx.dram
+        counters = self._ctx.counters
+        views = [dram.view(ref, a.ns.block_nbytes) for ref in a.slots]
+        crcs = await self._ctx.io.run(lambda: [crc32c(v) for v in views])
+        for v in views:
+            v.release()
+        faults.point("commit.after_crc")
+        self._registry.forget_allocation(a)
+        per_ns = self._index.namespace(a.ns.digest)
+        fresh: list[Block] = []
+        for i, (key, ref, crc) in enumerate(zip(a.keys, a.slots, crcs, strict=True)):
+            if client_crcs and client_crcs[i] != crc:
+                counters["put_crc_mismatch"] += 1
+                log.warning("commit %s: block %d CRC32C from client %08x != %08x; dropped",
+                            a.id.hex(), i, client_crcs[i], crc)
+                dram.free(ref)
+                continue
+            if key in per_ns:  # committed meanwhile by another writer
+                dram.free(ref)
+                continue
+            fresh.append(Block(a.ns.digest, key, a.ns.block_nbytes, a.ns.slot_size, crc,
+                               self._index.next_seq(), dram=ref))
+        if self._ctx.flash.enabled and self._ctx.cfg.flash.write_policy == "write_through":
+            # Visible only once durable; a failed flash write fails the commit.
+            committed = await self._write_through.commit(a, fresh)
+        else:
+            committed = fresh
+            for b in fresh:
+                per_ns[b.key] = b
+                self._index.dram_lru.add(b)
+                if self._ctx.flash.enabled:
+                    self._index.dirty[b] = None
+        faults.point("commit.after_index")
+        counters["put_blocks"] += len(committed)
+        counters["put_bytes"] += len(committed) * a.ns.block_nbytes
+        return len(committed)
