@@ -135,15 +135,17 @@ def test_render_defaults() -> None:
     assert spec["hostNetwork"] is True
     assert c["image"] == "registry.example.com/ctxmem:0.1.0-arm64"
     assert c["args"] == ["serve", "--config", "/etc/ctxmem/ctxmem.yaml"]
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    # Metrics (unauthenticated) on loopback; the kubelet reaches it there (hostNetwork).
+    local = {"host": "127.0.0.1", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {**local, "path": "/healthz"}
+    assert c["readinessProbe"]["httpGet"] == {**local, "path": "/readyz"}
+    assert c["startupProbe"]["httpGet"] == {**local, "path": "/healthz"}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["metrics"] == 9464
     for kind in ("requests", "limits"):
         assert c["resources"][kind]["nvidia.com/bf_sf"] == 1
     ann = pod["metadata"]["annotations"]
-    assert ann["prometheus.io/scrape"] == "true"
-    assert ann["prometheus.io/port"] == "9464"
+    assert "prometheus.io/scrape" not in ann, "a loopback endpoint cannot be scraped"
     assert re.fullmatch(r"[0-9a-f]{64}", ann["checksum/config"])
     assert pod["metadata"]["labels"]["svc.dpu.nvidia.com/service"] == "ctxmem"
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
@@ -158,12 +160,169 @@ def test_render_defaults() -> None:
     config_volume = volumes[mounts["/etc/ctxmem/ctxmem.yaml"]["name"]]
     assert config_volume["configMap"]["name"] == "ctxmem-config"
     assert "/hugepages" in mounts
+    # Mutual TLS by default: the kubernetes.io/tls Secret as a directory (rotation).
+    tls_mount = mounts["/etc/ctxmem/tls"]
+    assert tls_mount["readOnly"] is True and "subPath" not in tls_mount
+    tls_volume = volumes[tls_mount["name"]]["secret"]
+    assert tls_volume["secretName"] == "ctxmem-tls"
+    assert {i["key"] for i in tls_volume["items"]} == {"tls.crt", "tls.key", "ca.crt"}
+    assert tls_volume["defaultMode"] == 0o400
+    assert "initContainers" not in spec, "no tenant tokens configured"
 
 
-def test_render_config_is_values_config() -> None:
-    docs = _render()
+def _config_of(docs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     cm = next(o for o in _objects(docs) if o["kind"] == "ConfigMap")
-    assert yaml.safe_load(cm["data"]["ctxmem.yaml"]) == _values()["config"]
+    cfg = yaml.safe_load(cm["data"]["ctxmem.yaml"])
+    assert isinstance(cfg, dict)
+    return cfg
+
+
+TLS_SECTION = {"cert_file": "/etc/ctxmem/tls/tls.crt", "key_file": "/etc/ctxmem/tls/tls.key",
+               "client_ca_file": "/etc/ctxmem/tls/ca.crt", "reload_interval_s": 10}
+
+
+def _schema_has_tls() -> bool:
+    import dataclasses
+
+    from ctxmem_common.config import Config
+
+    return "tls" in {f.name for f in dataclasses.fields(Config)}
+
+
+NO_TLS_REASON = ("ctxmem_common.config.Config has no `tls` field yet (the TLS branch of "
+                 "issue 12 adds it); runs once both branches are merged")
+
+
+def test_render_config_is_values_config_plus_tls() -> None:
+    cfg = _config_of(_render())
+    assert cfg == {**_values()["config"], "tls": TLS_SECTION}
+    assert "tenant_tokens" not in cfg["service"], "no secret in the ConfigMap"
+
+
+def test_render_generated_config_passes_service_schema(tmp_path: Path) -> None:
+    """The config the chart generates (tls: included) is what the service accepts and
+    starts with: mutual TLS satisfies the non-loopback rule."""
+    if not _schema_has_tls():
+        pytest.skip(NO_TLS_REASON)
+    from ctxmem_common.config import load_config
+    from ctxmem_common.identity import check_identity_mode
+
+    for values in ({}, _dpf_values()):
+        path = tmp_path / "ctxmem.yaml"
+        path.write_text(yaml.safe_dump(_config_of(_render(values))))
+        cfg = load_config(path)
+        assert cfg.tls.client_ca_file == "/etc/ctxmem/tls/ca.crt"  # type: ignore[attr-defined]
+        check_identity_mode(cfg)
+
+
+def test_render_tls_server_only_with_tokens() -> None:
+    docs = _render({"tls": {"clientCA": False},
+                    "tenantTokens": {"existingSecret": "ctxmem-tenant-tokens"}})
+    cfg = _config_of(docs)
+    assert cfg["tls"] == {k: v for k, v in TLS_SECTION.items() if k != "client_ca_file"}
+    spec = _daemonset(docs)["spec"]["template"]["spec"]
+    tls = next(v for v in spec["volumes"] if v["name"] == "tls")
+    assert {i["key"] for i in tls["secret"]["items"]} == {"tls.crt", "tls.key"}
+
+
+def test_render_tls_off_with_tokens_from_secret() -> None:
+    """Tokens never pass through values: an init container merges the Secret's keys
+    (tenant -> token) into a 0600 config in a memory emptyDir that the service reads."""
+    docs = _render({"tls": {"enabled": False},
+                    "tenantTokens": {"existingSecret": "ctxmem-tenant-tokens"}})
+    cfg = _config_of(docs)
+    assert "tls" not in cfg and "tenant_tokens" not in cfg["service"]
+    spec = _daemonset(docs)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    c = spec["containers"][0]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert "/etc/ctxmem/tls" not in mounts and "tls" not in volumes
+    (init,) = spec["initContainers"]
+    assert init["image"] == c["image"]
+    assert init["securityContext"] == c["securityContext"], "same uid writes and reads it"
+    init_mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+    tok = volumes[init_mounts["/etc/ctxmem/tenant-tokens"]["name"]]
+    assert tok["secret"] == {"secretName": "ctxmem-tenant-tokens", "defaultMode": 0o400}
+    rendered = init_mounts["/etc/ctxmem/rendered"]["name"]
+    assert volumes[rendered]["emptyDir"]["medium"] == "Memory"
+    cfg_mount = mounts["/etc/ctxmem/ctxmem.yaml"]
+    assert cfg_mount["name"] == rendered and cfg_mount["subPath"] == "ctxmem.yaml"
+    assert init["command"][1:] == ["/etc/ctxmem/chart/merge-tokens.py",
+                                   "/etc/ctxmem/chart/ctxmem.yaml",
+                                   "/etc/ctxmem/tenant-tokens",
+                                   "/etc/ctxmem/rendered/ctxmem.yaml"]
+    assert volumes[init_mounts["/etc/ctxmem/chart"]["name"]]["configMap"]["name"] == (
+        "ctxmem-config")
+    cm = next(o for o in _objects(docs) if o["kind"] == "ConfigMap")
+    assert cm["data"]["merge-tokens.py"] == (CHART / "files" / "merge-tokens.py").read_text()
+
+
+def test_merge_tokens_script(tmp_path: Path) -> None:
+    """The init container's script, run on a directory laid out like a Secret volume
+    (..data symlinks), on the config the chart renders; the result starts the service
+    in tokens mode."""
+    import os
+    import subprocess
+    import sys
+
+    from ctxmem_common.config import load_config
+    from ctxmem_common.identity import check_identity_mode
+
+    docs = _render({"tls": {"enabled": False},
+                    "tenantTokens": {"existingSecret": "ctxmem-tenant-tokens"}})
+    cm = next(o for o in _objects(docs) if o["kind"] == "ConfigMap")
+    chart_dir = tmp_path / "chart"
+    chart_dir.mkdir()
+    for key, text in cm["data"].items():
+        (chart_dir / key).write_text(text)
+    secret = tmp_path / "tokens"
+    stamp = secret / "..2026_11_24_00_00_00.000000001"
+    stamp.mkdir(parents=True)
+    tokens = {"team-a": "a" * 32, "team-b": "b-token-0123456789"}
+    for tenant, token in tokens.items():
+        (stamp / tenant).write_text(token + "\n")
+    os.symlink(stamp.name, secret / "..data")
+    for tenant in tokens:
+        os.symlink(f"..data/{tenant}", secret / tenant)
+    out = tmp_path / "rendered" / "ctxmem.yaml"
+    out.parent.mkdir()
+    res = subprocess.run([sys.executable, str(chart_dir / "merge-tokens.py"),
+                          str(chart_dir / "ctxmem.yaml"), str(secret), str(out)],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert "team-a" in res.stdout and "a" * 32 not in res.stdout, "names logged, not tokens"
+    assert out.stat().st_mode & 0o777 == 0o600
+    cfg = load_config(out)
+    assert cfg.service.tenant_tokens == tokens
+    assert check_identity_mode(cfg) == "tokens"
+    # An empty Secret is an init-container failure that says why.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = subprocess.run([sys.executable, str(chart_dir / "merge-tokens.py"),
+                          str(chart_dir / "ctxmem.yaml"), str(empty), str(out)],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 1 and "no tenant tokens" in res.stderr
+
+
+def test_render_metrics_exposed_on_purpose() -> None:
+    values = _values()
+    values["config"]["metrics"]["listen"] = "0.0.0.0:9464"
+    values["metrics"]["exposed"] = True
+    pod = _daemonset(_render(values))["spec"]["template"]
+    ann = pod["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9464"
+    probe = pod["spec"]["containers"][0]["livenessProbe"]["httpGet"]
+    assert "host" not in probe, "probes go to the pod IP"
+
+
+def test_render_loopback_without_tls_or_tokens() -> None:
+    """A loopback-only config may run insecure (one trust domain): nothing is refused."""
+    values = _values()
+    values["tls"]["enabled"] = False
+    svc = values["config"]["service"]
+    svc.update(listen="127.0.0.1:50051", data_listen="127.0.0.1:50052", insecure=True)
+    cfg = _config_of(_render(values))
+    assert "tls" not in cfg and cfg["service"]["insecure"] is True
 
 
 def test_render_dpuservice_example_values() -> None:
@@ -223,6 +382,58 @@ def test_render_rejects_inconsistent_values(values: dict[str, Any], message: str
             merged[key] = val
     with pytest.raises(Exception, match=re.escape(message)):
         _render(merged)
+
+
+def _with(values: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    node = values
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return values
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # 0.0.0.0 with neither mutual TLS nor tokens (gRPC and TCP data plane).
+        ({"tls.enabled": False}, "neither mutual TLS nor tenant tokens"),
+        ({"tls.enabled": False, "config.service.transports": ["rdma"]},
+         "service.listen=0.0.0.0:50051"),
+        ({"tls.enabled": False, "config.service.listen": "127.0.0.1:50051"},
+         "service.data_listen=0.0.0.0:50052"),
+        # server-only TLS does not say who the tenant is
+        ({"tls.clientCA": False}, "does not identify tenants"),
+        ({"tls.secretName": ""}, "tls.secretName"),
+        # secrets never in values
+        ({"config.service.tenant_tokens": {"a": "s3cret-token-0123456789"}},
+         "tenantTokens.existingSecret"),
+        ({"config.tls": {"cert_file": "/x"}}, "config.tls is generated by the chart"),
+        ({"tenantTokens.existingSecret": "t", "config.service.insecure": True},
+         "refused beyond loopback"),
+        # the unauthenticated metrics endpoint stays on loopback unless exposed on purpose
+        ({"config.metrics.listen": "0.0.0.0:9464"}, "metrics.exposed"),
+        ({"hostNetwork": False}, "hostNetwork is false"),
+    ],
+    ids=["no-tls-no-tokens", "grpc-only", "data-plane-only", "server-tls-no-tokens",
+         "tls-no-secret", "inline-tokens", "inline-tls", "insecure-exposed",
+         "metrics-exposed", "loopback-metrics-no-hostnetwork"],
+)
+def test_render_refuses_trust_boundary_violations(changes: dict[str, Any],
+                                                  message: str) -> None:
+    values = _values()
+    for path, value in changes.items():
+        _with(values, path, value)
+    with pytest.raises(Exception, match=re.escape(message)):
+        _render(values)
+
+
+def test_render_tls_off_dpuservice_refused() -> None:
+    """The DPUService example, TLS turned off, would bind 0.0.0.0 with no identity."""
+    values = _dpf_values()
+    values["tls"]["enabled"] = False
+    with pytest.raises(Exception, match="neither mutual TLS nor tenant tokens"):
+        _render(values)
 
 
 def test_helm_lint() -> None:

@@ -66,13 +66,16 @@ def test_static_pod_basics(pod: dict[str, Any], project_version: str) -> None:
 
 def test_static_pod_probes_and_annotations(pod: dict[str, Any]) -> None:
     c = _container(pod["spec"])
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 9464}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 9464}
-    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
-    ann = pod["metadata"]["annotations"]
-    assert ann["prometheus.io/scrape"] == "true"
-    assert ann["prometheus.io/port"] == "9464"
-    assert ann["prometheus.io/path"] == "/metrics"
+    # The metrics endpoint is unauthenticated, so it listens on loopback (the example
+    # config); with hostNetwork the kubelet reaches the pod's loopback there.
+    local = {"host": "127.0.0.1", "port": 9464}
+    assert c["livenessProbe"]["httpGet"] == {**local, "path": "/healthz"}
+    assert c["readinessProbe"]["httpGet"] == {**local, "path": "/readyz"}
+    assert c["startupProbe"]["httpGet"] == {**local, "path": "/healthz"}
+    ann = pod["metadata"].get("annotations") or {}
+    assert "prometheus.io/scrape" not in ann, "nothing can scrape a loopback endpoint"
+    dpu = yaml.safe_load((DEPLOY / "configs" / "dpu-spdk-rdma.yaml").read_text())
+    assert dpu["metrics"]["listen"] == "127.0.0.1:9464"
 
 
 def test_static_pod_mounts(pod: dict[str, Any]) -> None:
@@ -85,6 +88,14 @@ def test_static_pod_mounts(pod: dict[str, Any]) -> None:
     assert mounts["/etc/ctxmem"]["readOnly"] is True
     assert mounts["/etc/ctxmem/keys"]["readOnly"] is True
     assert volumes[mounts["/etc/ctxmem/keys"]["name"]]["hostPath"]["path"] == "/etc/ctxmem/keys"
+    # TLS files from the card (a static pod has no Secrets): the directory the example
+    # config's tls: section names.
+    tls = mounts["/etc/ctxmem/tls"]
+    assert tls["readOnly"] is True and "subPath" not in tls
+    assert volumes[tls["name"]]["hostPath"] == {"path": "/etc/ctxmem/tls", "type": "Directory"}
+    dpu = yaml.safe_load((DEPLOY / "configs" / "dpu-spdk-rdma.yaml").read_text())
+    for key in ("cert_file", "key_file", "client_ca_file"):
+        assert dpu["tls"][key].startswith("/etc/ctxmem/tls/"), key
     assert volumes[mounts["/dev"]["name"]]["hostPath"]["path"] == "/dev"
     assert "/var/tmp" in mounts, "SPDK's RPC socket directory"
     hp = [v for v in spec["volumes"]

@@ -22,7 +22,53 @@ DPUSERVICE = ROOT / "deploy" / "helm" / "dpuservice-example.yaml"
 # a typo here would be an unknown-key error at start.
 SCHEMA_SECTIONS = {
     "mode", "service", "metrics", "dram", "flash", "eviction", "encryption", "logging",
+    "tls",
 }
+# The tls: section the TLS branch adds to the service (docs/security.md); the chart adds
+# the same section from its `tls` values.
+TLS_DIR = "/etc/ctxmem/tls"
+
+
+def _schema_has_tls() -> bool:
+    from ctxmem_common.config import Config
+
+    return "tls" in {f.name for f in dataclasses.fields(Config)}
+
+
+NO_TLS_REASON = ("ctxmem_common.config.Config has no `tls` field yet (the TLS branch of "
+                 "issue 12 adds it): a config with tls: cannot go through the service's "
+                 "schema until both branches are merged")
+
+
+def _chart_tls(values: dict[str, Any]) -> dict[str, Any] | None:
+    """The tls: section the chart generates for these values (templates/_helpers.tpl,
+    ctxmem.configYaml), or None with TLS off."""
+    tls = values.get("tls") or {}
+    if not tls.get("enabled"):
+        return None
+    out: dict[str, Any] = {"cert_file": f"{TLS_DIR}/tls.crt", "key_file": f"{TLS_DIR}/tls.key"}
+    if tls.get("clientCA"):
+        out["client_ca_file"] = f"{TLS_DIR}/ca.crt"
+    out["reload_interval_s"] = tls.get("reloadIntervalSeconds", 10)
+    return out
+
+
+def _chart_values() -> dict[str, dict[str, Any]]:
+    """The chart values each embedded config is rendered with: the chart's defaults, and
+    the DPUService's values over them."""
+    values = yaml.safe_load(CHART_VALUES.read_text())
+    dpusvc = yaml.safe_load(DPUSERVICE.read_text())["spec"]["helmChart"]["values"]
+    merged = {**values, **dpusvc}
+    return {"helm-values": values, "dpuservice-example": merged}
+
+
+def _effective(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config as the service gets it: an embedded one with the chart's tls: section."""
+    values = _chart_values().get(name)
+    if values is None:
+        return cfg
+    tls = _chart_tls(values)
+    return {**cfg, "tls": tls} if tls else cfg
 
 
 def _embedded_configs() -> dict[str, dict[str, Any]]:
@@ -34,10 +80,23 @@ def _embedded_configs() -> dict[str, dict[str, Any]]:
     }
 
 
-def _all_configs(tmp_path: Path) -> list[Path]:
-    paths = sorted(CONFIG_DIR.glob("*.yaml"))
+def _all_configs(tmp_path: Path, with_tls: bool | None = None) -> list[Path]:
+    """Every shipped config as a file: deploy/configs/*.yaml and the embedded ones (with
+    the chart's tls: section added). ``with_tls`` False: the tls: section removed (for
+    the service's schema before it has one); None: as shipped if the schema has `tls`,
+    else removed."""
+    if with_tls is None:
+        with_tls = _schema_has_tls()
+    out_dir = tmp_path / ("tls" if with_tls else "notls")
+    out_dir.mkdir(exist_ok=True)
+    raw = {p.stem: yaml.safe_load(p.read_text()) for p in sorted(CONFIG_DIR.glob("*.yaml"))}
     for name, cfg in _embedded_configs().items():
-        p = tmp_path / f"{name}.yaml"
+        raw[name] = _effective(name, cfg)
+    paths = []
+    for name, cfg in raw.items():
+        if not with_tls:
+            cfg = {k: v for k, v in cfg.items() if k != "tls"}
+        p = out_dir / f"{name}.yaml"
         p.write_text(yaml.safe_dump(cfg, sort_keys=False))
         paths.append(p)
     return paths
@@ -76,25 +135,80 @@ def test_embedded_configs_match_dpu_example() -> None:
         assert cfg["mode"] == "dpu", name
 
 
-def test_no_config_listens_beyond_loopback_without_tokens(tmp_path: Path) -> None:
-    """Issue 12: nothing binds a non-loopback address with the trust-the-name mode; the
-    example tokens are placeholders the service refuses until they are replaced."""
+def _listens(cfg: dict[str, Any]) -> list[str]:
+    """The addresses clients reach (ctxmem_common.identity.network_listens), from the raw
+    YAML: gRPC, and the TCP data plane when tcp is a transport."""
+    svc = cfg.get("service") or {}
+    out = [svc.get("listen", "127.0.0.1:50051")]
+    if "tcp" in svc.get("transports", ["shm", "tcp"]):
+        out.append(svc.get("data_listen", "127.0.0.1:50052"))
+    return out
+
+
+def test_no_config_listens_beyond_loopback_without_tls_or_tokens(tmp_path: Path) -> None:
+    """Issue 12: no shipped config binds beyond loopback without mutual TLS or tenant
+    tokens; none carries a secret inline (no tokens, no placeholders); metrics, which are
+    unauthenticated, listen on loopback; fallback.yaml stays on loopback."""
+    from ctxmem_common.identity import is_local_listen
+
+    for path in _all_configs(tmp_path, with_tls=True):
+        cfg = yaml.safe_load(path.read_text())
+        svc = cfg.get("service") or {}
+        assert not svc.get("tenant_tokens"), f"{path.name}: tokens inline in a shipped file"
+        exposed = [a for a in _listens(cfg) if not is_local_listen(a)]
+        if exposed:
+            tls = cfg.get("tls") or {}
+            assert tls.get("client_ca_file") and tls.get("cert_file") and tls.get("key_file"), (
+                f"{path.name}: listens on {exposed} without mutual TLS")
+            assert all(str(tls[k]).startswith(f"{TLS_DIR}/")
+                       for k in ("cert_file", "key_file", "client_ca_file")), path.name
+            assert not svc.get("insecure"), path.name
+        assert is_local_listen(cfg["metrics"]["listen"]), f"{path.name}: metrics beyond loopback"
+    fallback = yaml.safe_load((CONFIG_DIR / "fallback.yaml").read_text())
+    assert all(is_local_listen(a) for a in _listens(fallback))
+    assert "tls" not in fallback and fallback["service"]["insecure"] is True
+
+
+def test_dpu_configs_pass_identity_check_with_tls(tmp_path: Path) -> None:
+    """With the TLS branch merged: the DPU configs' mutual TLS satisfies the service's
+    start-up rule (check_identity_mode) on their non-loopback addresses."""
+    if not _schema_has_tls():
+        pytest.skip(NO_TLS_REASON)
     from ctxmem_common.config import load_config
-    from ctxmem_common.errors import ConfigError
     from ctxmem_common.identity import check_identity_mode, is_local_listen, network_listens
 
-    for path in _all_configs(tmp_path):
+    for path in _all_configs(tmp_path, with_tls=True):
         cfg = load_config(path)
-        exposed = [a for _k, a in network_listens(cfg) if not is_local_listen(a)]
-        if exposed:
-            assert cfg.service.tenant_tokens and not cfg.service.insecure, path
-            with pytest.raises(ConfigError, match="placeholder"):
-                check_identity_mode(cfg)
-            real = {t: "s3cret-token-0123456789" for t in cfg.service.tenant_tokens}
-            svc = dataclasses.replace(cfg.service, tenant_tokens=real)
-            assert check_identity_mode(cfg.replace(service=svc)) == "tokens"
-        else:
-            assert check_identity_mode(cfg) in ("tokens", "insecure"), path
+        check_identity_mode(cfg)  # raises ConfigError if the service would refuse it
+        if any(not is_local_listen(a) for _k, a in network_listens(cfg)):
+            assert cfg.tls.client_ca_file, path  # type: ignore[attr-defined]
+
+
+def test_loopback_configs_pass_identity_check(tmp_path: Path) -> None:
+    """The configs that listen on loopback only start as they are (insecure mode)."""
+    from ctxmem_common.config import load_config
+    from ctxmem_common.identity import check_identity_mode, is_local_listen, network_listens
+
+    for path in _all_configs(tmp_path, with_tls=False):
+        cfg = load_config(path)
+        if all(is_local_listen(a) for _k, a in network_listens(cfg)):
+            assert check_identity_mode(cfg) == "insecure", path
+
+
+def test_tokens_mode_still_works_for_exposed_configs() -> None:
+    """An operator who adds real tenant tokens (instead of, or with, TLS) gets a config
+    the service starts with; a placeholder is refused."""
+    from ctxmem_common.config import load_config
+    from ctxmem_common.errors import ConfigError
+    from ctxmem_common.identity import check_identity_mode
+
+    cfg = load_config(CONFIG_DIR / "fallback.yaml")
+    svc = dataclasses.replace(cfg.service, insecure=False, listen="0.0.0.0:50051",
+                              tenant_tokens={"team-a": "s3cret-token-0123456789"})
+    assert check_identity_mode(cfg.replace(service=svc)) == "tokens"
+    bad = dataclasses.replace(svc, tenant_tokens={"team-a": "CHANGE-ME-to-a-secret"})
+    with pytest.raises(ConfigError, match="placeholder"):
+        check_identity_mode(cfg.replace(service=bad))
 
 
 def test_configs_load_with_service_validator(tmp_path: Path) -> None:
@@ -102,9 +216,25 @@ def test_configs_load_with_service_validator(tmp_path: Path) -> None:
         from ctxmem_common.config import load_config
     except ImportError as exc:  # the validator lands with the core issue
         pytest.skip(f"ctxmem_common.config.load_config not importable yet: {exc}")
+    # Before the TLS branch lands, the tls: sections are left out here (and checked in
+    # full by test_configs_with_tls_load_with_service_validator once it has).
     for path in _all_configs(tmp_path):
         cfg = load_config(path)
         assert cfg.mode in ("dpu", "fallback"), path
+
+
+def test_configs_with_tls_load_with_service_validator(tmp_path: Path) -> None:
+    if not _schema_has_tls():
+        pytest.skip(NO_TLS_REASON)
+    from ctxmem_common.config import load_config
+
+    for path in _all_configs(tmp_path, with_tls=True):
+        cfg = yaml.safe_load(path.read_text())
+        loaded = load_config(path)
+        if "tls" in cfg:
+            tls = loaded.tls  # type: ignore[attr-defined]
+            assert tls.cert_file == cfg["tls"]["cert_file"], path
+            assert tls.client_ca_file == cfg["tls"].get("client_ca_file", ""), path
 
 
 def test_flash_devices_validate(tmp_path: Path) -> None:
