@@ -14,6 +14,7 @@ from ctxmem.transport.base import TransportError
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.faultpoints import POINTS
 from ctxmem_common.flash_format import (
+    SECTOR,
     FlashReader,
     Superblock,
     fit_records,
@@ -135,8 +136,12 @@ class Files:
 
     def damage_superblock(self, dev: str, offsets: tuple[int, ...]) -> None:
         """Flip a bit inside the superblock copies at ``offsets`` (``SB_OFFSET``,
-        ``SB_BACKUP_OFFSET``): each then fails its CRC."""
+        ``SB_BACKUP_OFFSET``): each then fails its CRC. A copy that is already damaged (an
+        earlier fault, not repaired by a restart yet) is left alone: flipping the same bit
+        again would repair it."""
         for off in offsets:
+            if Superblock.unpack(self.read(dev, off, SECTOR)) is None:
+                continue
             byte = self.read(dev, off + 8, 1)[0]
             self.write(dev, off + 8, bytes([byte ^ 0x10]))
 
