@@ -9,6 +9,7 @@ the transfer; a slot being written keeps its allocation alive the same way.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from ctxmem_dpu.store import BlockStore
 
 __all__ = ["TcpDataServer"]
+
+log = logging.getLogger(__name__)
 
 
 _recv_exact = recv_exact  # the names this module's code has always used
@@ -80,12 +83,14 @@ class TcpDataServer(SocketDataServer):
                                                             0))
                 return
             if op == OP_WRITE:
-                await self._write(loop, conn, s, ident, index, length)
+                if not await self._write(loop, conn, s, ident, index, length):
+                    return
             else:
                 await self._read(loop, conn, s, ident, index)
 
     async def _write(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, s: object,
-                     ident: bytes, index: int, length: int) -> None:
+                     ident: bytes, index: int, length: int) -> bool:
+        """One WRITE; False when the connection must end (a length no slot has)."""
         store = self.store
         status = Status.OK
         try:
@@ -97,9 +102,17 @@ class TcpDataServer(SocketDataServer):
         except CtxmemError:
             status = Status.EXPIRED
         if status != Status.OK:
+            if length > store.cfg.dram.slab_size:
+                # No slot is larger than a slab: a length the client cannot have meant.
+                # Never allocate it (2^64-1 raised OverflowError, 2^32 took 4 GiB, found
+                # by ``ctxmem fuzz``): answer, then end the connection.
+                await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", status, 0))
+                log.warning("TCP data connection of session %s closed: WRITE of %d bytes "
+                            "refused (%s)", getattr(s, "id", b"").hex(), length, status.name)
+                return False
             await _recv_into(loop, conn, memoryview(bytearray(length)))  # keep framing
             await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", status, 0))
-            return
+            return True
         with store.writing(a):  # the reaper leaves the allocation alone meanwhile
             view = store.dram.view(a.slots[index], length)
             try:
@@ -107,6 +120,7 @@ class TcpDataServer(SocketDataServer):
             finally:
                 view.release()
         await loop.sock_sendall(conn, TCP_RESP.pack(b"CXTA", Status.OK, 0))
+        return True
 
     async def _read(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, s: object,
                     ident: bytes, index: int) -> None:
