@@ -33,6 +33,7 @@ from typing import Any
 import crc32c
 import grpc
 
+from ctxmem_common.faultpoints import ENV_CTL, read_ack, write_control
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2 as pb
@@ -88,10 +89,16 @@ def _rss_kib(pid: int) -> dict[str, int]:
     return got
 
 
-def _settled_rss(pid: int, seconds: float) -> dict[str, int]:
-    """The RSS of ``pid`` once settled: the sample with the least RssAnon over
-    ``seconds`` of idling (sampled every 0.25 s). A heap mid-way through a large request
-    reads tens of MiB higher; the same procedure before and after keeps them comparable."""
+def _settled_rss(pid: int, seconds: float, ctl: Path, gen: int) -> dict[str, int]:
+    """The RSS of ``pid`` once settled: a full garbage collection in the service (asked
+    for through its fault control file ``ctl``, generation ``gen``), then the sample with
+    the least RssAnon over ``seconds`` of idling (every 0.25 s). Failed calls leave
+    reference cycles (gRPC's AbortError and the call state) that only a full collection
+    frees; without it the heap reads tens of MiB higher or lower by chance."""
+    write_control(ctl, gen, collect_garbage=True)
+    deadline = time.monotonic() + 10.0
+    while read_ack(ctl).get("gen") != gen and time.monotonic() < deadline:
+        time.sleep(0.05)
     best = _rss_kib(pid)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -150,7 +157,8 @@ class FuzzRun:
         cfg = local_config(workdir, dram_size="64MiB", dram_slab="4MiB", flash_size="128MiB",
                            flash_slab="8MiB", lease_ttl_s=3.0, allocation_ttl_s=3.0,
                            service={"tenant_tokens": TOKENS}, logging={"level": "info"})
-        with _env(self.opts.service_env):
+        env = {ENV_CTL: str(self.ctl), **self.opts.service_env}
+        with _env(env):
             return ServiceProcess(workdir / "svc", cfg)
 
     def _sessions(self, endpoint: str) -> tuple[list[_Victim], list[RawSession], Pools]:
@@ -180,19 +188,27 @@ class FuzzRun:
         return victims, attackers, pools
 
     # -- checks ---------------------------------------------------------------------------
+    def _crashed(self, svc: ServiceProcess, at: int) -> bool:
+        """Whether the service process has exited (counted as a crash)."""
+        if svc.proc is not None and svc.proc.poll() is None:
+            return False
+        self.crashes += 1
+        code = None if svc.proc is None else svc.proc.returncode
+        self.failures.append(f"crash: the service exited ({code}) by case {at}")
+        return True
+
     def _check(self, svc: ServiceProcess, stub: pb_grpc.ContextMemoryStub,
                victims: list[_Victim], at: int) -> bool:
         """Alive, Health within the deadline, victims' blocks byte-exact; False: stop."""
-        if svc.proc is None or svc.proc.poll() is not None:
-            self.crashes += 1
-            code = None if svc.proc is None else svc.proc.returncode
-            self.failures.append(f"crash: the service exited ({code}) by case {at}")
-            return False
         try:
+            if self._crashed(svc, at):
+                return False
             stub.Health(pb.HealthRequest(), timeout=self.opts.health_deadline_s)
         except grpc.RpcError as exc:
-            self.hangs += 1
-            self.failures.append(f"hang: Health failed by case {at}: {exc.code().name}")
+            time.sleep(1.0)  # a process that just died refuses before it is reaped
+            if not self._crashed(svc, at):
+                self.hangs += 1
+                self.failures.append(f"hang: Health failed by case {at}: {exc.code().name}")
             return False
         for v in victims:
             try:
@@ -214,6 +230,7 @@ class FuzzRun:
     def run(self) -> dict[str, Any]:
         opts = self.opts
         workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="ctxmem-fuzz-"))
+        self.ctl = workdir / "fault-ctl.json"
         started = time.monotonic()
         svc = self._start(workdir)
         try:
@@ -237,7 +254,7 @@ class FuzzRun:
         names = [n for n in TARGET_WEIGHTS if n in opts.targets]
         weights = [TARGET_WEIGHTS[n] for n in names]
         rss_before: dict[str, int] = {}
-        warmup = self.warmup = max(opts.batch, min(5000, opts.cases // 10))
+        warmup = self.warmup = max(opts.batch, min(5000, opts.cases // 3))
         done = 0
         stopped = ""
         try:
@@ -259,7 +276,7 @@ class FuzzRun:
                     stopped = self.failures[-1]
                     break
                 if not rss_before and done >= warmup:  # once the heap has warmed up
-                    rss_before = _settled_rss(pid, opts.settle_s)
+                    rss_before = _settled_rss(pid, opts.settle_s, self.ctl, 1)
                 if done % (opts.batch * 20) == 0:
                     rss = _rss_kib(pid)
                     self.rss_trace.append((done, rss["anon"]))
@@ -274,7 +291,7 @@ class FuzzRun:
             time.sleep(opts.settle_s)  # grants expire, stalled connections are reaped
             self._check(svc, stub, victims, done)
             if svc.proc is not None and svc.proc.poll() is None:
-                rss_after = _settled_rss(pid, opts.settle_s)
+                rss_after = _settled_rss(pid, opts.settle_s, self.ctl, 2)
         for s in [v.session for v in victims] + attackers:
             with contextlib.suppress(Exception):
                 s.close()
