@@ -74,12 +74,13 @@ def test_pools_remember_handed_out_ids() -> None:
 
 def test_fuzz_ci(tmp_path: Path) -> None:
     """A few thousand seeded cases over every RPC, the TCP and the shm framing."""
-    # RSS: the heap's native part (not Python objects: flat under tracemalloc) grows by
-    # tens of MiB in the first thousands of cases, then swings (docs/security.md,
-    # "Fuzzing", open finding); CI bounds it at a doubling, which catches a real leak
-    # such as the 4 GiB TCP WRITE buffer this fuzzer found. The slow run keeps 10%.
-    report = _run(tmp_path, cases=3000, seed=2026, rss_tolerance=1.0)
-    _assert_clean(report, 3000, 1.0)
+    # RSS: the native heap (not Python objects: flat under tracemalloc) grows by tens of
+    # MiB over the first thousands of cases, then swings (docs/security.md, "Fuzzing");
+    # a short run's warm-up is too short for 10%, so CI bounds growth at 50%, which still
+    # catches a real leak such as the 4 GiB TCP WRITE buffer this fuzzer found. The slow
+    # run keeps 10%.
+    report = _run(tmp_path, cases=3000, seed=2026, rss_tolerance=0.5)
+    _assert_clean(report, 3000, 0.5)
 
 
 @pytest.mark.slow

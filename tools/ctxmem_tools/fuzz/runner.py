@@ -313,15 +313,16 @@ class FuzzRun:
                 rss_after: dict[str, int],
                 tracebacks: int, log_text: str, stopped: str,
                 frames: dict[str, FrameTarget], log_path: Path) -> dict[str, Any]:
-        # The bound is on the heap (RssAnon): the DRAM tier's memfd pages (RssShmem) are a
-        # fixed, configured size that fills as slots are first used, not a leak.
-        before, after = rss_before.get("anon", 0), rss_after.get("anon", 0)
+        # The bound is on VmRSS, measured both times after the warm-up (by then the DRAM
+        # tier's memfd pages, RssShmem, are all touched: a fixed, configured size). The
+        # report also gives the parts; RssAnon alone swings more (native heap).
+        before, after = rss_before.get("rss", 0), rss_after.get("rss", 0)
         growth = (after - before) / before if before and after else None
         rss_ok = growth is not None and growth <= self.opts.rss_tolerance
         if tracebacks:
             self.failures.append(f"{tracebacks} Traceback(s) in the service log")
         if growth is not None and not rss_ok:
-            self.failures.append(f"RSS (anon) grew {growth:+.1%} (tolerance "
+            self.failures.append(f"RSS grew {growth:+.1%} (tolerance "
                                  f"{self.opts.rss_tolerance:.0%})")
         errors: Counter[str] = Counter()
         for counts in self.per_target.values():
@@ -352,8 +353,8 @@ def summary(report: dict[str, Any]) -> str:
     per = ", ".join(f"{k} {v}" for k, v in sorted(report["cases_per_target"].items()))
     growth = report["rss_growth"]
     b, a = report["rss_before_kib"], report["rss_after_kib"]
-    rss = (f"RSS anon {b['anon'] / 1024:.1f} -> {a['anon'] / 1024:.1f} MiB ({growth:+.1%}), "
-           f"total {b['rss'] / 1024:.1f} -> {a['rss'] / 1024:.1f} MiB"
+    rss = (f"RSS {b['rss'] / 1024:.1f} -> {a['rss'] / 1024:.1f} MiB ({growth:+.1%}; anon "
+           f"{b['anon'] / 1024:.1f} -> {a['anon'] / 1024:.1f})"
            if growth is not None else "RSS n/a")
     return (f"fuzz seed {report['seed']}: {report['cases']} cases ({per}) in "
             f"{report['duration_s']} s: crashes {report['crashes']}, hangs {report['hangs']}, "
