@@ -10,15 +10,23 @@
 from __future__ import annotations
 
 import random
+import socket
 from collections import deque
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
+from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
+from ctxmem_common.wire import OP_WRITE, TCP_HELLO, TCP_REQ, TCP_RESP, Status
 from ctxmem_tools.fuzz import FuzzOptions, FuzzRun, summary
 from ctxmem_tools.fuzz.messages import Identity, MessageFuzzer, Pools, service_methods
+from ctxmem_tools.fuzz.runner import LAYOUT
+from ctxmem_tools.rawclient import RawSession
 
 
 def _run(tmp_path: Path, **kw: Any) -> dict[str, Any]:
@@ -110,3 +118,42 @@ def test_fuzz_detects_a_crash(tmp_path: Path) -> None:
     assert report["hangs"] == 0
     assert report["cases"] < 1500
     assert not report["ok"]
+
+
+# -- the findings, one regression test each (real service process) ---------------------
+
+def test_corrupt_request_is_invalid_argument_without_traceback(service: Any) -> None:
+    """Bytes that are not a valid request message: INVALID_ARGUMENT and one log line,
+    for an open method and for one behind the session check (gRPC logged a traceback
+    and answered UNKNOWN)."""
+    with grpc.insecure_channel(service.endpoint) as channel:
+        for method in ("Health", "Allocate"):
+            call = channel.unary_unary(f"/ctxmem.v1.ContextMemory/{method}")
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"\x0a\xff\xff\xff\xff\x0f", timeout=10,
+                     metadata=((SESSION_TOKEN_METADATA_KEY, b"x" * 16),))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+    log = service.log()
+    assert "malformed request refused" in log
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("length", [1 << 32, (1 << 64) - 1])
+def test_tcp_write_of_a_huge_length_closes_without_allocating(service: Any,
+                                                              length: int) -> None:
+    """A refused TCP WRITE of a length no slot has: answered, connection closed, no
+    traceback, no memory (it allocated the length to skip the payload: OverflowError at
+    2^64-1, 4 GiB at 2^32)."""
+    health = pb_grpc.ContextMemoryStub(grpc.insecure_channel(service.endpoint)).Health(
+        pb.HealthRequest(), timeout=10)
+    host, port = split_hostport(health.data_endpoint, "data_endpoint")
+    with RawSession(service.endpoint, LAYOUT, transport="tcp") as s, \
+            socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(TCP_HELLO.pack(b"CXT1", s.session_id, s.token)
+                     + TCP_REQ.pack(b"CXTR", OP_WRITE, b"\0" * 16, 0, length))
+        got = b""
+        while chunk := sock.recv(4096):  # until the service closes the connection
+            got += chunk
+    assert len(got) == 2 * TCP_RESP.size
+    assert TCP_RESP.unpack(got[TCP_RESP.size:])[1] == Status.EXPIRED
+    assert "Traceback" not in service.log()
