@@ -31,7 +31,9 @@ in part (512-byte pieces: a torn write), before killing the process.
 (``{"gen": ..., "pid": ..., "injected": {...}, "hits": {...}}``) so a driver knows the
 change is in force. The file holds ``{"gen": int, "points": "spec" | {}, "devices":
 {name or "*": {"read"|"write"|"sync": "eio"|"enospc", "prob": p, "count": n,
-"delay_s": s}}, "journal": bool}``; a key left out leaves that part unchanged.
+"delay_s": s}}, "journal": bool, "collect_garbage": bool}``; a key left out leaves that
+part unchanged; ``collect_garbage`` runs a full ``gc.collect()`` before the ack (a driver
+that measures the service's memory once settled: ``ctxmem fuzz``).
 ``ctxmem chaos`` drives a live service this way.
 """
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import json
 import logging
 import mmap
@@ -367,6 +370,8 @@ def _poll(path: str) -> None:
                 configure(points=points_spec(raw["points"]) if "points" in raw else None,
                           devices=(raw["devices"] or {}) if "devices" in raw else None,
                           journal=bool(raw["journal"]) if "journal" in raw else None)
+                if raw.get("collect_garbage"):
+                    gc.collect()  # a driver measuring memory "once settled" (ctxmem fuzz)
                 _gen = int(raw.get("gen", 0))
                 _write_ack()
         except FileNotFoundError:

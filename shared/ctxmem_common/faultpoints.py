@@ -12,7 +12,7 @@ Arming spec (``CTXMEM_FAULTS`` and the control file's ``points``)::
 
 Control file (``CTXMEM_FAULT_CTL=/path/ctl.json``, applied whenever it changes)::
 
-    {"gen": int, "points": "spec" | {name: action}, "journal": bool,
+    {"gen": int, "points": "spec" | {name: action}, "journal": bool, "collect_garbage": bool,
      "devices": {name or "*": {"read"|"write"|"sync": "eio"|"enospc",
                                "prob": p, "count": n, "delay_s": s}}}
 
@@ -111,10 +111,13 @@ def ack_path(ctl: str | os.PathLike[str]) -> Path:
 
 def write_control(ctl: str | os.PathLike[str], gen: int, *, points: str | None = None,
                   devices: Mapping[str, Mapping[str, Any]] | None = None,
-                  journal: bool | None = None) -> None:
+                  journal: bool | None = None, collect_garbage: bool = False) -> None:
     """Replace the control file atomically (the service must never read half of it).
-    ``None`` leaves that part out, so the service keeps what it has."""
+    ``None`` leaves that part out, so the service keeps what it has. ``collect_garbage``:
+    the service runs a full garbage collection before it acknowledges ``gen``."""
     body: dict[str, Any] = {"gen": gen}
+    if collect_garbage:
+        body["collect_garbage"] = True
     if journal is not None:
         body["journal"] = journal
     if points is not None:

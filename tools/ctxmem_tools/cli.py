@@ -1,5 +1,5 @@
 """The tools' side of the ``ctxmem`` command: ``ctxmem demo``, ``ctxmem bench`` (with
-``bench ttft`` and ``bench recovery``) and ``ctxmem chaos``.
+``bench ttft`` and ``bench recovery``) ``ctxmem chaos`` and ``ctxmem fuzz``.
 
 Registered in the ``ctxmem.commands`` entry-point group (pyproject.toml), so the
 dispatcher in ``ctxmem_common`` finds them by name; each command imports its module only
@@ -37,3 +37,10 @@ def chaos_command(argv: list[str]) -> int:
     from ctxmem_tools.chaos.cli import chaos_command as run_chaos
 
     return run_chaos(argv)
+
+
+def fuzz_command(argv: list[str]) -> int:
+    """``ctxmem fuzz``: a seeded adversarial fuzz of every RPC and the data-plane framing."""
+    from ctxmem_tools.fuzz.cli import fuzz_command as run_fuzz
+
+    return run_fuzz(argv)

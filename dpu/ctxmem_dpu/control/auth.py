@@ -8,7 +8,10 @@ made by the session it names.
 * :class:`SessionAuthInterceptor` is the one check of every call after Connect: the
   request's ``session_id`` must name a live session whose token the call carries as the
   metadata ``ctxmem-session-token-bin``. An unknown session id and a wrong token get the
-  same answer, so a guess tells nothing about which ids exist.
+  same answer, so a guess tells nothing about which ids exist. It also parses every
+  request leniently (:class:`MalformedRequest`): bytes that are not a valid message of the
+  method's request type are answered INVALID_ARGUMENT with one log line, where gRPC
+  itself would log a traceback and answer UNKNOWN (found by ``ctxmem fuzz``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from ctxmem_common.config import Config
 from ctxmem_common.errors import ERROR_METADATA_KEY, ErrorCode, InvalidArgument, PermissionDenied
@@ -56,6 +60,36 @@ def connect_tenant(cfg: Config, request: pb.ConnectRequest, context: Any) -> str
     return tenant
 
 
+class MalformedRequest:
+    """Stands in for a request whose bytes are not a valid message of its type."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """``deserialize`` that returns a :class:`MalformedRequest` instead of raising: an
+    exception in a deserializer is logged by gRPC with its traceback (a client could fill
+    the log with them) and answered UNKNOWN."""
+    def parse(data: bytes) -> Any:
+        if deserialize is None:
+            return data
+        try:
+            return deserialize(data)
+        except DecodeError as exc:
+            return MalformedRequest(str(exc))
+
+    return parse
+
+
+async def _refuse_malformed(method: str, request: MalformedRequest, context: Any) -> NoReturn:
+    log.warning("%s: malformed request refused (%s)", method, request.error)
+    await _deny(context, grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INVALID_ARGUMENT,
+                f"{method}: the request is not a valid message: {request.error}")
+
+
 class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses any call after Connect that does not carry its session's token."""
 
@@ -67,8 +101,9 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> Any:
         handler = await continuation(details)
         method = str(details.method).rpartition("/")[2]
-        if handler is None or method in OPEN_METHODS:
+        if handler is None:
             return handler
+        needs_session = method not in OPEN_METHODS
         token: bytes | None = None  # None: no token metadata at all
         for key, value in details.invocation_metadata or ():
             if key == SESSION_TOKEN_METADATA_KEY:
@@ -78,32 +113,48 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(request: Any, context: Any) -> Any:
-                await check(method, request, token, context)
+                try:
+                    if isinstance(request, MalformedRequest):
+                        await _refuse_malformed(method, request, context)
+                    if needs_session:
+                        await check(method, getattr(request, "session_id", b""), token,
+                                    context)
+                except grpc.aio.AbortError:
+                    del request  # not kept alive by the abort's reference cycle
+                    raise
                 return await inner(request, context)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=handler.request_deserializer,
+                unary, request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-                await check(method, request, token, context)
+                try:
+                    if isinstance(request, MalformedRequest):
+                        await _refuse_malformed(method, request, context)
+                    if needs_session:
+                        await check(method, getattr(request, "session_id", b""), token,
+                                    context)
+                except grpc.aio.AbortError:
+                    del request  # see unary
+                    raise
                 async for response in inner_stream(request, context):
                     yield response
 
             return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=handler.request_deserializer,
+                stream, request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         return _refuse_handler(f"{method}: streaming requests are not served")
 
-    async def _check(self, method: str, request: Any, token: bytes | None, context: Any
+    async def _check(self, method: str, session_id: Any, token: bytes | None, context: Any
                      ) -> None:
-        """Abort the call unless ``request.session_id`` is a live session and ``token``
-        is its token (constant-time compare). No token metadata at all is a client that
-        does not speak this protocol (PERMISSION_DENIED); a wrong or empty one is
-        answered as an unknown session (the shim reconnects)."""
-        session_id = getattr(request, "session_id", b"")
+        """Abort the call unless ``session_id`` (the request's) is a live session and
+        ``token`` is its token (constant-time compare). No token metadata at all is a
+        client that does not speak this protocol (PERMISSION_DENIED); a wrong or empty one
+        is answered as an unknown session (the shim reconnects). It is given the id, not
+        the request, so an abort's reference cycle does not hold the request."""
         if token is None:
             await _deny(context, grpc.StatusCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED,
                         f"{method}: no session token; send the session_token from Connect as "

@@ -61,7 +61,14 @@ Resp = TypeVar("Resp")
 
 
 async def _abort(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> None:
-    """End the call with ``exc`` as a status code plus the ``ctxmem-error`` metadata."""
+    """End the call with ``exc`` as a status code plus the ``ctxmem-error`` metadata.
+
+    gRPC's ``AbortError`` and the call's state refer to each other, and the error's
+    traceback holds the frames it passed: whatever those frames hold lives until the
+    next full garbage collection. So ``exc``'s own traceback (the handler's frame, with
+    the request in it) is dropped once logged, and the wrappers delete their ``request``
+    before the abort passes through them: a failed call no longer keeps its request (up
+    to 64 MiB) alive (``ctxmem fuzz`` saw the heap swing by +40-60% from this)."""
     if isinstance(exc, grpc.aio.AbortError):  # already aborted
         raise exc
     if isinstance(exc, CtxmemError):
@@ -69,6 +76,7 @@ async def _abort(context: grpc.aio.ServicerContext, name: str, exc: Exception) -
     else:
         log.exception("%s failed", name)
         code, message = ErrorCode.INTERNAL, f"{name}: internal error: {exc}"
+    exc.__traceback__ = None
     context.set_trailing_metadata(((ERROR_METADATA_KEY, code.value),))
     await context.abort(_STATUS[code], message)
 
@@ -81,6 +89,7 @@ def _rpc(
         try:
             return await fn(self, request, context)
         except Exception as exc:
+            del request  # not kept alive by the abort's reference cycle (see _abort)
             await _abort(context, fn.__name__, exc)
             raise  # pragma: no cover - abort raises
 
@@ -101,6 +110,7 @@ def _stream_rpc(
                 async for response in responses:
                     yield response
         except Exception as exc:
+            del request  # see _abort
             await _abort(context, fn.__name__, exc)
             raise  # pragma: no cover - abort raises
 

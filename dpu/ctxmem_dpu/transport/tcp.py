@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["TcpDataServer"]
 
 
+
 _recv_exact = recv_exact  # the names this module's code has always used
 _recv_into = recv_into
 
