@@ -286,3 +286,17 @@ def test_insecure_mode_logs_a_warning(tcp_service: Any) -> None:
         assert time.monotonic() < deadline, tcp_service.log()
         time.sleep(0.1)
     assert "WARNING" in tcp_service.log().split("service.insecure: true")[0].splitlines()[-1]
+
+
+def test_stats_names_no_tenant_beyond_one_trust_domain(
+        service_factory: Callable[..., Any]) -> None:
+    """Stats needs no session: with tenant tokens it must not reveal which tenants exist
+    or what they hold (the per-tenant entries stay on the loopback metrics endpoint)."""
+    tokens = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
+    svc = service_factory(service={"insecure": False, "tenant_tokens": tokens})
+    with ctxmem.Client(svc.endpoint, tenant_token=tokens["alice"]) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m", tenant="alice")
+        ns.put([b"k" * 8], [bytes(LAYOUT.block_nbytes)])
+        values = c.stats()
+    assert values["blocks"] >= 1
+    assert not [k for k in values if k.startswith("tenant.")], sorted(values)[:5]

@@ -272,7 +272,14 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        return pb.StatsResponse(values=self.store.stats())
+        """Every counter and gauge. Stats needs no session, so beyond one trust domain
+        (tenant tokens or mTLS) the per-tenant entries (``tenant.NAME.*``) are left out:
+        a tenant must not learn which other tenants exist or what they hold. The operator
+        reads them on the loopback metrics endpoint."""
+        values = self.store.stats()
+        if not self.store.cfg.service.insecure:
+            values = {k: v for k, v in values.items() if not k.startswith("tenant.")}
+        return pb.StatsResponse(values=values)
 
     # -- RDMA connection exchange ----------------------------------------------------
     def _rdma(self, call: str, session_id: bytes) -> RdmaServer:
