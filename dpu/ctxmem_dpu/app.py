@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import uuid
 from types import TracebackType
@@ -33,6 +34,10 @@ from ctxmem_dpu.transport.shm import ShmServer
 from ctxmem_dpu.transport.tcp import TcpDataServer
 
 log = logging.getLogger(__name__)
+
+# Set to "1" by `ctxmem bench security` to measure the service without the per-call
+# session check; honoured only in insecure mode (loopback only), ignored otherwise.
+BENCH_NO_AUTH_ENV = "CTXMEM_BENCH_NO_SESSION_AUTH"
 
 
 class Service:
@@ -117,9 +122,15 @@ class Service:
                                    cfg.service.rdma_gid_index, cfg.service.rdma_access)
             await self.rdma.start()
 
-        self.server = grpc.aio.server(interceptors=[
-            SessionAuthInterceptor(self.store.sessions.get, tls=self.tls is not None)],
-            options=[
+        interceptors = [SessionAuthInterceptor(self.store.sessions.get,
+                                               tls=self.tls is not None)]
+        if os.environ.get(BENCH_NO_AUTH_ENV) == "1" and mode == "insecure":
+            # `ctxmem bench security` only: the cost of the per-call check, measured on
+            # loopback in insecure mode (ignored in any other mode).
+            log.warning("%s=1: per-call session tokens are NOT checked (benchmark only)",
+                        BENCH_NO_AUTH_ENV)
+            interceptors = []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),

@@ -26,8 +26,8 @@ from ctxmem.transport.base import TransportError
 from ctxmem.transport.tcp import TcpChannel
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_tools.bench.security_pki import Pki, make_pki, server_cert
 from ctxmem_tools.launcher import ServiceProcess, free_port, local_config
-from tests.tlscerts import Pki, make_pki, server_cert
 
 BLOCK = 64 << 10
 LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,

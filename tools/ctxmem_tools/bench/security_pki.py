@@ -1,5 +1,6 @@
-"""Test PKI for the TLS tests: a CA, a server certificate for 127.0.0.1 and client
-certificates per tenant, written as PEM files (keys 0600), made with ``cryptography``."""
+"""A throwaway PKI for the TLS tests and ``ctxmem bench security``: a CA, a server
+certificate for 127.0.0.1 and client certificates per tenant, written as PEM files (keys
+0600), made with ``cryptography``. Never for production: nothing here is kept secret."""
 
 from __future__ import annotations
 
