@@ -12,6 +12,7 @@ import hashlib
 import os
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -269,3 +270,15 @@ def test_refuses_wildcard_listen_without_tls_or_tokens_and_starts_with_mtls(
         roundtrip(c, "alice")
 
 
+
+
+def test_tcp_data_plane_refuses_tls_below_1_3(tls_service: Callable[..., Any], pki: Pki) -> None:
+    svc = tls_service()
+    with ctxmem.Client(svc.endpoint, transport="tcp", tls=client_tls(pki, "alice")) as c:
+        host, port = c.health().data_endpoint.rsplit(":", 1)
+    ctx = client_tls(pki, "alice").ssl_context()
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    with socket.create_connection((host, int(port)), timeout=5) as raw, \
+            pytest.raises((ssl.SSLError, ConnectionResetError)):
+        ctx.wrap_socket(raw, server_hostname="127.0.0.1")
