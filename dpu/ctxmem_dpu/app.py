@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import uuid
 from types import TracebackType
@@ -18,7 +19,7 @@ import grpc
 from ctxmem_common import safepaths
 from ctxmem_common.config import Config
 from ctxmem_common.errors import ConfigError
-from ctxmem_common.identity import check_identity_mode, network_listens
+from ctxmem_common.identity import check_identity_mode, is_local_listen, network_listens
 from ctxmem_common.keyfile import load_master_key
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
@@ -27,11 +28,16 @@ from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
 from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend
 from ctxmem_dpu.store import BlockStore
+from ctxmem_dpu.tls import ServerTls
 from ctxmem_dpu.transport.rdma import RdmaServer
 from ctxmem_dpu.transport.shm import ShmServer
 from ctxmem_dpu.transport.tcp import TcpDataServer
 
 log = logging.getLogger(__name__)
+
+# Set to "1" by `ctxmem bench security` to measure the service without the per-call
+# session check; honoured only in insecure mode (loopback only), ignored otherwise.
+BENCH_NO_AUTH_ENV = "CTXMEM_BENCH_NO_SESSION_AUTH"
 
 
 class Service:
@@ -52,6 +58,7 @@ class Service:
         self.tcp: TcpDataServer | None = None
         self.rdma: RdmaServer | None = None
         self.http: HttpEndpoint | None = None
+        self.tls: ServerTls | None = None
         self.ready = False
         self.grpc_port = 0
         self._stopped = False
@@ -64,7 +71,17 @@ class Service:
     async def start(self) -> None:
         cfg = self.cfg
         # Nothing listens without an identity rule; insecure mode only on loopback.
-        if check_identity_mode(cfg) == "insecure":
+        mode = check_identity_mode(cfg)
+        if cfg.tls.enabled:  # read and check the files before anything else starts
+            self.tls = ServerTls(cfg.tls)
+        elif mode == "tokens" and any(
+                not is_local_listen(addr) for _key, addr in network_listens(cfg)):
+            log.warning(
+                "tenant tokens, session tokens and block bytes cross the network in clear "
+                "(no tls: section) on %s; set tls.cert_file/key_file (and client_ca_file "
+                "for mutual TLS) unless this network is trusted",
+                ", ".join(addr for _key, addr in network_listens(cfg)))
+        if mode == "insecure":
             log.warning(
                 "service.insecure: true: the tenant name clients send is trusted (no "
                 "tenant tokens); acceptable only with every client on this host (listening "
@@ -91,6 +108,7 @@ class Service:
         if "tcp" in cfg.service.transports:
             host, port = split_hostport(cfg.service.data_listen, "service.data_listen")
             self.tcp = TcpDataServer(self.store, host, port, cfg.data_plane)
+            self.tcp.tls = self.tls
             await self.tcp.start()
             data_endpoint = self.tcp.address
         shm_path = ""
@@ -104,8 +122,15 @@ class Service:
                                    cfg.service.rdma_gid_index, cfg.service.rdma_access)
             await self.rdma.start()
 
-        self.server = grpc.aio.server(interceptors=[
-            SessionAuthInterceptor(self.store.sessions.get)], options=[
+        interceptors = [SessionAuthInterceptor(self.store.sessions.get,
+                                               tls=self.tls is not None)]
+        if os.environ.get(BENCH_NO_AUTH_ENV) == "1" and mode == "insecure":
+            # `ctxmem bench security` only: the cost of the per-call check, measured on
+            # loopback in insecure mode (ignored in any other mode).
+            log.warning("%s=1: per-call session tokens are NOT checked (benchmark only)",
+                        BENCH_NO_AUTH_ENV)
+            interceptors = []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),
@@ -115,7 +140,10 @@ class Service:
         pb_grpc.add_ContextMemoryServicer_to_server(servicer, self.server)
         servicer.rdma = self.rdma  # RdmaInfo/RdmaAttach answer UNAVAILABLE without it
         listen = cfg.service.listen
-        self.grpc_port = self.server.add_insecure_port(listen)
+        if self.tls is not None:
+            self.grpc_port = self.server.add_secure_port(listen, self.tls.grpc_credentials())
+        else:
+            self.grpc_port = self.server.add_insecure_port(listen)
         if self.grpc_port == 0:
             raise ConfigError(f"service.listen: cannot bind {listen!r} (in use, or bad address)")
         await self.server.start()
@@ -126,8 +154,10 @@ class Service:
                                      max_connections=cfg.metrics.max_connections)
             await self.http.start()
         self.ready = True
-        log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s)",
-                 cfg.mode, listen, ",".join(cfg.service.transports), len(flash_paths))
+        log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s), "
+                 "identity %s, TLS %s", cfg.mode, listen, ",".join(cfg.service.transports),
+                 len(flash_paths), mode,
+                 "off" if self.tls is None else "mutual" if self.tls.mutual else "server-only")
 
     async def __aenter__(self) -> Service:
         try:

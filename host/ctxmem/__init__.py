@@ -22,6 +22,7 @@ _os.environ.setdefault("GRPC_POLL_STRATEGY", "poll")
 from ctxmem.aio import AsyncClient, AsyncNamespace
 from ctxmem.client import Client
 from ctxmem.namespace import LookupResult, Namespace, PutResult
+from ctxmem.tls import TlsConfig
 from ctxmem_common import __version__
 from ctxmem_common.errors import (
     ConfigError,
@@ -51,6 +52,7 @@ __all__ = [
     "PermissionDenied",
     "PutResult",
     "ResourceExhausted",
+    "TlsConfig",
     "Unavailable",
     "UnknownNamespace",
     "UnknownSession",

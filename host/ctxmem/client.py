@@ -32,6 +32,7 @@ from typing import Any, Literal
 import grpc
 
 from ctxmem.namespace import LookupResult, Namespace, PutResult
+from ctxmem.tls import TlsConfig
 from ctxmem.transport.base import DataChannel
 from ctxmem_common.errors import (
     ERROR_METADATA_KEY,
@@ -115,10 +116,12 @@ class Client:
         max_batch_bytes: int = 256 << 20,
         client_name: str = "",
         channel_options: Sequence[tuple[str, Any]] = (),
+        tls: TlsConfig | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.transport = transport
         self.tenant_token = tenant_token
+        self.tls = tls
         self.timeout_s = timeout_s
         self.verify_puts = verify_puts
         self.verify_gets = verify_gets
@@ -130,6 +133,8 @@ class Client:
             "grpc.max_receive_message_length": 64 << 20,
             "grpc.max_send_message_length": 64 << 20,
         }
+        if tls is not None:
+            options.update(tls.grpc_options())
         options.update(channel_options)
         self.channel_options: list[tuple[str, Any]] = list(options.items())
         self._lock = threading.RLock()
@@ -155,8 +160,13 @@ class Client:
                 self._tokens = {}
                 self._epoch += 1
             if self._stub is None or self._channel is None:
-                self._channel = grpc.insecure_channel(self.endpoint,
-                                                      options=self.channel_options)
+                if self.tls is not None:
+                    self._channel = grpc.secure_channel(
+                        self.endpoint, self.tls.grpc_credentials(),
+                        options=self.channel_options)
+                else:
+                    self._channel = grpc.insecure_channel(self.endpoint,
+                                                          options=self.channel_options)
                 self._stub = pb_grpc.ContextMemoryStub(self._channel)
             return self._stub
 
@@ -208,7 +218,7 @@ class Client:
                                         default_host="")
             if host in ("", "0.0.0.0", "::"):  # the service listens on every address
                 host = self.endpoint.rpartition(":")[0].strip("[]") or "127.0.0.1"
-            return TcpChannel(host, port, session_id, token, self.timeout_s)
+            return TcpChannel(host, port, session_id, token, self.timeout_s, tls=self.tls)
         if name == "rdma":  # RDMA (issue 3): QPs connected over this gRPC channel
             from ctxmem.transport.rdma import RdmaChannel
 

@@ -218,6 +218,28 @@ class EncryptionConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """TLS 1.3 on the gRPC control plane and the TCP data plane (docs/security.md, "TLS
+    and mTLS"). On when ``cert_file`` and ``key_file`` are set; ``client_ca_file`` makes
+    it mutual: client certificates are required and name the tenant."""
+
+    cert_file: str = ""  # server certificate chain, PEM
+    key_file: str = ""  # its private key, PEM (owner-only readable)
+    client_ca_file: str = ""  # CA bundle for client certificates; set => mutual TLS
+    # How often (seconds) the files' mtimes are checked; changed files are loaded for
+    # new connections without a restart (certificate rotation).
+    reload_interval_s: float = 10.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file and self.key_file)
+
+    @property
+    def mutual(self) -> bool:
+        return self.enabled and bool(self.client_ca_file)
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -233,6 +255,7 @@ class Config:
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     quotas: QuotasConfig = field(default_factory=QuotasConfig)
     encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def replace(self, **sections: Any) -> Config:
@@ -449,6 +472,15 @@ def _check(cfg: Config) -> None:
     if not cfg.metrics.request_timeout_s > 0 or cfg.metrics.max_connections < 1:
         raise ConfigError("metrics.request_timeout_s must be > 0 and metrics.max_connections "
                           ">= 1")
+    tls = cfg.tls
+    if bool(tls.cert_file) != bool(tls.key_file):
+        raise ConfigError("tls.cert_file and tls.key_file: set both (TLS on) or neither "
+                          "(TLS off)")
+    if tls.client_ca_file and not tls.enabled:
+        raise ConfigError("tls.client_ca_file: mutual TLS needs the server's own certificate "
+                          "too; set tls.cert_file and tls.key_file")
+    if not tls.reload_interval_s > 0:
+        raise ConfigError("tls.reload_interval_s: must be > 0 (seconds)")
     if not 0.0 <= cfg.eviction.protected_fraction <= 1.0:
         raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
     if cfg.eviction.protect_after_hits < 1:

@@ -1,17 +1,24 @@
 """Who may call the service, and from where: identity modes and the listen-address rule.
 
-Two modes, chosen explicitly in the config (``docs/security.md``, "Authentication and
-identity"):
+Three modes, chosen explicitly in the config (``docs/security.md``, "Authentication and
+identity", "TLS and mTLS"):
 
+* **mtls** (``tls.client_ca_file`` set, with the server's ``tls.cert_file``/``key_file``):
+  every client presents a certificate signed by that CA, and the tenant is the one the
+  certificate names (:func:`ctxmem_common.tlsident.tenant_of_certificate`), never the
+  request's. With ``service.tenant_tokens`` set as well, Connect must also present the
+  token. Any listen address is allowed. The recommended mode.
 * **tokens** (``service.tenant_tokens`` non-empty): Connect must present the tenant's
-  token. Any listen address is allowed.
+  token. Any listen address is allowed (with TLS on, the tokens and the data are
+  encrypted; without it they cross the network in clear, and the service warns).
 * **insecure** (``service.insecure: true``, no tokens): the service trusts the tenant
   name a client sends, so every client is one trust domain. Allowed only when every
   listen address is loopback or a Unix socket; the service logs a warning at start.
 
-A config with neither is refused at start: nothing listens without an identity rule.
-TLS (next) will also satisfy the non-loopback rule: :func:`check_identity_mode` is the
-one place that decides.
+A config with none is refused at start: nothing listens without an identity rule.
+Server-only TLS encrypts but does not say who the client is, so it does not make the
+insecure mode acceptable beyond loopback: that takes mTLS or tokens.
+:func:`check_identity_mode` is the one place that decides.
 
 After Connect, every call proves its session with the session token as the call
 metadata :data:`SESSION_TOKEN_METADATA_KEY` (binary: the ``-bin`` suffix).
@@ -29,7 +36,7 @@ if TYPE_CHECKING:
 
 SESSION_TOKEN_METADATA_KEY = "ctxmem-session-token-bin"
 
-IdentityMode = Literal["tokens", "insecure"]
+IdentityMode = Literal["mtls", "tokens", "insecure"]
 
 
 def is_local_listen(listen: str) -> bool:
@@ -66,6 +73,7 @@ def check_identity_mode(cfg: Config) -> IdentityMode:
         ConfigError: no mode, both modes, or insecure mode on a non-loopback address.
     """
     svc = cfg.service
+    mutual = bool(cfg.tls.cert_file and cfg.tls.key_file and cfg.tls.client_ca_file)
     if svc.tenant_tokens and svc.insecure:
         raise ConfigError(
             "service.insecure: true and service.tenant_tokens are both set; pick one "
@@ -82,17 +90,22 @@ def check_identity_mode(cfg: Config) -> IdentityMode:
                     f"service.tenant_tokens[{tenant!r}]: a token must be at least 16 "
                     f"characters (e.g. `python -c 'import secrets; "
                     f"print(secrets.token_hex(16))'`)")
-        return "tokens"
+        return "mtls" if mutual else "tokens"
+    if mutual:
+        return "mtls"  # the certificate names the tenant; service.insecure changes nothing
     exposed = [f"{key}={addr!r}" for key, addr in network_listens(cfg)
                if not is_local_listen(addr)]
     if not svc.insecure:
         raise ConfigError(
-            "no identity mode: set service.tenant_tokens (tenant -> token; Connect must "
-            "present it) or, on one host only, service.insecure: true (trusts the tenant "
-            "name; loopback or Unix-socket listen addresses only)")
+            "no identity mode: set tls.client_ca_file with tls.cert_file/key_file (mutual "
+            "TLS: the client certificate names the tenant), or service.tenant_tokens "
+            "(tenant -> token; Connect must present it), or, on one host only, "
+            "service.insecure: true (trusts the tenant name; loopback or Unix-socket "
+            "listen addresses only)")
     if exposed:
         raise ConfigError(
             f"service.insecure: true trusts the tenant name any client sends, so it is "
-            f"refused on a non-loopback address ({', '.join(exposed)}); listen on "
-            f"127.0.0.1 or set service.tenant_tokens")
+            f"refused on a non-loopback address ({', '.join(exposed)}), with or without "
+            f"server-only TLS (which encrypts but does not identify the client); listen on "
+            f"127.0.0.1, or set tls.client_ca_file (mutual TLS) or service.tenant_tokens")
     return "insecure"

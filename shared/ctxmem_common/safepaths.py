@@ -42,6 +42,7 @@ __all__ = [
     "ensure_dir",
     "open_key_file",
     "open_nofollow",
+    "read_tls_key_file",
     "write_ready_file",
 ]
 
@@ -215,6 +216,47 @@ def open_key_file(path: str | os.PathLike[str], create_with: str | None = None) 
                 f"encryption key file {p} can be read or written by group or other "
                 f"({_describe(st)}); the master key must be private: `chmod 600 {p}` (and "
                 f"replace the key if others may have read it: that loses cached blocks)")
+        return f.read()
+
+
+def read_tls_key_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of TLS private key file ``path`` (``tls.key_file``), after checking it is
+    private: a regular file owned by root or the service's user that group and other may
+    not read or write.
+
+    Unlike the master key, a symbolic link is accepted when its target (fully resolved)
+    lies inside the link's own directory: that is how a Kubernetes Secret volume rotates
+    files (``tls.key -> ..data/tls.key -> ..2024_01_01_00_00_00.1/tls.key``). A link out
+    of the directory is refused: another user could point it anywhere.
+
+    Raises:
+        UnsafePathError: naming the path, what was found and the fix.
+        OSError: the file cannot be read.
+    """
+    p = os.path.abspath(os.fspath(path))
+    what = "TLS key file (tls.key_file)"
+    real = os.path.realpath(p)
+    if real != p:
+        home = os.path.realpath(os.path.dirname(p))
+        if os.path.commonpath([home, real]) != home:
+            raise UnsafePathError(
+                f"{what} {p} is a symbolic link to {real}, outside its own directory "
+                f"{home}; ctxmem follows a key link only within its directory (a Kubernetes "
+                f"Secret volume's ..data links): configure the real path")
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{what} {p} is not a regular file ({_describe(st)})")
+        if not _owner_ok(st.st_uid):
+            raise UnsafePathError(
+                f"{what} {p} is owned by another user ({_describe(st)}); `chown "
+                f"{os.geteuid()} {real}` if it is yours, else replace it")
+        if st.st_mode & 0o066:
+            raise UnsafePathError(
+                f"{what} {p} can be read or written by group or other ({_describe(st)}); "
+                f"`chmod 600 {real}` (a Secret volume: defaultMode 0400), and replace the "
+                f"key and certificate if others may have read it")
         return f.read()
 
 

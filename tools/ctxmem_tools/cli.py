@@ -23,6 +23,10 @@ def bench_command(argv: list[str]) -> int:
         from ctxmem_tools.bench.ttft import run as run_ttft
 
         return run_ttft(argv[1:])
+    if argv and argv[0] == "security":
+        from ctxmem_tools.bench.security import run as run_security
+
+        return run_security(argv[1:])
     if argv and argv[0] == "recovery":
         from ctxmem_tools.bench.recovery import run as run_recovery
 

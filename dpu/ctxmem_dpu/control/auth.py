@@ -2,9 +2,10 @@
 made by the session it names.
 
 * :func:`connect_tenant` decides a Connect's tenant from the request and the call's peer
-  context. It is the one hook for identity: tokens mode checks the tenant's token, the
-  insecure mode (loopback only) trusts the name. mTLS will extend it (the tenant from the
-  client certificate in ``context.auth_context()``).
+  context. It is the one hook for identity: mtls mode takes the tenant from the verified
+  client certificate (``context.auth_context()``; a request naming another tenant is
+  refused), tokens mode checks the tenant's token, the insecure mode (loopback only)
+  trusts the name.
 * :class:`SessionAuthInterceptor` is the one check of every call after Connect: the
   request's ``session_id`` must name a live session whose token the call carries as the
   metadata ``ctxmem-session-token-bin``. An unknown session id and a wrong token get the
@@ -28,7 +29,9 @@ from ctxmem_common.config import Config
 from ctxmem_common.errors import ERROR_METADATA_KEY, ErrorCode, InvalidArgument, PermissionDenied
 from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY, check_identity_mode
 from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.tlsident import tenant_of_pem
 from ctxmem_dpu.blocks import Session
+from ctxmem_dpu.tls import tls_version_ok
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +42,28 @@ OPEN_METHODS = frozenset({"Health", "Connect", "Stats"})
 def connect_tenant(cfg: Config, request: pb.ConnectRequest, context: Any) -> str:
     """The tenant a Connect opens its session for, or PermissionDenied.
 
-    ``context`` (the call's ``grpc.aio.ServicerContext``) is unused until mTLS derives
-    the tenant from the peer's certificate; the argument is here so that change stays in
-    this function.
+    In mtls mode the tenant is the one the verified client certificate names
+    (:func:`ctxmem_common.tlsident.tenant_of_certificate`: URI SAN
+    ``ctxmem://tenant/NAME``, else the subject CN), read from ``context`` (the call's
+    ``grpc.aio.ServicerContext``); a request naming another tenant is refused, and with
+    ``service.tenant_tokens`` also set the token is checked too.
     """
-    del context  # the mTLS hook: peer identity from context.auth_context()
     tenant = request.tenant
     if not tenant:
         raise InvalidArgument("Connect.tenant must not be empty")
     mode = check_identity_mode(cfg)  # the service refused to start without a valid one
+    if mode == "mtls":
+        peer = peer_tenant(context)
+        if peer is None:
+            raise PermissionDenied(
+                "Connect: the client certificate names no tenant (no URI SAN "
+                "ctxmem://tenant/NAME and no subject CN); issue one that does")
+        if peer != tenant:
+            raise PermissionDenied(
+                f"Connect: tenant {tenant!r} refused: this client's certificate is for "
+                f"tenant {peer!r}; connect as {peer!r} or use that tenant's certificate")
+        if not cfg.service.tenant_tokens:
+            return tenant
     if mode == "insecure":
         return tenant
     want = cfg.service.tenant_tokens.get(tenant, "")
@@ -90,11 +106,31 @@ async def _refuse_malformed(method: str, request: MalformedRequest, context: Any
                 f"{method}: the request is not a valid message: {request.error}")
 
 
-class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses any call after Connect that does not carry its session's token."""
+def peer_tenant(context: Any) -> str | None:
+    """The tenant the call's verified client certificate names, or None (no certificate,
+    or one naming no tenant)."""
+    try:
+        pems = context.auth_context().get("x509_pem_cert") or []
+    except Exception:  # no auth context: not a TLS call
+        return None
+    if not pems:
+        return None
+    pem = pems[0] if isinstance(pems[0], bytes) else str(pems[0]).encode()
+    return tenant_of_pem(pem)
 
-    def __init__(self, sessions: Callable[[bytes], Session | None]) -> None:
+
+class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses any call after Connect that does not carry its session's token.
+
+    With ``tls`` (the listener is TLS), every call, Connect and Health included, is also
+    refused unless its connection negotiated TLS 1.3 (gRPC's Python server API cannot set
+    the minimum version itself).
+    """
+
+    def __init__(self, sessions: Callable[[bytes], Session | None], tls: bool = False
+                 ) -> None:
         self._sessions = sessions
+        self._tls = tls
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: Any,
@@ -116,9 +152,8 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     if isinstance(request, MalformedRequest):
                         await _refuse_malformed(method, request, context)
-                    if needs_session:
-                        await check(method, getattr(request, "session_id", b""), token,
-                                    context)
+                    await check(method, getattr(request, "session_id", b""), token,
+                                context, needs_session)
                 except grpc.aio.AbortError:
                     del request  # not kept alive by the abort's reference cycle
                     raise
@@ -134,9 +169,8 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     if isinstance(request, MalformedRequest):
                         await _refuse_malformed(method, request, context)
-                    if needs_session:
-                        await check(method, getattr(request, "session_id", b""), token,
-                                    context)
+                    await check(method, getattr(request, "session_id", b""), token,
+                                context, needs_session)
                 except grpc.aio.AbortError:
                     del request  # see unary
                     raise
@@ -148,13 +182,22 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer)
         return _refuse_handler(f"{method}: streaming requests are not served")
 
-    async def _check(self, method: str, session_id: Any, token: bytes | None, context: Any
-                     ) -> None:
+    async def _check(self, method: str, session_id: Any, token: bytes | None, context: Any,
+                     needs_session: bool = True) -> None:
         """Abort the call unless ``session_id`` (the request's) is a live session and
         ``token`` is its token (constant-time compare). No token metadata at all is a
         client that does not speak this protocol (PERMISSION_DENIED); a wrong or empty one
         is answered as an unknown session (the shim reconnects). It is given the id, not
-        the request, so an abort's reference cycle does not hold the request."""
+        the request, so an abort's reference cycle does not hold the request. With TLS,
+        first the connection must be TLS 1.3; a call that ``needs_session`` false (Health,
+        Connect, Stats) needs nothing more."""
+        if self._tls and not tls_version_ok(context):
+            await _deny(context, grpc.StatusCode.PERMISSION_DENIED,
+                        ErrorCode.PERMISSION_DENIED,
+                        f"{method}: the connection negotiated less than TLS 1.3; the "
+                        f"service requires TLS 1.3")
+        if not needs_session:
+            return
         if token is None:
             await _deny(context, grpc.StatusCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED,
                         f"{method}: no session token; send the session_token from Connect as "

@@ -12,6 +12,13 @@ byte arrived the rest (and every answer sent) must move within ``read_timeout_s`
 connections open at once are capped in total and per tenant. A connection ended for a
 reason (a deadline, a cap, a bad header) is logged as one line naming the peer and the
 reason: :class:`Dropped`.
+
+With :attr:`SocketDataServer.tls` set (the TCP data plane with ``tls:`` on), every
+accepted connection first completes a TLS 1.3 handshake within ``hello_timeout_s``
+(:class:`~ctxmem_dpu.transport.tls_stream.TlsStream`), and every read and write below
+goes through it; a failed handshake (a plaintext client, an unverified certificate) is
+one log line. In mutual mode the client certificate's tenant must be the HELLO's
+session's tenant.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import struct
 from abc import abstractmethod
 from collections import Counter
@@ -30,10 +38,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 from ctxmem_common.config import DataPlaneConfig
 from ctxmem_common.wire import Status
 from ctxmem_dpu.transport.base import DataServer
+from ctxmem_dpu.transport.tls_stream import TlsStream
 
 if TYPE_CHECKING:
     from ctxmem_dpu.blocks import Session
     from ctxmem_dpu.store import BlockStore
+    from ctxmem_dpu.tls import ServerTls
 
 __all__ = ["Dropped", "SocketDataServer", "recv_exact", "recv_into"]
 
@@ -111,6 +121,10 @@ class SocketDataServer(DataServer):
         self._conns: set[asyncio.Task[None]] = set()
         self._info: dict[socket.socket, _ConnInfo] = {}
         self._per_tenant: Counter[str] = Counter()
+        # TLS for every accepted connection (TCP only; set before start), and each
+        # connection's stream once its handshake is done.
+        self.tls: ServerTls | None = None
+        self._streams: dict[socket.socket, TlsStream] = {}
 
     @abstractmethod
     def _listen(self) -> socket.socket:
@@ -168,6 +182,9 @@ class SocketDataServer(DataServer):
     def _refuse_now(self, conn: socket.socket) -> None:
         """Answer TOO_MANY_CONNECTIONS if the socket takes it at once, and close: no task,
         no wait, nothing read beyond what already arrived."""
+        if self.tls is not None:  # no handshake for a refused connection: just close
+            conn.close()
+            return
         with contextlib.suppress(OSError):
             conn.recv(256)  # the hello, if here: closing over unread bytes resets the reply
         with contextlib.suppress(OSError):
@@ -178,6 +195,8 @@ class SocketDataServer(DataServer):
 
     async def _connection(self, conn: socket.socket) -> None:
         try:
+            if self.tls is not None:
+                await self._handshake(conn, self.tls)
             await self._serve(conn)
         except Dropped as exc:
             log.log(exc.level, "%s connection from %s closed: %s", self.connection_kind,
@@ -188,12 +207,48 @@ class SocketDataServer(DataServer):
             log.exception("%s connection from %s failed", self.connection_kind,
                           self._peer(conn))
         finally:
+            self._streams.pop(conn, None)
             info = self._info.pop(conn, None)
             if info is not None and info.tenant is not None:
                 self._per_tenant[info.tenant] -= 1
                 if self._per_tenant[info.tenant] <= 0:
                     del self._per_tenant[info.tenant]
             conn.close()
+
+    async def _handshake(self, conn: socket.socket, tls: ServerTls) -> None:
+        """TLS handshake on a new connection, within ``hello_timeout_s``; a failure is
+        :class:`Dropped` (one log line naming the reason, e.g. a plaintext client)."""
+        stream = TlsStream(conn, tls.ssl_context())
+        try:
+            await self._within(stream.handshake(), self.limits.hello_timeout_s,
+                               "the TLS handshake (data_plane.hello_timeout_s)")
+        except ssl.SSLError as exc:
+            raise Dropped(f"TLS handshake failed ({exc.reason or exc}): not a TLS client, "
+                          f"or its certificate is not trusted") from None
+        self._streams[conn] = stream
+
+    async def _recv_some(self, conn: socket.socket, view: memoryview) -> int:
+        """Up to ``len(view)`` bytes into ``view`` (through TLS if on); 0: peer closed."""
+        stream = self._streams.get(conn)
+        if stream is not None:
+            return await stream.recv_into(view)
+        return await asyncio.get_running_loop().sock_recv_into(conn, view)
+
+    async def _recv_all(self, conn: socket.socket, view: memoryview) -> None:
+        """Fill ``view``; ConnectionResetError if the peer closes first."""
+        got = 0
+        while got < len(view):
+            k = await self._recv_some(conn, view[got:])
+            if k == 0:
+                raise ConnectionResetError("peer closed")
+            got += k
+
+    async def _send(self, conn: socket.socket, data: bytes | memoryview) -> None:
+        stream = self._streams.get(conn)
+        if stream is not None:
+            await stream.sendall(data)
+        else:
+            await asyncio.get_running_loop().sock_sendall(conn, data)
 
     def _peer(self, conn: socket.socket) -> str:
         info = self._info.get(conn)
@@ -208,26 +263,23 @@ class SocketDataServer(DataServer):
 
     async def _recv_into(self, conn: socket.socket, view: memoryview, what: str) -> None:
         """Fill ``view`` within ``read_timeout_s`` (:class:`Dropped` after it)."""
-        loop = asyncio.get_running_loop()
-        await self._within(recv_into(loop, conn, view), self.limits.read_timeout_s,
+        await self._within(self._recv_all(conn, view), self.limits.read_timeout_s,
                            f"{what} (data_plane.read_timeout_s)")
 
     async def _sendall(self, conn: socket.socket, data: bytes | memoryview, what: str) -> None:
         """Send ``data`` within ``read_timeout_s``: a peer that stops reading is dropped."""
-        loop = asyncio.get_running_loop()
-        await self._within(loop.sock_sendall(conn, data), self.limits.read_timeout_s,
+        await self._within(self._send(conn, data), self.limits.read_timeout_s,
                            f"{what} (data_plane.read_timeout_s)")
 
     async def _next_request(self, conn: socket.socket, size: int) -> bytes | None:
         """The next ``size``-byte request header, or None when the peer closed cleanly
         between requests. Waits ``idle_timeout_s`` for its first byte (then
         :class:`Dropped` at INFO), ``read_timeout_s`` for the rest."""
-        loop = asyncio.get_running_loop()
         buf = bytearray(size)
         view = memoryview(buf)
         idle = self.limits.idle_timeout_s
         try:
-            k = await asyncio.wait_for(loop.sock_recv_into(conn, view), idle)
+            k = await asyncio.wait_for(self._recv_some(conn, view), idle)
         except asyncio.TimeoutError:
             raise Dropped(f"idle for {idle:g} s (data_plane.idle_timeout_s)",
                           logging.INFO) from None
@@ -253,16 +305,23 @@ class SocketDataServer(DataServer):
         tenant's cap); the caller then ends. No hello within ``hello_timeout_s``:
         :class:`Dropped`.
         """
-        loop = asyncio.get_running_loop()
-        raw = await self._within(recv_exact(loop, conn, hello.size),
-                                 self.limits.hello_timeout_s,
-                                 "waiting for HELLO (data_plane.hello_timeout_s)")
+        raw = bytearray(hello.size)
+        await self._within(self._recv_all(conn, memoryview(raw)),
+                           self.limits.hello_timeout_s,
+                           "waiting for HELLO (data_plane.hello_timeout_s)")
         got, session_id, token = hello.unpack(raw)
         s = self.authenticate(session_id, token) if got == magic else None
         if s is None:
             await self._fail(conn, reply(Status.UNAUTHENTICATED),
                              f"bad HELLO magic {got!r}" if got != magic else
                              f"unknown session {session_id} or wrong token")
+        stream = self._streams.get(conn)
+        if self.tls is not None and self.tls.mutual and (
+                stream is None or stream.peer_tenant != s.tenant):
+            await self._fail(conn, reply(Status.UNAUTHENTICATED),
+                             f"the client certificate names tenant "
+                             f"{stream.peer_tenant if stream else None!r}, the HELLO's "
+                             f"session is tenant {s.tenant!r}")
         cap = self.limits.max_connections_per_tenant
         if self._per_tenant[s.tenant] >= cap:
             await self._fail(conn, reply(Status.TOO_MANY_CONNECTIONS),

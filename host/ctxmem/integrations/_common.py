@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ctxmem.client import Client, Namespace
+from ctxmem.tls import TlsConfig
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.layout import DTYPE_SIZES, KVLayout
 
@@ -29,16 +30,32 @@ def resolve_endpoint(value: Any = None) -> str:
     return os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT
 
 
+# The engine-side TLS keys (docs/engines.md): ctxmem.tls_ca_file, ctxmem.tls_cert_file,
+# ctxmem.tls_key_file, ctxmem.tls_server_name; each falls back to $CTXMEM_TLS_<NAME>.
+TLS_KEYS = ("ca_file", "cert_file", "key_file", "server_name")
+
+
+def resolve_tls(get: Any) -> TlsConfig | None:
+    """The engine's TLS settings: ``get(name, default)`` reads ``ctxmem.<name>`` from the
+    engine's config (``config_get`` bound to its extra config); each unset key falls back
+    to ``$CTXMEM_TLS_<NAME>``. None when none is set (a plaintext service)."""
+    values = {k: str(get(f"tls_{k}", "") or os.environ.get(f"CTXMEM_TLS_{k.upper()}", ""))
+              for k in TLS_KEYS}
+    if not any(values.values()):
+        return None
+    return TlsConfig(**values)
+
+
 def shared_client(endpoint: str, *, transport: str = "auto", tenant_token: str = "",
-                  timeout_s: float = 30.0) -> Client:
+                  timeout_s: float = 30.0, tls: TlsConfig | None = None) -> Client:
     """One :class:`ctxmem.Client` per process and settings (the client is thread- and
     fork-safe, so connectors, backends and their worker threads share it)."""
-    key = (endpoint, transport, tenant_token, float(timeout_s))
+    key = (endpoint, transport, tenant_token, float(timeout_s), tls)
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
             client = Client(endpoint, transport=transport,  # type: ignore[arg-type]
-                            tenant_token=tenant_token, timeout_s=timeout_s)
+                            tenant_token=tenant_token, timeout_s=timeout_s, tls=tls)
             _clients[key] = client
         return client
 

@@ -57,6 +57,7 @@ from ctxmem.integrations._common import (
     fit_key,
     open_namespace,
     resolve_endpoint,
+    resolve_tls,
     salt_tag,
     shared_client,
     torch_dtype_name,
@@ -117,6 +118,7 @@ class CtxmemBackend(StoragePluginInterface):
             transport=str(config_get(extra, "transport", "auto")),
             tenant_token=str(config_get(extra, "tenant_token", "")),
             timeout_s=float(config_get(extra, "timeout_s", 30.0)),
+            tls=resolve_tls(lambda k, d: config_get(extra, k, d)),
         )
         self.chunk_size = int(getattr(config, "chunk_size", None) or metadata.chunk_size)
         self.layerwise = bool(getattr(config, "use_layerwise", False))

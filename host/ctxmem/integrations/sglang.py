@@ -38,6 +38,7 @@ from ctxmem.integrations._common import (
     fit_key,
     open_namespace,
     resolve_endpoint,
+    resolve_tls,
     shared_client,
     torch_dtype_name,
 )
@@ -106,6 +107,7 @@ class CtxmemHiCacheStorage(HiCacheStorage):
             transport=str(config_get(extra, "transport", "auto")),
             tenant_token=str(config_get(extra, "tenant_token", "")),
             timeout_s=float(config_get(extra, "timeout_s", 30.0)),
+            tls=resolve_tls(lambda k, d: config_get(extra, k, d)),
         )
         self.mem_pool_host: Any = None
         self.ns: Namespace | None = None

@@ -37,6 +37,7 @@ from ctxmem.integrations._common import (
     as_bool,
     config_get,
     resolve_endpoint,
+    resolve_tls,
     shared_client,
     torch_dtype_name,
 )
@@ -145,6 +146,7 @@ class CtxmemConnector(KVConnectorBase_V1):
             transport=str(config_get(extra, "transport", "auto")),
             tenant_token=str(config_get(extra, "tenant_token", "")),
             timeout_s=float(config_get(extra, "timeout_s", 30.0)),
+            tls=resolve_tls(lambda k, d: config_get(extra, k, d)),
         )
         self._requests: dict[str, Request] = {}
         self.scheduler: SchedulerCore | None = None

@@ -12,14 +12,19 @@ buffer.
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import OP_READ, OP_WRITE, STATUS_TEXT, TCP_HELLO, TCP_REQ, TCP_RESP, Status
+
+if TYPE_CHECKING:
+    from ctxmem.tls import TlsConfig
 
 
 def _recv_into(sock: socket.socket, view: memoryview, crc: bool = False) -> int:
@@ -49,16 +54,32 @@ class TcpChannel(DataChannel):
     name = "tcp"
 
     def __init__(self, host: str, port: int, session_id: bytes, token: bytes,
-                 timeout_s: float) -> None:
+                 timeout_s: float, tls: TlsConfig | None = None) -> None:
+        """Connect, (with ``tls``) complete a TLS 1.3 handshake checking the service's
+        certificate and presenting this client's, and authenticate the session."""
         self._lock = threading.Lock()
+        raw: socket.socket | None = None
         try:
-            self._sock = socket.create_connection((host, port), timeout=timeout_s)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            raw = socket.create_connection((host, port), timeout=timeout_s)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                self._sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+                raw.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+            self._sock: socket.socket = raw
+            if tls is not None:
+                self._sock = tls.ssl_context().wrap_socket(
+                    raw, server_hostname=tls.hostname(host))
             self._sock.sendall(TCP_HELLO.pack(b"CXT1", session_id, token))
             status, _ = _recv_resp(self._sock)
+        except ssl.SSLError as exc:
+            if raw is not None:
+                raw.close()
+            raise TransportError(
+                f"TLS to the TCP data channel {host}:{port} failed: {exc.reason or exc}; "
+                f"check TlsConfig (ca_file, server_name, the client certificate) against "
+                f"the service's tls: section") from None
         except OSError as exc:
+            if raw is not None:
+                raw.close()
             raise TransportError(
                 f"cannot open the TCP data channel to {host}:{port}: {exc.strerror or exc}; "
                 f"check service.data_listen and firewalls"
