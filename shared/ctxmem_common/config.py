@@ -20,29 +20,26 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
-import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
 
+from ctxmem_common.config_defaults import (
+    default_config_yaml,
+    default_shm_socket,
+)
+from ctxmem_common.config_schema import Size, build, reference_rows
 from ctxmem_common.device_settings import (
     DeviceSpec,
     KernelOptions,
     SpdkOptions,
     device_spec,
-    parse_kernel_options,
-    parse_spdk_options,
 )
 from ctxmem_common.errors import ConfigError
-from ctxmem_common.safepaths import default_runtime_dir, default_state_dir
-from ctxmem_common.units import parse_size
 
-Size = typing.NewType("Size", int)
 Transport = Literal["shm", "tcp", "rdma"]
 RdmaAccess = Literal["auto", "mw", "mr"]
 
@@ -262,160 +259,11 @@ class Config:
         return dataclasses.replace(self, **sections)
 
 
-def default_shm_socket() -> str:
-    """``service.shm_socket`` when unset: ``data.sock`` in :func:`default_runtime_dir`."""
-    return os.path.join(default_runtime_dir(), "data.sock")
-
-
-# The embedded default, with its paths left as {placeholders}: default_config_yaml()
-# fills them in for the user loading it.
-DEFAULT_CONFIG_TEMPLATE = """\
-# ctxmem embedded default: fallback mode on one host, 1 GiB DRAM tier, a 4 GiB flash file.
-# Paths resolved for this user: runtime {runtime_dir}, state {state_dir}.
-mode: fallback
-service:
-  listen: "127.0.0.1:50051"
-  data_listen: "127.0.0.1:50052"
-  shm_socket: {shm_socket}
-  transports: [shm, tcp]
-  insecure: true          # loopback only: trusts the tenant name (docs/security.md)
-metrics:
-  listen: "127.0.0.1:9464"
-dram:
-  size: 1GiB
-  slab_size: 64MiB
-flash:
-  write_policy: write_back
-  slab_size: 256MiB
-  devices:
-    - name: flash0
-      backend: local
-      path: {flash_path}
-      size: 4GiB
-      create: true
-encryption:
-  enabled: true
-  key_file: {key_file}
-"""
-
-
-def default_config_yaml(euid: int | None = None, env: typing.Mapping[str, str] | None = None
-                        ) -> str:
-    """The embedded default config with its paths resolved for user ``euid`` (default: the
-    effective uid) and environment ``env`` (default: ``os.environ``): the shm socket in
-    :func:`~ctxmem_common.safepaths.default_runtime_dir` (``/run/ctxmem`` as root, else
-    ``$XDG_RUNTIME_DIR/ctxmem`` or ``/run/user/UID/ctxmem``), the flash file and master key
-    in :func:`~ctxmem_common.safepaths.default_state_dir` (``/var/lib/ctxmem`` as root,
-    else ``$XDG_STATE_HOME/ctxmem`` or ``~/.local/state/ctxmem``). This is what
-    ``ctxmem serve --print-default-config`` prints."""
-    run = default_runtime_dir(euid, env)
-    state = default_state_dir(euid, env)
-    # json.dumps: a valid YAML double-quoted scalar whatever the path holds.
-    return DEFAULT_CONFIG_TEMPLATE.format(
-        runtime_dir=run, state_dir=state,
-        shm_socket=json.dumps(os.path.join(run, "data.sock")),
-        flash_path=json.dumps(os.path.join(state, "flash0.img")),
-        key_file=json.dumps(os.path.join(state, "master.key")))
-
-
 def __getattr__(name: str) -> str:
     # DEFAULT_CONFIG_YAML, the name this text always had: resolved on each access.
     if name == "DEFAULT_CONFIG_YAML":
         return default_config_yaml()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _type_name(tp: Any) -> str:
-    if tp is Size:
-        return "size (e.g. '64MiB')"
-    return getattr(tp, "__name__", str(tp))
-
-
-# Types whose schema is richer than their fields' types (cross-field rules, patterns):
-# built by their own validators, whose ValueErrors name the key path.
-_PARSERS: dict[Any, Any] = {
-    KernelOptions: parse_kernel_options,
-    SpdkOptions: parse_spdk_options,
-}
-
-
-def _convert(tp: Any, value: Any, where: str) -> Any:
-    origin = get_origin(tp)
-    parser = _PARSERS.get(tp)
-    if parser is not None:
-        try:
-            return parser(value, where)
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    if tp is Size:
-        try:
-            return Size(parse_size(value, where))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    if origin is Literal:
-        allowed = list(get_args(tp))
-        if value not in allowed:
-            raise ConfigError(f"{where}: {value!r} is not one of {allowed}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
-        (item_tp,) = get_args(tp)
-        return [_convert(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-        _key_tp, val_tp = get_args(tp)
-        return {k: _convert(val_tp, v, f"{where}.{k}") for k, v in value.items()}
-    if origin in (types.UnionType, typing.Union):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if value is None or len(args) != 1:
-            return value
-        return _convert(args[0], value, where)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)  # type: ignore[arg-type]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")  # pragma: no cover
-
-
-def _build(cls: type[Any], raw: Any, where: str) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls, globalns=globals())
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(
-            f"{prefix}{unknown[0]}: unknown key; allowed keys here are {sorted(fields)}"
-        )
-    kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        path = f"{where}.{name}" if where else name
-        if name in raw:
-            kwargs[name] = _convert(hints[name], raw[name], path)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{path}: required key is missing")
-    return cls(**kwargs)
 
 
 def _check(cfg: Config) -> None:
@@ -523,7 +371,7 @@ def rdma_ip(listen: str) -> str:
 
 
 def config_from_dict(raw: Any) -> Config:
-    cfg = _build(Config, raw, "")
+    cfg = build(Config, raw, "")
     _check(cfg)
     return typing.cast(Config, cfg)
 
@@ -551,37 +399,6 @@ def load_config(path: str | Path | None = None) -> Config:
             f"cannot read config file {p}: {exc.strerror} (errno {exc.errno})"
         ) from None
     return parse_config(text, str(p))
-
-
-def _type_label(tp: Any) -> str:
-    if tp is Size:
-        return "size"
-    typed = [t for t in _PARSERS if t in get_args(tp)]
-    if typed:
-        return f"mapping ({typed[0].__name__}, see docs/storage.md)"
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "").replace("ctxmem_common.config.", "")
-
-
-def _reference_rows(cls: type[Any], prefix: str) -> list[str]:
-    rows = []
-    hints = typing.get_type_hints(cls, globalns=globals())
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            rows += _reference_rows(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
-            continue
-        if "doc_default" in f.metadata:
-            default = f.metadata["doc_default"]
-        elif f.default is not dataclasses.MISSING:
-            default = repr(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            default = repr(f.default_factory())
-        else:
-            default = "(required)"
-        rows.append(f"| `{prefix}{f.name}` | {_type_label(tp)} | `{default}` |")
-    return rows
 
 
 def reference_markdown() -> str:
@@ -616,5 +433,5 @@ def reference_markdown() -> str:
         "key fails at load, naming its path; `docs/storage.md` lists their keys.",
         "",
     ]
-    return "\n".join(head + _reference_rows(Config, "") + dev
-                     + _reference_rows(FlashDeviceConfig, "flash.devices[].") + tail)
+    return "\n".join(head + reference_rows(Config, "") + dev
+                     + reference_rows(FlashDeviceConfig, "flash.devices[].") + tail)
