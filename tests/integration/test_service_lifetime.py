@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from ctxmem_common.config import Config, config_from_dict
+from ctxmem_common.errors import ConfigError
 from ctxmem_dpu.app import Service
 from ctxmem_dpu.metrics import HttpEndpoint
 from tests.dpu.storekit import open_store, store_config
@@ -57,7 +58,7 @@ def test_a_start_that_fails_half_way_is_undone(tmp_path: Path) -> None:
 
     async def run() -> None:
         svc = Service(service_config(tmp_path, listen=f"127.0.0.1:{port}"))
-        with pytest.raises(OSError):
+        with pytest.raises(ConfigError, match="metrics.listen: cannot bind"):
             async with svc:
                 raise AssertionError("the metrics port is taken: start must fail")
         # Everything started before the metrics endpoint failed has been stopped.
