@@ -58,7 +58,7 @@ def test_a_start_that_fails_half_way_is_undone(tmp_path: Path) -> None:
 
     async def run() -> None:
         svc = Service(service_config(tmp_path, listen=f"127.0.0.1:{port}"))
-        with pytest.raises(ConfigError, match="metrics.listen: cannot bind"):
+        with pytest.raises(ConfigError, match=r"metrics\.listen: cannot bind"):
             async with svc:
                 raise AssertionError("the metrics port is taken: start must fail")
         # Everything started before the metrics endpoint failed has been stopped.
