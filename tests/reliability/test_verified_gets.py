@@ -10,7 +10,6 @@ writable): the shim must not trust the slab.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,36 +22,16 @@ from ctxmem.transport.base import TransportError
 from ctxmem.transport.shm import ShmChannel
 from ctxmem.transport.verified import BlockBounce, ReadProgress
 from ctxmem_common.codecs import crc32c
-from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from tests.adversary.raw import RawAllocation, RawSession
+from tests.reliability import sentinel
+from tests.reliability.sentinel import BLOCK, LAYOUT, SENTINEL, content, get_checked
 
-BLOCK = 256 << 10
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
-                  tokens_per_block=1)
-SENTINEL = 0xA5
 N = 8
 
 
 def keys(tag: str, n: int = N) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
-
-
-def content(key: bytes) -> bytes:
-    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
-    return rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
-
-
-def get_checked(ns: ctxmem.Namespace, ks: list[bytes]) -> int:
-    """Get ``ks`` into sentinel-filled buffers; assert the returned blocks are exact and
-    the buffers past the count still all sentinel. Returns the count."""
-    bufs = [bytearray([SENTINEL]) * BLOCK for _ in ks]
-    n = ns.get(ks, bufs)
-    for i in range(n):
-        assert bytes(bufs[i]) == content(ks[i]), f"block {i} of {n} served with wrong bytes"
-    for i in range(n, len(ks)):
-        assert bufs[i].count(SENTINEL) == BLOCK, f"buffer {i} past the count {n} was written"
-    return n
+    return sentinel.keys(tag, n)
 
 
 def corrupt(raw: RawSession, key: bytes) -> None:
