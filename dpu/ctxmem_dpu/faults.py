@@ -33,13 +33,15 @@ change is in force. The file holds ``{"gen": int, "points": "spec" | {}, "device
 {name or "*": {"read"|"write"|"sync": "eio"|"enospc", "prob": p, "count": n,
 "delay_s": s}}, "journal": bool, "collect_garbage": bool}``; a key left out leaves that
 part unchanged; ``collect_garbage`` runs a full ``gc.collect()`` before the ack (a driver
-that measures the service's memory once settled: ``ctxmem fuzz``).
+that measures the service's memory once settled: ``ctxmem fuzz``), then glibc's
+``malloc_trim(0)``, so freed heap is given back to the kernel and RSS shows what is held.
 ``ctxmem chaos`` drives a live service this way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import gc
 import json
@@ -127,6 +129,15 @@ _hits: Counter[str] = Counter()
 _poller: threading.Thread | None = None
 active = False  # anything configured at all: FlashDevice checks this before calling in
 
+
+
+def _settle_memory() -> None:
+    """A full garbage collection, then ``malloc_trim(0)`` (glibc only): RSS then counts
+    memory the service holds, not freed heap the allocator kept (what "RSS once settled"
+    means to a driver measuring leaks)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 def _refresh_active() -> None:
     global active
@@ -371,7 +382,7 @@ def _poll(path: str) -> None:
                           devices=(raw["devices"] or {}) if "devices" in raw else None,
                           journal=bool(raw["journal"]) if "journal" in raw else None)
                 if raw.get("collect_garbage"):
-                    gc.collect()  # a driver measuring memory "once settled" (ctxmem fuzz)
+                    _settle_memory()
                 _gen = int(raw.get("gen", 0))
                 _write_ack()
         except FileNotFoundError:

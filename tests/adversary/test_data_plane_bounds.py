@@ -14,12 +14,15 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 import ctxmem
+from ctxmem_common.codecs import crc32c
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.netaddr import split_hostport
+from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import OP_READ, OP_WRITE, TCP_HELLO, TCP_REQ, TCP_RESP, Status
 from ctxmem_tools.launcher import local_config
 from tests.adversary.raw import RawSession
@@ -240,3 +243,30 @@ def test_connections_over_the_caps_are_refused(svc: ServiceHandle) -> None:
             s.close()
         time.sleep(0.3)
         _connect(r).close()  # closed connections give their places back
+
+
+def test_commit_or_abort_while_a_write_is_in_flight_is_refused(svc: ServiceHandle) -> None:
+    """A Commit racing a WRITE of the same allocation could checksum a slot whose bytes
+    then change (a committed block with bytes not its own), and an abort could free slots
+    the WRITE is still filling: both are refused until the WRITE is answered."""
+    with _raw(svc) as r:
+        keys = [bytes([0x40 + i]) * 16 for i in range(2)]
+        a = r.allocate(keys)
+        payload = bytes(range(256)) * (BLOCK // 256)
+        sock = _connect(r)
+        sock.sendall(TCP_REQ.pack(b"CXTR", OP_WRITE, a.id, 0, BLOCK) + payload[:4096])
+        time.sleep(0.3)  # the service is now inside the WRITE, waiting for the rest
+        for abort in (False, True):
+            with pytest.raises(grpc.RpcError) as err:
+                r.call("Commit", pb.CommitRequest(session_id=r.session_id, allocation_id=a.id,
+                                                  crc32c=[crc32c(payload)] * 2, abort=abort))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "still in flight" in (err.value.details() or "")
+        sock.sendall(payload[4096:])
+        assert TCP_RESP.unpack(_recv(sock, TCP_RESP.size))[1] == Status.OK
+        sock.sendall(TCP_REQ.pack(b"CXTR", OP_WRITE, a.id, 1, BLOCK) + payload)
+        assert TCP_RESP.unpack(_recv(sock, TCP_RESP.size))[1] == Status.OK
+        sock.close()
+        done = r.call("Commit", pb.CommitRequest(session_id=r.session_id, allocation_id=a.id,
+                                                 crc32c=[crc32c(payload)] * 2))
+        assert done.committed == 2

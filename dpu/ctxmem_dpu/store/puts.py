@@ -75,6 +75,17 @@ class PutPath:
         """Make an allocation's blocks visible (``abort``: return its slots instead);
         returns how many were committed (see :meth:`BlockStore.commit`)."""
         a = self._registry.allocation(s, allocation_id)
+        if a.done:
+            # A data-plane WRITE still holds it (its bytes are still arriving), or another
+            # Commit is checksumming it. Committing now could checksum a slot that then
+            # changes, or free slots a concurrent Commit has just indexed; aborting could
+            # free slots a WRITE is still filling. Either way a block could end up with
+            # bytes that are not its own: refuse, the client retries once its WRITEs are
+            # answered.
+            raise InvalidArgument(
+                f"{'abort' if abort else 'commit'} of allocation {a.id.hex()}: a data-plane "
+                f"WRITE into it is still in flight, or it is being committed; wait for "
+                f"every WRITE's answer, then commit once")
         if abort:
             self._registry.drop_allocation(a)
             return 0

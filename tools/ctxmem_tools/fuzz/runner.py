@@ -254,7 +254,7 @@ class FuzzRun:
         names = [n for n in TARGET_WEIGHTS if n in opts.targets]
         weights = [TARGET_WEIGHTS[n] for n in names]
         rss_before: dict[str, int] = {}
-        warmup = self.warmup = max(opts.batch, min(5000, opts.cases // 3))
+        warmup = self.warmup = max(opts.batch, min(20_000, opts.cases // 3))
         done = 0
         stopped = ""
         try:
