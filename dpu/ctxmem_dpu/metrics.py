@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from ctxmem_common.errors import ConfigError
 from ctxmem_dpu.lifetime import AsyncResource
+from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,9 @@ class _BoundedWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            log.warning("metrics HTTP connection from %s refused: %s connections open "
-                        "(metrics.max_connections)", client_address, len(self._open))
+            throttled(log, logging.WARNING, "metrics.refused",
+                      "metrics HTTP connection from %s refused: %s connections open "
+                      "(metrics.max_connections)", client_address, len(self._open))
             self.shutdown_request(request)
             return
         with self._lock:

@@ -31,6 +31,7 @@ from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY, check_identity_mo
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.tlsident import tenant_of_pem
 from ctxmem_dpu.blocks import Session
+from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.tls import tls_version_ok
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
 
 
 async def _refuse_malformed(method: str, request: MalformedRequest, context: Any) -> NoReturn:
-    log.warning("%s: malformed request refused (%s)", method, request.error)
+    throttled(log, logging.WARNING, "grpc.malformed", "%s: malformed request refused (%s)",
+              method, request.error)
     await _deny(context, grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INVALID_ARGUMENT,
                 f"{method}: the request is not a valid message: {request.error}")
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 from ctxmem_common.config import DataPlaneConfig
 from ctxmem_common.wire import Status
+from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.transport.base import DataServer
 from ctxmem_dpu.transport.tls_stream import TlsStream
 
@@ -168,9 +169,10 @@ class SocketDataServer(DataServer):
             peer = _peer_name(addr)
             conn.setblocking(False)
             if len(self._conns) >= self.limits.max_connections:
-                log.warning("%s connection from %s refused: %d connections open "
-                            "(data_plane.max_connections)", self.connection_kind, peer,
-                            len(self._conns))
+                throttled(log, logging.WARNING, f"{self.connection_kind}.refused",
+                          "%s connection from %s refused: %d connections open "
+                          "(data_plane.max_connections)", self.connection_kind, peer,
+                          len(self._conns))
                 self._refuse_now(conn)
                 continue
             self._configure(conn)
@@ -199,8 +201,9 @@ class SocketDataServer(DataServer):
                 await self._handshake(conn, self.tls)
             await self._serve(conn)
         except Dropped as exc:
-            log.log(exc.level, "%s connection from %s closed: %s", self.connection_kind,
-                    self._peer(conn), exc)
+            throttled(log, exc.level, f"{self.connection_kind}.closed",
+                      "%s connection from %s closed: %s", self.connection_kind,
+                      self._peer(conn), exc)
         except (ConnectionError, OSError):
             pass
         except Exception:
