@@ -24,6 +24,8 @@ install_system() {
     command -v python3 >/dev/null || need+=(python3)
     python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
     command -v gcc >/dev/null || need+=(gcc)
+    # Redis (Debian's package) is the pod tier's cluster index; the tests start their own.
+    command -v redis-server >/dev/null || need+=(redis-server)
     if [ ${#need[@]} -gt 0 ]; then
         log "apt-get install ${need[*]}"
         $SUDO apt-get update -qq

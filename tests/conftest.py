@@ -49,3 +49,12 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., ServiceHandle]]:
 @pytest.fixture
 def service(service_factory: Callable[..., ServiceHandle]) -> ServiceHandle:
     return service_factory()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Any]:
+    """A real ``redis-server`` on a free loopback port with a password (no persistence)."""
+    from ctxmem_tools.redis_server import RedisServer
+
+    with RedisServer(tmp_path / "redis") as r:
+        yield r
