@@ -43,6 +43,11 @@ install_python() {
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "pip install -e .[dev,tools,spdk]"
         "$VENV/bin/pip" install -q --upgrade pip
+        # The distribution was called "ctxmem" before it became "ctxmem-kv": drop an old
+        # editable install of it, or its entry points would be registered twice.
+        if "$VENV/bin/pip" show -q ctxmem >/dev/null 2>&1; then
+            "$VENV/bin/pip" uninstall -q -y ctxmem
+        fi
         # torch is pinned to 2.13.0 (the CPU build this project's machines carry); a loose
         # torch requirement would pull a multi-GB CUDA build.
         "$VENV/bin/pip" install -q -e ".[dev,tools,spdk]" "torch==2.13.0"

@@ -216,19 +216,20 @@ else
   (cd "$REPO" && tar --exclude=./.venv --exclude=./out --exclude=./.git -cf - .) | tar -C "$SRC" -xf -
 fi
 [ -f "$SRC/pyproject.toml" ] || die "source copy has no pyproject.toml"
-log "wheels: building the ctxmem wheel"
+log "wheels: building the ctxmem-kv wheel"
 PIP_CACHE_DIR="$CACHE/pip" "$PYTHON" -m pip wheel --quiet --no-deps -w "$WORK/wheels" "$SRC"
-built=("$WORK"/wheels/ctxmem-*.whl)
+# The distribution is ctxmem-kv (pyproject.toml): its wheel is ctxmem_kv-VERSION-py3-none-any.whl.
+built=("$WORK"/wheels/ctxmem_kv-*.whl)
 CTX_WHEEL="${built[0]}"
-[ -f "$CTX_WHEEL" ] || die "ctxmem wheel was not built"
+[ -f "$CTX_WHEEL" ] || die "the ctxmem_kv wheel was not built in $WORK/wheels"
 
 WHEELHOUSE="$CACHE/wheels/$PYTAG-manylinux-$MARCH"
 mkdir -p "$WHEELHOUSE"
 platforms=()
 for ((y = GLIBC_MINOR; y >= 17; y--)); do platforms+=(--platform "manylinux_2_${y}_${MARCH}"); done
 platforms+=(--platform "manylinux2014_${MARCH}")
-# Name the wheel by path: "ctxmem" by name would resolve against the index, where
-# another project of that name exists.
+# Name the wheel by path: by name it would resolve against the index (and "ctxmem", the
+# old distribution name, is another project there).
 req="$CTX_WHEEL"
 [ -n "$EXTRAS" ] && req="$CTX_WHEEL[$EXTRAS]"
 find_links=(--find-links "$WORK/wheels" --find-links "$WHEELHOUSE")
@@ -241,7 +242,7 @@ PIP_CACHE_DIR="$CACHE/pip" "$PYTHON" -m pip download --quiet \
   || die "could not get binary wheels for ctxmem[$EXTRAS] on $PYTAG/$MARCH (for the rdma extra, pass --wheels DIR with a pyverbs wheel)"
 # The wheelhouse may now hold a ctxmem wheel copied from WORK; the install below
 # takes the fresh one by path, and the stale copy is dropped so it never wins.
-rm -f "$WHEELHOUSE"/ctxmem-*.whl
+rm -f "$WHEELHOUSE"/ctxmem_kv-*.whl "$WHEELHOUSE"/ctxmem-*.whl
 t_wheels=$(( $(date +%s) - t_wheels0 ))
 
 # ---------------------------------------------------------------- 3. layers

@@ -4,5 +4,5 @@ as a child process for them and for the tests.
 
 A package of its own, apart from the shim engines import (``ctxmem``): the tools use only
 the shim's public API and ``ctxmem_common``, and start the service only as a program
-(``python -m ctxmem_dpu serve``), never by importing it. Install with ``ctxmem[tools]``.
+(``python -m ctxmem_dpu serve``), never by importing it. Install with ``ctxmem-kv[tools]``.
 """

@@ -143,7 +143,7 @@ class SpdkRpcChannel:
         except ImportError as ex:
             raise StorageError(
                 f"device {self.device_name!r}: the spdk Python package is not installed",
-                "pip install 'ctxmem[spdk]' (spdk==26.9)",
+                "pip install 'ctxmem-kv[spdk]' (spdk==26.9)",
             ) from ex
         return JSONRPCClient, JSONRPCException
 

@@ -63,7 +63,7 @@ def _verbs() -> Any:
     except ImportError as exc:
         raise ConfigError(
             f"'rdma' is in service.transports but pyverbs cannot be imported ({exc}); install "
-            f"it with `pip install ctxmem[rdma]` (see deploy/ci/pyverbs-wheel.sh) or drop "
+            f"it with `pip install ctxmem-kv[rdma]` (see deploy/ci/pyverbs-wheel.sh) or drop "
             f"'rdma' from service.transports") from None
     return pyverbs
 

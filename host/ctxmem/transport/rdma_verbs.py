@@ -62,7 +62,7 @@ def _verbs() -> Any:
     except ImportError as exc:
         raise TransportError(
             f"transport 'rdma' needs pyverbs, which cannot be imported ({exc}); install it "
-            f"with `pip install ctxmem[rdma]` (deploy/ci/pyverbs-wheel.sh) or use "
+            f"with `pip install ctxmem-kv[rdma]` (deploy/ci/pyverbs-wheel.sh) or use "
             f"transport='tcp'") from None
     return pyverbs
 

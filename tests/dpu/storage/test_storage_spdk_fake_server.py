@@ -246,7 +246,7 @@ def test_missing_spdk_package_is_a_storage_error(
     monkeypatch.setitem(sys.modules, "spdk.rpc.client", None)  # import raises ImportError
     with pytest.raises(StorageError, match="spdk Python package is not installed") as info:
         backend(spdk_raw).attach(timeout_s=5)
-    assert "ctxmem[spdk]" in info.value.remedy
+    assert "ctxmem-kv[spdk]" in info.value.remedy
 
 
 class TestSpdkBackend(BackendTests):

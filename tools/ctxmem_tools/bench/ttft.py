@@ -261,7 +261,7 @@ def run(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(
             f"ctxmem bench ttft needs torch, transformers and (for --png) matplotlib: {exc}. "
-            "Install them with: pip install 'ctxmem[models]'",
+            "Install them with: pip install 'ctxmem-kv[models]'",
             file=sys.stderr,
         )
         return 2
