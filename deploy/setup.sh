@@ -118,6 +118,10 @@ run_tests() {
     bash deploy/ci/pyverbs-wheel.sh "$VENV"
     # Only the guest test files are named: pytest collection is slow under emulation.
     bash tests/vm/run.sh "$VENV/bin/pytest" -q -m vm tests/vm tests/dpu/storage/test_kernel_nvmeof_vm.py
+    # The repo may live anywhere, /tmp included (which the guest hides behind tmpfs): a
+    # clone under /tmp with its own .venv runs tests/vm/test_vm_paths.py (one short boot).
+    log "guest stage from a clone under /tmp (tests/vm/clone-check.sh)"
+    bash tests/vm/clone-check.sh "$VENV"
 }
 
 run_image() {

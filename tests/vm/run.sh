@@ -6,8 +6,9 @@
 #   bash tests/vm/run.sh .venv/bin/pytest -m vm tests -q
 #
 # The guest boots Debian's stock kernel (cached), shares the host's / read-only over 9p
-# (so it sees this repo, its .venv and the host's Python), and runs COMMAND from the
-# repo root. COMMAND's exit status becomes this script's exit status.
+# (the host's Python and everything else), mounts this repo (with its .venv) read-only
+# by its own share at the same path, so a checkout anywhere works, /tmp included, and
+# runs COMMAND from the repo root. COMMAND's exit status becomes this script's exit status.
 #
 # Environment (host side, all optional):
 #   CTXMEM_CACHE           cache root (default $HOME/.cache/ctxmem): kernel/, initramfs/
@@ -19,6 +20,9 @@
 #   CTXMEM_VM_NVMET_MB     size of the nvmet namespace's backing file (default 512)
 #   CTXMEM_VM_KVER         kernel version to boot, e.g. 6.1.0-50-amd64 (default: the one
 #                          linux-image-amd64 depends on)
+#   CTXMEM_VM_SHARES       more host directories to mount read-only at the same path in
+#                          the guest, space-separated (needed only for one under /tmp or
+#                          /run outside the repo: a venv or a Python installed there)
 #   CTXMEM_VM_PASSENV      names of host variables to export in the guest too
 #                          (e.g. "PYTEST_ADDOPTS CTXMEM_LOG_LEVEL")
 #   CTXMEM_VM_DEBUG=1      verbose kernel console and `set -x` in the guest script
@@ -46,13 +50,38 @@ case "${1:-}" in
 esac
 [ $# -gt 0 ] || { usage >&2; exit 2; }
 
-# The guest mounts tmpfs over /tmp and /run: host paths under them are invisible there.
-for p in "$repo" "$here/guest"; do
-  case "$(readlink -f "$p")/" in
-    /tmp/*|/run/*) die "$p is under /tmp or /run, which the guest hides behind tmpfs; keep the repo (and its .venv) elsewhere" ;;
-  esac
+# The guest mounts tmpfs over /tmp and /run, then the repo and CTXMEM_VM_SHARES at their
+# own paths (own 9p shares): a host path under /tmp or /run is visible there only when
+# it lies in one of those.
+shares=("$repo")
+for d in ${CTXMEM_VM_SHARES:-}; do
+  [ -d "$d" ] || die "CTXMEM_VM_SHARES: $d is not a directory"
+  shares+=("$(cd "$d" && pwd -P)")
 done
-case "$repo$cache" in *" "*) die "paths with spaces are not supported: $repo $cache" ;; esac
+case "$repo$cache${CTXMEM_VM_SHARES:-}" in
+  *" "*) die "paths with spaces are not supported: $repo $cache ${CTXMEM_VM_SHARES:-}" ;;
+esac
+hidden_in_guest() {  # PATH: true if the guest cannot see it
+  local p s
+  p=$(readlink -f "$1") || return 1
+  case "$p/" in /tmp/*|/run/*) ;; *) return 1 ;; esac
+  for s in "${shares[@]}"; do
+    case "$p/" in "$(readlink -f "$s")"/*) return 1 ;; esac
+  done
+  return 0
+}
+check_visible() {  # PATH WHAT
+  if hidden_in_guest "$1"; then
+    die "$2 ($(readlink -f "$1")) is under /tmp or /run, which the guest hides behind tmpfs, and outside the repo: name its directory in CTXMEM_VM_SHARES (or keep it elsewhere)"
+  fi
+}
+check_visible "$here/guest" "the guest script"
+if [ -e "$repo/.venv" ]; then
+  check_visible "$repo/.venv" "the repo's .venv"
+  venv_home=$(sed -n 's/^home *= *//p' "$repo/.venv/pyvenv.cfg" 2>/dev/null || true)
+  [ -z "$venv_home" ] || check_visible "$venv_home" "the .venv's base Python"
+fi
+case "${1:-}" in */*) [ ! -e "$1" ] || check_visible "$1" "the command $1" ;; esac
 
 for tool in qemu-system-x86_64 busybox depmod modprobe cpio gzip apt-get dpkg timeout; do
   command -v "$tool" >/dev/null || die "$tool not found: run deploy/ci/vm-deps.sh"
@@ -208,6 +237,13 @@ ctl=$out/.ctxmem-vm
 mkdir -p "$ctl"
 printf '%q ' "$@" > "$ctl/cmd"
 echo >> "$ctl/cmd"
+# Directories the guest mounts at their own path after its tmpfs mounts: "TAG PATH".
+: > "$ctl/mounts"
+qemu_shares=()
+for i in "${!shares[@]}"; do
+  echo "share$i ${shares[$i]}" >> "$ctl/mounts"
+  qemu_shares+=(-virtfs "local,path=${shares[$i]},mount_tag=share$i,security_model=none,readonly=on,multidevs=remap")
+done
 # Host variables named in CTXMEM_VM_PASSENV are exported in the guest too.
 : > "$ctl/env"
 for v in ${CTXMEM_VM_PASSENV:-}; do
@@ -235,6 +271,7 @@ qemu=(
   -virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"
   -virtfs "local,path=$out,mount_tag=out,security_model=none,multidevs=remap"
   -virtfs "local,path=$kroot,mount_tag=kmod,security_model=none,readonly=on"
+  "${qemu_shares[@]}"
   # user-mode network with no way out: the guest only talks to itself (rxe loopback).
   -netdev "user,id=n0,restrict=on" -device "virtio-net-pci,netdev=n0"
   -device virtio-rng-pci

@@ -60,6 +60,16 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 out "$OUT" || fail "mo
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000,ro,cache=loose kmod /run/kmod \
   || fail "mount kernel modules share"
 [ -f "$CTL/cmd" ] || fail "no command file $CTL/cmd"
+# The repo (and CTXMEM_VM_SHARES) at their host paths, over the tmpfs mounts above: a
+# checkout under /tmp or /run works like one anywhere else.
+if [ -f "$CTL/mounts" ]; then
+  while read -r tag path; do
+    [ -n "$tag" ] || continue
+    mkdir -p "$path" 2>/dev/null  # exists already unless under /tmp or /run
+    mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000,ro,cache=loose "$tag" "$path" \
+      || fail "mount share $tag at $path"
+  done < "$CTL/mounts"
+fi
 # Variables the host passed through (CTXMEM_VM_PASSENV); the contract set below wins.
 if [ -f "$CTL/env" ]; then . "$CTL/env"; fi
 
