@@ -58,9 +58,7 @@ for d in ${CTXMEM_VM_SHARES:-}; do
   [ -d "$d" ] || die "CTXMEM_VM_SHARES: $d is not a directory"
   shares+=("$(cd "$d" && pwd -P)")
 done
-case "$repo$cache${CTXMEM_VM_SHARES:-}" in
-  *" "*) die "paths with spaces are not supported: $repo $cache ${CTXMEM_VM_SHARES:-}" ;;
-esac
+case "$repo$cache" in *" "*) die "paths with spaces are not supported: $repo $cache" ;; esac
 hidden_in_guest() {  # PATH: true if the guest cannot see it
   local p s
   p=$(readlink -f "$1") || return 1
