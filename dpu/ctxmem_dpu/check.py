@@ -34,18 +34,14 @@ Exit status (as fsck): 0 clean, 1 problems found and all repaired, 4 problems le
 
 from __future__ import annotations
 
-import argparse
 import errno
 import fcntl
-import json
 import os
-import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from ctxmem_common.codecs import XtsCipher, crc32c, derive_namespace_key, xts_tweak
-from ctxmem_common.config import Config, load_config
-from ctxmem_common.errors import ConfigError, CtxmemError
+from ctxmem_common.config import Config
+from ctxmem_common.errors import ConfigError
 from ctxmem_common.flash_format import (
     DATA_START,
     SB_BACKUP_OFFSET,
@@ -63,8 +59,9 @@ from ctxmem_common.flash_format import (
     slots_per_slab,
 )
 from ctxmem_common.keyfile import load_master_key
-from ctxmem_dpu.check_superblock import format_command, refuse_if_owned
+from ctxmem_common.progress import progress
 from ctxmem_dpu.check_superblock import rebuild as rebuild_superblock
+from ctxmem_dpu.check_superblock import refuse_if_owned
 from ctxmem_dpu.check_superblock import write_pair as write_superblock_pair
 
 # Problem kinds. "warning" kinds are reported but are not errors.
@@ -185,9 +182,11 @@ class _Device:
 
 def check_devices(devices: list[tuple[str, str]], master_key: bytes | None,
                   repair: bool = False, verify_payloads: bool = True,
-                  log: list[str] | None = None, slab_size: int = 0) -> Report:
+                  log: list[str] | None = None, slab_size: int = 0,
+                  show_progress: bool = False) -> Report:
     """Check (and with ``repair``, fix) ``devices`` = [(name, path)]. ``slab_size``: the
-    configured one, tried first when a lost superblock is rebuilt."""
+    configured one, tried first when a lost superblock is rebuilt. ``show_progress``: a
+    bar per device, slab by slab, on a terminal (:mod:`ctxmem_common.progress`)."""
     report = Report()
     lines = log if log is not None else []
     opened: list[_Device] = []
@@ -203,7 +202,7 @@ def check_devices(devices: list[tuple[str, str]], master_key: bytes | None,
                 lines.append(f"{name}: in use by a running service: a live check may see "
                              f"writes in flight")
             _check_device(dev, rep, master_key, verify_payloads, by_key, ciphers, report,
-                          slab_size)
+                          slab_size, show_progress)
         _resolve_duplicates(by_key, {d.name: d for d in opened}, repair)
         for rep in report.devices:
             for p in rep.problems:
@@ -230,8 +229,8 @@ def check_devices(devices: list[tuple[str, str]], master_key: bytes | None,
 
 def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
                   verify_payloads: bool, by_key: dict[tuple[bytes, bytes], list[_Rec]],
-                  ciphers: dict[bytes, XtsCipher], report: Report, slab_hint: int = 0
-                  ) -> None:
+                  ciphers: dict[bytes, XtsCipher], report: Report, slab_hint: int = 0,
+                  show_progress: bool = False) -> None:
     def problem(kind: str, detail: str, slab: int = -1, slot: int = -1,
                 repaired: bool = False) -> Problem:
         p = Problem(kind, rep.name, slab, slot, detail, repaired)
@@ -268,7 +267,11 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
     if fits < sb.num_slabs:
         problem("truncated", f"{dev.size} bytes hold {fits} of {sb.num_slabs} slabs; the "
                              f"rest (and their blocks) are gone")
-    for slab in range(min(fits + 1, sb.num_slabs)):
+    n_slabs = min(fits + 1, sb.num_slabs)
+    bar = progress(n_slabs, f"ctxmem check {rep.name}", "slabs",
+                   show=None if show_progress else False)
+    for slab in range(n_slabs):
+        bar.set(slab)
         orphaned = False  # records of a slab whose header is damaged (not repaired)
         sh = reader.slab_header(slab, sb.slab_size)
         if sh is None:
@@ -355,6 +358,8 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
             else:
                 rep.records_ok += 1
             rep.used_bytes += sh.slot_size
+    bar.set(n_slabs)
+    bar.close()
 
 
 _PAYLOAD_BAD = {"crc": "payload CRC32C mismatch",
@@ -429,71 +434,7 @@ def read_master_key(cfg: Config) -> bytes | None:
 
 
 def check_command(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="ctxmem check",
-        description="Check (and repair) ctxmem flash devices, like fsck. Exit status: 0 "
-                    "clean, 1 problems found and repaired, 4 problems left, 8 cannot check.")
-    p.add_argument("--config", help="the service's YAML config (devices, master key)")
-    p.add_argument("--device", action="append", default=[], metavar="[NAME=]PATH",
-                   help="check this device instead of the config's (repeatable)")
-    p.add_argument("--repair", action="store_true",
-                   help="invalidate bad and shadowed records, restore a damaged superblock "
-                        "copy (the service must be stopped)")
-    p.add_argument("--format", action="store_true",
-                   help="format the --device(s) as new, empty devices: DISCARDS every record "
-                        "on them (the service formats only blank devices by itself)")
-    p.add_argument("--slab-size", metavar="SIZE",
-                   help="slab size for --format (default: flash.slab_size of --config)")
-    p.add_argument("--headers-only", action="store_true",
-                   help="skip reading and verifying payloads (fast)")
-    p.add_argument("--json", help="write the report as JSON here")
-    p.add_argument("-q", "--quiet", action="store_true", help="print the summary line only")
-    args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config) if args.config else None
-    except CtxmemError as exc:
-        print(f"ctxmem check: invalid config: {exc}", file=sys.stderr)
-        return 8
-    devices: list[tuple[str, str]] = []
-    for i, spec in enumerate(args.device):
-        name, sep, path = spec.partition("=")
-        devices.append((name, path) if sep else (f"device{i}", spec))
-    if args.format:
-        return format_command(args.device and devices, args.slab_size, cfg)
-    if not devices and cfg is not None:
-        for d in cfg.flash.devices:
-            if d.backend != "local" or not d.path:
-                print(f"ctxmem check: device {d.name!r} uses backend {d.backend!r}; attach it "
-                      f"and pass its path with --device {d.name}=PATH", file=sys.stderr)
-                return 8
-            devices.append((d.name, d.path))
-    if not devices:
-        print("ctxmem check: no devices: pass --config or --device", file=sys.stderr)
-        return 8
-    master = read_master_key(cfg) if cfg is not None else None
-    if master is None and os.environ.get("CTXMEM_MASTER_KEY"):
-        try:
-            master = bytes.fromhex(os.environ["CTXMEM_MASTER_KEY"].strip())
-        except ValueError:
-            master = None
-    lines: list[str] = []
-    try:
-        report = check_devices(devices, master, args.repair, not args.headers_only, lines,
-                               cfg.flash.slab_size if cfg is not None else 0)
-    except OSError as exc:
-        print(f"ctxmem check: {exc}", file=sys.stderr)
-        return 8
-    if not args.quiet:
-        for line in lines:
-            print(line)
-    print(f"ctxmem check: {len(report.devices)} device(s), {report.blocks} blocks, "
-          f"{report.payloads_verified} payloads verified: {report.errors} problem(s), "
-          f"{report.repaired} repaired, {report.warnings} warning(s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
-    if report.errors == 0:
-        return 0
-    unrepaired = sum(1 for d in report.devices for q in d.problems
-                     if q.kind not in WARNINGS and not q.repaired)
-    return 1 if unrepaired == 0 else 4
+    """``ctxmem check`` (:mod:`ctxmem_dpu.check_cli`)."""
+    from ctxmem_dpu.check_cli import check_command as run
 
+    return run(argv)

@@ -24,7 +24,8 @@ def _campaign(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any]]:
 
 
 def test_short_campaign(tmp_path: Path) -> None:
-    rc, report = _campaign(tmp_path, "--faults", "300", "--seed", "6")
+    rc, report = _campaign(tmp_path, "--faults", "300", "--seed", "6",
+                           "--png", str(tmp_path / "chaos.png"))
     assert report["wrong_blocks"] == 0, report["problems"]
     assert report["durable_blocks_lost"] == 0, report["problems"]
     assert report["resurrected_blocks"] == 0, report["problems"]
@@ -37,6 +38,13 @@ def test_short_campaign(tmp_path: Path) -> None:
     for field in ("faults_injected", "blocks_committed", "blocks_served", "wrong_blocks",
                   "blocks_lost", "lost_fraction"):
         assert field in report
+    # The timeline --png draws: from 0 to the end, a point every ~1.5 faults (300 / 200).
+    timeline = report["timeline"]
+    assert timeline[0]["faults"] == 0 and timeline[-1]["faults"] == report["faults_injected"]
+    assert 100 <= len(timeline) <= 302
+    assert [p["faults"] for p in timeline] == sorted(p["faults"] for p in timeline)
+    assert all(p["wrong_blocks"] == 0 for p in timeline)
+    assert (tmp_path / "chaos.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_kind_selection() -> None:

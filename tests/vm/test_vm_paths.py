@@ -30,7 +30,7 @@ def test_runs_from_this_checkout() -> None:
     assert Path.cwd().resolve() == REPO
     expected = os.environ.get("CTXMEM_VM_EXPECT_REPO")
     if expected:
-        assert REPO == Path(expected).resolve()
+        assert Path(expected).resolve() == REPO
     import ctxmem
     import ctxmem_common
     import ctxmem_dpu

@@ -24,6 +24,7 @@ import mmap
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from ctxmem.client import Client
 from ctxmem_common.codecs import XtsCipher, crc32c
 from ctxmem_common.keys import chain_hashes
 from ctxmem_common.layout import KVLayout
+from ctxmem_common.progress import Progress, progress
 from ctxmem_tools.launcher import ServiceProcess, local_config
 
 MiB = 1 << 20
@@ -162,7 +164,7 @@ def _pct(samples: list[float], q: float) -> float:
 
 def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, rounds: int,
                   tag: str, limits: dict[str, float], results: list[Result],
-                  with_lookup: bool) -> None:
+                  with_lookup: bool, bar: Progress | None = None) -> None:
     """Put/get/cold-get of ``batch`` blocks of ``block`` bytes, ``rounds`` times."""
     layout = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=block // 2,
                       tokens_per_block=1)
@@ -193,6 +195,8 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
             cold_t.append(time.perf_counter() - t)
             assert n == batch, f"cold get served {n} of {batch}"
             ns.delete(keys)
+            if bar is not None:
+                bar.update()
         if tag == "plain":
             bench_verify(svc, transport, layout, size, bufs, outs, rounds, limits, results)
         crypt = "_xts" if tag == "xts" else ""
@@ -241,7 +245,15 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
     p.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
+    p.add_argument("--png", metavar="FILE",
+                   help="draw every figure as a fraction of its limit (one bar chart)")
+    p.add_argument("--from-json", metavar="FILE",
+                   help="run nothing: draw --png from results written by --json")
     args = p.parse_args(argv)
+    if args.from_json:
+        if not args.png:
+            p.error("--from-json draws a figure: give --png FILE")
+        return _draw(Path(args.from_json), args.png)
     rounds = 3 if args.quick else args.rounds
     base = Path(args.workdir or tempfile.mkdtemp(prefix="ctxmem-bench-", dir="/var/tmp"))
     base.mkdir(parents=True, exist_ok=True)
@@ -249,7 +261,10 @@ def run(argv: list[str] | None = None) -> int:
     batch_bytes = args.batch_mib * MiB
     print(f"ctxmem bench: transport={args.transport}, {args.batch_mib} MiB per batch, "
           f"{rounds} rounds, workdir {base}")
+    # On a terminal: a bar with an ETA (the limits twice, then every round of each case).
+    bar = progress(2 + 4 * rounds, "ctxmem bench", "steps")
     limits = measure_limits(base, 2 * MiB, batch_bytes // (2 * MiB), repeat=5)
+    bar.update()
     for name, value in limits.items():
         results.append(Result(f"limit_{name}", value, "GB/s", value, 1.0))
     flash_size = f"{max(1024, 6 * args.batch_mib)}MiB"
@@ -261,12 +276,15 @@ def run(argv: list[str] | None = None) -> int:
         with ServiceProcess(base / tag, cfg) as svc:
             for block in (2 * MiB, 64 * 1024):
                 bench_service(svc, args.transport, block, batch_bytes // block, rounds, tag,
-                              limits, results, with_lookup=(tag == "xts" and block == 2 * MiB))
+                              limits, results, with_lookup=(tag == "xts" and block == 2 * MiB),
+                              bar=bar)
         (base / tag / "flash0.img").unlink(missing_ok=True)
     # The flash file sits on a virtual disk whose speed drifts a lot from second to second
     # (host-side caching): measure the limits again after the runs and compare every
     # figure with the best the machine showed in this run, never with a lucky-low limit.
     again = measure_limits(base, 2 * MiB, batch_bytes // (2 * MiB), repeat=5)
+    bar.update()
+    bar.close()
     for name, value in again.items():
         results.append(Result(f"limit_{name}_after", value, "GB/s", value, 1.0))
         limits[name] = max(limits[name], value)
@@ -291,4 +309,24 @@ def run(argv: list[str] | None = None) -> int:
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
+    if args.png:
+        from ctxmem_tools.plots import plot_bench
+
+        plot_bench({"results": [asdict(r) for r in results],
+                    "params": {"transport": args.transport, "batch_mib": args.batch_mib,
+                               "rounds": rounds}}, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _draw(source: Path, png: str) -> int:
+    from ctxmem_tools.plots import plot_bench
+
+    try:
+        plot_bench(json.loads(source.read_text()), png)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"ctxmem bench: cannot draw {source}: {exc!r} (is it a `ctxmem bench --json` "
+              "file?)", file=sys.stderr)
+        return 2
+    print(f"wrote {png}")
     return 0

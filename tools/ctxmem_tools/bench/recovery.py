@@ -53,6 +53,7 @@ from ctxmem_common.flash_format import (
 )
 from ctxmem_common.keys import namespace_digest
 from ctxmem_common.layout import KVLayout
+from ctxmem_common.progress import progress
 from ctxmem_common.units import parse_size
 from ctxmem_tools.launcher import ServiceProcess, local_config
 
@@ -255,6 +256,9 @@ def run(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     machine: dict[str, Any] = {"cpus": os.cpu_count(), "machine": platform.machine(),
                                "python": platform.python_version()}
+    # On a terminal: a bar over the blocks of every size (and the through-service run).
+    bar = progress(sum(sizes) + max(0, args.through_service), "ctxmem bench recovery",
+                   "blocks")
     try:
         rate = 0.0
         for n in sizes:
@@ -281,6 +285,7 @@ def run(argv: list[str] | None = None) -> int:
                   f"load {row.load_avg:.1f}", flush=True)
             if not args.keep:
                 shutil.rmtree(work, ignore_errors=True)
+            bar.update(n)
         if args.through_service:
             work = base / "through-service"
             row = _through_service(work, args.through_service, args.block_size,
@@ -291,6 +296,8 @@ def run(argv: list[str] | None = None) -> int:
                   f"{row.ready_s:.2f} s", flush=True)
             if not args.keep:
                 shutil.rmtree(work, ignore_errors=True)
+            bar.update(args.through_service)
+        bar.close()
         machine.update(read_gb_s=round(rate / 1e9, 3), loadavg=os.getloadavg())
         print(f"machine: {machine['cpus']} cores, sequential O_DIRECT read "
               f"{machine['read_gb_s']} GB/s, load average {machine['loadavg'][0]:.1f} "
@@ -299,6 +306,7 @@ def run(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(
                 {"machine": machine, "results": [asdict(r) for r in rows]}, indent=2))
     finally:
+        bar.close()
         if not args.keep and not args.dir:
             shutil.rmtree(base, ignore_errors=True)
     return 0

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ctxmem_common.faultpoints import ENV_CTL, ENV_JOURNAL
+from ctxmem_common.progress import enabled as progress_enabled
+from ctxmem_common.progress import progress as progress_bar
 from ctxmem_tools.chaos.records import (
     CORRUPTION,
     CRASH,
@@ -65,6 +67,9 @@ def select_kinds(spec: str) -> tuple[tuple[str, ...], list[str]]:
     return kinds, skipped
 
 
+TIMELINE_POINTS = 200
+"""About how many points the report's ``timeline`` holds (one every n/200 faults)."""
+
 MAX_TRIES = 200
 """How often a kind that has not run yet is tried again before the campaign gives up on it
 (and says so in ``problems``)."""
@@ -108,6 +113,10 @@ class Campaign(ScenarioFaults):
         i = 0
         stuck = 0
         tries: Counter[str] = Counter()
+        # On a terminal a bar with an ETA; elsewhere a line every 5% (when not quiet).
+        bar = progress_bar(n, "ctxmem chaos", "faults", show=progress and progress_enabled())
+        self.timeline = [self._sample(t0)]
+        every = max(1, n // TIMELINE_POINTS)
 
         def never_ran() -> list[str]:
             return [k for k in self.kinds
@@ -160,12 +169,29 @@ class Campaign(ScenarioFaults):
             if stuck > 200:
                 raise RuntimeError("no fault could be applied in 200 tries: the campaign is "
                                    "stuck (see the service log)")
-            if progress and self.st.faults_injected - last_report >= max(100, n // 20):
+            if self.st.faults_injected - self.timeline[-1]["faults"] >= every:
+                self.timeline.append(self._sample(t0))
+            if bar.active:
+                bar.set(min(n, self.st.faults_injected))
+                bar.note(served=self.st.blocks_served, wrong=self.st.wrong_blocks,
+                         starts=self.st.restarts)
+            elif progress and self.st.faults_injected - last_report >= max(100, n // 20):
                 last_report = self.st.faults_injected
                 print(f"  {self.st.faults_injected}/{n} faults, {self.st.restarts} starts, "
                       f"{self.st.blocks_served} blocks served, {self.st.wrong_blocks} wrong, "
                       f"{time.monotonic() - t0:.0f} s", flush=True)
+        bar.close()
+        if self.timeline[-1]["faults"] != self.st.faults_injected:
+            self.timeline.append(self._sample(t0))
         self.finish()
+
+    def _sample(self, t0: float) -> dict[str, float]:
+        """One point of the campaign's timeline (``--png`` draws it)."""
+        st = self.st
+        return {"t_s": round(time.monotonic() - t0, 2), "faults": st.faults_injected,
+                "blocks_committed": st.blocks_committed, "blocks_served": st.blocks_served,
+                "wrong_blocks": st.wrong_blocks, "durable_blocks_lost": st.durable_blocks_lost,
+                "restarts": st.restarts}
 
     def finish(self) -> None:
         """Clean stop, repair with ``ctxmem check --repair``, check again (clean), start
@@ -217,6 +243,7 @@ class Campaign(ScenarioFaults):
             "duration_s": round(duration, 1),
             "seed": self.seed,
             "problems": st.problems[:50],
+            "timeline": getattr(self, "timeline", []),
         }
         out["passed"] = (st.wrong_blocks == 0 and st.durable_blocks_lost == 0
                          and st.resurrected_blocks == 0 and st.space_leak_bytes == 0

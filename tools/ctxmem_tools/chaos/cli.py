@@ -41,8 +41,17 @@ def chaos_command(argv: list[str]) -> int:
                         "selected, else 30 s)")
     p.add_argument("--block-size", type=int, default=16384)
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
+    p.add_argument("--png", metavar="FILE",
+                   help="draw the campaign over time (faults, blocks served, wrong = 0) and "
+                        "the faults per kind into this PNG")
+    p.add_argument("--from-json", metavar="FILE",
+                   help="run nothing: draw --png from a report written by --json")
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.from_json:
+        if not args.png:
+            p.error("--from-json draws a figure: give --png FILE")
+        return _draw(Path(args.from_json), args.png)
     try:
         select_kinds(args.kinds or "corruption,device,crash")
     except ValueError as exc:
@@ -76,4 +85,23 @@ def chaos_command(argv: list[str]) -> int:
         print(f"problem: {line}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.png:
+        from ctxmem_tools.plots import plot_chaos
+
+        plot_chaos(report, args.png)
+        print(f"wrote {args.png}")
     return 0 if report["passed"] else 1
+
+
+def _draw(source: Path, png: str) -> int:
+    from ctxmem_tools.plots import plot_chaos
+
+    try:
+        report = json.loads(source.read_text())
+        plot_chaos(report, png)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"ctxmem chaos: cannot draw {source}: {exc!r} (is it a `ctxmem chaos --json` "
+              "report?)", file=sys.stderr)
+        return 2
+    print(f"wrote {png}")
+    return 0
