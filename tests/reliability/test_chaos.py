@@ -80,3 +80,44 @@ def test_scenario_kind(tmp_path: Path, kind: str, extra: tuple[str, ...]) -> Non
     assert report["kind_failures"] == {kind: 0}, report["problems"]
     assert report["wrong_blocks"] == 0 and report["durable_blocks_lost"] == 0
     assert rc == 0 and report["passed"], report["problems"]
+
+
+def test_progress_bar_on_a_terminal_only() -> None:
+    """``ctxmem chaos`` on a terminal: a bar with the faults done, percent, ETA and the
+    wrong-block count; with CI set (or on a pipe): no bar, the plain lines."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    root = Path(__file__).resolve().parents[2]
+    base = {k: v for k, v in os.environ.items() if k not in ("CI", "CTXMEM_PROGRESS")}
+    base["PYTHONPATH"] = os.pathsep.join(str(root / d) for d in ("shared", "dpu", "host",
+                                                                  "tools"))
+    cmd = [sys.executable, "-m", "ctxmem_common.cli", "chaos", "--faults", "12", "--kinds",
+           "corruption", "--seed", "3"]
+    outputs = {}
+    for ci in (False, True):
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+        env = {**base, "CI": "true"} if ci else base
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=slave, env=env,
+                                  timeout=240)
+            err = b""
+            while select.select([master], [], [], 0.2)[0]:
+                chunk = os.read(master, 65536)
+                if not chunk:
+                    break
+                err += chunk
+        finally:
+            os.close(slave)
+            os.close(master)
+        assert proc.returncode == 0, err.decode()
+        outputs[ci] = err.decode("utf-8", "replace")
+    assert "ctxmem chaos: 100%" in outputs[False], outputs[False]
+    assert "ETA" in outputs[False] and "wrong=0" in outputs[False], outputs[False]
+    assert "ETA" not in outputs[True] and "%|" not in outputs[True], outputs[True]

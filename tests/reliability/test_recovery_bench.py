@@ -7,13 +7,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ctxmem_tools.bench.recovery import run
+from tests.tools.ttyprobe import terminal_stderr
 
 
-def test_recovery_bench_small(tmp_path: Path) -> None:
+def test_recovery_bench_small(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "rec.json"
-    assert run(["--blocks", "3000", "--slab-size", "4MiB", "--through-service", "300",
-                "--dir", str(tmp_path / "imgs"), "--json", str(out)]) == 0
+    with terminal_stderr(monkeypatch) as drawn:  # on a terminal: a bar over the blocks
+        assert run(["--blocks", "3000", "--slab-size", "4MiB", "--through-service", "300",
+                    "--dir", str(tmp_path / "imgs"), "--json", str(out)]) == 0
+        err = drawn()
+    assert "ctxmem bench recovery: 100%" in err and "3300/3300 blocks" in err, err
+    assert "ETA" in err, err
     res = json.loads(out.read_text())
     rows = {r["source"]: r for r in res["results"]}
     assert rows["generated"]["recovered_blocks"] == 3000

@@ -15,6 +15,7 @@ import pytest
 from ctxmem_tools.bench.datapath import run as bench
 from ctxmem_tools.chaos.cli import chaos_command
 from ctxmem_tools.plots import bench_bars, plot_bench, plot_chaos
+from tests.tools.ttyprobe import terminal_stderr
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -34,10 +35,14 @@ def expected_bars(doc: dict[str, Any]) -> list[str]:
             if not r["name"].startswith("limit_") and r["unit"] != "ms/batch"]
 
 
-def test_bench_png_from_a_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_png_from_a_quick_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quick real run on a terminal: the bar (steps, percent, ETA), then the figure."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    assert bench(["--quick", "--batch-mib", "16", "--workdir", str(tmp_path / "work"),
-                  "--json", str(out), "--png", str(png)]) == 0
+    with terminal_stderr(monkeypatch) as drawn:
+        assert bench(["--quick", "--batch-mib", "16", "--workdir", str(tmp_path / "work"),
+                      "--json", str(out), "--png", str(png)]) == 0
+        err = drawn()
+    assert "ctxmem bench: 100%" in err and "14/14 steps" in err and "ETA" in err, err
     doc = json.loads(out.read_text())
     w, h = png_size(png)
     assert w > 600 and h > 600
@@ -48,8 +53,6 @@ def test_bench_png_from_a_quick_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert len(bars) == 22
     fractions = {r["name"]: r["fraction_of_limit"] for r in doc["results"]}
     assert all(b.fraction == fractions[b.label] for b in bars)
-    # Not a terminal: no progress bar on stderr.
-    assert "ETA" not in capsys.readouterr().err
 
 
 def test_bench_png_from_committed_json(tmp_path: Path) -> None:

@@ -135,10 +135,12 @@ def plot_chaos(report: Mapping[str, Any], path: str, title: str = "") -> dict[st
         top.set_xlabel("minutes into the campaign")
         top.set_ylabel("count (log)")
         zero = top.twinx()
-        for name, colour in zip(CHAOS_ZERO, ("#C44E52", "#8172B2"), strict=True):
+        # durable lost first, dashed: wrong blocks (the headline) is drawn over it.
+        for name, colour, style in zip(CHAOS_ZERO[::-1], ("#8172B2", "#C44E52"), (":", "-"),
+                                       strict=True):
             values = [p.get(name, 0) for p in timeline]
             drawn["timeline"][name] = values
-            zero.plot(t, values, color=colour, linewidth=2.5,
+            zero.plot(t, values, style, color=colour, linewidth=3 if style == "-" else 2,
                       label=f"{name.replace('_', ' ')} (must be 0)")
         zero.set_ylim(-0.5, max(5, *drawn["timeline"]["wrong_blocks"]) + 0.5)
         zero.set_ylabel("wrong / durable lost", color="#C44E52")
