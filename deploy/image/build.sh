@@ -150,7 +150,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# On a terminal: "[i/5] STEP — elapsed, ETA" lines from the last run's step timings
+# (deploy/image/progress.sh); quiet in CI and when stderr is not a terminal.
+# shellcheck source=deploy/image/progress.sh
+. "$HERE/progress.sh"
+progress_init "$CACHE/timings-$ARCH.txt" base wheels layers config output
+
 # ---------------------------------------------------------------- 1. base layer
+progress_step base
 # Runtime packages of the image. python3-venv brings ensurepip (pip for the venv);
 # tini reaps and forwards signals as PID 1; libibverbs1/ibverbs-providers/librdmacm1
 # are what pyverbs (the `rdma` extra) loads; nvme-cli serves the kernel NVMe-oF backend.
@@ -204,6 +211,7 @@ PYTAG="cp${PYVER/./}"              # e.g. cp311
 log "base: $PYBIN ($PYTAG), glibc 2.$GLIBC_MINOR"
 
 # ---------------------------------------------------------------- 2. wheels
+progress_step wheels
 t_wheels0=$(date +%s)
 SRC="$WORK/src"
 mkdir -p "$SRC" "$WORK/wheels"
@@ -246,6 +254,7 @@ rm -f "$WHEELHOUSE"/ctxmem_kv-*.whl "$WHEELHOUSE"/ctxmem-*.whl
 t_wheels=$(( $(date +%s) - t_wheels0 ))
 
 # ---------------------------------------------------------------- 3. layers
+progress_step layers
 t_layers0=$(date +%s)
 LAYOUT="$WORK/oci"
 BUNDLE="$WORK/bundle"
@@ -316,6 +325,7 @@ umoci repack --image "$LAYOUT:$TAG" \
 t_layers=$(( $(date +%s) - t_layers0 ))
 
 # ---------------------------------------------------------------- 4. config
+progress_step config
 created="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 revision="$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
 umoci config --image "$LAYOUT:$TAG" \
@@ -344,6 +354,7 @@ umoci config --image "$LAYOUT:$TAG" \
 umoci gc --layout "$LAYOUT"
 
 # ---------------------------------------------------------------- 5. output
+progress_step output
 OCI_TAR="$OUT/$NAME-$TAG.oci.tar"
 DOCKER_TAR="$OUT/$NAME-$TAG.docker.tar"
 rm -f "$OCI_TAR" "$DOCKER_TAR"
@@ -383,4 +394,5 @@ json.dump({
 }, open(record, "w"), indent=2)
 print(open(record).read())
 EOF
+progress_finish
 log "done in $((T1 - T0)) s"
