@@ -1,3 +1,4 @@
+#!/usr/bin/env bash
 # Step progress for deploy/image/build.sh (sourced), on a terminal only:
 #
 #   [2/5] wheels — 41 s elapsed, ETA ~1 min 10 s (from the last run's timings)
