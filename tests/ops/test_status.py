@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -141,3 +143,40 @@ def test_status_reads_config_and_says_when_down(busy: ServiceHandle) -> None:
     assert rc == 1 and out == ""
     assert f"cannot read http://{busy.metrics_listen}/metrics" in err
     assert "is the service running" in err
+
+
+def test_status_failed_then_recovered_device(service_factory: Callable[..., ServiceHandle]
+                                             ) -> None:
+    """A flash file cut short: the screen says degraded, the device failed, the read
+    errors; made whole again, the device is back and counted as recovered."""
+    svc = service_factory(write_policy="write_through")
+    assert svc.flash_path is not None
+    keys = [b"k%d" % i for i in range(4)]
+    with ctxmem.Client(svc.endpoint) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m", tenant="a")
+        ns.put(keys, [np.full(LAYOUT.block_nbytes, i, np.uint8) for i in range(4)])
+        ns.evict(keys)  # only on flash now
+        size = svc.flash_path.stat().st_size
+        os.truncate(svc.flash_path, 1 << 20)
+        assert ns.get(keys, [np.empty(LAYOUT.block_nbytes, np.uint8) for _ in keys]) == 0
+    rc, out, err = _run(["--url", svc.metrics_listen, "--json"])
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["health"] == {"ready": True, "status": "degraded: flash device flash0 failed"}
+    assert doc["devices"] == [{"name": "flash0", "state": "failed"}]
+    assert doc["device_events"]["failed"] == 1
+    assert doc["integrity"]["flash_read_errors"] >= 1
+    text = render_text(doc, width=100)
+    assert text.startswith("ctxmem degraded: flash device flash0 failed")
+    assert any("flash0" in ln and "failed" in ln for ln in text.splitlines())
+    os.truncate(svc.flash_path, size)
+    deadline = time.monotonic() + 30
+    while True:  # the service probes failed devices on its own schedule
+        rc, out, err = _run(["--url", svc.metrics_listen, "--json"])
+        doc = json.loads(out)
+        if doc["devices"][0]["state"] == "healthy" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert doc["devices"] == [{"name": "flash0", "state": "healthy"}], "not back in 30 s"
+    assert doc["device_events"] == {"failed": 1, "recovered": 1, "reattached": 0}
+    assert doc["health"]["status"] == "serving"
