@@ -115,7 +115,7 @@ def test_status_screen(busy: ServiceHandle) -> None:
     assert any("flash0" in ln and "healthy" in ln for ln in lines)
     assert "device events: 0 failed, 0 recovered, 0 reattached" in text
     integ = lines[lines.index(next(ln for ln in lines if "failed checks" in ln)) + 2]
-    assert integ.replace("│", " ").split() == ["0"] * 5, integ
+    assert integ.replace("│", " ").split()[-5:] == ["0"] * 5, integ
 
 
 def test_status_watch_bounded(busy: ServiceHandle) -> None:

@@ -97,7 +97,16 @@ def status_renderable(doc: dict[str, Any]) -> Group:
         integ.add_column(col, justify="right")
     integ.add_row(*(Text(f"{doc['integrity'][k]:.0f}", style="red" if doc["integrity"][k]
                          else "") for k in INTEGRITY_COLUMNS))
-    return Group(head, tiers, traffic, tenants, grants, devices, events, integ)
+    return Group(head, tiers, tenants, _side_by_side(traffic, grants),
+                 _side_by_side(devices, integ), events)
+
+
+def _side_by_side(*parts: Table) -> Table:
+    grid = Table.grid(padding=(0, 3))
+    for _ in parts:
+        grid.add_column(vertical="top")
+    grid.add_row(*parts)
+    return grid
 
 
 def render_text(doc: dict[str, Any], width: int = 100) -> str:
