@@ -42,8 +42,10 @@ def status_command(argv: list[str]) -> int:
                    help="seconds each HTTP request may take (default 5)")
     p.add_argument("--width", type=int, default=0, help="columns (default: the terminal's)")
     args = p.parse_args(argv)
-    if args.interval <= 0 or args.timeout <= 0:
-        p.error("--interval and --timeout must be > 0")
+    if args.interval <= 0 or args.timeout <= 0 or args.count < 0:
+        p.error("--interval and --timeout must be > 0, --count >= 0")
+    if args.count and not args.watch:
+        p.error("--count needs --watch")
     try:
         url = metrics_url(args.config, args.url)
         return _run(args, url)
