@@ -26,6 +26,8 @@ install_system() {
     command -v gcc >/dev/null || need+=(gcc)
     # Redis (Debian's package) is the pod tier's cluster index; the tests start their own.
     command -v redis-server >/dev/null || need+=(redis-server)
+    # promtool (Debian's prometheus package) checks deploy/prometheus/*.rules.yaml in the tests.
+    command -v promtool >/dev/null || need+=(prometheus)
     if [ ${#need[@]} -gt 0 ]; then
         log "apt-get install ${need[*]}"
         $SUDO apt-get update -qq

@@ -23,6 +23,7 @@ from ctxmem_common.identity import check_identity_mode, is_local_listen, network
 from ctxmem_common.keyfile import load_master_key
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
+from ctxmem_dpu import sdnotify
 from ctxmem_dpu.control.auth import SessionAuthInterceptor
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
@@ -212,5 +213,8 @@ async def serve(cfg: Config, ready_file: str | None = None) -> None:
         if ready_file:
             # No link followed, no other user's file truncated (ctxmem_common.safepaths).
             safepaths.write_ready_file(ready_file, f"{svc.grpc_port}\n")
+        # systemd Type=notify: started only now, once every listener is bound.
+        sdnotify.notify("READY=1", f"STATUS={svc.health()}", f"MAINPID={os.getpid()}")
         await stop.wait()
         log.info("shutting down")
+        sdnotify.notify("STOPPING=1", "STATUS=shutting down")

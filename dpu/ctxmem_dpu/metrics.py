@@ -25,7 +25,7 @@ import logging
 import socket
 import socketserver
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -40,6 +40,9 @@ from ctxmem_dpu.store import BlockStore
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The states ``ctxmem_flash_device_state`` reports, one series each per device.
+DEVICE_STATES = ("healthy", "failed", "taken_over", "full")
 
 
 class StoreCollector:
@@ -109,6 +112,7 @@ class StoreCollector:
         yield blocks
         yield GaugeMetricFamily("ctxmem_flash_devices_healthy", "Flash devices in service",
                                 value=s["flash_devices_healthy"])
+        yield from self._operator_families(s, c)
         # Per tenant (issue 12): bounded by quotas.stats_tenants (the rest is "_other").
         t_bytes = GaugeMetricFamily("ctxmem_tenant_used_bytes", "Bytes in use per tenant "
                                     "and tier", labels=["tenant", "tier"])
@@ -129,6 +133,61 @@ class StoreCollector:
         yield t_bytes
         yield t_ev
         yield t_ref
+        yield self._tenant_quotas(s)
+
+    def _operator_families(self, s: dict[str, float], c: Mapping[str, int]
+                           ) -> Iterator[Metric]:
+        """What ``ctxmem status`` and the alert rules read beyond the counters above:
+        grants, each flash device's state, and device events."""
+        yield GaugeMetricFamily("ctxmem_sessions", "Open sessions", value=s["sessions"])
+        yield GaugeMetricFamily("ctxmem_allocations", "Open allocations (puts not yet "
+                                "committed)", value=s["allocations"])
+        yield GaugeMetricFamily("ctxmem_dirty_blocks", "Write-back blocks not yet on flash",
+                                value=s["dirty_blocks"])
+        state = GaugeMetricFamily(
+            "ctxmem_flash_device_state", "Each flash device's state, one-hot: healthy, "
+            "failed, taken_over (another service owns it), full (its filesystem is full)",
+            labels=["device", "state"])
+        full = set(self.store.full_devices)
+        for dev in self.store.flash.devices:
+            now = ("full" if dev.name in full else "healthy") if dev.healthy else \
+                ("taken_over" if dev.health_reason == "taken over" else "failed")
+            for name in DEVICE_STATES:
+                state.add_metric([dev.name, name], 1.0 if name == now else 0.0)
+        yield state
+        events = CounterMetricFamily(
+            "ctxmem_flash_device_events", "Flash device events: failed (taken out of "
+            "service), recovered (probed healthy again), reattached (reopened where it "
+            "moved)", labels=["event"])
+        for event, key in (("failed", "flash_device_failures"),
+                           ("recovered", "flash_device_recoveries"),
+                           ("reattached", "flash_device_reopened")):
+            events.add_metric([event], c[key])
+        yield events
+        full_ev = CounterMetricFamily("ctxmem_tier_full", "Requests that found a tier full",
+                                      labels=["tier"])
+        full_ev.add_metric(["dram"], c["dram_full"])
+        full_ev.add_metric(["flash"], c["flash_full"])
+        yield full_ev
+        yield CounterMetricFamily("ctxmem_lookup_keys", "Keys asked for by Lookup",
+                                  value=c["lookup_keys"])
+        yield CounterMetricFamily("ctxmem_lookup_hits", "Keys Lookup found stored",
+                                  value=c["lookup_hits"])
+
+    def _tenant_quotas(self, s: dict[str, float]) -> Metric:
+        """Each tenant's ceiling (``quotas.*.dram_max``/``flash_max``) in bytes, for the
+        tenants the per-tenant families above name (``_other``: the default quota)."""
+        fam = GaugeMetricFamily("ctxmem_tenant_quota_bytes", "A tenant's ceiling per tier "
+                                "(quota max fraction times the tier's capacity)",
+                                labels=["tenant", "tier"])
+        tenants = sorted({k[len("tenant."):].rpartition(".")[0] for k in s
+                          if k.startswith("tenant.")})
+        quotas = self.store.cfg.quotas
+        for t in tenants:
+            q = quotas.of(t)
+            fam.add_metric([t, "dram"], q.dram_max * s["dram_capacity_bytes"])
+            fam.add_metric([t, "flash"], q.flash_max * s["flash_capacity_bytes"])
+        return fam
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -175,6 +175,9 @@ def test_systemd_unit_hardening(path: Path) -> None:
     assert one("ProtectHome") == "yes"
     assert one("LimitMEMLOCK") == "infinity", "RDMA memory registration"
     assert one("Restart") == "on-failure"
+    # Readiness from the service itself (sd_notify READY=1: tests/ops/test_sdnotify.py).
+    assert one("Type") == "notify"
+    assert one("NotifyAccess") == "main", "ExecStart runs the service itself, no wrapper"
     assert one("StateDirectory") == "ctxmem"
     assert one("RuntimeDirectory") == "ctxmem"
     # Device access must stay possible: no private /dev, no closed device policy.

@@ -1,0 +1,182 @@
+"""`ctxmem status` against a real service (issue 18, item 2): the JSON document parsed,
+the rich screen rendered to text, `--watch` bounded, rates between refreshes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import ctxmem
+from ctxmem_dpu.status.command import status_command
+from ctxmem_dpu.status.render import render_text
+from ctxmem_dpu.status.scrape import scrape, status_document
+from tests.conftest import ServiceHandle
+
+LAYOUT = ctxmem.KVLayout(dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,
+                         tokens_per_block=16)
+N = 8
+
+
+def _traffic(svc: ServiceHandle) -> None:
+    """Tenant "alpha" puts N blocks and reads them back; "beta" puts 2; one miss."""
+    rng = np.random.default_rng(7)
+    with ctxmem.Client(svc.endpoint) as c:
+        for tenant, n in (("alpha", N), ("beta", 2)):
+            ns = c.open_namespace(LAYOUT, model_id="m", tenant=tenant)
+            keys = [f"{tenant}-{i}".encode() for i in range(n)]
+            data = [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in keys]
+            ns.put(keys, data)
+            out = [np.empty(LAYOUT.block_nbytes, np.uint8) for _ in keys]
+            assert ns.get(keys, out) == n
+            assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+            assert ns.get([b"never-stored"], [np.empty(LAYOUT.block_nbytes, np.uint8)]) == 0
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = status_command(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def busy(service_factory: Callable[..., ServiceHandle]) -> ServiceHandle:
+    svc = service_factory(quotas={"tenants": {"beta": {"dram_max": 0.5}}})
+    _traffic(svc)
+    return svc
+
+
+def test_status_json(busy: ServiceHandle) -> None:
+    rc, out, err = _run(["--url", busy.metrics_listen, "--json"])
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["schema"] == 1
+    assert doc["health"] == {"ready": True, "status": "serving"}
+    block = LAYOUT.block_nbytes
+    dram = doc["tiers"]["dram"]
+    assert dram["blocks"] == N + 2
+    assert dram["used_bytes"] >= (N + 2) * block
+    assert dram["capacity_bytes"] == 128 << 20
+    assert dram["occupancy"] == dram["used_bytes"] / dram["capacity_bytes"]
+    # N + 2 hits from DRAM, 2 misses: hit rate 10/12.
+    assert dram["hits"] == N + 2 and doc["misses"] == 2
+    assert doc["hit_rate"] == pytest.approx((N + 2) / (N + 4))
+    assert doc["rates"] == {"put_bytes_per_s": None, "get_bytes_per_s": None,
+                            "demote_bytes_per_s": None}, "one sample: no rate yet"
+    names = {t["name"]: t for t in doc["tenants"]}
+    assert set(names) == {"alpha", "beta"}
+    assert names["alpha"]["dram_bytes"] >= N * block
+    assert names["alpha"]["dram_share"] > names["beta"]["dram_share"] > 0
+    assert names["beta"]["dram_quota_bytes"] == (128 << 20) / 2
+    assert names["alpha"]["dram_quota_bytes"] == 128 << 20
+    # One session per tenant (they end at session_idle_s), no lease left open.
+    assert doc["sessions"] == 2 and doc["leases"] == 0 and doc["allocations"] == 0
+    assert doc["devices"] == [{"name": "flash0", "state": "healthy"}]
+    assert doc["device_events"] == {"failed": 0, "recovered": 0, "reattached": 0}
+    assert doc["integrity"]["integrity_failures"] == 0
+
+
+def test_status_rates_between_refreshes(busy: ServiceHandle) -> None:
+    first = scrape(f"http://{busy.metrics_listen}")
+    _traffic_more(busy)
+    second = scrape(f"http://{busy.metrics_listen}")
+    doc = status_document(second, first)
+    moved = 3 * LAYOUT.block_nbytes
+    dt = second.at - first.at
+    assert doc["interval_s"] == pytest.approx(dt)
+    assert doc["rates"]["put_bytes_per_s"] == pytest.approx(moved / dt)
+    assert doc["rates"]["get_bytes_per_s"] == 0
+
+
+def _traffic_more(svc: ServiceHandle) -> None:
+    with ctxmem.Client(svc.endpoint) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m", tenant="gamma")
+        ns.put([b"g0", b"g1", b"g2"], [np.ones(LAYOUT.block_nbytes, np.uint8)] * 3)
+
+
+def test_status_screen(busy: ServiceHandle) -> None:
+    doc = status_document(scrape(f"http://{busy.metrics_listen}"))
+    text = render_text(doc, width=110)
+    lines = text.splitlines()
+    assert lines[0].startswith("ctxmem serving")
+    row = next(ln for ln in lines if ln.strip("│ ").startswith("dram"))
+    assert f"{N + 2}" in row.split("│")[5], row  # the blocks column
+    assert "128.0 MiB" in row
+    assert "83.3%" in next(ln for ln in lines if ln.strip("│ ").startswith("all"))
+    tenants = [ln.split("│")[1].strip() for ln in lines if ln.count("│") >= 9]
+    assert {"alpha", "beta"} <= set(tenants)
+    assert any("flash0" in ln and "healthy" in ln for ln in lines)
+    assert "device events: 0 failed, 0 recovered, 0 reattached" in text
+    integ = lines[lines.index(next(ln for ln in lines if "failed checks" in ln)) + 2]
+    assert integ.replace("│", " ").split()[-5:] == ["0"] * 5, integ
+
+
+def test_status_watch_bounded(busy: ServiceHandle) -> None:
+    rc, out, err = _run(["--url", busy.metrics_listen, "--json", "--watch", "--count", "3",
+                         "--interval", "0.2"])
+    assert rc == 0, err
+    docs = [json.loads(ln) for ln in out.splitlines()]
+    assert len(docs) == 3
+    assert docs[0]["rates"]["put_bytes_per_s"] is None
+    for d in docs[1:]:
+        assert d["rates"]["put_bytes_per_s"] == 0.0  # nothing moved between refreshes
+        assert d["interval_s"] >= 0.2
+    rc, out, err = _run(["--url", busy.metrics_listen, "--watch", "--count", "2",
+                         "--interval", "0.1", "--width", "100"])
+    assert rc == 0, err
+    assert out.count("ctxmem serving") == 2
+
+
+def test_status_reads_config_and_says_when_down(busy: ServiceHandle) -> None:
+    rc, out, _ = _run(["--config", str(busy.config_path), "--json"])
+    assert rc == 0
+    assert json.loads(out)["endpoint"] == f"http://{busy.metrics_listen}"
+    busy.stop()
+    rc, out, err = _run(["--url", busy.metrics_listen, "--timeout", "2"])
+    assert rc == 1 and out == ""
+    assert f"cannot read http://{busy.metrics_listen}/metrics" in err
+    assert "is the service running" in err
+
+
+def test_status_failed_then_recovered_device(service_factory: Callable[..., ServiceHandle]
+                                             ) -> None:
+    """A flash file cut short: the screen says degraded, the device failed, the read
+    errors; made whole again, the device is back and counted as recovered."""
+    svc = service_factory(write_policy="write_through")
+    assert svc.flash_path is not None
+    keys = [b"k%d" % i for i in range(4)]
+    with ctxmem.Client(svc.endpoint) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m", tenant="a")
+        ns.put(keys, [np.full(LAYOUT.block_nbytes, i, np.uint8) for i in range(4)])
+        ns.evict(keys)  # only on flash now
+        size = svc.flash_path.stat().st_size
+        os.truncate(svc.flash_path, 1 << 20)
+        assert ns.get(keys, [np.empty(LAYOUT.block_nbytes, np.uint8) for _ in keys]) == 0
+    rc, out, err = _run(["--url", svc.metrics_listen, "--json"])
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["health"] == {"ready": True, "status": "degraded: flash device flash0 failed"}
+    assert doc["devices"] == [{"name": "flash0", "state": "failed"}]
+    assert doc["device_events"]["failed"] == 1
+    assert doc["integrity"]["flash_read_errors"] >= 1
+    text = render_text(doc, width=100)
+    assert text.startswith("ctxmem degraded: flash device flash0 failed")
+    assert any("flash0" in ln and "failed" in ln for ln in text.splitlines())
+    os.truncate(svc.flash_path, size)
+    deadline = time.monotonic() + 30
+    while True:  # the service probes failed devices on its own schedule
+        rc, out, err = _run(["--url", svc.metrics_listen, "--json"])
+        doc = json.loads(out)
+        if doc["devices"][0]["state"] == "healthy" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert doc["devices"] == [{"name": "flash0", "state": "healthy"}], "not back in 30 s"
+    assert doc["device_events"] == {"failed": 1, "recovered": 1, "reattached": 0}
+    assert doc["health"]["status"] == "serving"
