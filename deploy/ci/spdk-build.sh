@@ -25,11 +25,12 @@
 set -euo pipefail
 
 # Bump when the way SPDK is built changes (invalidates the cache).
-RECIPE=1
+RECIPE=2
 SPDK_TARBALL=spdk/spdk-3230130e.tar.xz
 ISAL_CRYPTO_TARBALL=isa-l_crypto/isa-l_crypto-2.26-5-gad5aab1.tar.xz
 # Debian packages whose libraries the build links against (their versions key the cache).
-LINKED_PKGS=(libdpdk-dev libisal-dev liburing-dev libssl-dev libnuma-dev libaio-dev libfuse3-dev)
+LINKED_PKGS=(libdpdk-dev libisal-dev liburing-dev libssl-dev libnuma-dev libaio-dev libfuse3-dev
+             libibverbs-dev librdmacm-dev)
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -144,8 +145,10 @@ patch_line lib/env_dpdk/env.mk \
   "DPDK library list"
 
 t0=$(date +%s)
+# --with-rdma: NVMe-oF over RDMA (Soft-RoCE in the guest) against Debian's rdma-core;
+# --with-crypto: bdev_crypto; software AES-XTS comes from ISA-L crypto (accel_sw).
 ./configure --with-shared --with-dpdk=/usr --with-isal=/usr --with-isal-crypto="$isal" \
-  --with-crypto --with-ublk --disable-unit-tests --disable-tests --disable-examples \
+  --with-rdma --with-crypto --with-ublk --disable-unit-tests --disable-tests --disable-examples \
   >"$tmp/spdk-configure.log" 2>&1 || { tail -n 40 "$tmp/spdk-configure.log" >&2; die "SPDK configure failed"; }
 # CONFIG_IPSEC_MB=n: configure turns it on because Debian's DPDK was built with it, and
 # the top Makefile would then build the absent intel-ipsec-mb submodule.

@@ -78,8 +78,8 @@ case "$kernel_suite" in
     bpo=$cache/kernel/apt-backports
     mkdir -p "$bpo/lists/partial" "$bpo/cache/archives/partial"
     printf '%s\n' "Types: deb" "URIs: http://deb.debian.org/debian" "Suites: bookworm-backports" \
-      "Components: main" "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" > "$bpo/sources"
-    APT_OPTS=(-o "Dir::Etc::SourceList=$bpo/sources" -o Dir::Etc::SourceParts=/nonexistent
+      "Components: main" "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" > "$bpo/backports.sources"
+    APT_OPTS=(-o "Dir::Etc::SourceList=$bpo/backports.sources" -o Dir::Etc::SourceParts=/nonexistent
               -o "Dir::State::Lists=$bpo/lists" -o "Dir::Cache=$bpo/cache")
     ;;
   *) die "CTXMEM_VM_KERNEL=$kernel_suite: expected stock or backports" ;;

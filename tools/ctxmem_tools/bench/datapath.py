@@ -61,8 +61,12 @@ def _best_rate(fn: Callable[[], None], nbytes: int, repeat: int) -> float:
     return nbytes / best
 
 
-def measure_limits(flash_path: Path, block: int, count: int, repeat: int) -> dict[str, float]:
-    """GB/s of the primitives the data path is built from, on ``count`` blocks."""
+def measure_limits(scratch: Path, block: int, count: int, repeat: int,
+                   offset: int = 0) -> dict[str, float]:
+    """GB/s of the primitives the data path is built from, on ``count`` blocks.
+
+    O_DIRECT is measured on ``scratch``: a file beside the flash file (created, then
+    removed), or a block device (``offset`` onward, zeroed again afterwards)."""
     src = [np.random.default_rng(i).integers(0, 255, block, dtype=np.uint8) for i in range(count)]
     dst = [np.empty(block, dtype=np.uint8) for _ in range(count)]
     total = block * count
@@ -93,29 +97,35 @@ def measure_limits(flash_path: Path, block: int, count: int, repeat: int) -> dic
         "copy_crc": _best_rate(copy_crc, total, repeat) / GB,
         "aes_xts": _best_rate(xts, total, repeat) / GB,
     }
-    # O_DIRECT on a scratch file beside the flash file (same filesystem, same device).
-    scratch = flash_path.parent / "odirect-limit.bin"
-    fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    device = scratch.is_block_device()
+    fd = os.open(scratch, os.O_RDWR | os.O_DIRECT | (0 if device else os.O_CREAT), 0o600)
     try:
-        os.ftruncate(fd, total)
+        if not device:
+            os.ftruncate(fd, total)
         bufs = [mmap.mmap(-1, block) for _ in range(count)]
         for b in bufs:
             b.write(os.urandom(64) * (block // 64))
 
         def write() -> None:
             for i, b in enumerate(bufs):
-                os.pwrite(fd, b, i * block)
+                os.pwrite(fd, b, offset + i * block)
             os.fdatasync(fd)
 
         def read() -> None:
             for i, b in enumerate(bufs):
-                os.preadv(fd, [b], i * block)
+                os.preadv(fd, [b], offset + i * block)
 
         limits["odirect_write"] = _best_rate(write, total, repeat) / GB
         limits["odirect_read"] = _best_rate(read, total, repeat) / GB
+        if device:  # leave the device as blank as it was (a service formats blank ones)
+            zero = mmap.mmap(-1, block)
+            for i in range(count):
+                os.pwrite(fd, zero, offset + i * block)
+            os.fdatasync(fd)
     finally:
         os.close(fd)
-        scratch.unlink(missing_ok=True)
+        if not device:
+            scratch.unlink(missing_ok=True)
     return limits
 
 
@@ -230,6 +240,31 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
                 results.append(Result(f"lookup_10k_{label}", ms, "ms", 5.0, 5.0 / ms))
 
 
+def _limits(base: Path, device_entry: dict[str, object] | None, batch_bytes: int
+            ) -> dict[str, float]:
+    """The limits, with O_DIRECT measured on a scratch file in ``base`` or, for a
+    configured flash device (its backend: SPDK, kernel NVMe-oF, local), on the device's
+    last ``batch_bytes`` while this process has it attached (detached again afterwards,
+    so the service owns it)."""
+    count = batch_bytes // (2 * MiB)
+    if device_entry is None:
+        return measure_limits(base / "odirect-limit.bin", 2 * MiB, count, repeat=5)
+    from ctxmem_dpu.storage import open_backend, parse_device_spec
+
+    backend = open_backend(parse_device_spec(device_entry, "--flash-device"))
+    try:
+        path = Path(backend.attach(timeout_s=120))
+        size = backend.size_bytes
+        if size is None or size < 4 * batch_bytes:
+            raise SystemExit(f"ctxmem bench: flash device {path} holds {size} bytes; it needs "
+                             f"at least {4 * batch_bytes} for {batch_bytes >> 20} MiB batches")
+        return measure_limits(path, 2 * MiB, count, repeat=5,
+                              offset=(size - batch_bytes) // MiB * MiB)
+    finally:
+        backend.detach()
+        backend.close()
+
+
 def run(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ctxmem bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -241,6 +276,10 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--batch-mib", type=int, default=64, help="bytes per batch, MiB")
     p.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
+    p.add_argument("--flash-device", default=None, metavar="FILE",
+                   help="a JSON file with one flash.devices entry (e.g. backend spdk: the "
+                        "flash tier on SPDK) to use instead of a flash file; the O_DIRECT "
+                        "limit is then measured on that device (its last bytes)")
     args = p.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     base = Path(args.workdir or tempfile.mkdtemp(prefix="ctxmem-bench-", dir="/var/tmp"))
@@ -249,7 +288,10 @@ def run(argv: list[str] | None = None) -> int:
     batch_bytes = args.batch_mib * MiB
     print(f"ctxmem bench: transport={args.transport}, {args.batch_mib} MiB per batch, "
           f"{rounds} rounds, workdir {base}")
-    limits = measure_limits(base, 2 * MiB, batch_bytes // (2 * MiB), repeat=5)
+    device_entry = json.loads(Path(args.flash_device).read_text()) if args.flash_device else None
+    if device_entry is not None:
+        print(f"flash tier: {device_entry.get('backend')} device {device_entry.get('name')}")
+    limits = _limits(base, device_entry, batch_bytes)
     for name, value in limits.items():
         results.append(Result(f"limit_{name}", value, "GB/s", value, 1.0))
     flash_size = f"{max(1024, 6 * args.batch_mib)}MiB"
@@ -258,6 +300,9 @@ def run(argv: list[str] | None = None) -> int:
                            dram_slab="32MiB", flash_size=flash_size, flash_slab="64MiB",
                            transports=[args.transport], service={"rdma_listen": os.environ.get(
                                "CTXMEM_RDMA_LISTEN", "0.0.0.0")})  # rdma: any RoCE v2 GID
+        if device_entry is not None:
+            cfg["flash"]["devices"] = [device_entry]
+            cfg["flash"]["o_direct"] = True
         with ServiceProcess(base / tag, cfg) as svc:
             for block in (2 * MiB, 64 * 1024):
                 bench_service(svc, args.transport, block, batch_bytes // block, rounds, tag,
@@ -266,7 +311,7 @@ def run(argv: list[str] | None = None) -> int:
     # The flash file sits on a virtual disk whose speed drifts a lot from second to second
     # (host-side caching): measure the limits again after the runs and compare every
     # figure with the best the machine showed in this run, never with a lucky-low limit.
-    again = measure_limits(base, 2 * MiB, batch_bytes // (2 * MiB), repeat=5)
+    again = _limits(base, device_entry, batch_bytes)
     for name, value in again.items():
         results.append(Result(f"limit_{name}_after", value, "GB/s", value, 1.0))
         limits[name] = max(limits[name], value)
@@ -287,7 +332,7 @@ def run(argv: list[str] | None = None) -> int:
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version()},
             "params": {"transport": args.transport, "batch_mib": args.batch_mib,
-                       "rounds": rounds},
+                       "rounds": rounds, "flash_device": device_entry},
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
