@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the Debian packages the QEMU guest harness (tests/vm/), the pyverbs wheel
-# build (deploy/ci/pyverbs-wheel.sh) and the SPDK build (deploy/ci/spdk-build.sh) need. Idempotent: installs only what is missing and
-# runs `apt-get update` only when a package is missing (or its index is absent).
+# build (deploy/ci/pyverbs-wheel.sh) and the SPDK build (deploy/ci/spdk-build.sh) need.
+# Idempotent: installs only what is missing and runs `apt-get update` only when a
+# package is missing (or its index is absent).
 # Works as root; uses sudo otherwise.
 set -euo pipefail
 

@@ -142,3 +142,27 @@ class SpdkApp:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ctxmem_tools.spdk_app --workdir DIR -- COMMAND...``: run COMMAND while
+    a ``spdk_tgt`` listens on ``DIR/spdk.sock`` (e.g. ``ctxmem bench --flash-device`` with
+    an ``spdk`` device in the QEMU guest); exits with COMMAND's status."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ctxmem_tools.spdk_app", description=main.__doc__)
+    p.add_argument("--workdir", required=True, help="private directory for socket and log")
+    p.add_argument("--mem-mb", type=int, default=1024)
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("no COMMAND given")
+    with SpdkApp(Path(args.workdir), mem_mb=args.mem_mb) as app:
+        app.start()
+        print(f"spdk_app: spdk_tgt ({app.prefix}) listening on {app.socket}", flush=True)
+        return subprocess.run(command, check=False).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
