@@ -6,21 +6,20 @@ the QEMU test guest's ``/var/tmp`` is read-only). ctxmem's ``spdk`` backend then
 it over that socket exactly as it drives SNAP on a BlueField.
 
 The build is found through ``CTXMEM_SPDK_PREFIX`` (``tests/vm/run.sh`` sets it in the
-guest; the prefix holds ``bin/spdk_tgt`` and ``lib/``).
+guest; the prefix holds ``bin/spdk_tgt`` and ``lib/``). Test and bench set-up calls go
+through SPDK's own JSON-RPC client (the ``spdk`` extra); the tools never import the
+service (tests/test_boundaries.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
-
-from ctxmem_dpu.storage.base import StorageError
-from ctxmem_dpu.storage.spdk_requests import RpcRequest
-from ctxmem_dpu.storage.spdk_rpc import SpdkRpcChannel, SpdkRpcError
 
 __all__ = ["SpdkApp", "spdk_prefix"]
 
@@ -61,6 +60,7 @@ class SpdkApp:
         self.log_path = workdir / "spdk_tgt.log"
         self.mem_mb = mem_mb
         self.proc: subprocess.Popen[bytes] | None = None
+        self._client: Any = None
 
     def start(self, timeout_s: float = 120.0) -> None:
         """Start ``spdk_tgt`` and wait until its RPC socket answers ``spdk_get_version``.
@@ -88,12 +88,12 @@ class SpdkApp:
                     f"spdk_tgt exited with status {self.proc.returncode}; its log "
                     f"({self.log_path}):\n{self.log()}")
             if os.path.exists(self.socket):
+                from spdk.rpc.client import JSONRPCException
+
                 try:
                     self.rpc("spdk_get_version", timeout_s=10.0)
                     return
-                except SpdkRpcError:
-                    raise  # it answered, with an error: not a start-up delay
-                except StorageError:
+                except (JSONRPCException, OSError):
                     pass  # not listening yet: keep waiting
             if time.monotonic() > deadline:
                 self.kill()
@@ -104,12 +104,30 @@ class SpdkApp:
 
     def rpc(self, method: str, params: dict[str, Any] | None = None,
             timeout_s: float = 60.0) -> Any:
-        """One JSON-RPC call (test and bench setup; ctxmem's own come from its backend)."""
-        channel = SpdkRpcChannel(self.socket, "spdk_app")
+        """One JSON-RPC call (test and bench set-up; ctxmem's own come from its backend).
+
+        Raises:
+            spdk.rpc.client.JSONRPCException: SPDK's error (the reply quoted), or no reply
+                within ``timeout_s``; the next call reconnects.
+        """
+        from spdk.rpc.client import JSONRPCClient
+
+        if self._client is None:
+            self._client = JSONRPCClient(self.socket, timeout=timeout_s, conn_retries=0)
+            # The client adds a log handler per instance to a per-address logger.
+            del self._client.get_logger().handlers[1:]
+        self._client.timeout = timeout_s
         try:
-            return channel.call(RpcRequest(method, params or {}), timeout_s)
-        finally:
-            channel.close()
+            return self._client.call(method, dict(params or {}))
+        except Exception:
+            self._drop_client()
+            raise
+
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(OSError):
+                client.close()
 
     def log(self) -> str:
         try:
@@ -119,6 +137,7 @@ class SpdkApp:
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGINT (SPDK's clean shutdown: it stops its disks and detaches), then kill."""
+        self._drop_client()
         proc, self.proc = self.proc, None
         if proc is None:
             return None

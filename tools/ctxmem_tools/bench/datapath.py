@@ -240,31 +240,6 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
                 results.append(Result(f"lookup_10k_{label}", ms, "ms", 5.0, 5.0 / ms))
 
 
-def _limits(base: Path, device_entry: dict[str, object] | None, batch_bytes: int
-            ) -> dict[str, float]:
-    """The limits, with O_DIRECT measured on a scratch file in ``base`` or, for a
-    configured flash device (its backend: SPDK, kernel NVMe-oF, local), on the device's
-    last ``batch_bytes`` while this process has it attached (detached again afterwards,
-    so the service owns it)."""
-    count = batch_bytes // (2 * MiB)
-    if device_entry is None:
-        return measure_limits(base / "odirect-limit.bin", 2 * MiB, count, repeat=5)
-    from ctxmem_dpu.storage import open_backend, parse_device_spec
-
-    backend = open_backend(parse_device_spec(device_entry, "--flash-device"))
-    try:
-        path = Path(backend.attach(timeout_s=120))
-        size = backend.size_bytes
-        if size is None or size < 4 * batch_bytes:
-            raise SystemExit(f"ctxmem bench: flash device {path} holds {size} bytes; it needs "
-                             f"at least {4 * batch_bytes} for {batch_bytes >> 20} MiB batches")
-        return measure_limits(path, 2 * MiB, count, repeat=5,
-                              offset=(size - batch_bytes) // MiB * MiB)
-    finally:
-        backend.detach()
-        backend.close()
-
-
 def run(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ctxmem bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,8 +253,11 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
     p.add_argument("--flash-device", default=None, metavar="FILE",
                    help="a JSON file with one flash.devices entry (e.g. backend spdk: the "
-                        "flash tier on SPDK) to use instead of a flash file; the O_DIRECT "
-                        "limit is then measured on that device (its last bytes)")
+                        "flash tier on SPDK) for the service instead of a flash file")
+    p.add_argument("--odirect-path", default=None, metavar="PATH",
+                   help="measure the O_DIRECT limit here: a block device (its last batch "
+                        "of bytes, zeroed again afterwards; e.g. the same remote namespace "
+                        "through the kernel initiator) instead of a scratch file in workdir")
     args = p.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     base = Path(args.workdir or tempfile.mkdtemp(prefix="ctxmem-bench-", dir="/var/tmp"))
@@ -291,7 +269,17 @@ def run(argv: list[str] | None = None) -> int:
     device_entry = json.loads(Path(args.flash_device).read_text()) if args.flash_device else None
     if device_entry is not None:
         print(f"flash tier: {device_entry.get('backend')} device {device_entry.get('name')}")
-    limits = _limits(base, device_entry, batch_bytes)
+    scratch, offset = base / "odirect-limit.bin", 0
+    if args.odirect_path:
+        scratch = Path(args.odirect_path)
+        if not scratch.is_block_device():
+            p.error(f"--odirect-path {scratch} is not a block device")
+        with open(scratch, "rb") as dev:
+            offset = (dev.seek(0, os.SEEK_END) - batch_bytes) // MiB * MiB
+        if offset < 0:
+            p.error(f"--odirect-path {scratch} is smaller than one batch ({batch_bytes} B)")
+    count = batch_bytes // (2 * MiB)
+    limits = measure_limits(scratch, 2 * MiB, count, repeat=5, offset=offset)
     for name, value in limits.items():
         results.append(Result(f"limit_{name}", value, "GB/s", value, 1.0))
     flash_size = f"{max(1024, 6 * args.batch_mib)}MiB"
@@ -311,7 +299,7 @@ def run(argv: list[str] | None = None) -> int:
     # The flash file sits on a virtual disk whose speed drifts a lot from second to second
     # (host-side caching): measure the limits again after the runs and compare every
     # figure with the best the machine showed in this run, never with a lucky-low limit.
-    again = _limits(base, device_entry, batch_bytes)
+    again = measure_limits(scratch, 2 * MiB, count, repeat=5, offset=offset)
     for name, value in again.items():
         results.append(Result(f"limit_{name}_after", value, "GB/s", value, 1.0))
         limits[name] = max(limits[name], value)
@@ -332,7 +320,8 @@ def run(argv: list[str] | None = None) -> int:
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version()},
             "params": {"transport": args.transport, "batch_mib": args.batch_mib,
-                       "rounds": rounds, "flash_device": device_entry},
+                       "rounds": rounds, "flash_device": device_entry,
+                       "odirect_path": str(scratch)},
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
