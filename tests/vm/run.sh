@@ -66,7 +66,8 @@ done
 if [ "$(id -u)" -eq 0 ]; then SUDO=(); else SUDO=(sudo); fi
 
 # ---------------------------------------------------------------------------------------
-# Kernel: Debian's stock kernel package, extracted and depmod'ed, cached by version.
+# Kernel: Debian's stock (or backports) kernel package, extracted and depmod'ed, cached
+# by version.
 # ---------------------------------------------------------------------------------------
 # The backports kernel comes through a private apt configuration (source list, lists
 # and archive cache under $cache/kernel/apt-backports/): the host's sources stay as they
