@@ -139,6 +139,7 @@ def make_service(spdk_target: Any, request: pytest.FixtureRequest
         cfg["flash"]["devices"] = [device_entry(spdk_target.socket, transport, expose, key,
                                                 export)]
         cfg["flash"]["o_direct"] = True
+        cfg["mode"] = "dpu"  # reported by Health; SPDK is this "DPU"'s storage stack
         svc = ServiceProcess(workdir, cfg, start=False)
         started.append(svc)
         svc.start(timeout_s=START_TIMEOUT_S)
@@ -226,6 +227,7 @@ def test_flash_on_spdk_round_trip_restart_no_plaintext(
         make_service: Callable[..., ServiceProcess], spdk_target: Any, transport: str,
         expose: str, crypto: bool) -> None:
     svc = make_service(transport, expose, crypto)
+    assert "(dpu mode)" in svc.log(), svc.log()
     dev_path = held_device(svc)
     assert dev_path.startswith("/dev/ublkb" if expose == "ublk" else "/dev/nbd"), dev_path
     ctrls = our_controllers(spdk_target)
