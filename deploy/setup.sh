@@ -115,11 +115,23 @@ run_tests() {
         echo "!! CTXMEM_SKIP_VM=1: the QEMU guest stage (real RDMA and NVMe-oF) was NOT run"
         return 0
     fi
-    log "guest stage: RDMA (Soft-RoCE) and NVMe-oF (kernel nvmet) tests inside QEMU"
+    log "guest stage: RDMA (Soft-RoCE), NVMe-oF (kernel nvmet) and SPDK tests inside QEMU"
     bash deploy/ci/vm-deps.sh
     bash deploy/ci/pyverbs-wheel.sh "$VENV"
+    # SPDK from the vendored source (cached under $CTXMEM_CACHE/spdk/); run.sh hands
+    # the build to the guest (CTXMEM_SPDK_PREFIX), where spdk_tgt is the DPU's storage stack.
+    bash deploy/ci/spdk-build.sh
     # Only the guest test files are named: pytest collection is slow under emulation.
-    bash tests/vm/run.sh "$VENV/bin/pytest" -q -m vm tests/vm tests/dpu/storage/test_kernel_nvmeof_vm.py
+    # Debian 12's 6.1 kernel: everything, SPDK exposing its bdevs through nbd.
+    bash tests/vm/run.sh "$VENV/bin/pytest" -q -m vm tests/vm tests/dpu/storage/test_kernel_nvmeof_vm.py \
+        tests/dpu/storage/test_storage_spdk_real.py
+    # bookworm-backports' 6.12 kernel, a second short boot: SPDK exposing through ublk
+    # (6.1 has no ublk; there these cases skip, here a skip is a failure).
+    log "guest stage, backports kernel: SPDK through ublk"
+    CTXMEM_VM_KERNEL=backports CTXMEM_SPDK_REQUIRE_UBLK=1 \
+    CTXMEM_VM_PASSENV="CTXMEM_SPDK_REQUIRE_UBLK ${CTXMEM_VM_PASSENV:-}" \
+        bash tests/vm/run.sh "$VENV/bin/pytest" -q -m vm -k ublk \
+        tests/vm/test_spdk_service.py tests/dpu/storage/test_storage_spdk_real.py
     # The repo may live anywhere, /tmp included (which the guest hides behind tmpfs): a
     # clone under /tmp with its own .venv runs tests/vm/test_vm_paths.py (one short boot).
     log "guest stage from a clone under /tmp (tests/vm/clone-check.sh)"

@@ -7,6 +7,7 @@ and stops it after the test. Nothing here is a mock.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,3 +59,31 @@ def redis_server(tmp_path: Path) -> Iterator[Any]:
 
     with RedisServer(tmp_path / "redis") as r:
         yield r
+
+
+@pytest.fixture(scope="session")
+def spdk_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real ``spdk_tgt`` for the whole session, the DPU's storage stack (QEMU guest).
+
+    Its build comes from ``CTXMEM_SPDK_PREFIX`` (``deploy/ci/spdk-build.sh``; run.sh
+    passes it in). Inside the guest a missing build is a failure, not a skip: CI always
+    builds it. Callers skip outside the guest themselves.
+    """
+    from ctxmem_tools.spdk_app import PREFIX_ENV, SpdkApp, spdk_prefix
+
+    if spdk_prefix() is None:
+        pytest.fail(f"{PREFIX_ENV}={os.environ.get(PREFIX_ENV, '')!r} holds no bin/spdk_tgt: "
+                    "build SPDK with `bash deploy/ci/spdk-build.sh` before tests/vm/run.sh")
+    app = SpdkApp(tmp_path_factory.mktemp("spdk"))
+    try:
+        app.start()
+    except RuntimeError as ex:
+        pytest.fail(str(ex))
+    try:
+        yield app
+    finally:
+        rc = app.stop()
+        out = os.environ.get("CTXMEM_VM_OUT")
+        if out and app.log_path.exists():
+            Path(out, "spdk_tgt.log").write_text(app.log_path.read_text(errors="replace"))
+        assert rc in (0, None), f"spdk_tgt exited with status {rc}:\n{app.log()}"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install the Debian packages the QEMU guest harness (tests/vm/) and the pyverbs wheel
-# build (deploy/ci/pyverbs-wheel.sh) need. Idempotent: installs only what is missing and
-# runs `apt-get update` only when a package is missing (or its index is absent).
+# Install the Debian packages the QEMU guest harness (tests/vm/), the pyverbs wheel
+# build (deploy/ci/pyverbs-wheel.sh) and the SPDK build (deploy/ci/spdk-build.sh) need.
+# Idempotent: installs only what is missing and runs `apt-get update` only when a
+# package is missing (or its index is absent).
 # Works as root; uses sudo otherwise.
 set -euo pipefail
 
@@ -13,6 +14,12 @@ PKGS=(
   rdma-core ibverbs-providers ibverbs-utils perftest nvme-cli iproute2
   # to build pyverbs from its sdist (it builds rdma-core)
   cmake ninja-build pkg-config gcc libnl-3-dev libnl-route-3-dev libudev-dev
+  # to build SPDK from the vendored source (deploy/ci/spdk-build.sh) against Debian's
+  # DPDK 22.11, ISA-L, liburing and rdma-core (../shared/notes/spdk-build.md); the
+  # runtime libraries spdk_tgt needs come with these
+  libdpdk-dev libisal-dev liburing-dev libnuma-dev libaio-dev uuid-dev libssl-dev
+  libncurses-dev libkeyutils-dev libfuse3-dev libibverbs-dev librdmacm-dev nasm autoconf
+  automake libtool make xz-utils python3-yaml python3-jinja2 python3-tabulate
 )
 
 if [ "$(id -u)" -eq 0 ]; then SUDO=(); else SUDO=(sudo); fi

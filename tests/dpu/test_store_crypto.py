@@ -19,15 +19,16 @@ PER_SLAB = slots_per_slab(1 << 20, LAYOUT.block_nbytes)
 K = [bytes([i]) * 8 for i in range(2 * PER_SLAB)]
 
 
-def _on_device(store: BlockStore, path: Path, b: Block) -> tuple[bytes, bool]:
-    """(the payload bytes as stored on the device, the header's encrypted flag)."""
+def _on_device(store: BlockStore, path: Path, b: Block) -> tuple[bytes, bool, bool]:
+    """(the payload bytes as stored on the device, the header's encrypted and
+    device-encrypted flags)."""
     assert b.flash is not None
     dev = store.flash.devices[b.flash.device]
     hdr = dev.read_header(b.flash.slot)
     assert hdr is not None
     with open(path, "rb") as f:
         f.seek(dev.payload_offset(b.flash.slot))
-        return f.read(b.length), hdr.encrypted
+        return f.read(b.length), hdr.encrypted, hdr.device_encrypted
 
 
 async def test_hardware_encrypted_device_gets_plaintext_others_ciphertext(tmp_path: Path
@@ -52,11 +53,11 @@ async def test_hardware_encrypted_device_gets_plaintext_others_ciphertext(tmp_pa
             assert b.flash is not None
             name = store.flash.devices[b.flash.device].name
             seen.add(name)
-            stored, encrypted = _on_device(store, paths[name], b)
+            stored, encrypted, by_device = _on_device(store, paths[name], b)
             if name == "flash1":  # the hardware layer encrypts: no second, software pass
-                assert stored == data[k] and not encrypted
+                assert stored == data[k] and not encrypted and by_device
             else:
-                assert stored != data[k] and encrypted
+                assert stored != data[k] and encrypted and not by_device
         assert seen == {"flash0", "flash1"}
         assert await get(store, s, ns, K) == [data[k] for k in K]  # promoted from flash
         assert store.counters["integrity_failures"] == 0

@@ -18,8 +18,12 @@
 #   CTXMEM_VM_OUT_DIR      host dir shared writable into the guest as $CTXMEM_VM_OUT
 #                          (default <repo>/out/vm, emptied at each run)
 #   CTXMEM_VM_NVMET_MB     size of the nvmet namespace's backing file (default 512)
+#   CTXMEM_VM_KERNEL       stock (default): Debian 12's kernel (6.1: nbd, no ublk);
+#                          backports: bookworm-backports' (6.12: nbd and ublk), fetched
+#                          with a private apt source list under the cache (the host's
+#                          apt sources are not touched)
 #   CTXMEM_VM_KVER         kernel version to boot, e.g. 6.1.0-50-amd64 (default: the one
-#                          linux-image-amd64 depends on)
+#                          linux-image-amd64 depends on, in the chosen suite)
 #   CTXMEM_VM_SHARES       more host directories to mount read-only at the same path in
 #                          the guest, space-separated (needed only for one under /tmp or
 #                          /run outside the repo: a venv or a Python installed there)
@@ -36,6 +40,7 @@ mem=${CTXMEM_VM_MEM:-4G}
 smp=${CTXMEM_VM_SMP:-2}
 nvmet_mb=${CTXMEM_VM_NVMET_MB:-512}
 debug=${CTXMEM_VM_DEBUG:-0}
+kernel_suite=${CTXMEM_VM_KERNEL:-stock}
 
 log() { echo "ctxmem-vm: $*" >&2; }
 die() { log "error: $*"; exit 2; }
@@ -88,15 +93,42 @@ done
 if [ "$(id -u)" -eq 0 ]; then SUDO=(); else SUDO=(sudo); fi
 
 # ---------------------------------------------------------------------------------------
-# Kernel: Debian's stock kernel package, extracted and depmod'ed, cached by version.
+# Kernel: Debian's stock (or backports) kernel package, extracted and depmod'ed, cached
+# by version.
 # ---------------------------------------------------------------------------------------
+# The backports kernel comes through a private apt configuration (source list, lists
+# and archive cache under $cache/kernel/apt-backports/): the host's sources stay as they
+# are. The stock kernel uses the host's own apt configuration.
+APT_OPTS=()
+case "$kernel_suite" in
+  stock) ;;
+  backports)
+    bpo=$cache/kernel/apt-backports
+    mkdir -p "$bpo/lists/partial" "$bpo/cache/archives/partial"
+    printf '%s\n' "Types: deb" "URIs: http://deb.debian.org/debian" "Suites: bookworm-backports" \
+      "Components: main" "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg" > "$bpo/backports.sources"
+    APT_OPTS=(-o "Dir::Etc::SourceList=$bpo/backports.sources" -o Dir::Etc::SourceParts=/nonexistent
+              -o "Dir::State::Lists=$bpo/lists" -o "Dir::Cache=$bpo/cache")
+    ;;
+  *) die "CTXMEM_VM_KERNEL=$kernel_suite: expected stock or backports" ;;
+esac
+
+apt_update() {
+  if [ "$kernel_suite" = backports ]; then
+    apt-get "${APT_OPTS[@]}" update -q >&2  # private lists: no root needed
+  else
+    "${SUDO[@]}" apt-get update -q >&2
+  fi
+}
+
 resolve_kver() {
-  apt-cache depends linux-image-amd64 2>/dev/null \
+  apt-cache "${APT_OPTS[@]}" depends linux-image-amd64 2>/dev/null \
     | awk '/Depends: linux-image-[0-9]/{sub(/^linux-image-/, "", $2); print $2; exit}'
 }
 
-newest_cached_kver() {
-  ls -1d "$cache"/kernel/*/.ok 2>/dev/null | sed 's#/\.ok$##; s#.*/##' | sort -V | tail -n1
+newest_cached_kver() {  # backports versions carry a "+" (6.12.95+deb12-amd64), stock ones do not
+  ls -1d "$cache"/kernel/*/.ok 2>/dev/null | sed 's#/\.ok$##; s#.*/##' \
+    | if [ "$kernel_suite" = backports ]; then grep '+'; else grep -v '+'; fi | sort -V | tail -n1
 }
 
 ensure_kernel() {
@@ -106,8 +138,8 @@ ensure_kernel() {
     if [ -z "$kver" ]; then
       kver=$(newest_cached_kver)
       if [ -z "$kver" ]; then
-        log "apt index has no linux-image-amd64: running apt-get update"
-        "${SUDO[@]}" apt-get update -q >&2
+        log "apt index ($kernel_suite) has no linux-image-amd64: running apt-get update"
+        apt_update
         kver=$(resolve_kver)
       fi
     fi
@@ -119,10 +151,10 @@ ensure_kernel() {
     mkdir -p "$cache/kernel"
     local tmp
     tmp=$(mktemp -d "$cache/kernel/.fetch.XXXXXX")
-    if ! (cd "$tmp" && apt-get download -q "linux-image-$kver" >&2 2>"$tmp/apt.err"); then
+    if ! (cd "$tmp" && apt-get "${APT_OPTS[@]}" download -q "linux-image-$kver" >&2 2>"$tmp/apt.err"); then
       log "apt-get download failed (stale index?): running apt-get update and retrying"
-      "${SUDO[@]}" apt-get update -q >&2
-      (cd "$tmp" && apt-get download -q "linux-image-$kver" >&2) \
+      apt_update
+      (cd "$tmp" && apt-get "${APT_OPTS[@]}" download -q "linux-image-$kver" >&2) \
         || { rm -rf "$tmp"; die "cannot download linux-image-$kver"; }
     fi
     mkdir -p "$tmp/root"
@@ -248,6 +280,13 @@ for v in ${CTXMEM_VM_PASSENV:-}; do
   [[ "$v" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || die "bad name in CTXMEM_VM_PASSENV: $v"
   if [ -n "${!v+x}" ]; then printf 'export %s=%q\n' "$v" "${!v}" >> "$ctl/env"; fi
 done
+# SPDK built by deploy/ci/spdk-build.sh (cached under $cache/spdk/): the guest sees the
+# host's / read-only, the cache included, so its tests run that build
+# (CTXMEM_SPDK_PREFIX; tests/vm/README.md). Unset when no build is cached.
+spdk_prefix=${CTXMEM_SPDK_PREFIX:-$(bash "$repo/deploy/ci/spdk-build.sh" --print 2>/dev/null || true)}
+if [ -n "$spdk_prefix" ]; then
+  printf 'export CTXMEM_SPDK_PREFIX=%q\n' "$spdk_prefix" >> "$ctl/env"
+fi
 
 if [ "$debug" = 1 ]; then
   kcon="loglevel=7"
@@ -257,7 +296,7 @@ fi
 append="console=ttyS0 panic=-1 $kcon ctxmem.guest=$here/guest/guest.sh ctxmem.repo=$repo"
 append+=" ctxmem.nvmet_mb=$nvmet_mb ctxmem.debug=$debug"
 
-log "kernel $kver, $smp vCPU, $mem, TCG (emulated: never a performance figure); timeout ${timeout_s}s"
+log "kernel $kver ($kernel_suite), SPDK ${spdk_prefix:-not built}, $smp vCPU, $mem, TCG (emulated: never a performance figure); timeout ${timeout_s}s"
 log "out dir $out"
 
 qemu=(

@@ -2,9 +2,10 @@
 
 A record is encrypted in software with its namespace's key (derived from the master key)
 unless its device's storage backend encrypts at rest itself (an SPDK crypto bdev on a
-BlueField): encrypting twice would only cost CPU. Such a device gets plaintext and the
-record header's encrypted flag clear, which is what promotion, rebuild and ``ctxmem check``
-read to decide whether to decrypt.
+BlueField, or SPDK's software accel module): encrypting twice would only cost CPU. Such a
+device gets plaintext, the record header's encrypted flag clear (what promotion, rebuild
+and ``ctxmem check`` read to decide whether to decrypt) and its device-encrypted flag set:
+the header says which layer encrypted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class Keyring:
                 XtsCipher(derive_namespace_key(key, digest)) if key is not None else None
             )
         return self._ciphers[digest]
+
+    def device_encrypts(self, device: str) -> bool:
+        """Whether flash device ``device``'s storage layer encrypts at rest itself."""
+        return device in self._hardware
 
     def for_device(self, digest: bytes, device: str) -> XtsCipher | None:
         """The cipher for a record of the namespace on flash device ``device`` (its name):

@@ -101,8 +101,8 @@ class Demotion:
         demotion, or that another demotion has in flight, are not named).
 
         Each record is encrypted with its namespace's key unless its device encrypts in
-        hardware (:class:`~ctxmem_dpu.store.ciphers.Keyring`); the header's encrypted flag
-        says which."""
+        hardware (:class:`~ctxmem_dpu.store.ciphers.Keyring`); the header's flags say which
+        layer encrypted (ctxmem's, or the device's)."""
         ctx, index = self._ctx, self._index
         blocks = [b for b in blocks
                   if b.dram is not None and b.flash is None and not b.deleted and b.io is None]
@@ -137,7 +137,8 @@ class Demotion:
                 cipher = self._keyring.for_device(b.ns, dev.name)
                 header = RecordHeader(b.ns, b.key, b.length, b.crc, b.seq, cipher is not None,
                                       time.time_ns(),
-                                      cipher.check_value if cipher is not None else 0)
+                                      cipher.check_value if cipher is not None else 0,
+                                      self._keyring.device_encrypts(dev.name))
                 jobs.append((dev, ext.slot, header, ctx.dram.slot_view(b.dram), cipher))
             if jobs:
                 faults.point("demote.before_write")

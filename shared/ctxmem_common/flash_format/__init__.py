@@ -24,7 +24,9 @@ Device layout (all offsets and sizes multiples of 4 KiB; every service I/O is O_
                payload area: slot count x slot size
 
     record header (first bytes of its 4 KiB entry, little-endian):
-        magic "CTXREC01" | version u16 | flags u16 (bit 0: payload encrypted) |
+        magic "CTXREC01" | version u16 | flags u16 (bit 0: payload encrypted by
+        ctxmem, AES-XTS in software; bit 1: encrypted at rest by the device's storage
+        layer, e.g. an SPDK crypto bdev, ctxmem wrote plaintext) |
         key check u32 (an encrypted record's cipher check value; 0: none recorded) |
         namespace digest 16 B | key length u8 | key 64 B | payload length u64 |
         CRC32C of the plaintext payload u32 | sequence number u64 | write time ns u64 |
@@ -61,6 +63,7 @@ from ctxmem_common.flash_format.reader import (
 )
 from ctxmem_common.flash_format.records import (
     DATA_START,
+    FLAG_DEVICE_ENCRYPTED,
     FLAG_ENCRYPTED,
     FORMAT_VERSION,
     OWNER_MAGIC,
@@ -101,6 +104,7 @@ from ctxmem_common.flash_format.records import (
 
 __all__ = [
     "DATA_START",
+    "FLAG_DEVICE_ENCRYPTED",
     "FLAG_ENCRYPTED",
     "FORMAT_VERSION",
     "OWNER_MAGIC",

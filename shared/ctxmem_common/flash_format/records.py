@@ -47,6 +47,11 @@ _OWNER = struct.Struct("<8s16sIQQ16s64s")
 _REC = struct.Struct("<8sHHI16sB64sQIQQ")
 _CRC = struct.Struct("<I")
 FLAG_ENCRYPTED = 1
+# The payload is encrypted at rest BELOW ctxmem, by the device's storage layer (an SPDK
+# crypto bdev: software AES-XTS in SPDK's accel framework, or the BlueField's hardware):
+# ctxmem wrote plaintext through it. With FLAG_ENCRYPTED the two bits say which layer
+# encrypted; readers that predate this bit ignore it (the payload they read is plaintext).
+FLAG_DEVICE_ENCRYPTED = 2
 REC_BODY = _REC.size  # bytes covered by the header CRC
 REC_SIZE = _REC.size + _CRC.size
 # Byte offsets of record-header fields (for tools that patch headers on purpose).
@@ -215,12 +220,15 @@ class RecordHeader:
     # The namespace cipher's check value (XtsCipher.check_value) of an encrypted record,
     # in the header's former pad field; 0 when not recorded (unencrypted, or older).
     key_check: int = 0
+    # Encrypted at rest by the device's storage layer (FLAG_DEVICE_ENCRYPTED).
+    device_encrypted: bool = False
 
     def pack(self) -> bytes:
         body = _REC.pack(
             REC_MAGIC,
             FORMAT_VERSION,
-            FLAG_ENCRYPTED if self.encrypted else 0,
+            (FLAG_ENCRYPTED if self.encrypted else 0)
+            | (FLAG_DEVICE_ENCRYPTED if self.device_encrypted else 0),
             self.key_check,
             self.namespace,
             len(self.key),
@@ -244,7 +252,8 @@ class RecordHeader:
         _m, version, flags, kcv, ns, klen, key, length, dcrc, seq, ts = _REC.unpack(body)
         if version != FORMAT_VERSION or not 1 <= klen <= 64:
             return None
-        return cls(ns, key[:klen], length, dcrc, seq, bool(flags & FLAG_ENCRYPTED), ts, kcv)
+        return cls(ns, key[:klen], length, dcrc, seq, bool(flags & FLAG_ENCRYPTED), ts, kcv,
+                   bool(flags & FLAG_DEVICE_ENCRYPTED))
 
 
 # One parsed table entry: (slot index, namespace, key, length, crc, seq, encrypted, time ns)

@@ -257,3 +257,22 @@ def test_read_payloads_merge_adjacent_slots(tmp_path: Path, encrypted: bool,
         dram.close()
     finally:
         dev.close()
+
+
+def test_header_flags_say_which_layer_encrypted() -> None:
+    """Bit 0: ctxmem encrypted (software AES-XTS); bit 1: the device's storage layer (an
+    SPDK crypto bdev) encrypts at rest and ctxmem wrote plaintext. Both round-trip, and
+    a reader that knows only bit 0 still sees an unencrypted record."""
+    from ctxmem_common.flash_format import FLAG_DEVICE_ENCRYPTED, FLAG_ENCRYPTED
+
+    def flags(raw: bytes) -> int:
+        return int.from_bytes(raw[10:12], "little")
+
+    by_ctxmem = RecordHeader(NS, b"k", 10, 1, 2, True, 3, 4)
+    by_device = RecordHeader(NS, b"k", 10, 1, 2, False, 3, 0, device_encrypted=True)
+    assert flags(by_ctxmem.pack()) == FLAG_ENCRYPTED
+    assert flags(by_device.pack()) == FLAG_DEVICE_ENCRYPTED
+    assert RecordHeader.unpack(by_ctxmem.pack()) == by_ctxmem
+    back = RecordHeader.unpack(by_device.pack())
+    assert back == by_device and back is not None
+    assert back.device_encrypted and not back.encrypted

@@ -80,6 +80,12 @@ for m in virtio_net crc32_generic rdma_rxe ib_uverbs rdma_ucm configfs \
          nvmet nvmet-rdma nvmet-tcp nvme-rdma nvme-tcp; do
   modprobe -d /run/kmod "$m" || fail "modprobe $m"
 done
+# Block drivers SPDK exposes bdevs through (ctxmem_tools.spdk_app): nbd on every
+# kernel; ublk_drv only on the backports kernel (Debian 12's 6.1 has no ublk).
+modprobe -d /run/kmod nbd || fail "modprobe nbd"
+if modprobe -d /run/kmod -n ublk_drv 2>/dev/null; then
+  modprobe -d /run/kmod ublk_drv || fail "modprobe ublk_drv"
+fi
 mountpoint -q /sys/kernel/config || mount -t configfs none /sys/kernel/config \
   || fail "mount configfs"
 

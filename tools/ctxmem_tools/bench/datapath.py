@@ -63,8 +63,12 @@ def _best_rate(fn: Callable[[], None], nbytes: int, repeat: int) -> float:
     return nbytes / best
 
 
-def measure_limits(flash_path: Path, block: int, count: int, repeat: int) -> dict[str, float]:
-    """GB/s of the primitives the data path is built from, on ``count`` blocks."""
+def measure_limits(scratch: Path, block: int, count: int, repeat: int,
+                   offset: int = 0) -> dict[str, float]:
+    """GB/s of the primitives the data path is built from, on ``count`` blocks.
+
+    O_DIRECT is measured on ``scratch``: a file beside the flash file (created, then
+    removed), or a block device (``offset`` onward, zeroed again afterwards)."""
     src = [np.random.default_rng(i).integers(0, 255, block, dtype=np.uint8) for i in range(count)]
     dst = [np.empty(block, dtype=np.uint8) for _ in range(count)]
     total = block * count
@@ -95,29 +99,35 @@ def measure_limits(flash_path: Path, block: int, count: int, repeat: int) -> dic
         "copy_crc": _best_rate(copy_crc, total, repeat) / GB,
         "aes_xts": _best_rate(xts, total, repeat) / GB,
     }
-    # O_DIRECT on a scratch file beside the flash file (same filesystem, same device).
-    scratch = flash_path.parent / "odirect-limit.bin"
-    fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    device = scratch.is_block_device()
+    fd = os.open(scratch, os.O_RDWR | os.O_DIRECT | (0 if device else os.O_CREAT), 0o600)
     try:
-        os.ftruncate(fd, total)
+        if not device:
+            os.ftruncate(fd, total)
         bufs = [mmap.mmap(-1, block) for _ in range(count)]
         for b in bufs:
             b.write(os.urandom(64) * (block // 64))
 
         def write() -> None:
             for i, b in enumerate(bufs):
-                os.pwrite(fd, b, i * block)
+                os.pwrite(fd, b, offset + i * block)
             os.fdatasync(fd)
 
         def read() -> None:
             for i, b in enumerate(bufs):
-                os.preadv(fd, [b], i * block)
+                os.preadv(fd, [b], offset + i * block)
 
         limits["odirect_write"] = _best_rate(write, total, repeat) / GB
         limits["odirect_read"] = _best_rate(read, total, repeat) / GB
+        if device:  # leave the device as blank as it was (a service formats blank ones)
+            zero = mmap.mmap(-1, block)
+            for i in range(count):
+                os.pwrite(fd, zero, offset + i * block)
+            os.fdatasync(fd)
     finally:
         os.close(fd)
-        scratch.unlink(missing_ok=True)
+        if not device:
+            scratch.unlink(missing_ok=True)
     return limits
 
 
@@ -249,6 +259,13 @@ def run(argv: list[str] | None = None) -> int:
                    help="draw every figure as a fraction of its limit (one bar chart)")
     p.add_argument("--from-json", metavar="FILE",
                    help="run nothing: draw --png from results written by --json")
+    p.add_argument("--flash-device", default=None, metavar="FILE",
+                   help="a JSON file with one flash.devices entry (e.g. backend spdk: the "
+                        "flash tier on SPDK) for the service instead of a flash file")
+    p.add_argument("--odirect-path", default=None, metavar="PATH",
+                   help="measure the O_DIRECT limit here: a block device (its last batch "
+                        "of bytes, zeroed again afterwards; e.g. the same remote namespace "
+                        "through the kernel initiator) instead of a scratch file in workdir")
     args = p.parse_args(argv)
     if args.from_json:
         if not args.png:
@@ -261,9 +278,22 @@ def run(argv: list[str] | None = None) -> int:
     batch_bytes = args.batch_mib * MiB
     print(f"ctxmem bench: transport={args.transport}, {args.batch_mib} MiB per batch, "
           f"{rounds} rounds, workdir {base}")
+    device_entry = json.loads(Path(args.flash_device).read_text()) if args.flash_device else None
+    if device_entry is not None:
+        print(f"flash tier: {device_entry.get('backend')} device {device_entry.get('name')}")
+    scratch, offset = base / "odirect-limit.bin", 0
+    if args.odirect_path:
+        scratch = Path(args.odirect_path)
+        if not scratch.is_block_device():
+            p.error(f"--odirect-path {scratch} is not a block device")
+        with open(scratch, "rb") as dev:
+            offset = (dev.seek(0, os.SEEK_END) - batch_bytes) // MiB * MiB
+        if offset < 0:
+            p.error(f"--odirect-path {scratch} is smaller than one batch ({batch_bytes} B)")
+    count = batch_bytes // (2 * MiB)
+    limits = measure_limits(scratch, 2 * MiB, count, repeat=5, offset=offset)
     # On a terminal: a bar with an ETA (the limits twice, then every round of each case).
     bar = progress(2 + 4 * rounds, "ctxmem bench", "steps")
-    limits = measure_limits(base, 2 * MiB, batch_bytes // (2 * MiB), repeat=5)
     bar.update()
     for name, value in limits.items():
         results.append(Result(f"limit_{name}", value, "GB/s", value, 1.0))
@@ -273,6 +303,9 @@ def run(argv: list[str] | None = None) -> int:
                            dram_slab="32MiB", flash_size=flash_size, flash_slab="64MiB",
                            transports=[args.transport], service={"rdma_listen": os.environ.get(
                                "CTXMEM_RDMA_LISTEN", "0.0.0.0")})  # rdma: any RoCE v2 GID
+        if device_entry is not None:
+            cfg["flash"]["devices"] = [device_entry]
+            cfg["flash"]["o_direct"] = True
         with ServiceProcess(base / tag, cfg) as svc:
             for block in (2 * MiB, 64 * 1024):
                 bench_service(svc, args.transport, block, batch_bytes // block, rounds, tag,
@@ -282,7 +315,7 @@ def run(argv: list[str] | None = None) -> int:
     # The flash file sits on a virtual disk whose speed drifts a lot from second to second
     # (host-side caching): measure the limits again after the runs and compare every
     # figure with the best the machine showed in this run, never with a lucky-low limit.
-    again = measure_limits(base, 2 * MiB, batch_bytes // (2 * MiB), repeat=5)
+    again = measure_limits(scratch, 2 * MiB, count, repeat=5, offset=offset)
     bar.update()
     bar.close()
     for name, value in again.items():
@@ -305,7 +338,8 @@ def run(argv: list[str] | None = None) -> int:
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version()},
             "params": {"transport": args.transport, "batch_mib": args.batch_mib,
-                       "rounds": rounds},
+                       "rounds": rounds, "flash_device": device_entry,
+                       "odirect_path": str(scratch)},
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
