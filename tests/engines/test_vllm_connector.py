@@ -235,3 +235,25 @@ def test_service_down_means_no_hit_and_no_crash(service_factory: Any) -> None:
     svc.kill()
     tokens = list(range(2 * N + 1))
     assert a.sched.num_new_matched_tokens("r", _hashes(tokens), len(tokens), 0, None) == 0
+
+
+def test_hit_sources_follow_the_service_tier_of_each_block(service: Any) -> None:
+    """The split vLLM gets from get_external_cache_hit_sources comes from the Lookup's
+    per-block tiers: blocks dropped from the service's DRAM report as flash."""
+    tokens = list(range(4 * N + 1))
+    a = Engine(service.endpoint)
+    a.admit("r1", tokens, [0, 1, 2, 3, 4])
+    _fill(a.caches, [0, 1, 2, 3], seed=5)
+    a.save()
+    b = Engine(service.endpoint)
+    hashes = _hashes(tokens)
+    assert b.sched.num_new_matched_tokens("r", hashes, len(tokens), 0, None) == 4 * N
+    assert b.sched.hit_sources("r", 4 * N) == {"dram": 4 * N}
+    # A partly local first block: the external tokens shrink from the front.
+    assert b.sched.hit_sources("r", 4 * N - 3) == {"dram": 4 * N - 3}
+    ns = a.worker.namespaces.get(0, None)
+    keys = block_keys(hashes[:4])
+    assert ns.evict(keys[2:], "dram") == 2  # demoted to flash, DRAM copies dropped
+    assert b.sched.num_new_matched_tokens("s", hashes, len(tokens), 0, None) == 4 * N
+    assert b.sched.hit_sources("s", 4 * N) == {"dram": 2 * N, "flash": 2 * N}
+    assert b.sched.hit_sources("unknown-request", N) == {}

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ctxmem.integrations._common import (
+    VLLM_HIT_SOURCES,
     as_bool,
     config_get,
     resolve_endpoint,
@@ -48,10 +49,16 @@ from ctxmem.integrations.vllm_core import (
     WorkerCore,
 )
 from ctxmem.integrations.vllm_layout import PagedFormat, ctxmem_layout
+from ctxmem.integrations.vllm_metrics import (
+    CtxmemConnectorStats,
+    CtxmemPromMetrics,
+    stats_delta,
+)
 from ctxmem_common.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -149,6 +156,7 @@ class CtxmemConnector(KVConnectorBase_V1):
             tls=resolve_tls(lambda k, d: config_get(extra, k, d)),
         )
         self._requests: dict[str, Request] = {}
+        self._stats_last: dict[str, int] = {}
         self.scheduler: SchedulerCore | None = None
         self.worker: WorkerCore | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -229,6 +237,23 @@ class CtxmemConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is None:
+            return None
+        return stats_delta(self.worker.stats, self._stats_last)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return CtxmemConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return CtxmemPromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
@@ -251,6 +276,22 @@ class CtxmemConnector(KVConnectorBase_V1):
             request.request_id, request.block_hashes, int(request.num_tokens),
             int(num_computed_tokens), getattr(request, "cache_salt", None))
         return n, bool(n and self.scheduler.async_load)
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[Any, int]:
+        """The loaded tokens split by the service tier each block came from (the Lookup
+        answer): DRAM -> ``host``, flash -> ``disk``, a pod peer -> ``p2p``."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if self.scheduler is None or num_external_tokens <= 0:
+            return {}
+        out: dict[Any, int] = {}
+        for tier, n in self.scheduler.hit_sources(request.request_id,
+                                                  num_external_tokens).items():
+            value = VLLM_HIT_SOURCES.get(tier)
+            src = CacheHitSource(value) if value else CacheHitSource.EXTERNAL_UNSPECIFIED
+            out[src] = out.get(src, 0) + n
+        return out
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

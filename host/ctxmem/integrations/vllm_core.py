@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxmem.client import Client, Namespace
-from ctxmem.integrations._common import RateLimitedLog, fit_key, open_namespace, salt_tag
+from ctxmem.integrations._common import (
+    RateLimitedLog,
+    fit_key,
+    open_namespace,
+    salt_tag,
+    tier_rank,
+)
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.layout import KVLayout
 
@@ -107,6 +113,10 @@ class _ReqState:
     keys: list[bytes]
     local_blocks: int = 0
     hit_blocks: int = 0
+    hit_tiers: list[str] = field(default_factory=list)
+    """The service tier of each hit block, as the Lookup answered (rank 0's; the
+    outermost over ranks where they differ): ``dram``, ``flash``, and with a pod tier
+    ``peer`` or ``shared_flash``."""
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = -1
     prefetched: bool = False
@@ -153,20 +163,48 @@ class SchedulerCore:
         except CtxmemError as exc:
             self._warn.warning("prefetch", "ctxmem prefetch failed: %s", exc)
 
-    def lookup_hits(self, keys: Sequence[bytes], salt: str | None) -> int:
-        """Leading ``keys`` stored on every TP rank (0 when the service is unreachable)."""
+    def lookup_hits(self, keys: Sequence[bytes], salt: str | None,
+                    tiers: list[str] | None = None) -> int:
+        """Leading ``keys`` stored on every TP rank (0 when the service is unreachable).
+        ``tiers``, when given, receives the service tier of each hit block: the one
+        farthest from the engine over the ranks (a peer's block outranks flash, flash
+        outranks DRAM)."""
         if not keys:
             return 0
         hits = len(keys)
+        found: list[str] = []
         try:
             for rank in range(self.spec.tp_size):
-                hits = min(hits, self.namespaces.get(rank, salt).lookup(keys).num_hits)
+                res = self.namespaces.get(rank, salt).lookup(keys)
+                hits = min(hits, res.num_hits)
+                found = [max(a, b, key=tier_rank) for a, b in
+                         zip(found or res.tiers, res.tiers, strict=False)]
                 if hits == 0:
                     break
         except CtxmemError as exc:
             self._warn.warning("lookup", "ctxmem lookup failed (no external hit): %s", exc)
             return 0
+        if tiers is not None:
+            tiers[:] = found[:hits] + [""] * max(0, hits - len(found))
         return hits
+
+    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """``num_external_tokens`` split by the service tier each loaded block came
+        from (keys: tier names, ``""`` when the service did not say)."""
+        st = self._reqs.get(req_id)
+        if st is None or num_external_tokens <= 0:
+            return {}
+        n = min(-(-num_external_tokens // self.block_size), len(st.hit_tiers))
+        out: dict[str, int] = {}
+        left = num_external_tokens
+        # The first loaded block may be partly computed locally: the last blocks are full.
+        for tier in reversed(st.hit_tiers[:n]):
+            take = min(self.block_size, left)
+            out[tier] = out.get(tier, 0) + take
+            left -= take
+        if left > 0:
+            out[""] = out.get("", 0) + left
+        return out
 
     def num_new_matched_tokens(self, req_id: str, hashes: Sequence[Any], num_tokens: int,
                                num_computed_tokens: int, salt: str | None) -> int:
@@ -180,9 +218,10 @@ class SchedulerCore:
         local = num_computed_tokens // self.block_size
         st.local_blocks = local
         st.hit_blocks = 0
+        st.hit_tiers = []
         if local >= max_blocks:
             return 0
-        st.hit_blocks = self.lookup_hits(st.keys[local:max_blocks], salt)
+        st.hit_blocks = self.lookup_hits(st.keys[local:max_blocks], salt, st.hit_tiers)
         return max(0, (local + st.hit_blocks) * self.block_size - num_computed_tokens)
 
     def update_after_alloc(self, req_id: str, block_ids: Sequence[int],

@@ -61,6 +61,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ctxmem.client import Namespace
 from ctxmem.integrations._common import (
+    VLLM_HIT_SOURCES,
     RateLimitedLog,
     fit_key,
     open_namespace,
@@ -77,20 +78,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Where a block came from, as the service names its tiers (Lookup/Acquire responses),
-# in vLLM's hit-source terms. "peer" (a pod peer's service) and "shared_flash" (pod flash
-# shared by the nodes) are names the pod tier adds; unknown names report as unspecified.
-HIT_SOURCES: dict[str, CacheHitSource] = {
-    "dram": CacheHitSource.HOST,
-    "flash": CacheHitSource.DISK,
-    "shared_flash": CacheHitSource.DISK,
-    "peer": CacheHitSource.P2P,
-}
-
 
 def hit_source(tier: str) -> CacheHitSource:
-    """vLLM's hit source for a ctxmem tier name (``""``/unknown: unspecified)."""
-    return HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+    """vLLM's hit source for a service tier name (``""``/unknown: unspecified); the
+    pod tier's ``peer`` and ``shared_flash`` map to ``p2p`` and ``disk``."""
+    value = VLLM_HIT_SOURCES.get(tier)
+    return CacheHitSource(value) if value else CacheHitSource.EXTERNAL_UNSPECIFIED
 
 
 def chunk_layout(config: Any, chunk_nbytes: int) -> KVLayout:
