@@ -180,6 +180,18 @@ def main(workdir: Path) -> int:
             if not same(shared, out) or (cached is not None and cached < 192):
                 print(f"FAIL: with {mode} the output differs or did not hit")
                 ok = False
+        # ctxmem.tp_shared (one block per KV head, readable by any TP size): a first
+        # engine stores head-sliced blocks, a fresh one loads them; same answer.
+        for step in ("store", "load"):
+            del llm
+            gc.collect()
+            llm = make_llm(model, svc.endpoint, **{"ctxmem.tp_shared": True})
+            out = run(p1)
+            cached = getattr(out, "num_cached_tokens", None)
+            print("tp_shared", step, "cached_tokens", cached, flush=True)
+            if not same(cold, out) or (step == "load" and (cached or 0) < 192):
+                print(f"FAIL: with ctxmem.tp_shared ({step}) the output differs or no hit")
+                ok = False
         # Blocks that fail to load (a corrupt block is a miss in the shim) are reported
         # through get_block_ids_with_load_errors; kv_load_failure_policy="recompute" must
         # then recompute them and give the same answer.

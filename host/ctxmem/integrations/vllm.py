@@ -16,12 +16,14 @@ it). ``kv_connector_extra_config`` keys (all optional): ``ctxmem.endpoint``,
 ``ctxmem.layerwise`` (scatter loaded KV layer by layer as attention runs),
 ``ctxmem.save_decode`` (default true: also save blocks filled by generated tokens),
 ``ctxmem.async_load`` (load between scheduler steps instead of before the forward),
-``ctxmem.prefetch`` (default true), ``ctxmem.kv_format`` (override the detected paged
+``ctxmem.prefetch`` (default true), ``ctxmem.tp_shared`` (one block per KV head: engines
+of any TP size share a prefix), ``ctxmem.kv_format`` (override the detected paged
 layout: ``bhnc``, ``flash_attn``, ``flashinfer`` or ``mla``). See ``docs/engines.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -106,6 +108,25 @@ def layout_from_spec(spec: Any, num_layers: int, *, tp_rank: int, tp_size: int,
                          dtype_name=dtype), "canonical"
 
 
+def tp_shared_spec(ns: NamespaceSpec, model_config: Any, tp_size: int,
+                   rank_layout: KVLayout) -> NamespaceSpec:
+    """``ctxmem.tp_shared``: store one block per KV head so engines of any TP size share
+    a prefix. Needs the model's KV heads split evenly over the ranks (not replicated)
+    and per-head K/V (not MLA); otherwise the per-rank namespaces stay, with a warning."""
+    per_rank = rank_layout.num_kv_heads
+    total_fn = getattr(model_config, "get_total_num_kv_heads", None)
+    total = int(total_fn()) if callable(total_fn) else per_rank * tp_size
+    if rank_layout.is_mla or per_rank * tp_size != total:
+        log.warning("ctxmem.tp_shared needs per-head K/V split evenly over the TP ranks "
+                    "(MLA: %s, %d KV heads over TP=%d); blocks stay per TP rank",
+                    rank_layout.is_mla, total, tp_size)
+        return ns
+    head = dataclasses.replace(rank_layout, num_kv_heads=1, tp_rank=0, tp_size=1)
+    return NamespaceSpec(model_id=ns.model_id, tenant=ns.tenant, tp_size=tp_size,
+                         tags={**ns.tags, "vllm_blocks": "per-kv-head"},
+                         layout_for_rank=lambda r: head, heads=(total, per_rank))
+
+
 class CtxmemConnector(KVConnectorBase_V1):
     """Offloads full KV blocks to ctxmem and loads prefix hits back."""
 
@@ -148,6 +169,11 @@ class CtxmemConnector(KVConnectorBase_V1):
                 spec, len(self.layer_names), tp_rank=r, tp_size=self.tp_size,
                 rope_dim=rope_dim)[0],
         )
+        if as_bool(config_get(extra, "tp_shared", False)):
+            self.ns_spec = tp_shared_spec(self.ns_spec, model_config, self.tp_size,
+                                          layout_from_spec(spec, len(self.layer_names),
+                                                           tp_rank=0, tp_size=1,
+                                                           rope_dim=rope_dim)[0])
         client = shared_client(
             resolve_endpoint(config_get(extra, "endpoint")),
             transport=str(config_get(extra, "transport", "auto")),

@@ -68,6 +68,15 @@ class NamespaceSpec:
     tp_size: int
     tags: dict[str, str]
     layout_for_rank: Callable[[int], KVLayout]
+    heads: tuple[int, int] | None = None
+    """Head-sliced blocks (``ctxmem.tp_shared``): (the model's KV heads, heads per rank).
+    Then one namespace serves every TP size and ``layout_for_rank`` gives the layout of
+    one head's block; see :func:`ctxmem.integrations.vllm_layout.head_keys`."""
+
+    def rank_heads(self, rank: int) -> range:
+        assert self.heads is not None
+        per = self.heads[1]
+        return range(rank * per, (rank + 1) * per)
 
 
 def block_keys(hashes: Sequence[Any]) -> list[bytes]:
@@ -91,6 +100,8 @@ class _Namespaces:
         self._lock = threading.Lock()
 
     def get(self, rank: int, salt: str | None) -> Namespace:
+        if self.spec.heads is not None:
+            rank = 0  # one TP-free namespace of head-sliced blocks
         ident = (rank, salt)
         ns = self._ns.get(ident)
         if ns is None:
@@ -158,6 +169,12 @@ class SchedulerCore:
 
     def _prefetch(self, keys: list[bytes], salt: str | None) -> None:
         try:
+            if self.spec.heads is not None:
+                from ctxmem.integrations.vllm_layout import head_keys
+
+                self.namespaces.get(0, salt).prefetch(head_keys(keys,
+                                                                range(self.spec.heads[0])))
+                return
             for rank in range(self.spec.tp_size):
                 self.namespaces.get(rank, salt).prefetch(keys)
         except CtxmemError as exc:
@@ -174,7 +191,9 @@ class SchedulerCore:
         hits = len(keys)
         found: list[str] = []
         try:
-            for rank in range(self.spec.tp_size):
+            if self.spec.heads is not None:
+                hits, found = self._lookup_heads(keys, salt)
+            for rank in range(self.spec.tp_size if self.spec.heads is None else 0):
                 res = self.namespaces.get(rank, salt).lookup(keys)
                 hits = min(hits, res.num_hits)
                 found = [max(a, b, key=tier_rank) for a, b in
@@ -187,6 +206,20 @@ class SchedulerCore:
         if tiers is not None:
             tiers[:] = found[:hits] + [""] * max(0, hits - len(found))
         return hits
+
+    def _lookup_heads(self, keys: Sequence[bytes], salt: str | None
+                      ) -> tuple[int, list[str]]:
+        """Head-sliced: blocks whose every KV head is stored, and each one's tier (the
+        farthest of its heads')."""
+        from ctxmem.integrations.vllm_layout import head_keys
+
+        assert self.spec.heads is not None
+        total = self.spec.heads[0]
+        res = self.namespaces.get(0, salt).lookup(head_keys(keys, range(total)))
+        hits = res.num_hits // total
+        tiers = [max(res.tiers[i * total:(i + 1) * total] or [""], key=tier_rank)
+                 for i in range(hits)]
+        return hits, tiers
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """``num_external_tokens`` split by the service tier each loaded block came
@@ -320,7 +353,12 @@ class WorkerCore:
                                  num_kv_heads=num_kv_heads)
         layout = self.namespaces.spec.layout_for_rank(self.tp_rank)
         got = len(self.caches) * self.fmt.layer_block_nbytes
-        if got != layout.block_nbytes:
+        heads = self.namespaces.spec.heads
+        if heads is not None and heads[1] != self.fmt.num_heads:
+            raise CtxmemError(
+                f"ctxmem.tp_shared: this rank's cache holds {self.fmt.num_heads} KV heads, "
+                f"the model's split expects {heads[1]}; turn ctxmem.tp_shared off")
+        if got != layout.block_nbytes * (heads[1] if heads is not None else 1):
             raise CtxmemError(
                 f"ctxmem: the paged KV cache gives {got} bytes per block "
                 f"({len(self.caches)} layers of {self.fmt}), the namespace layout "
@@ -334,10 +372,33 @@ class WorkerCore:
 
         try:
             ns = self.namespaces.get(self.tp_rank, spec.salt)
+            if self.namespaces.spec.heads is not None:
+                return self._fetch_heads(ns, spec, staging)
             return ns.get(spec.keys, block_views(staging))
         except CtxmemError as exc:
             self._warn.warning("get", "ctxmem get failed (blocks will be recomputed): %s", exc)
             return 0
+
+    def _fetch_heads(self, ns: Namespace, spec: TransferSpec, staging: Any) -> int:
+        """Get this rank's heads of each block; return the leading whole blocks."""
+        import torch
+
+        from ctxmem.integrations.vllm_layout import (
+            block_views,
+            from_head_major,
+            head_axis,
+            head_keys,
+        )
+
+        heads = self.namespaces.spec.rank_heads(self.tp_rank)
+        nb = len(spec.keys)
+        shape = list(self.fmt.block_shape)
+        del shape[head_axis(self.fmt)]
+        rows = torch.empty((nb, len(heads), len(self.caches), *shape), dtype=self.fmt.dtype)
+        n = ns.get(head_keys(spec.keys, heads), block_views(rows.view(nb * len(heads), -1)))
+        blocks = n // len(heads)
+        staging[:blocks].copy_(from_head_major(rows[:blocks], self.fmt))
+        return blocks
 
     def _fail(self, spec: TransferSpec, n: int) -> None:
         if n < len(spec.block_ids):
@@ -433,8 +494,16 @@ class WorkerCore:
             try:
                 ns = self.namespaces.get(self.tp_rank, spec.salt)
                 staging = gather_blocks(self.caches, self.fmt, spec.block_ids)
-                res = ns.put(spec.keys, block_views(staging))
-                self.stats["saved_blocks"] += res.stored
+                keys = spec.keys
+                if self.namespaces.spec.heads is not None:
+                    from ctxmem.integrations.vllm_layout import head_keys, head_major
+
+                    heads = self.namespaces.spec.rank_heads(self.tp_rank)
+                    keys = head_keys(spec.keys, heads)
+                    staging = head_major(staging, self.fmt).view(len(keys), -1)
+                res = ns.put(keys, block_views(staging))
+                self.stats["saved_blocks"] += res.stored // (
+                    len(keys) // max(1, len(spec.keys)))
             except CtxmemError as exc:
                 self._warn.warning("put", "ctxmem put failed (blocks not saved): %s", exc)
 
