@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import select
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,12 +39,21 @@ SHAPE = (2, 4, 16, 8)  # an LMCache KV chunk of one rank: [K/V, layers, tokens, 
 DTYPE = torch.bfloat16
 
 
+def documented_l2_adapter() -> dict[str, Any]:
+    """The ``--l2-adapter`` JSON docs/deploy.md gives (kept copy-pasteable by this test)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    found = re.findall(r"--l2-adapter '(\{.*?\})'", text, flags=re.S)
+    assert len(found) == 1, "docs/deploy.md should give one --l2-adapter example"
+    return dict(json.loads(found[0]))
+
+
 def make_adapter(endpoint: str, **params: Any) -> Any:
+    """Parse ``--l2-adapter`` as ``lmcache server`` does and build the adapter."""
+    spec = documented_l2_adapter()
+    spec["adapter_params"] = {**spec["adapter_params"], "endpoint": endpoint, **params}
     parser = argparse.ArgumentParser()
     add_l2_adapters_args(parser)
-    args = parser.parse_args(["--l2-adapter", json.dumps({
-        "type": "plugin", "module_path": "ctxmem.integrations.lmcache_mp",
-        "class_name": "CtxmemL2Adapter", "adapter_params": {"endpoint": endpoint, **params}})])
+    args = parser.parse_args(["--l2-adapter", json.dumps(spec)])
     config = parse_args_to_l2_adapters_config(args)
     return create_l2_adapter(config.adapters[0])
 

@@ -72,3 +72,9 @@ def test_side_env_pins_the_cpu_torch(vllm_python: str) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[:2] == ["2.13.0+cpu", "0.32.0"], out.stdout
 
+
+
+def test_documented_vllm_flags(vllm_python: str, tmp_path: Path) -> None:
+    """docs/deploy.md's vLLM flags, through vLLM's parser and factories (see
+    ``vllm_flags_check.py``), and its --kv-offloading-size warning."""
+    _run(vllm_python, "vllm_flags_check.py", tmp_path, "FLAGS OK", 300)
