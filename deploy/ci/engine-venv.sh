@@ -36,6 +36,13 @@ if [ ! -f "$stamp" ]; then
         # register against the CPU torch ("operator torchvision::nms does not exist")
         # and transformers imports it when present; the CPU build is only on
         # download.pytorch.org. Text-only models need none of them.
+        # Packages named under "# no-deps:" go in without their dependencies (their
+        # declared ones would pull a CUDA torch); the file lists what they import.
+        nodeps=$(sed -n 's/^# no-deps: *//p' "$req")
+        if [ -n "$nodeps" ]; then
+            # shellcheck disable=SC2086
+            "$venv/bin/pip" install -q --no-deps $nodeps >&2
+        fi
         drop=$(sed -n 's/^# drop: *//p' "$req")
         if [ -n "$drop" ]; then
             # shellcheck disable=SC2086
