@@ -78,6 +78,15 @@ def main(workdir: Path) -> int:
             stats_seen.append(dict(data))
         return real_build(cls, data)
 
+    events_seen: list[Any] = []
+    real_take_events = CtxmemConnector.take_events
+
+    def record_events(self: Any) -> Any:
+        for e in real_take_events(self):
+            events_seen.append(e)
+            yield e
+
+    CtxmemConnector.take_events = record_events  # type: ignore[method-assign]
     CtxmemConnector.get_external_cache_hit_sources = record_sources  # type: ignore[method-assign]
     CtxmemConnector.build_kv_connector_stats = classmethod(record_build)  # type: ignore[method-assign,assignment]
 
@@ -138,6 +147,17 @@ def main(workdir: Path) -> int:
         print("hit sources", sources, flush=True)
         if not sources or any(d.get("host", 0) != d["_n"] or len(d) != 2 for d in sources):
             print("FAIL: hit sources were not reported as DRAM (host) for every token")
+            ok = False
+        # KV events: vLLM's scheduler took a BlockStored (medium ctxmem) for the 6 blocks
+        # the cold run saved, with their tokens and vLLM's own block hashes.
+        stored = [e for e in events_seen if type(e).__name__ == "BlockStored"]
+        print("kv events", [(len(e.block_hashes), len(e.token_ids), e.medium)
+                            for e in stored], flush=True)
+        first = stored[0] if stored else None
+        if (first is None or len(first.block_hashes) != 6 or first.medium != "ctxmem"
+                or first.token_ids != p1["prompt_token_ids"][:192]
+                or first.parent_block_hash is not None):
+            print("FAIL: no BlockStored event for the cold run's 6 blocks")
             ok = False
         # Connector stats reached vLLM's stats logger; Prometheus counters count them.
         from prometheus_client import REGISTRY

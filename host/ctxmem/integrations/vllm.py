@@ -16,7 +16,8 @@ it). ``kv_connector_extra_config`` keys (all optional): ``ctxmem.endpoint``,
 ``ctxmem.layerwise`` (scatter loaded KV layer by layer as attention runs),
 ``ctxmem.save_decode`` (default true: also save blocks filled by generated tokens),
 ``ctxmem.async_load`` (load between scheduler steps instead of before the forward),
-``ctxmem.prefetch`` (default true), ``ctxmem.tp_shared`` (one block per KV head: engines
+``ctxmem.prefetch`` (default true), ``ctxmem.kv_events`` (default true: ``BlockStored``
+events for blocks saved to ctxmem), ``ctxmem.tp_shared`` (one block per KV head: engines
 of any TP size share a prefix), ``ctxmem.kv_format`` (override the detected paged
 layout: ``bhnc``, ``flash_attn``, ``flashinfer`` or ``mla``). See ``docs/engines.md``.
 """
@@ -53,8 +54,10 @@ from ctxmem.integrations.vllm_core import (
 from ctxmem.integrations.vllm_layout import PagedFormat, ctxmem_layout
 from ctxmem.integrations.vllm_metrics import (
     CtxmemConnectorStats,
+    CtxmemKVEvents,
     CtxmemPromMetrics,
     stats_delta,
+    stored_events,
 )
 from ctxmem_common.layout import KVLayout
 
@@ -183,6 +186,7 @@ class CtxmemConnector(KVConnectorBase_V1):
         )
         self._requests: dict[str, Request] = {}
         self._stats_last: dict[str, int] = {}
+        self._events: CtxmemKVEvents | None = None
         self.scheduler: SchedulerCore | None = None
         self.worker: WorkerCore | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -191,9 +195,15 @@ class CtxmemConnector(KVConnectorBase_V1):
                 save_decode=as_bool(config_get(extra, "save_decode", True)),
                 prefetch=as_bool(config_get(extra, "prefetch", True)),
                 async_load=as_bool(config_get(extra, "async_load", False)))
+            if as_bool(config_get(extra, "kv_events", True)):
+                self.scheduler.tokens_of = self._tokens_of
         else:
             self.worker = WorkerCore(client, self.ns_spec, self._tp_rank(),
                                      layerwise=as_bool(config_get(extra, "layerwise", False)))
+
+    def _tokens_of(self, req_id: str) -> list[int]:
+        req = self._requests.get(req_id)
+        return list(req.all_token_ids) if req is not None else []
 
     @staticmethod
     def _tp_rank() -> int:
@@ -267,6 +277,27 @@ class CtxmemConnector(KVConnectorBase_V1):
         if self.worker is None:
             return None
         return stats_delta(self.worker.stats, self._stats_last)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        if self.worker is None:
+            return None
+        return stored_events(self.worker.take_stored(), self.block_size)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        events = getattr(connector_output, "kv_cache_events", None)
+        if not isinstance(events, CtxmemKVEvents):
+            return
+        if self._events is None:
+            self._events = events
+        else:
+            self._events.add_events(events.get_all_events())
+            self._events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> Any:
+        if self._events is None:
+            return
+        events, self._events = self._events, None
+        yield from events.aggregate().get_all_events()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -28,94 +28,22 @@ from typing import Any
 from ctxmem.client import Client, Namespace
 from ctxmem.integrations._common import (
     RateLimitedLog,
-    fit_key,
-    open_namespace,
-    salt_tag,
     tier_rank,
+)
+from ctxmem.integrations.vllm_types import (
+    CoreMetadata,
+    Namespaces,
+    NamespaceSpec,
+    TransferSpec,
+    block_keys,
 )
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.layout import KVLayout
 
+__all__ = ["CoreMetadata", "NamespaceSpec", "SchedulerCore", "TransferSpec", "WorkerCore",
+           "block_keys"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TransferSpec:
-    """Blocks of one request to load or save: ``keys[i]`` <-> paged block ``block_ids[i]``."""
-
-    req_id: str
-    salt: str | None
-    keys: list[bytes]
-    block_ids: list[int]
-    is_async: bool = False
-    """Load between scheduler steps; completion is reported through ``get_finished``."""
-
-
-@dataclass
-class CoreMetadata:
-    """What the scheduler tells the workers for one step."""
-
-    loads: list[TransferSpec] = field(default_factory=list)
-    saves: list[TransferSpec] = field(default_factory=list)
-
-
-@dataclass
-class NamespaceSpec:
-    """Everything that names the namespaces of one model deployment."""
-
-    model_id: str
-    tenant: str
-    tp_size: int
-    tags: dict[str, str]
-    layout_for_rank: Callable[[int], KVLayout]
-    heads: tuple[int, int] | None = None
-    """Head-sliced blocks (``ctxmem.tp_shared``): (the model's KV heads, heads per rank).
-    Then one namespace serves every TP size and ``layout_for_rank`` gives the layout of
-    one head's block; see :func:`ctxmem.integrations.vllm_layout.head_keys`."""
-
-    def rank_heads(self, rank: int) -> range:
-        assert self.heads is not None
-        per = self.heads[1]
-        return range(rank * per, (rank + 1) * per)
-
-
-def block_keys(hashes: Sequence[Any]) -> list[bytes]:
-    """vLLM block hashes (``BlockHash`` bytes; ints in old versions) as ctxmem keys."""
-    out: list[bytes] = []
-    for h in hashes:
-        if isinstance(h, (bytes, bytearray)):
-            out.append(fit_key(bytes(h)))
-        elif isinstance(h, int):
-            out.append(h.to_bytes(max(8, (h.bit_length() + 8) // 8), "big", signed=True))
-        else:  # an old BlockHash named tuple: its hash_value is the chain hash
-            out.append(block_keys([getattr(h, "hash_value", h)])[0])
-    return out
-
-
-class _Namespaces:
-    def __init__(self, client: Client, spec: NamespaceSpec) -> None:
-        self.client = client
-        self.spec = spec
-        self._ns: dict[tuple[int, str | None], Namespace] = {}
-        self._lock = threading.Lock()
-
-    def get(self, rank: int, salt: str | None) -> Namespace:
-        if self.spec.heads is not None:
-            rank = 0  # one TP-free namespace of head-sliced blocks
-        ident = (rank, salt)
-        ns = self._ns.get(ident)
-        if ns is None:
-            with self._lock:
-                ns = self._ns.get(ident)
-                if ns is None:
-                    tags = dict(self.spec.tags)
-                    if salt is not None:
-                        tags["cache_salt"] = salt_tag(salt)
-                    ns = open_namespace(self.client, self.spec.layout_for_rank(rank),
-                                        model_id=self.spec.model_id, tenant=self.spec.tenant,
-                                        tags=tags)
-                    self._ns[ident] = ns
-        return ns
 
 
 @dataclass
@@ -139,7 +67,7 @@ class SchedulerCore:
     def __init__(self, client: Client, spec: NamespaceSpec, block_size: int, *,
                  save_decode: bool = True, prefetch: bool = True,
                  async_load: bool = False) -> None:
-        self.namespaces = _Namespaces(client, spec)
+        self.namespaces = Namespaces(client, spec)
         self.async_load = async_load
         self.spec = spec
         self.block_size = block_size
@@ -149,6 +77,8 @@ class SchedulerCore:
         self._pending_loads: dict[str, TransferSpec] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxmem-prefetch")
         self._warn = RateLimitedLog(log)
+        self.tokens_of: Callable[[str], Sequence[int]] | None = None
+        """Set to a request's token ids to put them into saves (KV events need them)."""
 
     def _state(self, req_id: str, hashes: Sequence[Any], salt: str | None) -> _ReqState:
         st = self._reqs.get(req_id)
@@ -308,8 +238,13 @@ class SchedulerCore:
                 if st.saved_upto == st.local_blocks:
                     st.saved_upto += st.hit_blocks
             if full > st.saved_upto:
-                meta.saves.append(TransferSpec(req_id, st.salt, st.keys[st.saved_upto:full],
-                                               st.block_ids[st.saved_upto:full]))
+                spec = TransferSpec(req_id, st.salt, st.keys[st.saved_upto:full],
+                                    st.block_ids[st.saved_upto:full])
+                if self.tokens_of is not None:
+                    spec.parent = st.keys[st.saved_upto - 1] if st.saved_upto else None
+                    spec.token_ids = list(self.tokens_of(req_id))[
+                        st.saved_upto * self.block_size:full * self.block_size]
+                meta.saves.append(spec)
                 st.saved_upto = full
         return meta
 
@@ -326,7 +261,7 @@ class WorkerCore:
 
     def __init__(self, client: Client, spec: NamespaceSpec, tp_rank: int, *,
                  layerwise: bool = False) -> None:
-        self.namespaces = _Namespaces(client, spec)
+        self.namespaces = Namespaces(client, spec)
         self.tp_rank = tp_rank
         self.layerwise = layerwise
         self.layer_names: list[str] = []
@@ -341,6 +276,8 @@ class WorkerCore:
         self._async_lock = threading.Lock()
         self._warn = RateLimitedLog(log)
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0}
+        self.stored: list[TransferSpec] = []
+        """Saves the service accepted since :meth:`take_stored` (for KV events)."""
 
     def register(self, caches: Mapping[str, Any], *, hint: str | None = None,
                  kv_layout: str = "NHD", num_kv_heads: int | None = None) -> KVLayout:
@@ -504,8 +441,14 @@ class WorkerCore:
                 res = ns.put(keys, block_views(staging))
                 self.stats["saved_blocks"] += res.stored // (
                     len(keys) // max(1, len(spec.keys)))
+                if spec.token_ids:
+                    self.stored.append(spec)
             except CtxmemError as exc:
                 self._warn.warning("put", "ctxmem put failed (blocks not saved): %s", exc)
+
+    def take_stored(self) -> list[TransferSpec]:
+        stored, self.stored = self.stored, []
+        return stored
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,11 +1,15 @@
-"""What ``CtxmemConnector`` shows inside vLLM: connector stats and Prometheus metrics.
+"""What ``CtxmemConnector`` shows inside vLLM: stats, Prometheus metrics, KV events.
 
 Workers count blocks loaded, blocks that failed to load (recomputed) and blocks saved;
 vLLM aggregates the counts over workers (``KVConnectorStats.aggregate``), logs them
 (``reduce``) and, under ``vllm serve``, exports them as Prometheus counters
 (``vllm:ctxmem_loaded_blocks`` etc., one child per engine). Hit sources (DRAM, flash,
 peer) go through vLLM's own ``get_external_cache_hit_sources`` hook instead: vLLM counts
-them in its prefix-cache metrics by source.
+them in its prefix-cache metrics by source. KV cache events: a ``BlockStored``
+(medium ``ctxmem``) for every block the service accepted, published by vLLM's KV event
+publisher (``--kv-events-config``) for cache-aware routers (llm-d, Dynamo). ctxmem
+evicts on its own, so no ``BlockRemoved`` follows: a router's stale entry costs one
+miss (the engine recomputes).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.distributed.kv_events import KVConnectorKVEvents, KVEventAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -75,3 +80,55 @@ class CtxmemPromMetrics(KVConnectorPromMetrics):
             child = self.counters[name].get(engine_idx)
             if value > 0 and child is not None:
                 child.inc(value)
+
+
+# -- KV cache events: what ctxmem holds, for cache-aware routers ---------------------------
+
+class CtxmemKVEvents(KVConnectorKVEvents):
+    """Workers' ``BlockStored`` events; vLLM keeps those every TP rank emitted (a block
+    is in ctxmem only once every rank's part is)."""
+
+    def __init__(self, num_workers: int = 1) -> None:
+        self._agg = KVEventAggregator(num_workers)
+
+    def add_events(self, events: list[Any]) -> None:
+        self._agg.add_events(events)
+
+    def aggregate(self) -> CtxmemKVEvents:
+        common = self._agg.get_common_events()
+        self._agg.clear_events()
+        self._agg.add_events(common)
+        self._agg.reset_workers()
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._agg.increment_workers(count)
+
+    def get_all_events(self) -> list[Any]:
+        return list(self._agg.get_all_events())
+
+    def get_number_of_workers(self) -> int:
+        return int(self._agg.get_number_of_workers())
+
+    def clear_events(self) -> None:
+        self._agg.clear_events()
+        self._agg.reset_workers()
+
+
+MEDIUM = "ctxmem"
+"""The ``medium`` of ctxmem's events (vLLM's own are ``GPU``/``CPU``/``STORAGE``)."""
+
+
+def stored_events(saves: list[Any], block_size: int) -> CtxmemKVEvents | None:
+    """``BlockStored`` events for saves the service accepted (``TransferSpec``\\ s with
+    their token ids), keyed by vLLM's block hashes as the engine's own events are."""
+    from vllm.distributed.kv_events import BlockStored
+
+    if not saves:
+        return None
+    events = CtxmemKVEvents(num_workers=1)
+    events.add_events([BlockStored(block_hashes=list(s.keys), parent_block_hash=s.parent,
+                                   token_ids=list(s.token_ids), block_size=block_size,
+                                   lora_id=None, medium=MEDIUM, lora_name=None)
+                       for s in saves])
+    return events
