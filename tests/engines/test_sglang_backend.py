@@ -169,3 +169,72 @@ def test_page_keys() -> None:
     assert page_key(h) == bytes.fromhex(h)
     assert len(page_key(h + ".mamba")) <= 64 and page_key(h + ".mamba") != page_key(h)
     assert ctxmem.KVLayout  # the shim is importable alongside SGLang
+
+
+# -- v2: hybrid models' extra pools -------------------------------------------------------
+
+class StatePool:
+    """A sidecar pool like SGLang's Mamba/SWA state pools: one opaque float32 state per
+    page slot (``page_size`` indices per page, as the v2 transfers give them)."""
+
+    def __init__(self, width: int = 24) -> None:
+        self.dtype, self.page_size, self.layer_num, self.width = torch.float32, PAGE, 1, width
+        self.buf = torch.zeros((SLOTS, width), dtype=self.dtype)
+
+    def get_data_page(self, index: int, flat: bool = True) -> Any:
+        return self.buf[index // PAGE * PAGE]
+
+    def get_dummy_flat_data_page(self) -> Any:
+        return torch.zeros(self.width, dtype=self.dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: Any) -> None:
+        self.buf[index // PAGE * PAGE] = data_page.reshape(self.width)
+
+
+def _v2_backend(endpoint: str) -> tuple[Any, HostPool, StatePool]:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    kv, state = HostPool(), StatePool()
+    backend = _backend(endpoint, kv)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)  # as HybridCacheController does
+    backend.register_mem_host_pool_v2(state, PoolName.MAMBA)
+    backend.on_host_pools_registered()
+    return backend, kv, state
+
+
+def test_v2_hybrid_pools_round_trip_and_hit_policies(service: Any) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    a, kv, state = _v2_backend(service.endpoint)
+    kv.kv_buffer.copy_(torch.randn(kv.kv_buffer.shape).to(kv.dtype))
+    state.buf.copy_(torch.randn(state.buf.shape))
+    keys = _hashes(4, "hybrid")
+    # KV for 4 pages; the Mamba state only where a node ended (pages 1 and 3).
+    res = a.batch_set_v2([
+        PoolTransfer(name=PoolName.KV, host_indices=_indices([0, 1, 2, 3]), keys=keys),
+        PoolTransfer(name=PoolName.MAMBA, host_indices=_indices([1, 3]),
+                     keys=[keys[1], keys[3]])])
+    assert res == {"kv": [True] * 4, "mamba": [True, True]}
+
+    b, kv2, state2 = _v2_backend(service.endpoint)
+    trailing = b.batch_exists_v2(keys, [PoolTransfer(
+        name=PoolName.MAMBA, keys=[keys[-1]], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert (trailing.kv_hit_pages, trailing.restorable_prefix_pages) == (4, [2, 4])
+    assert trailing.extra_pool_hit_pages == {"kv": 4, "mamba": 4}
+    every = b.batch_exists_v2(keys, [PoolTransfer(
+        name=PoolName.MAMBA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert every.kv_hit_pages == 0, "page 0 has no state: no prefix is restorable"
+    got = b.batch_get_v2([
+        PoolTransfer(name=PoolName.KV, host_indices=_indices([4, 5, 6, 7]), keys=keys),
+        PoolTransfer(name=PoolName.MAMBA, host_indices=_indices([7]), keys=[keys[3]])])
+    assert got == {"kv": [True] * 4, "mamba": [True]}
+    for s, d in zip([0, 1, 2, 3], [4, 5, 6, 7], strict=True):
+        assert torch.equal(kv.get_data_page(s * PAGE).view(torch.int16),
+                           kv2.get_data_page(d * PAGE).view(torch.int16))
+    assert torch.equal(state.get_data_page(3 * PAGE), state2.get_data_page(7 * PAGE))
+    # The KV pages are the v1 pages: a v1 reader sees them too.
+    assert b.batch_exists(keys) == 4
+    # A pool nobody registered fails its transfer, never the others.
+    bad = b.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=_indices([0]),
+                                       keys=[keys[0]])])
+    assert bad == {"swa": [False]}

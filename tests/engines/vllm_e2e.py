@@ -44,6 +44,7 @@ def make_llm(model: Path, endpoint: str, **extra: Any) -> Any:
 
     return LLM(model=str(model), skip_tokenizer_init=True, dtype="bfloat16",
                max_model_len=1024, block_size=32, enable_prefix_caching=False,
+               disable_log_stats=False,
                enforce_eager=True, max_num_seqs=4, gpu_memory_utilization=0.1,
                prefix_caching_hash_algo="sha256_cbor",
                kv_transfer_config=KVTransferConfig(
@@ -58,7 +59,36 @@ def main(workdir: Path) -> int:
     from vllm import SamplingParams
 
     import ctxmem
+    from ctxmem.integrations.vllm import CtxmemConnector
     from ctxmem_tools.launcher import ServiceProcess, local_config
+
+    # What vLLM's own scheduler and stats logger receive from the connector.
+    sources: list[dict[str, int]] = []
+    stats_seen: list[dict[str, Any]] = []
+    real_sources = CtxmemConnector.get_external_cache_hit_sources
+    real_build = CtxmemConnector.build_kv_connector_stats.__func__  # type: ignore[attr-defined]
+
+    def record_sources(self: Any, request: Any, n: int) -> Any:
+        out = real_sources(self, request, n)
+        sources.append({str(k.value): v for k, v in out.items()} | {"_n": n})
+        return out
+
+    def record_build(cls: Any, data: Any = None) -> Any:
+        if data:
+            stats_seen.append(dict(data))
+        return real_build(cls, data)
+
+    events_seen: list[Any] = []
+    real_take_events = CtxmemConnector.take_events
+
+    def record_events(self: Any) -> Any:
+        for e in real_take_events(self):
+            events_seen.append(e)
+            yield e
+
+    CtxmemConnector.take_events = record_events  # type: ignore[method-assign]
+    CtxmemConnector.get_external_cache_hit_sources = record_sources  # type: ignore[method-assign]
+    CtxmemConnector.build_kv_connector_stats = classmethod(record_build)  # type: ignore[method-assign,assignment]
 
     model = workdir / "tiny-llama"
     build_model(model)
@@ -112,6 +142,41 @@ def main(workdir: Path) -> int:
         if shared_cached is not None and shared_cached < 192:
             print(f"FAIL: the shared-prefix request reused only {shared_cached} tokens")
             ok = False
+        # Hit sources: vLLM asked the connector, and every loaded token came from the
+        # service's DRAM ("host"); the split sums to what vLLM asked about.
+        print("hit sources", sources, flush=True)
+        if not sources or any(d.get("host", 0) != d["_n"] or len(d) != 2 for d in sources):
+            print("FAIL: hit sources were not reported as DRAM (host) for every token")
+            ok = False
+        # KV events: vLLM's scheduler took a BlockStored (medium ctxmem) for the 6 blocks
+        # the cold run saved, with their tokens and vLLM's own block hashes.
+        stored = [e for e in events_seen if type(e).__name__ == "BlockStored"]
+        print("kv events", [(len(e.block_hashes), len(e.token_ids), e.medium)
+                            for e in stored], flush=True)
+        first = stored[0] if stored else None
+        if (first is None or len(first.block_hashes) != 6 or first.medium != "ctxmem"
+                or first.token_ids != p1["prompt_token_ids"][:192]
+                or first.parent_block_hash is not None):
+            print("FAIL: no BlockStored event for the cold run's 6 blocks")
+            ok = False
+        # Connector stats reached vLLM's stats logger; Prometheus counters count them.
+        from prometheus_client import REGISTRY
+
+        loaded = sum(int(d.get("loaded_blocks", 0)) for d in stats_seen)
+        saved = sum(int(d.get("saved_blocks", 0)) for d in stats_seen)
+        print("connector stats", stats_seen, flush=True)
+        if loaded < 12 or saved < 6:
+            print(f"FAIL: connector stats loaded={loaded} saved={saved} (want >=12, >=6)")
+            ok = False
+        # vLLM's own Prometheus logger (stats on) built our counters through
+        # build_prom_metrics and fed them the stats: read them from its registry.
+        got = sum(sample.value for metric in REGISTRY.collect()
+                  if metric.name == "vllm:ctxmem_loaded_blocks" for sample in metric.samples
+                  if sample.name.endswith("_total"))
+        print("prometheus vllm:ctxmem_loaded_blocks_total", got, flush=True)
+        if got != loaded:
+            print("FAIL: the Prometheus counter does not match the stats")
+            ok = False
         del llm
         import gc
 
@@ -134,6 +199,18 @@ def main(workdir: Path) -> int:
             print(mode, "cached_tokens", cached, flush=True)
             if not same(shared, out) or (cached is not None and cached < 192):
                 print(f"FAIL: with {mode} the output differs or did not hit")
+                ok = False
+        # ctxmem.tp_shared (one block per KV head, readable by any TP size): a first
+        # engine stores head-sliced blocks, a fresh one loads them; same answer.
+        for step in ("store", "load"):
+            del llm
+            gc.collect()
+            llm = make_llm(model, svc.endpoint, **{"ctxmem.tp_shared": True})
+            out = run(p1)
+            cached = getattr(out, "num_cached_tokens", None)
+            print("tp_shared", step, "cached_tokens", cached, flush=True)
+            if not same(cold, out) or (step == "load" and (cached or 0) < 192):
+                print(f"FAIL: with ctxmem.tp_shared ({step}) the output differs or no hit")
                 ok = False
         # Blocks that fail to load (a corrupt block is a miss in the shim) are reported
         # through get_block_ids_with_load_errors; kv_load_failure_policy="recompute" must

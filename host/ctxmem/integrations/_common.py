@@ -123,3 +123,17 @@ class RateLimitedLog:
                 return
             self._last[kind] = now
         self.logger.warning(msg, *args)
+
+
+# The service's tier names (Lookup/Acquire responses), nearest to the engine first.
+# "peer" (a pod peer's service) and "shared_flash" (pod flash shared by the nodes) come
+# with the pod tier; a name not listed here ranks last and reports as unspecified.
+TIER_ORDER = ("dram", "flash", "shared_flash", "peer")
+
+# ctxmem tier -> vLLM's CacheHitSource value (vllm.v1.metrics.cache_hit_source).
+VLLM_HIT_SOURCES = {"dram": "host", "flash": "disk", "shared_flash": "disk", "peer": "p2p"}
+
+
+def tier_rank(tier: str) -> int:
+    """Distance of a service tier from the engine (unknown names: farthest)."""
+    return TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER)

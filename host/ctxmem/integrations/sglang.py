@@ -11,7 +11,12 @@ Enable it through SGLang's dynamic backend option::
 
 ``interface_v1: 1`` makes SGLang call :meth:`batch_get_v1` / :meth:`batch_set_v1` with
 host-pool indices; without it SGLang uses the generic :meth:`batch_get` /
-:meth:`batch_set` with flat page tensors. Both work.
+:meth:`batch_set` with flat page tensors. Both work. Hybrid models (Mamba, SWA, DSA
+indexer, the other "sidecar" pools) go through the v2 interface (:meth:`batch_exists_v2`,
+:meth:`batch_get_v2`, :meth:`batch_set_v2` with ``PoolTransfer``\\ s): each host pool SGLang
+registers (``register_mem_host_pool_v2``) gets its own namespace, keyed by the same page
+hashes, and the per-pool hit policies (all pages, trailing pages, block groups) are
+applied to what the service holds.
 
 One SGLang page (``--page-size`` tokens of every layer, as the host pool's flat data
 page) is one ctxmem block. Keys are SGLang's page hashes (SHA-256 chains over the page
@@ -29,7 +34,13 @@ import threading
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from ctxmem.client import Namespace
 from ctxmem.integrations._common import (
@@ -111,6 +122,8 @@ class CtxmemHiCacheStorage(HiCacheStorage):
         )
         self.mem_pool_host: Any = None
         self.ns: Namespace | None = None
+        self.pools: dict[str, tuple[Any, Namespace]] = {}
+        """v2: host pool and namespace per pool name (``kv`` is the anchor pool)."""
         self._lock = threading.Lock()
         self._warn = RateLimitedLog(log)
         self.stats = {"exists_calls": 0, "pages_read": 0, "pages_missed": 0,
@@ -122,6 +135,25 @@ class CtxmemHiCacheStorage(HiCacheStorage):
     # -- setup -----------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
+        ns = self._open(mem_pool_host, "kv")
+        with self._lock:
+            self.ns = ns
+            self.pools["kv"] = (mem_pool_host, ns)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A v2 host pool (KV, Mamba, SWA, indexer...): its own namespace; ``kv`` is the
+        anchor pool's namespace, so v1 and v2 calls share the KV pages."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name == "kv" and self.ns is not None and host_pool is self.mem_pool_host:
+            return
+        ns = self._open(host_pool, name)
+        with self._lock:
+            self.pools[name] = (host_pool, ns)
+            if name == "kv" and self.ns is None:
+                self.ns, self.mem_pool_host = ns, host_pool
+
+    def _open(self, mem_pool_host: Any, pool_name: str) -> Namespace:
         cfg = self.storage_config
         layout = layout_for_pool(mem_pool_host, cfg)
         tags = {
@@ -133,10 +165,11 @@ class CtxmemHiCacheStorage(HiCacheStorage):
         }
         if getattr(cfg, "dcp_size", 1) > 1:
             tags["sglang_dcp"] = f"{cfg.dcp_rank}/{cfg.dcp_size}"
+        if pool_name != "kv":
+            tags["sglang_pool"] = pool_name
         model_id = str(config_get(self.extra, "model_id", "") or cfg.model_name or "model")
-        with self._lock:
-            self.ns = open_namespace(self.client, layout, model_id=model_id,
-                                     tenant=self.tenant, tags=tags)
+        return open_namespace(self.client, layout, model_id=model_id, tenant=self.tenant,
+                              tags=tags)
 
     def _namespace(self) -> Namespace:
         if self.ns is None:
@@ -218,12 +251,16 @@ class CtxmemHiCacheStorage(HiCacheStorage):
         one Acquire for the batch, one staging copy into the pool's layout."""
         if not keys:
             return []
-        pool = self.mem_pool_host
+        return self._read_pages(self.mem_pool_host, self._namespace(), keys, host_indices)
+
+    def _read_pages(self, pool: Any, ns: Namespace, keys: list[str],
+                    host_indices: torch.Tensor) -> list[bool]:
+        """One Acquire for the leading stored run of ``keys``, one staging copy into the
+        pool's pages at ``host_indices`` (``page_size`` indices per key)."""
         page = int(pool.page_size)
-        staging = torch.empty((len(keys), self._page_bytes()), dtype=torch.uint8)
+        staging = torch.empty((len(keys), ns.block_nbytes), dtype=torch.uint8)
         try:
-            n = self._namespace().get([page_key(k) for k in keys],
-                                      [staging[i] for i in range(len(keys))])
+            n = ns.get([page_key(k) for k in keys], [staging[i] for i in range(len(keys))])
         except CtxmemError as exc:
             self._failed("get", exc)
             n = 0
@@ -238,12 +275,98 @@ class CtxmemHiCacheStorage(HiCacheStorage):
                      extra_info: Any = None) -> list[bool]:
         if not keys:
             return []
-        pool = self.mem_pool_host
+        return self._write_pages(self.mem_pool_host, self._namespace(), keys, host_indices)
+
+    def _write_pages(self, pool: Any, ns: Namespace, keys: list[str],
+                     host_indices: torch.Tensor) -> list[bool]:
         page = int(pool.page_size)
         pages = [pool.get_data_page(int(host_indices[i * page]), flat=True).contiguous()
                  for i in range(len(keys))]
-        ok = self.batch_set(keys, pages)
-        return [ok] * len(keys)
+        try:
+            res = ns.put([page_key(k) for k in keys], pages)
+        except CtxmemError as exc:
+            self._failed("put", exc)
+            return [False] * len(keys)
+        self.stats["pages_written"] += res.stored
+        self.stats["pages_existing"] += res.existing
+        return [True] * len(keys)
+
+    # -- v2: hybrid models' pools (KV plus Mamba / SWA / indexer sidecars) -------------
+    def _pool(self, name: Any) -> tuple[Any, Namespace]:
+        key = str(getattr(name, "value", name))
+        entry = self.pools.get(key)
+        if entry is None:
+            raise CtxmemError(f"SGLang pool {key!r} was never registered with "
+                              f"register_mem_host_pool_v2; registered: {sorted(self.pools)}")
+        return entry
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: Any = None) -> PoolTransferResult:
+        """The usable prefix: leading KV pages, shrunk by every extra pool's hit policy
+        (all pages / trailing pages gate it; block groups report their own verdict)."""
+        self.stats["exists_calls"] += 1
+        try:
+            kv_pages = self._namespace().lookup([page_key(k) for k in keys]).num_hits \
+                if keys else 0
+            hit: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
+            restorable = set(range(1, kv_pages + 1))
+            for t in pool_transfers or []:
+                name = str(getattr(t.name, "value", t.name))
+                _, ns = self._pool(t.name)
+                have = [bool(x) for x in ns.tiers([page_key(k) for k in keys[:kv_pages]])]
+                present = have.index(False) if False in have else len(have)
+                policy = PoolHitPolicy(t.hit_policy)
+                if policy == PoolHitPolicy.ALL_PAGES:
+                    ok = set(range(1, present + 1))
+                elif policy == PoolHitPolicy.TRAILING_PAGES:
+                    tail = max(1, len(t.keys) if t.keys else 1)
+                    ok = {p for p in range(1, kv_pages + 1)
+                          if all(have[max(0, p - tail):p])}
+                else:  # BLOCK_GROUPS: whole leading groups; never gates the KV hit
+                    group = max(1, int(t.group_pages or 1))
+                    full = present // group * group
+                    if full:
+                        hit[name] = full
+                    continue
+                if ok:
+                    hit[name] = max(ok)
+                restorable &= ok
+        except CtxmemError as exc:
+            self._failed("lookup", exc)
+            return PoolTransferResult(0, {}, [])
+        pages = sorted(restorable)
+        return PoolTransferResult(pages[-1] if pages else 0, hit, pages)
+
+    def _transfer_v2(self, transfers: list[PoolTransfer], write: bool) -> dict[str, list[bool]]:
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            name = str(getattr(t.name, "value", t.name))
+            keys = list(t.keys or [])
+            try:
+                pool, ns = self._pool(t.name)
+            except CtxmemError as exc:
+                self._failed("v2", exc)
+                out[name] = [False] * len(keys)
+                continue
+            need = len(keys) * int(pool.page_size)
+            if t.host_indices is None or t.host_indices.numel() != need:
+                log.error("SGLang %s transfer for pool %s: %s host indices for %d pages "
+                          "of %d tokens; skipped", "write" if write else "read", name,
+                          None if t.host_indices is None else t.host_indices.numel(),
+                          len(keys), int(pool.page_size))
+                out[name] = [False] * len(keys)
+                continue
+            io = self._write_pages if write else self._read_pages
+            out[name] = io(pool, ns, keys, t.host_indices) if keys else []
+        return out
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._transfer_v2(transfers, write=False)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._transfer_v2(transfers, write=True)
 
     # -- the rest --------------------------------------------------------------------
     def clear(self) -> bool:

@@ -16,12 +16,15 @@ it). ``kv_connector_extra_config`` keys (all optional): ``ctxmem.endpoint``,
 ``ctxmem.layerwise`` (scatter loaded KV layer by layer as attention runs),
 ``ctxmem.save_decode`` (default true: also save blocks filled by generated tokens),
 ``ctxmem.async_load`` (load between scheduler steps instead of before the forward),
-``ctxmem.prefetch`` (default true), ``ctxmem.kv_format`` (override the detected paged
+``ctxmem.prefetch`` (default true), ``ctxmem.kv_events`` (default true: ``BlockStored``
+events for blocks saved to ctxmem), ``ctxmem.tp_shared`` (one block per KV head: engines
+of any TP size share a prefix), ``ctxmem.kv_format`` (override the detected paged
 layout: ``bhnc``, ``flash_attn``, ``flashinfer`` or ``mla``). See ``docs/engines.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ctxmem.integrations._common import (
+    VLLM_HIT_SOURCES,
     as_bool,
     config_get,
     resolve_endpoint,
@@ -48,10 +52,18 @@ from ctxmem.integrations.vllm_core import (
     WorkerCore,
 )
 from ctxmem.integrations.vllm_layout import PagedFormat, ctxmem_layout
+from ctxmem.integrations.vllm_metrics import (
+    CtxmemConnectorStats,
+    CtxmemKVEvents,
+    CtxmemPromMetrics,
+    stats_delta,
+    stored_events,
+)
 from ctxmem_common.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -99,6 +111,25 @@ def layout_from_spec(spec: Any, num_layers: int, *, tp_rank: int, tp_size: int,
                          dtype_name=dtype), "canonical"
 
 
+def tp_shared_spec(ns: NamespaceSpec, model_config: Any, tp_size: int,
+                   rank_layout: KVLayout) -> NamespaceSpec:
+    """``ctxmem.tp_shared``: store one block per KV head so engines of any TP size share
+    a prefix. Needs the model's KV heads split evenly over the ranks (not replicated)
+    and per-head K/V (not MLA); otherwise the per-rank namespaces stay, with a warning."""
+    per_rank = rank_layout.num_kv_heads
+    total_fn = getattr(model_config, "get_total_num_kv_heads", None)
+    total = int(total_fn()) if callable(total_fn) else per_rank * tp_size
+    if rank_layout.is_mla or per_rank * tp_size != total:
+        log.warning("ctxmem.tp_shared needs per-head K/V split evenly over the TP ranks "
+                    "(MLA: %s, %d KV heads over TP=%d); blocks stay per TP rank",
+                    rank_layout.is_mla, total, tp_size)
+        return ns
+    head = dataclasses.replace(rank_layout, num_kv_heads=1, tp_rank=0, tp_size=1)
+    return NamespaceSpec(model_id=ns.model_id, tenant=ns.tenant, tp_size=tp_size,
+                         tags={**ns.tags, "vllm_blocks": "per-kv-head"},
+                         layout_for_rank=lambda r: head, heads=(total, per_rank))
+
+
 class CtxmemConnector(KVConnectorBase_V1):
     """Offloads full KV blocks to ctxmem and loads prefix hits back."""
 
@@ -141,6 +172,11 @@ class CtxmemConnector(KVConnectorBase_V1):
                 spec, len(self.layer_names), tp_rank=r, tp_size=self.tp_size,
                 rope_dim=rope_dim)[0],
         )
+        if as_bool(config_get(extra, "tp_shared", False)):
+            self.ns_spec = tp_shared_spec(self.ns_spec, model_config, self.tp_size,
+                                          layout_from_spec(spec, len(self.layer_names),
+                                                           tp_rank=0, tp_size=1,
+                                                           rope_dim=rope_dim)[0])
         client = shared_client(
             resolve_endpoint(config_get(extra, "endpoint")),
             transport=str(config_get(extra, "transport", "auto")),
@@ -149,6 +185,8 @@ class CtxmemConnector(KVConnectorBase_V1):
             tls=resolve_tls(lambda k, d: config_get(extra, k, d)),
         )
         self._requests: dict[str, Request] = {}
+        self._stats_last: dict[str, int] = {}
+        self._events: CtxmemKVEvents | None = None
         self.scheduler: SchedulerCore | None = None
         self.worker: WorkerCore | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -157,9 +195,15 @@ class CtxmemConnector(KVConnectorBase_V1):
                 save_decode=as_bool(config_get(extra, "save_decode", True)),
                 prefetch=as_bool(config_get(extra, "prefetch", True)),
                 async_load=as_bool(config_get(extra, "async_load", False)))
+            if as_bool(config_get(extra, "kv_events", True)):
+                self.scheduler.tokens_of = self._tokens_of
         else:
             self.worker = WorkerCore(client, self.ns_spec, self._tp_rank(),
                                      layerwise=as_bool(config_get(extra, "layerwise", False)))
+
+    def _tokens_of(self, req_id: str) -> list[int]:
+        req = self._requests.get(req_id)
+        return list(req.all_token_ids) if req is not None else []
 
     @staticmethod
     def _tp_rank() -> int:
@@ -229,6 +273,44 @@ class CtxmemConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is None:
+            return None
+        return stats_delta(self.worker.stats, self._stats_last)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        if self.worker is None:
+            return None
+        return stored_events(self.worker.take_stored(), self.block_size)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        events = getattr(connector_output, "kv_cache_events", None)
+        if not isinstance(events, CtxmemKVEvents):
+            return
+        if self._events is None:
+            self._events = events
+        else:
+            self._events.add_events(events.get_all_events())
+            self._events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> Any:
+        if self._events is None:
+            return
+        events, self._events = self._events, None
+        yield from events.aggregate().get_all_events()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return CtxmemConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return CtxmemPromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
@@ -251,6 +333,22 @@ class CtxmemConnector(KVConnectorBase_V1):
             request.request_id, request.block_hashes, int(request.num_tokens),
             int(num_computed_tokens), getattr(request, "cache_salt", None))
         return n, bool(n and self.scheduler.async_load)
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[Any, int]:
+        """The loaded tokens split by the service tier each block came from (the Lookup
+        answer): DRAM -> ``host``, flash -> ``disk``, a pod peer -> ``p2p``."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if self.scheduler is None or num_external_tokens <= 0:
+            return {}
+        out: dict[Any, int] = {}
+        for tier, n in self.scheduler.hit_sources(request.request_id,
+                                                  num_external_tokens).items():
+            value = VLLM_HIT_SOURCES.get(tier)
+            src = CacheHitSource(value) if value else CacheHitSource.EXTERNAL_UNSPECIFIED
+            out[src] = out.get(src, 0) + n
+        return out
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

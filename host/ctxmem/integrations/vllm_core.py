@@ -26,79 +26,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxmem.client import Client, Namespace
-from ctxmem.integrations._common import RateLimitedLog, fit_key, open_namespace, salt_tag
+from ctxmem.integrations._common import (
+    RateLimitedLog,
+    tier_rank,
+)
+from ctxmem.integrations.vllm_types import (
+    CoreMetadata,
+    Namespaces,
+    NamespaceSpec,
+    TransferSpec,
+    block_keys,
+)
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.layout import KVLayout
 
+__all__ = ["CoreMetadata", "NamespaceSpec", "SchedulerCore", "TransferSpec", "WorkerCore",
+           "block_keys"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TransferSpec:
-    """Blocks of one request to load or save: ``keys[i]`` <-> paged block ``block_ids[i]``."""
-
-    req_id: str
-    salt: str | None
-    keys: list[bytes]
-    block_ids: list[int]
-    is_async: bool = False
-    """Load between scheduler steps; completion is reported through ``get_finished``."""
-
-
-@dataclass
-class CoreMetadata:
-    """What the scheduler tells the workers for one step."""
-
-    loads: list[TransferSpec] = field(default_factory=list)
-    saves: list[TransferSpec] = field(default_factory=list)
-
-
-@dataclass
-class NamespaceSpec:
-    """Everything that names the namespaces of one model deployment."""
-
-    model_id: str
-    tenant: str
-    tp_size: int
-    tags: dict[str, str]
-    layout_for_rank: Callable[[int], KVLayout]
-
-
-def block_keys(hashes: Sequence[Any]) -> list[bytes]:
-    """vLLM block hashes (``BlockHash`` bytes; ints in old versions) as ctxmem keys."""
-    out: list[bytes] = []
-    for h in hashes:
-        if isinstance(h, (bytes, bytearray)):
-            out.append(fit_key(bytes(h)))
-        elif isinstance(h, int):
-            out.append(h.to_bytes(max(8, (h.bit_length() + 8) // 8), "big", signed=True))
-        else:  # an old BlockHash named tuple: its hash_value is the chain hash
-            out.append(block_keys([getattr(h, "hash_value", h)])[0])
-    return out
-
-
-class _Namespaces:
-    def __init__(self, client: Client, spec: NamespaceSpec) -> None:
-        self.client = client
-        self.spec = spec
-        self._ns: dict[tuple[int, str | None], Namespace] = {}
-        self._lock = threading.Lock()
-
-    def get(self, rank: int, salt: str | None) -> Namespace:
-        ident = (rank, salt)
-        ns = self._ns.get(ident)
-        if ns is None:
-            with self._lock:
-                ns = self._ns.get(ident)
-                if ns is None:
-                    tags = dict(self.spec.tags)
-                    if salt is not None:
-                        tags["cache_salt"] = salt_tag(salt)
-                    ns = open_namespace(self.client, self.spec.layout_for_rank(rank),
-                                        model_id=self.spec.model_id, tenant=self.spec.tenant,
-                                        tags=tags)
-                    self._ns[ident] = ns
-        return ns
 
 
 @dataclass
@@ -107,6 +52,10 @@ class _ReqState:
     keys: list[bytes]
     local_blocks: int = 0
     hit_blocks: int = 0
+    hit_tiers: list[str] = field(default_factory=list)
+    """The service tier of each hit block, as the Lookup answered (rank 0's; the
+    outermost over ranks where they differ): ``dram``, ``flash``, and with a pod tier
+    ``peer`` or ``shared_flash``."""
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = -1
     prefetched: bool = False
@@ -118,7 +67,7 @@ class SchedulerCore:
     def __init__(self, client: Client, spec: NamespaceSpec, block_size: int, *,
                  save_decode: bool = True, prefetch: bool = True,
                  async_load: bool = False) -> None:
-        self.namespaces = _Namespaces(client, spec)
+        self.namespaces = Namespaces(client, spec)
         self.async_load = async_load
         self.spec = spec
         self.block_size = block_size
@@ -128,6 +77,8 @@ class SchedulerCore:
         self._pending_loads: dict[str, TransferSpec] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxmem-prefetch")
         self._warn = RateLimitedLog(log)
+        self.tokens_of: Callable[[str], Sequence[int]] | None = None
+        """Set to a request's token ids to put them into saves (KV events need them)."""
 
     def _state(self, req_id: str, hashes: Sequence[Any], salt: str | None) -> _ReqState:
         st = self._reqs.get(req_id)
@@ -148,25 +99,75 @@ class SchedulerCore:
 
     def _prefetch(self, keys: list[bytes], salt: str | None) -> None:
         try:
+            if self.spec.heads is not None:
+                from ctxmem.integrations.vllm_layout import head_keys
+
+                self.namespaces.get(0, salt).prefetch(head_keys(keys,
+                                                                range(self.spec.heads[0])))
+                return
             for rank in range(self.spec.tp_size):
                 self.namespaces.get(rank, salt).prefetch(keys)
         except CtxmemError as exc:
             self._warn.warning("prefetch", "ctxmem prefetch failed: %s", exc)
 
-    def lookup_hits(self, keys: Sequence[bytes], salt: str | None) -> int:
-        """Leading ``keys`` stored on every TP rank (0 when the service is unreachable)."""
+    def lookup_hits(self, keys: Sequence[bytes], salt: str | None,
+                    tiers: list[str] | None = None) -> int:
+        """Leading ``keys`` stored on every TP rank (0 when the service is unreachable).
+        ``tiers``, when given, receives the service tier of each hit block: the one
+        farthest from the engine over the ranks (a peer's block outranks flash, flash
+        outranks DRAM)."""
         if not keys:
             return 0
         hits = len(keys)
+        found: list[str] = []
         try:
-            for rank in range(self.spec.tp_size):
-                hits = min(hits, self.namespaces.get(rank, salt).lookup(keys).num_hits)
+            if self.spec.heads is not None:
+                hits, found = self._lookup_heads(keys, salt)
+            for rank in range(self.spec.tp_size if self.spec.heads is None else 0):
+                res = self.namespaces.get(rank, salt).lookup(keys)
+                hits = min(hits, res.num_hits)
+                found = [max(a, b, key=tier_rank) for a, b in
+                         zip(found or res.tiers, res.tiers, strict=False)]
                 if hits == 0:
                     break
         except CtxmemError as exc:
             self._warn.warning("lookup", "ctxmem lookup failed (no external hit): %s", exc)
             return 0
+        if tiers is not None:
+            tiers[:] = found[:hits] + [""] * max(0, hits - len(found))
         return hits
+
+    def _lookup_heads(self, keys: Sequence[bytes], salt: str | None
+                      ) -> tuple[int, list[str]]:
+        """Head-sliced: blocks whose every KV head is stored, and each one's tier (the
+        farthest of its heads')."""
+        from ctxmem.integrations.vllm_layout import head_keys
+
+        assert self.spec.heads is not None
+        total = self.spec.heads[0]
+        res = self.namespaces.get(0, salt).lookup(head_keys(keys, range(total)))
+        hits = res.num_hits // total
+        tiers = [max(res.tiers[i * total:(i + 1) * total] or [""], key=tier_rank)
+                 for i in range(hits)]
+        return hits, tiers
+
+    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """``num_external_tokens`` split by the service tier each loaded block came
+        from (keys: tier names, ``""`` when the service did not say)."""
+        st = self._reqs.get(req_id)
+        if st is None or num_external_tokens <= 0:
+            return {}
+        n = min(-(-num_external_tokens // self.block_size), len(st.hit_tiers))
+        out: dict[str, int] = {}
+        left = num_external_tokens
+        # The first loaded block may be partly computed locally: the last blocks are full.
+        for tier in reversed(st.hit_tiers[:n]):
+            take = min(self.block_size, left)
+            out[tier] = out.get(tier, 0) + take
+            left -= take
+        if left > 0:
+            out[""] = out.get("", 0) + left
+        return out
 
     def num_new_matched_tokens(self, req_id: str, hashes: Sequence[Any], num_tokens: int,
                                num_computed_tokens: int, salt: str | None) -> int:
@@ -180,9 +181,10 @@ class SchedulerCore:
         local = num_computed_tokens // self.block_size
         st.local_blocks = local
         st.hit_blocks = 0
+        st.hit_tiers = []
         if local >= max_blocks:
             return 0
-        st.hit_blocks = self.lookup_hits(st.keys[local:max_blocks], salt)
+        st.hit_blocks = self.lookup_hits(st.keys[local:max_blocks], salt, st.hit_tiers)
         return max(0, (local + st.hit_blocks) * self.block_size - num_computed_tokens)
 
     def update_after_alloc(self, req_id: str, block_ids: Sequence[int],
@@ -236,8 +238,13 @@ class SchedulerCore:
                 if st.saved_upto == st.local_blocks:
                     st.saved_upto += st.hit_blocks
             if full > st.saved_upto:
-                meta.saves.append(TransferSpec(req_id, st.salt, st.keys[st.saved_upto:full],
-                                               st.block_ids[st.saved_upto:full]))
+                spec = TransferSpec(req_id, st.salt, st.keys[st.saved_upto:full],
+                                    st.block_ids[st.saved_upto:full])
+                if self.tokens_of is not None:
+                    spec.parent = st.keys[st.saved_upto - 1] if st.saved_upto else None
+                    spec.token_ids = list(self.tokens_of(req_id))[
+                        st.saved_upto * self.block_size:full * self.block_size]
+                meta.saves.append(spec)
                 st.saved_upto = full
         return meta
 
@@ -254,7 +261,7 @@ class WorkerCore:
 
     def __init__(self, client: Client, spec: NamespaceSpec, tp_rank: int, *,
                  layerwise: bool = False) -> None:
-        self.namespaces = _Namespaces(client, spec)
+        self.namespaces = Namespaces(client, spec)
         self.tp_rank = tp_rank
         self.layerwise = layerwise
         self.layer_names: list[str] = []
@@ -269,6 +276,8 @@ class WorkerCore:
         self._async_lock = threading.Lock()
         self._warn = RateLimitedLog(log)
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0}
+        self.stored: list[TransferSpec] = []
+        """Saves the service accepted since :meth:`take_stored` (for KV events)."""
 
     def register(self, caches: Mapping[str, Any], *, hint: str | None = None,
                  kv_layout: str = "NHD", num_kv_heads: int | None = None) -> KVLayout:
@@ -281,7 +290,12 @@ class WorkerCore:
                                  num_kv_heads=num_kv_heads)
         layout = self.namespaces.spec.layout_for_rank(self.tp_rank)
         got = len(self.caches) * self.fmt.layer_block_nbytes
-        if got != layout.block_nbytes:
+        heads = self.namespaces.spec.heads
+        if heads is not None and heads[1] != self.fmt.num_heads:
+            raise CtxmemError(
+                f"ctxmem.tp_shared: this rank's cache holds {self.fmt.num_heads} KV heads, "
+                f"the model's split expects {heads[1]}; turn ctxmem.tp_shared off")
+        if got != layout.block_nbytes * (heads[1] if heads is not None else 1):
             raise CtxmemError(
                 f"ctxmem: the paged KV cache gives {got} bytes per block "
                 f"({len(self.caches)} layers of {self.fmt}), the namespace layout "
@@ -295,10 +309,33 @@ class WorkerCore:
 
         try:
             ns = self.namespaces.get(self.tp_rank, spec.salt)
+            if self.namespaces.spec.heads is not None:
+                return self._fetch_heads(ns, spec, staging)
             return ns.get(spec.keys, block_views(staging))
         except CtxmemError as exc:
             self._warn.warning("get", "ctxmem get failed (blocks will be recomputed): %s", exc)
             return 0
+
+    def _fetch_heads(self, ns: Namespace, spec: TransferSpec, staging: Any) -> int:
+        """Get this rank's heads of each block; return the leading whole blocks."""
+        import torch
+
+        from ctxmem.integrations.vllm_layout import (
+            block_views,
+            from_head_major,
+            head_axis,
+            head_keys,
+        )
+
+        heads = self.namespaces.spec.rank_heads(self.tp_rank)
+        nb = len(spec.keys)
+        shape = list(self.fmt.block_shape)
+        del shape[head_axis(self.fmt)]
+        rows = torch.empty((nb, len(heads), len(self.caches), *shape), dtype=self.fmt.dtype)
+        n = ns.get(head_keys(spec.keys, heads), block_views(rows.view(nb * len(heads), -1)))
+        blocks = n // len(heads)
+        staging[:blocks].copy_(from_head_major(rows[:blocks], self.fmt))
+        return blocks
 
     def _fail(self, spec: TransferSpec, n: int) -> None:
         if n < len(spec.block_ids):
@@ -394,10 +431,24 @@ class WorkerCore:
             try:
                 ns = self.namespaces.get(self.tp_rank, spec.salt)
                 staging = gather_blocks(self.caches, self.fmt, spec.block_ids)
-                res = ns.put(spec.keys, block_views(staging))
-                self.stats["saved_blocks"] += res.stored
+                keys = spec.keys
+                if self.namespaces.spec.heads is not None:
+                    from ctxmem.integrations.vllm_layout import head_keys, head_major
+
+                    heads = self.namespaces.spec.rank_heads(self.tp_rank)
+                    keys = head_keys(spec.keys, heads)
+                    staging = head_major(staging, self.fmt).view(len(keys), -1)
+                res = ns.put(keys, block_views(staging))
+                self.stats["saved_blocks"] += res.stored // (
+                    len(keys) // max(1, len(spec.keys)))
+                if spec.token_ids:
+                    self.stored.append(spec)
             except CtxmemError as exc:
                 self._warn.warning("put", "ctxmem put failed (blocks not saved): %s", exc)
+
+    def take_stored(self) -> list[TransferSpec]:
+        stored, self.stored = self.stored, []
+        return stored
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

