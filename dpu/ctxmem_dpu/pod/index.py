@@ -95,6 +95,15 @@ class ClusterIndex:
         """Refresh this node's alive key and read which peers are alive. Returns whether
         this node's key had vanished (first beat, index restarted or this node was cut
         off past its TTL): the caller republishes everything it holds then."""
+        try:
+            return await self._heartbeat()
+        except IndexUnavailable:
+            raise
+        except Exception as exc:  # a pipeline's setup or reset on a dead connection
+            raise IndexUnavailable(f"cluster index heartbeat at {self._where()} failed: "
+                                   f"{type(exc).__name__}: {exc}") from None
+
+    async def _heartbeat(self) -> bool:
         ttl_ms = int(self.pod.node_ttl_s * 1000)
         async with self._r.pipeline(transaction=False) as p:
             p.set(alive_key(self.node_id), self.pod.advertise, px=ttl_ms, get=True)
@@ -120,6 +129,15 @@ class ClusterIndex:
     async def apply(self, updates: dict[bytes, dict[bytes, RemoteEntry | None]]) -> int:
         """Publish a batch: per namespace, key → entry (``None``: this node dropped it).
         One pipeline for the whole batch. Returns how many updates were sent."""
+        try:
+            return await self._apply(updates)
+        except IndexUnavailable:
+            raise
+        except Exception as exc:  # a pipeline's setup or reset on a dead connection
+            raise IndexUnavailable(f"cluster index publish at {self._where()} failed: "
+                                   f"{type(exc).__name__}: {exc}") from None
+
+    async def _apply(self, updates: dict[bytes, dict[bytes, RemoteEntry | None]]) -> int:
         n = 0
         async with self._r.pipeline(transaction=False) as p:
             for ns, per_key in updates.items():
@@ -172,9 +190,24 @@ class ClusterIndex:
                                     self._del_equal(keys=[blocks_key(ns_digest)], args=args)))
 
     async def _drop_quietly(self, ns_digest: bytes, stale: list[tuple[bytes, bytes]]) -> None:
+        """Delete entries of nodes whose alive key is gone from the index itself (not
+        merely missing from this node's cached view, which lags a heartbeat): a node that
+        comes back finds its own key gone too, and republishes everything it holds."""
         try:
+            nodes = sorted({e.node_id for _k, v in stale
+                            if (e := unpack_entry(v)) is not None})
+            alive = await self._call("liveness check", self._r.exists(
+                *[alive_key(n) for n in nodes])) if nodes else 0
+            if alive:  # one of them is alive: check each
+                async with self._r.pipeline(transaction=False) as p:
+                    for n in nodes:
+                        p.exists(alive_key(n))
+                    flags = await self._call("liveness check", p.execute())
+                live = {n for n, f in zip(nodes, flags, strict=True) if f}
+                stale = [(k, v) for k, v in stale
+                         if (e := unpack_entry(v)) is not None and e.node_id not in live]
             await self.drop_stale(ns_digest, stale)
-        except IndexUnavailable as exc:
+        except Exception as exc:  # IndexUnavailable mostly; cleanup is best effort
             log.debug("lazy cleanup of %d stale entries skipped: %s", len(stale), exc)
 
     async def close(self) -> None:

@@ -87,7 +87,10 @@ class PodNode:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.pod.heartbeat_s)
-            await self._heartbeat_once()
+            try:
+                await self._heartbeat_once()
+            except Exception:  # never let liveness stop: log, try again next beat
+                log.exception("pod heartbeat failed unexpectedly; retrying")
 
     async def close(self) -> None:
         """Leave the pod (peers stop asking at once), stop serving; idempotent."""

@@ -95,7 +95,9 @@ class Publisher:
             self._wake.clear()
             try:
                 await self.flush()
-            except IndexUnavailable as exc:
+            except Exception as exc:  # IndexUnavailable, or a bug: publishing goes on
+                if not isinstance(exc, IndexUnavailable):
+                    log.exception("publishing to the cluster index failed unexpectedly")
                 self._counters["pod_index_errors"] += 1
                 if not self._down:
                     self._down = True
