@@ -9,8 +9,8 @@ keys sit in one Redis Cluster slot and batch in one command):
 
 A packed entry: version (1 byte), node id (1-byte length + UTF-8), tier (1 byte), seq
 (u64), nbytes (u64), CRC32C (u32), shared flag (1 byte) and, when set, the shared
-location (16-byte device UUID, offset u64, length u64). 25 + len(node id) bytes without a
-shared location, 57 + len(node id) with one.
+location (16-byte device UUID, offset u64, length u64). 24 + len(node id) bytes without a
+shared location, 56 + len(node id) with one.
 """
 
 from __future__ import annotations
