@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from crc32c import crc32c
 
 from ctxmem_dpu.blocks import Block, Namespace
-from ctxmem_dpu.pod.entries import RemoteEntry
+from ctxmem_dpu.pod.entries import RemoteEntry, unpack_entry
 from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
 from ctxmem_dpu.pod.sources import RemoteSource
 from ctxmem_dpu.store import BlockStore
@@ -38,10 +38,9 @@ class RemoteFetch:
         self._max = max_blocks
         self._down = False
 
-    async def lookup(self, ns_digest: bytes, keys: Sequence[bytes]
-                     ) -> list[RemoteEntry | None]:
-        """Index entries of ``keys`` held by live peers; all misses when the index is
-        unreachable (counted, and logged once until it answers again)."""
+    async def lookup(self, ns_digest: bytes, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Packed index entries of ``keys`` held by live peers; all misses when the index
+        is unreachable (counted, and logged once until it answers again)."""
         self._counters["pod_lookup_keys"] += len(keys)
         try:
             found = await self.index.lookup(ns_digest, keys)
@@ -59,12 +58,12 @@ class RemoteFetch:
         return found
 
     async def merged(self, ns: Namespace, keys: Sequence[bytes]
-                     ) -> tuple[list[Block | None], list[RemoteEntry | None]]:
-        """Per key, the local block and (for local misses only) the remote entry: the
-        cluster is asked only for the keys this node misses, in one round trip."""
+                     ) -> tuple[list[Block | None], list[bytes | None]]:
+        """Per key, the local block and (for local misses only) the packed remote entry:
+        the cluster is asked only for the keys this node misses, in one round trip."""
         local = self.store.lookup_blocks(ns, keys, prefix=False)
         missing = [i for i, b in enumerate(local) if b is None]
-        remote: list[RemoteEntry | None] = [None] * len(keys)
+        remote: list[bytes | None] = [None] * len(keys)
         if missing:
             got = await self.lookup(ns.digest, [keys[i] for i in missing])
             for i, e in zip(missing, got, strict=True):
@@ -77,9 +76,10 @@ class RemoteFetch:
         adopted; the run a following Acquire sees ends at the first that was not."""
         local, remote = await self.merged(ns, keys)
         want: list[RemoteEntry] = []
-        for b, e in zip(local, remote, strict=True):
+        for key, b, raw in zip(keys, local, remote, strict=True):
             if b is not None:
                 continue
+            e = unpack_entry(raw, key) if raw is not None else None
             if e is None or len(want) >= self._max:
                 break
             want.append(e)

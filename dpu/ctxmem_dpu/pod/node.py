@@ -75,7 +75,7 @@ class PodNode:
                 self._index_down = True
                 log.warning("pod heartbeat failed (%s); peers are treated as gone until "
                             "the index answers", exc)
-            self.index.live = {}
+            self.index.forget_peers()
             return
         if self._index_down:
             self._index_down = False

@@ -106,7 +106,7 @@ class PeerSource(RemoteSource):
             writer.transport.abort()
         host, port = split_hostport(addr, "peer address")
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=self._ssl,
+            asyncio.open_connection(host, port, ssl=self._ssl, limit=w.STREAM_LIMIT,
                                     ssl_handshake_timeout=self._pod.connect_timeout_s
                                     if self._ssl else None),
             self._pod.connect_timeout_s)

@@ -49,7 +49,7 @@ class PeerServer:
     async def start(self) -> None:
         host, port = split_hostport(self._pod.listen, "pod.listen")
         self._server = await asyncio.start_server(
-            self._serve, host, port, ssl=self._ssl,
+            self._serve, host, port, ssl=self._ssl, limit=w.STREAM_LIMIT,
             ssl_handshake_timeout=self._timeout if self._ssl is not None else None)
         sock = self._server.sockets[0].getsockname()
         self.address = f"{sock[0]}:{sock[1]}"
