@@ -20,7 +20,7 @@ def test_put_on_one_node_is_byte_exact_hit_on_the_others(pod: LocalPod,
     for node in (n2, n3):
         with ctxmem.Client(node.endpoint) as c:
             ns = c.open_namespace(LAYOUT, model_id="m")
-            wait_for(lambda ns=ns: ns.lookup(keys).num_hits == 12, what="publish")
+            wait_for(lambda: ns.lookup(keys).num_hits == 12, what="publish")  # noqa: B023
             assert ns.lookup(keys).tiers == ["remote"] * 12
             out = [np.zeros_like(d) for d in data]
             assert ns.get(keys, out) == 12
