@@ -34,7 +34,7 @@ def test_entries_round_trip_and_start_with_the_node_prefix(e: RemoteEntry) -> No
     raw = pack_entry(e)
     assert raw.startswith(node_prefix(e.node_id))
     assert unpack_entry(raw, e.key) == e
-    assert len(raw) == 24 + len(e.node_id.encode()) + (32 if e.shared else 0)
+    assert len(raw) == 28 + len(e.node_id.encode()) + (32 if e.shared else 0)
 
 
 @given(st.binary(max_size=120))

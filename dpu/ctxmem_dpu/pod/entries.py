@@ -7,10 +7,15 @@ keys sit in one Redis Cluster slot and batch in one command):
 * ``ctxmem:nodes`` — a hash, node id → advertised peer-fetch address;
 * ``ctxmem:node:{ID}`` — present while node ID is alive (a TTL its heartbeat refreshes).
 
-A packed entry: version (1 byte), node id (1-byte length + UTF-8), tier (1 byte), seq
-(u64), nbytes (u64), CRC32C (u32), shared flag (1 byte) and, when set, the shared
-location (16-byte device UUID, offset u64, length u64). 24 + len(node id) bytes without a
-shared location, 56 + len(node id) with one.
+A packed entry: version (1 byte), node id (1-byte length + UTF-8), the holder's publish
+epoch (u32), tier (1 byte), seq (u64), nbytes (u64), CRC32C (u32), shared flag (1 byte)
+and, when set, the shared location (16-byte device UUID, offset u64, length u64).
+28 + len(node id) bytes without a shared location, 60 + len(node id) with one.
+
+The epoch changes each time a node republishes everything (its alive key had vanished):
+a peer's lazy cleanup deletes an entry only if its value is still the exact one it saw
+while the holder was dead, so a republished entry is never deleted by a cleanup that
+raced with the holder's return.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 ENTRY_VERSION = 1
 _TIERS = {"dram": 0, "flash": 1}
 _TIER_NAMES = {v: k for k, v in _TIERS.items()}
+_EPOCH = struct.Struct("!I")
 _BODY = struct.Struct("!BQQIB")
 _SHARED = struct.Struct("!16sQQ")
 
@@ -73,14 +79,15 @@ def node_prefix(node_id: str) -> bytes:
     return bytes((ENTRY_VERSION, len(raw))) + raw
 
 
-def pack_entry(e: RemoteEntry) -> bytes:
-    """``e`` as the index stores it (``key`` is not packed: it is the hash field)."""
+def pack_entry(e: RemoteEntry, epoch: int = 0) -> bytes:
+    """``e`` as the index stores it (``key`` is not packed: it is the hash field), under
+    the holder's publish ``epoch``."""
     try:
         tier = _TIERS[e.tier]
     except KeyError:
         raise ValueError(f"entry tier {e.tier!r}: one of {sorted(_TIERS)}") from None
-    out = node_prefix(e.node_id) + _BODY.pack(tier, e.seq, e.nbytes, e.crc32c,
-                                              e.shared is not None)
+    out = node_prefix(e.node_id) + _EPOCH.pack(epoch & 0xFFFFFFFF) + _BODY.pack(
+        tier, e.seq, e.nbytes, e.crc32c, e.shared is not None)
     if e.shared is not None:
         out += _SHARED.pack(bytes.fromhex(e.shared.device_uuid), e.shared.offset,
                             e.shared.length)
@@ -93,11 +100,11 @@ def unpack_entry(raw: bytes, key: bytes = b"") -> RemoteEntry | None:
     if len(raw) < 2 or raw[0] != ENTRY_VERSION:
         return None
     n = raw[1]
-    at = 2 + n
+    at = 2 + n + _EPOCH.size
     if len(raw) < at + _BODY.size:
         return None
     try:
-        node = raw[2:at].decode()
+        node = raw[2:2 + n].decode()
     except UnicodeDecodeError:
         return None
     tier, seq, nbytes, crc, has_shared = _BODY.unpack_from(raw, at)

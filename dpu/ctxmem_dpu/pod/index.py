@@ -75,6 +75,9 @@ class ClusterIndex:
         self.live_at = 0.0
         self._cleanups: set[asyncio.Task[None]] = set()
         self._live_prefixes: set[bytes] = set()
+        #: This node's publish epoch (see ``entries``): a new one at each full republish.
+        self.epoch = 0
+        self._beat_ok = 0.0  # monotonic time of the last acknowledged heartbeat
 
     async def _call(self, what: str, coro: Any) -> Any:
         try:
@@ -94,8 +97,8 @@ class ClusterIndex:
     # -- liveness --------------------------------------------------------------------
     async def heartbeat(self) -> bool:
         """Refresh this node's alive key and read which peers are alive. Returns whether
-        this node's key had vanished (first beat, index restarted or this node was cut
-        off past its TTL): the caller republishes everything it holds then."""
+        this node's key had vanished (first beat, index restarted, or no beat acknowledged
+        for longer than the TTL): the caller republishes everything it holds then."""
         try:
             return await self._heartbeat()
         except IndexUnavailable:
@@ -120,8 +123,15 @@ class ClusterIndex:
             alive = await self._call("liveness read", p.execute()) if names else []
         self.live = {n: peers[n] for n, a in zip(names, alive, strict=True) if a}
         self._live_prefixes = {node_prefix(n) for n in self.live}
-        self.live_at = time.monotonic()
-        return old is None
+        # Vanished: the key was gone, or the last acknowledged beat is older than the TTL
+        # (peers may have judged this node dead and deleted its entries, even if a SET
+        # retransmitted after a partition has since put the key back).
+        now = self.live_at = time.monotonic()
+        vanished = old is None or now - self._beat_ok > self.pod.node_ttl_s
+        self._beat_ok = now
+        if vanished:  # everything is republished under a new epoch
+            self.epoch += 1
+        return vanished
 
     def forget_peers(self) -> None:
         """Treat every peer as gone (the index does not answer: liveness is unknown)."""
@@ -148,7 +158,8 @@ class ClusterIndex:
         n = 0
         async with self._r.pipeline(transaction=False) as p:
             for ns, per_key in updates.items():
-                sets = {k: pack_entry(e) for k, e in per_key.items() if e is not None}
+                sets = {k: pack_entry(e, self.epoch) for k, e in per_key.items()
+                        if e is not None}
                 gone = [k for k, e in per_key.items() if e is None]
                 if sets:
                     p.hset(blocks_key(ns), mapping=sets)  # type: ignore[arg-type]
