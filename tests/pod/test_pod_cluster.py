@@ -44,3 +44,17 @@ def test_other_tenant_and_model_never_see_the_blocks(pod: LocalPod, clients: Cli
         assert bob.get(keys, [np.zeros(LAYOUT.block_nbytes, np.uint8) for _ in keys]) == 0
         other = c.open_namespace(LAYOUT, model_id="other", tenant="alice")
         assert other.lookup(keys).num_hits == 0
+
+
+def test_prefetch_pulls_remote_blocks_ahead_of_need(pod: LocalPod, clients: Clients) -> None:
+    n1, n2, _ = pod.nodes
+    keys = ctxmem.chain_hashes(range(16 * 8), 16)
+    data = blocks(8, 9)
+    assert clients.put(n1.endpoint, keys, data) == 8
+    ns2 = clients.ns(n2.endpoint)
+    wait_for(lambda: ns2.lookup(keys).num_hits == 8, what="publish")
+    ns2.prefetch(keys)
+    wait_for(lambda: ns2.lookup(keys).tiers == ["dram"] * 8, what="the prefetch")
+    served = clients.stats(n1.endpoint)["pod_served_blocks"]
+    assert clients.get(n2.endpoint, keys, data) == 8  # from node 2's own DRAM now
+    assert clients.stats(n1.endpoint)["pod_served_blocks"] == served == 8
