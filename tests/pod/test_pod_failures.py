@@ -3,8 +3,10 @@ stopped and restarted, stale entries, a lying peer, two writers of one key, pod 
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
+import time
 
 import numpy as np
 import redis
@@ -42,6 +44,26 @@ def test_holder_killed_mid_fetch_gives_misses_never_wrong_bytes(pod: LocalPod,
              what="the dead holder's entries to be ignored")
     assert clients.get(n2.endpoint, keys, data) == n
     assert clients.stats(n2.endpoint)["pod_fetch_bad"] == 0
+
+
+def test_a_frozen_holder_is_a_bounded_miss(pod: LocalPod, clients: Clients) -> None:
+    """SIGSTOP: the holder accepts (the kernel does) but never answers, mid-fetch for
+    every request from then on; the get is a miss within pod.fetch_timeout_s."""
+    n1, n2, _ = pod.nodes
+    keys = ctxmem.chain_hashes(range(16 * 4), 16)
+    data = blocks(4, 13)
+    clients.put(n1.endpoint, keys, data)
+    wait_for(lambda: clients.hits(n2.endpoint, keys) == 4, what="publish")
+    assert n1.proc is not None
+    n1.proc.send_signal(signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        assert clients.get(n2.endpoint, keys, data) == 0
+        assert time.monotonic() - t < 5.0 + 3.0  # pod.fetch_timeout_s (5 s) + slack
+        assert clients.stats(n2.endpoint)["pod_peer_errors"] >= 1
+    finally:
+        n1.proc.send_signal(signal.SIGCONT)
+    n1.kill()
 
 
 def test_index_stopped_and_restarted(pod: LocalPod, clients: Clients) -> None:

@@ -106,8 +106,11 @@ class PodNode:
         await self.publisher.close()
         with contextlib.suppress(IndexUnavailable):
             await self.index.leave()
-        for t in list(self._tasks):
-            t.cancel()
+        if self._tasks:  # prefetches: each bounded by the fetch timeout; then cancelled
+            _done, late = await asyncio.wait(list(self._tasks),
+                                             timeout=self.pod.fetch_timeout_s * 2)
+            for t in late:
+                t.cancel()
         await self.server.close()
         for src in self.fetch.sources:
             await src.close()

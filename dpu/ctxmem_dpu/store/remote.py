@@ -53,9 +53,15 @@ class RemoteBlocks:
                 ok.append(crc32c(v) == crc)
             return ok
 
-        good = await self._ctx.io.run(copy_and_check)
-        for v in views:
-            v.release()
+        try:
+            good = await self._ctx.io.run(copy_and_check)
+        except BaseException:
+            for ref in refs:
+                dram.free(ref)
+            raise
+        finally:
+            for v in views:
+                v.release()
         per_ns = self._index.namespace(ns.digest)
         n = 0
         for ref, (key, _data, crc), ok in zip(refs, fresh, good, strict=True):
