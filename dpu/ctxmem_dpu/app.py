@@ -27,6 +27,7 @@ from ctxmem_dpu.control.auth import SessionAuthInterceptor
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
 from ctxmem_dpu.pod.node import PodNode
+from ctxmem_dpu.pod.sources import RemoteSource
 from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.tls import ServerTls
@@ -142,7 +143,10 @@ class Service:
         pb_grpc.add_ContextMemoryServicer_to_server(servicer, self.server)
         servicer.rdma = self.rdma  # RdmaInfo/RdmaAttach answer UNAVAILABLE without it
         if cfg.pod.enabled:  # the pod tier (docs/pod.md): index, heartbeat, peer fetch
-            self.pod = PodNode(cfg, self.store)
+            # Fetch sources tried before the peer, in order: shared flash (part 3) is
+            # appended here when a flash device is marked shared.
+            sources: list[RemoteSource] = []
+            self.pod = PodNode(cfg, self.store, sources)
             await self.pod.start()
             servicer.pod = self.pod
         listen = cfg.service.listen

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ctxmem_common.config import Config
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu.blocks import Block, Namespace
-from ctxmem_dpu.pod.entries import RemoteEntry
+from ctxmem_dpu.pod.entries import RemoteEntry, SharedLocation
 from ctxmem_dpu.pod.fetch import RemoteFetch
 from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
 from ctxmem_dpu.pod.peer_client import PeerSource
@@ -26,11 +26,21 @@ log = logging.getLogger(__name__)
 
 
 class PodNode:
-    """This node in the pod. ``extra_sources`` go before the peer (shared flash)."""
+    """This node in the pod. ``extra_sources`` go before the peer (shared flash);
+    ``shared_location(block)`` says where a block lies on a shared flash device (``None``:
+    not on one), so every entry this node publishes carries it.
+
+    Hooks for the tiers: a tier that moves a block somewhere peers should learn about
+    (a demotion onto a shared device) calls ``store.announce([block], True)`` (the
+    entry is rebuilt with ``shared_location``), or publishes an entry it built itself
+    with ``pod_node.publisher.note(ns_digest, key, entry)``."""
 
     def __init__(self, cfg: Config, store: BlockStore,
-                 extra_sources: Sequence[RemoteSource] = ()) -> None:
+                 extra_sources: Sequence[RemoteSource] = (),
+                 shared_location: Callable[[Block], SharedLocation | None] | None = None
+                 ) -> None:
         self.pod = cfg.pod
+        self.shared_location = shared_location
         self.store = store
         counters = store.counters
         self.index = ClusterIndex(self.pod, connect(self.pod))
@@ -50,8 +60,9 @@ class PodNode:
             yield ns, b.key, self.entry_of(b)
 
     def entry_of(self, b: Block) -> RemoteEntry:
+        shared = self.shared_location(b) if self.shared_location is not None else None
         return RemoteEntry(self.pod.node_id, TIER_DRAM if b.dram is not None else TIER_FLASH,
-                           b.seq, b.length, b.crc, None, b.key)
+                           b.seq, b.length, b.crc, shared, b.key)
 
     def _on_block(self, b: Block, present: bool) -> None:
         self.publisher.note(b.ns, b.key, self.entry_of(b) if present else None)

@@ -458,6 +458,11 @@ class BlockStore:
         """Called with (block, present) as committed blocks enter or leave the index."""
         return self._index.listeners
 
+    def announce(self, blocks: Iterable[Block], present: bool) -> None:
+        """Tell :attr:`block_listeners` that ``blocks`` are held (again, somewhere new) or
+        gone: a tier that moved a block where peers should learn of it calls this."""
+        self._index.announce(blocks, present)
+
     async def adopt(self, ns: Namespace, items: Sequence[tuple[bytes, bytes, int]]) -> int:
         """Store blocks fetched from another node (key, bytes, CRC32C) in DRAM; see
         :meth:`RemoteBlocks.adopt`."""
