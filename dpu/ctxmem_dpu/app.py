@@ -27,6 +27,8 @@ from ctxmem_dpu import sdnotify
 from ctxmem_dpu.control.auth import SessionAuthInterceptor
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.metrics import HttpEndpoint
+from ctxmem_dpu.pod.node import PodNode
+from ctxmem_dpu.pod.sources import RemoteSource
 from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.tls import ServerTls
@@ -60,6 +62,7 @@ class Service:
         self.rdma: RdmaServer | None = None
         self.http: HttpEndpoint | None = None
         self.tls: ServerTls | None = None
+        self.pod: PodNode | None = None
         self.ready = False
         self.grpc_port = 0
         self._stopped = False
@@ -140,6 +143,13 @@ class Service:
                                          self.health)
         pb_grpc.add_ContextMemoryServicer_to_server(servicer, self.server)
         servicer.rdma = self.rdma  # RdmaInfo/RdmaAttach answer UNAVAILABLE without it
+        if cfg.pod.enabled:  # the pod tier (docs/pod.md): index, heartbeat, peer fetch
+            # Fetch sources tried before the peer, in order: shared flash (part 3) is
+            # appended here when a flash device is marked shared.
+            sources: list[RemoteSource] = []
+            self.pod = PodNode(cfg, self.store, sources)
+            await self.pod.start()
+            servicer.pod = self.pod
         listen = cfg.service.listen
         if self.tls is not None:
             self.grpc_port = self.server.add_secure_port(listen, self.tls.grpc_credentials())
@@ -190,6 +200,8 @@ class Service:
         self.ready = False
         if self.rdma is not None:  # first, so its long-lived RdmaAttach calls end
             await self.rdma.close()
+        if self.pod is not None:  # leave the pod first: peers stop asking this node
+            await self.pod.close()
         if self.server is not None:
             await self.server.stop(grace_s)
         for srv in (self.http, self.tcp, self.shm):

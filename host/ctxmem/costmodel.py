@@ -63,6 +63,8 @@ class TierPrior:
 DEFAULT_TIER_PRIORS: dict[str, TierPrior] = {
     "dram": TierPrior(latency_s=300e-6, bandwidth_Bps=4e9),
     "flash": TierPrior(latency_s=1e-3, bandwidth_Bps=1e9),
+    # Held by another node of the pod (docs/pod.md): a peer fetch, then a local get.
+    "remote": TierPrior(latency_s=2e-3, bandwidth_Bps=8e8),
 }
 _UNKNOWN_TIER_PRIOR = TierPrior(latency_s=5e-3, bandwidth_Bps=200e6)
 
@@ -244,7 +246,7 @@ def _tier_bytes(tier: str | Sequence[str], nbytes: int) -> dict[str, int]:
     return {t: nbytes * c // total for t, c in counts.items()}
 
 
-_TIER_ORDER = {"dram": 0, "flash": 1}
+_TIER_ORDER = {"dram": 0, "flash": 1, "remote": 2}
 
 
 def _slowest(tiers: Iterable[str]) -> str:

@@ -15,6 +15,7 @@ __all__ = [
     "TIER_DRAM",
     "TIER_FLASH",
     "TIER_NONE",
+    "TIER_REMOTE",
     "TRANSPORTS",
     "layout_from_pb",
     "layout_to_pb",
@@ -26,12 +27,14 @@ __all__ = [
 
 TIER_DRAM = "dram"
 TIER_FLASH = "flash"
+TIER_REMOTE = "remote"  # pod tier: another node holds it (docs/pod.md)
 TIER_NONE = ""  # not stored (a miss), or "any tier" where a request names one
 
 # Tier names <-> protocol enum. TIER_UNSPECIFIED means "no tier": a miss in a Lookup
 # answer, "every tier" in an Evict request.
 _TIER_TO_PB: dict[str, pb.Tier] = {
-    TIER_DRAM: pb.TIER_DRAM, TIER_FLASH: pb.TIER_FLASH, TIER_NONE: pb.TIER_UNSPECIFIED}
+    TIER_DRAM: pb.TIER_DRAM, TIER_FLASH: pb.TIER_FLASH, TIER_REMOTE: pb.TIER_REMOTE,
+    TIER_NONE: pb.TIER_UNSPECIFIED}
 _TIER_FROM_PB: dict[int, str] = {v: k for k, v in _TIER_TO_PB.items()}
 
 # Transport names, in the order a client prefers them when several are offered.

@@ -27,6 +27,10 @@ def bench_command(argv: list[str]) -> int:
         from ctxmem_tools.bench.security import run as run_security
 
         return run_security(argv[1:])
+    if argv and argv[0] == "pod":
+        from ctxmem_tools.bench.pod import run as run_pod
+
+        return run_pod(argv[1:])
     if argv and argv[0] == "recovery":
         from ctxmem_tools.bench.recovery import run as run_recovery
 

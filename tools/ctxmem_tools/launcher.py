@@ -72,8 +72,12 @@ class ServiceProcess:
     """A running ``ctxmem serve``; restartable on the same ports and files."""
 
     def __init__(self, workdir: Path, config: dict[str, Any] | None = None,
-                 config_path: Path | None = None, start: bool = True) -> None:
+                 config_path: Path | None = None, start: bool = True,
+                 prefix: list[str] | None = None) -> None:
         self.workdir = workdir
+        # Run the service under this command (``["ip", "netns", "exec", NAME]``: a node
+        # in its own network namespace).
+        self.prefix = list(prefix or [])
         workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = config_path or workdir / "ctxmem.yaml"
         if config is not None:
@@ -120,7 +124,8 @@ class ServiceProcess:
     def _start_once(self, timeout_s: float) -> None:
         ready = self.workdir / "ready"
         ready.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "ctxmem_dpu", "serve", "--ready-file", str(ready)]
+        args = [*self.prefix, sys.executable, "-m", "ctxmem_dpu", "serve", "--ready-file",
+                str(ready)]
         if self.config_path.exists():
             args += ["--config", str(self.config_path)]
         with open(self.log_path, "ab") as log:

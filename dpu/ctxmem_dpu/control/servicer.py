@@ -29,6 +29,7 @@ from ctxmem_common.protoconv import (
     TIER_DRAM,
     TIER_FLASH,
     TIER_NONE,
+    TIER_REMOTE,
     layout_from_pb,
     tier_from_pb,
     tier_to_pb,
@@ -40,6 +41,7 @@ from ctxmem_dpu.control.auth import connect_tenant
 from ctxmem_dpu.store import BlockStore
 
 if TYPE_CHECKING:
+    from ctxmem_dpu.pod.node import PodNode
     from ctxmem_dpu.transport.rdma import RdmaServer
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         self.data_endpoint = data_endpoint
         self.health = health
         self.rdma: RdmaServer | None = None  # set by the app when 'rdma' is enabled
+        self.pod: PodNode | None = None  # set by the app when 'pod.enabled'
 
     def _slot(self, ref: Any, nbytes: int) -> pb.Slot:
         dram = self.store.dram
@@ -186,11 +189,27 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
             keys = unpack_keys(request.packed_keys, request.key_len)
         else:
             keys = list(request.keys)
+        if self.pod is not None:  # the local index first, the cluster for the rest
+            return await self._pod_lookup(ns, keys, request.prefix)
         found = self.store.lookup_blocks(ns, keys, request.prefix)
         tiers = [tier_to_pb(TIER_NONE if b is None else TIER_DRAM if b.dram is not None
                             else TIER_FLASH) for b in found]
         n = len(found) if request.prefix else len(found) - found.count(None)
         return pb.LookupResponse(num_hits=n, tiers=tiers)
+
+    async def _pod_lookup(self, ns: Any, keys: list[bytes], prefix: bool
+                          ) -> pb.LookupResponse:
+        assert self.pod is not None
+        local, remote = await self.pod.fetch.merged(ns, keys)
+        names = [TIER_NONE if b is None and e is None else TIER_REMOTE if b is None
+                 else TIER_DRAM if b.dram is not None else TIER_FLASH
+                 for b, e in zip(local, remote, strict=True)]
+        if prefix:
+            n = names.index(TIER_NONE) if TIER_NONE in names else len(names)
+            names = names[:n]
+        else:
+            n = len(names) - names.count(TIER_NONE)
+        return pb.LookupResponse(num_hits=n, tiers=[tier_to_pb(t) for t in names])
 
     @_rpc
     async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
@@ -228,6 +247,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
         s = self.store.session(request.session_id)
         ns = self.store.namespace(s, request.namespace_handle)
+        if self.pod is not None:  # remote blocks of the run into local DRAM first
+            await self.pod.fetch.pull(ns, list(request.keys))
         lease, sources = await self.store.acquire(s, ns, list(request.keys))
         refs = []
         for b in lease.blocks:
@@ -255,6 +276,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         s = self.store.session(request.session_id)
         ns = self.store.namespace(s, request.namespace_handle)
         queued, in_dram = await self.store.prefetch(ns, list(request.keys))
+        if self.pod is not None:  # remote blocks ahead of need, in the background
+            self.pod.prefetch(ns, list(request.keys))
         return pb.PrefetchResponse(queued=queued, in_dram=in_dram)
 
     @_rpc

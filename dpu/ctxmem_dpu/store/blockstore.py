@@ -48,6 +48,7 @@ from ctxmem_dpu.store.promotion import Promotion
 from ctxmem_dpu.store.puts import PutPath
 from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.store.recovery import Recovery, audit
+from ctxmem_dpu.store.remote import RemoteBlocks
 from ctxmem_dpu.store.sessions import SessionRegistry
 from ctxmem_dpu.store.stats import new_counters, snapshot
 from ctxmem_dpu.store.writethrough import WriteThrough
@@ -103,6 +104,8 @@ class BlockStore:
         self._recovery = Recovery(self._ctx, self._index, self._invalidator, keyring)
         self._puts = PutPath(self._ctx, self._index, self._registry, self._quotas,
                              self._placement, self._demotion, self._write_through)
+        self._remote = RemoteBlocks(self._ctx, self._index, self._placement, self._demotion,
+                                    self._promotion, self._invalidator, self._registry)
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- state the servicer, transports and tests read -----------------------------------
@@ -418,6 +421,7 @@ class BlockStore:
         validate_keys(keys)
         per_ns = self._index.get(ns.digest)
         gone = [b for k in keys if (b := per_ns.pop(k, None)) is not None]
+        self._index.announce(gone, False)
         for b in gone:
             b.deleted = True
             b.pins += 1  # ours until the header is dead; the last unpin frees the storage
@@ -447,6 +451,31 @@ class BlockStore:
         if not self._ctx.flash.enabled:
             raise InvalidArgument("evict to flash needs a flash tier; none is configured")
         return await self._demotion.evict(self._index.get(ns.digest), keys)
+
+    # -- the pod tier (ctxmem_dpu.pod) -----------------------------------------------
+    @property
+    def block_listeners(self) -> list[Callable[[Block, bool], None]]:
+        """Called with (block, present) as committed blocks enter or leave the index."""
+        return self._index.listeners
+
+    def announce(self, blocks: Iterable[Block], present: bool) -> None:
+        """Tell :attr:`block_listeners` that ``blocks`` are held (again, somewhere new) or
+        gone: a tier that moved a block where peers should learn of it calls this."""
+        self._index.announce(blocks, present)
+
+    async def adopt(self, ns: Namespace, items: Sequence[tuple[bytes, bytes, int]]) -> int:
+        """Store blocks fetched from another node (key, bytes, CRC32C) in DRAM; see
+        :meth:`RemoteBlocks.adopt`."""
+        return await self._remote.adopt(ns, items)
+
+    async def pin_for_peer(self, ns_digest: bytes, keys: Sequence[bytes]
+                           ) -> list[Block | None]:
+        """Blocks of ``keys`` pinned in DRAM for a peer (unpin each after sending)."""
+        return await self._remote.pin_for_peer(ns_digest, keys)
+
+    def holdings(self) -> Iterable[tuple[bytes, Block]]:
+        """(namespace digest, block) of every stored block (a full republish)."""
+        return self._remote.holdings()
 
     # -- consistency and stats -------------------------------------------------------
     def audit(self) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ctxmem_common.config import Config
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
@@ -34,6 +34,15 @@ class BlockIndex:
         self.dirty: dict[Block, None] = {}
         # Every record gets a sequence number; at rebuild the highest one per key wins.
         self._seq = itertools.count(1)
+        #: Called with (block, present) when committed blocks enter the index or blocks
+        #: leave it (the pod tier's publisher; never blocks, never raises).
+        self.listeners: list[Callable[[Block, bool], None]] = []
+
+    def announce(self, blocks: Iterable[Block], present: bool) -> None:
+        """Tell :attr:`listeners` that ``blocks`` entered (or left) the index."""
+        for fn in self.listeners:
+            for b in blocks:
+                fn(b, present)
 
     def next_seq(self) -> int:
         """The sequence number of the next committed block."""
@@ -69,6 +78,7 @@ class BlockIndex:
         per_ns = self.blocks.get(b.ns)
         if per_ns is not None and per_ns.get(b.key) is b:
             del per_ns[b.key]
+            self.announce((b,), False)
         self.dram_lru.remove(b)
         self.flash_lru.remove(b)
 

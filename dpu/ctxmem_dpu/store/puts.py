@@ -133,6 +133,7 @@ class PutPath:
                 if self._ctx.flash.enabled:
                     self._index.dirty[b] = None
         faults.point("commit.after_index")
+        self._index.announce(committed, True)
         counters["put_blocks"] += len(committed)
         counters["put_bytes"] += len(committed) * a.ns.block_nbytes
         return len(committed)

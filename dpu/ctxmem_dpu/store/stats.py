@@ -24,6 +24,12 @@ COUNTERS = (
     "flash_device_reopened", "shm_slow_readers", "shm_peers_refused",
     "stale_allocations", "dram_crc_mismatch", "write_through_failures",
     "quota_refusals", "idle_sessions_closed",
+    # The pod tier (docs/pod.md); per source: local DRAM and flash are hits_dram/flash.
+    "pod_lookup_keys", "pod_lookup_hits", "pod_index_errors", "pod_published",
+    "pod_publish_batches", "pod_publish_dropped", "pod_resyncs", "pod_fetch_blocks_peer",
+    "pod_fetch_bytes_peer", "pod_fetch_blocks_shared_flash", "pod_fetch_bytes_shared_flash",
+    "pod_fetch_misses", "pod_fetch_bad", "pod_peer_errors", "pod_peer_misses",
+    "pod_peer_refused", "pod_served_blocks", "pod_served_bytes",
 )
 
 

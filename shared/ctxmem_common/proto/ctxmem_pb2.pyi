@@ -12,6 +12,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_UNSPECIFIED: _ClassVar[Tier]
     TIER_DRAM: _ClassVar[Tier]
     TIER_FLASH: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 
 class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -22,6 +23,7 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TIER_UNSPECIFIED: Tier
 TIER_DRAM: Tier
 TIER_FLASH: Tier
+TIER_REMOTE: Tier
 TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_TCP: Transport

@@ -91,3 +91,27 @@ def make_pki(root: Path, tenants: tuple[str, ...] = ("alice", "bob")) -> Pki:
         _write_key(k, key)
         pki.client[t] = (c, k)
     return pki
+
+
+def member_cert(pki: Pki, name: str) -> tuple[Path, Path]:
+    """A pod member's certificate (server and client use, for 127.0.0.1), signed by the
+    CA: the pod's peer-fetch TLS in the tests and ``ctxmem bench pod``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(pki.ca_cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(pki.ca_key, hashes.SHA256()))
+    c, k = pki.dir / f"{name}.crt", pki.dir / f"{name}.key"
+    c.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(k, key)
+    return c, k

@@ -1,0 +1,127 @@
+"""The fetch path: cluster lookups for the keys this node misses, and pulling remote
+blocks into local DRAM through the registered sources, in order.
+
+Sources are a plain list the service builds at start: the shared-flash source first when
+registered (it only ``accepts`` entries with a shared location), then the peer. Each
+entry is tried with the first source that accepts it; a miss there moves on to the next.
+Every block a source returns is checked again here (length and CRC32C against the index
+entry) before it is adopted, so a wrong source answer is a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+from crc32c import crc32c
+
+from ctxmem_dpu.blocks import Block, Namespace
+from ctxmem_dpu.pod.entries import RemoteEntry, unpack_entry
+from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
+from ctxmem_dpu.pod.sources import RemoteSource
+from ctxmem_dpu.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+
+class RemoteFetch:
+    """Lookups across the pod and pulls of remote blocks, for one node."""
+
+    def __init__(self, store: BlockStore, index: ClusterIndex, sources: list[RemoteSource],
+                 counters: Counter[str], max_blocks: int) -> None:
+        self.store = store
+        self.index = index
+        #: Tried in order per entry; the service appends at start (shared flash, peer).
+        self.sources = sources
+        self._counters = counters
+        self._max = max_blocks
+        self._down = False
+
+    async def lookup(self, ns_digest: bytes, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Packed index entries of ``keys`` held by live peers; all misses when the index
+        is unreachable (counted, and logged once until it answers again)."""
+        self._counters["pod_lookup_keys"] += len(keys)
+        try:
+            found = await self.index.lookup(ns_digest, keys)
+        except IndexUnavailable as exc:
+            self._counters["pod_index_errors"] += 1
+            if not self._down:
+                self._down = True
+                log.warning("cluster index unreachable (%s): cross-node hits are misses "
+                            "until it answers; local blocks are served as usual", exc)
+            return [None] * len(keys)
+        if self._down:
+            self._down = False
+            log.warning("cluster index reachable again: cross-node lookups resumed")
+        self._counters["pod_lookup_hits"] += len(found) - found.count(None)
+        return found
+
+    async def merged(self, ns: Namespace, keys: Sequence[bytes]
+                     ) -> tuple[list[Block | None], list[bytes | None]]:
+        """Per key, the local block and (for local misses only) the packed remote entry:
+        the cluster is asked only for the keys this node misses, in one round trip."""
+        local = self.store.lookup_blocks(ns, keys, prefix=False)
+        missing = [i for i, b in enumerate(local) if b is None]
+        remote: list[bytes | None] = [None] * len(keys)
+        if missing:
+            got = await self.lookup(ns.digest, [keys[i] for i in missing])
+            for i, e in zip(missing, got, strict=True):
+                remote[i] = e
+        return local, remote
+
+    async def pull(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Fetch the remote blocks in the leading run of ``keys`` (local or remote, up to
+        ``pod.fetch_max_blocks`` remote ones) into local DRAM. Returns how many were
+        adopted; the run a following Acquire sees ends at the first that was not."""
+        local, remote = await self.merged(ns, keys)
+        want: list[RemoteEntry] = []
+        for key, b, raw in zip(keys, local, remote, strict=True):
+            if b is not None:
+                continue
+            e = unpack_entry(raw, key) if raw is not None else None
+            if e is None or len(want) >= self._max:
+                break
+            want.append(e)
+        if not want:
+            return 0
+        data = await self.fetch(ns.digest, want)
+        items: list[tuple[bytes, bytes, int]] = []
+        for e, d in zip(want, data, strict=True):
+            if d is None:
+                break  # the run ends at the first block not fetched
+            items.append((e.key, d, e.crc32c))
+        self._counters["pod_fetch_misses"] += len(want) - len(items)
+        stale = [e for e, d in zip(want, data, strict=True) if d is None]
+        if stale:
+            log.debug("%d remote entries of namespace %s were misses", len(stale),
+                      ns.digest.hex())
+        return await self.store.adopt(ns, items) if items else 0
+
+    async def fetch(self, ns_digest: bytes, entries: Sequence[RemoteEntry]
+                    ) -> list[bytes | None]:
+        """Per entry, its verified bytes from the first source that has them, or None."""
+        out: list[bytes | None] = [None] * len(entries)
+        todo = list(range(len(entries)))
+        for src in self.sources:
+            mine = [i for i in todo if src.accepts(entries[i])]
+            if not mine:
+                continue
+            got = await src.fetch(ns_digest, [entries[i] for i in mine])
+            for i, d in zip(mine, got, strict=True):
+                e = entries[i]
+                if d is None:
+                    continue
+                if len(d) != e.nbytes or crc32c(d) != e.crc32c:
+                    self._counters["pod_fetch_bad"] += 1
+                    log.warning("source %s returned block %s of namespace %s with the "
+                                "wrong length or CRC32C; a miss", src.name, e.key.hex()[:16],
+                                ns_digest.hex())
+                    continue
+                out[i] = d
+                self._counters[f"pod_fetch_blocks_{src.name}"] += 1
+                self._counters[f"pod_fetch_bytes_{src.name}"] += len(d)
+            todo = [i for i in todo if out[i] is None]
+            if not todo:
+                break
+        return out

@@ -1,0 +1,148 @@
+"""One node's pod tier, wired and run: the index client, heartbeat, publisher, the
+peer-fetch server, the sources and the fetch path. Built by the service when
+``pod.enabled``; ``async with PodNode(cfg, store)`` or :meth:`start` / :meth:`close`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+from ctxmem_common.config import Config
+from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
+from ctxmem_dpu.blocks import Block, Namespace
+from ctxmem_dpu.pod.entries import RemoteEntry, SharedLocation
+from ctxmem_dpu.pod.fetch import RemoteFetch
+from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
+from ctxmem_dpu.pod.peer_client import PeerSource
+from ctxmem_dpu.pod.peer_server import PeerServer
+from ctxmem_dpu.pod.publisher import Publisher
+from ctxmem_dpu.pod.redis_conn import connect
+from ctxmem_dpu.pod.sources import RemoteSource
+from ctxmem_dpu.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+
+class PodNode:
+    """This node in the pod. ``extra_sources`` go before the peer (shared flash);
+    ``shared_location(block)`` says where a block lies on a shared flash device (``None``:
+    not on one), so every entry this node publishes carries it.
+
+    Hooks for the tiers: a tier that moves a block somewhere peers should learn about
+    (a demotion onto a shared device) calls ``store.announce([block], True)`` (the
+    entry is rebuilt with ``shared_location``), or publishes an entry it built itself
+    with ``pod_node.publisher.note(ns_digest, key, entry)``."""
+
+    def __init__(self, cfg: Config, store: BlockStore,
+                 extra_sources: Sequence[RemoteSource] = (),
+                 shared_location: Callable[[Block], SharedLocation | None] | None = None
+                 ) -> None:
+        self.pod = cfg.pod
+        self.shared_location = shared_location
+        self.store = store
+        counters = store.counters
+        self.index = ClusterIndex(self.pod, connect(self.pod))
+        self.publisher = Publisher(self.pod, self.index, self._holdings, counters)
+        self.server = PeerServer(self.pod, store, counters,
+                                 io_timeout_s=cfg.data_plane.read_timeout_s)
+        # `index.live` is replaced at each heartbeat: read it at each call.
+        self.peer = PeerSource(self.pod, lambda node: self.index.live.get(node), counters)
+        self.fetch = RemoteFetch(store, self.index, [*extra_sources, self.peer], counters,
+                                 self.pod.fetch_max_blocks)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._beat: asyncio.Task[None] | None = None
+        self._index_down = False
+
+    def _holdings(self) -> Iterator[tuple[bytes, bytes, RemoteEntry]]:
+        for ns, b in self.store.holdings():
+            yield ns, b.key, self.entry_of(b)
+
+    def entry_of(self, b: Block) -> RemoteEntry:
+        shared = self.shared_location(b) if self.shared_location is not None else None
+        return RemoteEntry(self.pod.node_id, TIER_DRAM if b.dram is not None else TIER_FLASH,
+                           b.seq, b.length, b.crc, shared, b.key)
+
+    def _on_block(self, b: Block, present: bool) -> None:
+        self.publisher.note(b.ns, b.key, self.entry_of(b) if present else None)
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.store.block_listeners.append(self._on_block)
+        self.publisher.start()
+        await self._heartbeat_once()
+        self._beat = asyncio.create_task(self._heartbeat(), name="ctxmem-pod-heartbeat")
+        log.info("pod node %s: index %s, peer fetch on %s (advertised %s), TLS %s",
+                 self.pod.node_id, self.index._where(), self.server.address,
+                 self.pod.advertise, "mutual" if self.pod.tls_cert_file else "off (loopback)")
+
+    async def _heartbeat_once(self) -> None:
+        try:
+            vanished = await self.index.heartbeat()
+        except IndexUnavailable as exc:
+            self.store.counters["pod_index_errors"] += 1
+            if not self._index_down:
+                self._index_down = True
+                log.warning("pod heartbeat failed (%s); peers are treated as gone until "
+                            "the index answers", exc)
+            self.index.forget_peers()
+            return
+        if self._index_down:
+            self._index_down = False
+            log.warning("pod heartbeat: cluster index reachable again")
+        if vanished:  # first beat, index restarted, or cut off past the TTL
+            self.store.counters["pod_resyncs"] += 1
+            self.publisher.resync()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.pod.heartbeat_s)
+            try:
+                await self._heartbeat_once()
+            except Exception:  # never let liveness stop: log, try again next beat
+                log.exception("pod heartbeat failed unexpectedly; retrying")
+
+    async def close(self) -> None:
+        """Leave the pod (peers stop asking at once), stop serving; idempotent."""
+        if self._beat is None:
+            await self.server.close()
+            return
+        self._beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._beat
+        self._beat = None
+        with contextlib.suppress(ValueError):
+            self.store.block_listeners.remove(self._on_block)
+        await self.publisher.close()
+        with contextlib.suppress(IndexUnavailable):
+            await self.index.leave()
+        if self._tasks:  # prefetches: each bounded by the fetch timeout; then cancelled
+            _done, late = await asyncio.wait(list(self._tasks),
+                                             timeout=self.pod.fetch_timeout_s * 2)
+            for t in late:
+                t.cancel()
+        await self.server.close()
+        for src in self.fetch.sources:
+            await src.close()
+        await self.index.close()
+
+    async def __aenter__(self) -> PodNode:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> None:
+        """Pull remote blocks of ``keys`` in the background (bounded by the fetch
+        timeout); errors are logged, never raised."""
+        async def run() -> None:
+            try:
+                await self.fetch.pull(ns, keys)
+            except Exception as exc:
+                log.warning("pod prefetch of %d keys failed: %s", len(keys), exc)
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,112 @@
+"""The store's side of the pod tier: blocks fetched from another node enter local DRAM
+(:meth:`RemoteBlocks.adopt`), and blocks this node serves to peers are pinned in DRAM
+while they are sent (:meth:`RemoteBlocks.pin_for_peer`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from crc32c import crc32c
+
+from ctxmem_dpu.blocks import Block, Namespace
+from ctxmem_dpu.store.context import StoreContext
+from ctxmem_dpu.store.demotion import Demotion
+from ctxmem_dpu.store.index import BlockIndex
+from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.store.placement import Placement
+from ctxmem_dpu.store.promotion import Promotion
+from ctxmem_dpu.store.sessions import SessionRegistry
+
+
+class RemoteBlocks:
+    """Adoption of fetched blocks and pinning for peers, over the store's objects."""
+
+    def __init__(self, ctx: StoreContext, index: BlockIndex, placement: Placement,
+                 demotion: Demotion, promotion: Promotion, invalidator: Invalidator,
+                 registry: SessionRegistry) -> None:
+        self._ctx = ctx
+        self._index = index
+        self._placement = placement
+        self._demotion = demotion
+        self._promotion = promotion
+        self._invalidator = invalidator
+        self._registry = registry
+
+    async def adopt(self, ns: Namespace, items: Sequence[tuple[bytes, bytes, int]]) -> int:
+        """Store fetched blocks (key, bytes, CRC32C) in DRAM as committed blocks of
+        ``ns``; a key stored meanwhile keeps its block. Each block's CRC32C is checked
+        once more over the bytes as they lie in the slot (C), so only the verified bytes
+        become visible. Returns how many entered the index."""
+        per_ns = self._index.get(ns.digest)
+        fresh = [(k, d, c) for k, d, c in items
+                 if k not in per_ns and len(d) == ns.block_nbytes]
+        if not fresh:
+            return 0
+        refs = await self._placement.reserve_dram(ns, len(fresh), self._demotion.demote)
+        dram = self._ctx.dram
+        views = [dram.view(ref, ns.block_nbytes) for ref in refs]
+
+        def copy_and_check() -> list[bool]:
+            ok = []
+            for v, (_k, data, crc) in zip(views, fresh, strict=True):
+                v[:] = data
+                ok.append(crc32c(v) == crc)
+            return ok
+
+        try:
+            good = await self._ctx.io.run(copy_and_check)
+        except BaseException:
+            for ref in refs:
+                dram.free(ref)
+            raise
+        finally:
+            for v in views:
+                v.release()
+        per_ns = self._index.namespace(ns.digest)
+        n = 0
+        for ref, (key, _data, crc), ok in zip(refs, fresh, good, strict=True):
+            if not ok or key in per_ns:
+                dram.free(ref)
+                continue
+            b = Block(ns.digest, key, ns.block_nbytes, ns.slot_size, crc,
+                      self._index.next_seq(), dram=ref)
+            per_ns[key] = b
+            self._index.dram_lru.add(b)
+            if self._ctx.flash.enabled:
+                self._index.dirty[b] = None
+            n += 1
+        return n
+
+    async def pin_for_peer(self, ns_digest: bytes, keys: Sequence[bytes]
+                           ) -> list[Block | None]:
+        """The blocks of ``keys`` in DRAM, pinned (the caller unpins each); flash-only
+        ones are promoted first when the namespace is open here, else they are misses."""
+        per_ns = self._index.get(ns_digest)
+        found = [per_ns.get(k) for k in keys]
+        for b in found:
+            if b is not None:
+                b.pins += 1
+        cold = [b for b in found if b is not None and b.dram is None]
+        ns = self._registry.namespaces.get(ns_digest)
+        failed: set[int] = {id(b) for b in cold}
+        if cold and ns is not None:
+            try:
+                failed = (await self._promotion.promote_fitting(ns, cold)).failed
+            except BaseException:
+                for b in found:
+                    if b is not None:
+                        self._invalidator.unpin(b)
+                raise
+        out: list[Block | None] = []
+        for b in found:
+            if b is not None and (b.dram is None or id(b) in failed or b.deleted):
+                self._invalidator.unpin(b)
+                b = None
+            out.append(b)
+        return out
+
+    def holdings(self) -> Iterator[tuple[bytes, Block]]:
+        """(namespace digest, block) of every block in the index."""
+        for ns, per_ns in list(self._index.blocks.items()):
+            for b in list(per_ns.values()):
+                yield ns, b

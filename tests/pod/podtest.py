@@ -1,0 +1,74 @@
+"""Helpers of the pod tests: one client per node for the whole test (the service keeps a
+session per Connect until it idles out, so a client per call would hit the session cap),
+and byte-checked puts and gets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+import ctxmem
+
+LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
+                         tokens_per_block=16)
+
+
+def blocks(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Clients:
+    """A client per endpoint, opened on first use, closed by :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._c: dict[str, ctxmem.Client] = {}
+
+    def client(self, endpoint: str) -> ctxmem.Client:
+        if endpoint not in self._c:
+            self._c[endpoint] = ctxmem.Client(endpoint, timeout_s=15)
+        return self._c[endpoint]
+
+    def ns(self, endpoint: str, model: str = "m", tenant: str = "default") -> ctxmem.Namespace:
+        return self.client(endpoint).open_namespace(LAYOUT, model_id=model, tenant=tenant)
+
+    def put(self, endpoint: str, keys: list[bytes], data: list[np.ndarray],
+            model: str = "m") -> int:
+        return self.ns(endpoint, model).put(keys, data).stored
+
+    def get(self, endpoint: str, keys: list[bytes], data: list[np.ndarray],
+            model: str = "m") -> int:
+        """Get ``keys``, checking every delivered block byte for byte; returns the hits."""
+        out = [np.zeros(LAYOUT.block_nbytes, np.uint8) for _ in keys]
+        n = self.ns(endpoint, model).get(keys, out)
+        for i in range(n):
+            assert np.array_equal(out[i], data[i]), f"block {i}: wrong bytes"
+        for o in out[n:]:
+            assert not o.any(), "a buffer past the hits was written"
+        return n
+
+    def hits(self, endpoint: str, keys: list[bytes], model: str = "m") -> int:
+        return self.ns(endpoint, model).lookup(keys).num_hits
+
+    def stats(self, endpoint: str) -> dict[str, float]:
+        return self.client(endpoint).stats()
+
+    def drop(self, endpoint: str) -> None:
+        c = self._c.pop(endpoint, None)
+        if c is not None:
+            c.close()
+
+    def close(self) -> None:
+        for c in self._c.values():
+            c.close()
+        self._c.clear()

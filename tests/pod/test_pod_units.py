@@ -1,0 +1,84 @@
+"""Issue 14: the entry format, the pod config's rules, the default needing nothing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ctxmem_common.config import load_config, parse_config
+from ctxmem_common.errors import ConfigError
+from ctxmem_dpu.pod.entries import (
+    RemoteEntry,
+    SharedLocation,
+    blocks_key,
+    node_prefix,
+    pack_entry,
+    unpack_entry,
+)
+
+entries = st.builds(
+    RemoteEntry,
+    node_id=st.text(st.characters(whitelist_categories=("Ll", "Nd")), min_size=1,
+                    max_size=64),
+    tier=st.sampled_from(["dram", "flash"]),
+    seq=st.integers(0, 2**64 - 1), nbytes=st.integers(0, 2**64 - 1),
+    crc32c=st.integers(0, 2**32 - 1),
+    shared=st.none() | st.builds(SharedLocation, st.binary(min_size=16, max_size=16).map(
+        bytes.hex), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
+    key=st.binary(min_size=1, max_size=64))
+
+
+@given(entries)
+def test_entries_round_trip_and_start_with_the_node_prefix(e: RemoteEntry) -> None:
+    raw = pack_entry(e)
+    assert raw.startswith(node_prefix(e.node_id))
+    assert unpack_entry(raw, e.key) == e
+    assert len(raw) == 28 + len(e.node_id.encode()) + (32 if e.shared else 0)
+
+
+@given(st.binary(max_size=120))
+def test_garbage_is_no_entry_never_an_error(raw: bytes) -> None:
+    e = unpack_entry(raw)
+    assert e is None or pack_entry(e) == raw
+
+
+def test_truncated_entry_is_none() -> None:
+    raw = pack_entry(RemoteEntry("n1", "dram", 1, 2, 3))
+    assert all(unpack_entry(raw[:i]) is None for i in range(len(raw)))
+
+
+def test_namespace_keys_share_one_hash_tag() -> None:
+    ns = bytes(range(16))
+    assert blocks_key(ns) == "ctxmem:{000102030405060708090a0b0c0d0e0f}:blocks"
+
+
+def test_the_default_config_has_the_pod_tier_off() -> None:
+    cfg = load_config()
+    assert cfg.pod.enabled is False and cfg.pod.index_url == ""
+
+
+BASE = "service: {insecure: true}\npod:\n"
+
+
+@pytest.mark.parametrize(("pod", "error"), [
+    ("  enabled: true\n  index_url: http://x\n", "pod.index_url"),
+    ("  enabled: true\n  index_url: redis://h:1\n  advertise: h:2\n", "pod.node_id"),
+    ("  enabled: true\n  index_url: redis://h:1\n  node_id: a b\n  advertise: h:2\n",
+     "pod.node_id"),
+    ("  enabled: true\n  index_url: redis://h:1\n  node_id: a\n", "pod.advertise"),
+    ("  enabled: true\n  index_url: redis://h:1\n  node_id: a\n  advertise: h:2\n"
+     "  tls_cert_file: c\n  tls_key_file: k\n", "tls_ca_file"),
+    ("  enabled: true\n  index_url: redis://h:1\n  node_id: a\n  advertise: h:2\n"
+     "  heartbeat_s: 5\n  node_ttl_s: 5\n", "pod.node_ttl_s"),
+    ("  bogus: 1\n", "pod.bogus"),
+])
+def test_bad_pod_settings_name_the_key(pod: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=error.replace(".", r"\.")):
+        parse_config(BASE + pod)
+
+
+def test_a_good_pod_section_loads() -> None:
+    cfg = parse_config(BASE + "  enabled: true\n  index_url: rediss://h:1/0\n  node_id: n-1\n"
+                       "  advertise: 10.0.0.1:7000\n")
+    assert cfg.pod.node_id == "n-1" and cfg.pod.index_url.startswith("rediss://")

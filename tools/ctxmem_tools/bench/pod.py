@@ -1,0 +1,174 @@
+"""``ctxmem bench pod``: the pod tier's costs, measured in one run on one machine.
+
+* the limit: one TCP loopback socket's rate (a thread sending, this one receiving into a
+  buffer, 4 MiB at a time);
+* get GB/s of 2 MiB blocks through the TCP data plane: local (the blocks are in the
+  node's DRAM) and cross-node (held by another node: peer fetch over TCP, CRC-verified,
+  adopted into DRAM, then read), plaintext and with mutual TLS 1.3 between the nodes;
+* a 10,000-key Lookup on a node, p50/p99: all keys local, and half of them held by the
+  other node (the cluster index asked for the local misses in one round trip).
+
+Shared flash (issue 14 part 3) fills its own row when registered (left as a slot here).
+``--json PATH`` writes ``{"results": [{"name", "value", "unit"}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ctxmem.client import Client
+from ctxmem_common.keys import chain_hashes
+from ctxmem_common.layout import KVLayout
+from ctxmem_tools.bench.security_pki import make_pki, member_cert
+from ctxmem_tools.pod_launcher import LocalPod
+
+GB = 1e9
+BIG = KVLayout(dtype="bfloat16", num_layers=32, num_kv_heads=8, head_dim=128,
+               tokens_per_block=16)  # 2 MiB blocks
+SMALL = KVLayout(dtype="bfloat16", num_layers=1, num_kv_heads=1, head_dim=128,
+                 tokens_per_block=8)  # 4 KiB blocks: a Lookup is about keys, not bytes
+
+
+@dataclass
+class Result:
+    name: str
+    value: float
+    unit: str
+
+
+def loopback_rate(total: int = 256 << 20, chunk: int = 4 << 20) -> float:
+    """Bytes/s through one TCP loopback connection (sendall → recv_into)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    buf = bytes(chunk)
+
+    def send() -> None:
+        with socket.create_connection(srv.getsockname()) as s:
+            for _ in range(total // chunk):
+                s.sendall(buf)
+
+    t = threading.Thread(target=send)
+    t.start()
+    conn, _ = srv.accept()
+    into = bytearray(chunk)
+    view = memoryview(into)
+    got = 0
+    start = time.perf_counter()
+    with conn:
+        while got < total:
+            n = conn.recv_into(view)
+            if not n:
+                break
+            got += n
+    elapsed = time.perf_counter() - start
+    t.join()
+    srv.close()
+    return got / elapsed
+
+
+def _wait(cond: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _gets(pod: LocalPod, total_mib: int, repeat: int, label: str, out: list[Result]) -> None:
+    n1, n2 = pod.nodes[0], pod.nodes[1]
+    n = max(1, (total_mib << 20) // BIG.block_nbytes)
+    keys = chain_hashes(range(BIG.tokens_per_block * n), BIG.tokens_per_block)
+    rng = np.random.default_rng(1)
+    data = [rng.integers(0, 255, BIG.block_nbytes, dtype=np.uint8) for _ in range(n)]
+    bufs = [np.empty(BIG.block_nbytes, np.uint8) for _ in range(n)]
+    nbytes = n * BIG.block_nbytes
+    with Client(n1.endpoint, transport="tcp") as c1, \
+            Client(n2.endpoint, transport="tcp") as c2:
+        ns1 = c1.open_namespace(BIG, model_id="bench")
+        ns2 = c2.open_namespace(BIG, model_id="bench")
+        ns1.put(keys, data)
+        _wait(lambda: ns2.lookup(keys).num_hits == n, "the index to publish")
+        local, remote = [], []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            assert ns1.get(keys, bufs) == n
+            local.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            got = ns2.get(keys, bufs)
+            remote.append(time.perf_counter() - t)
+            if got != n:
+                raise RuntimeError(f"cross-node get returned {got} of {n} blocks")
+            if not all(np.array_equal(a, b) for a, b in zip(bufs, data, strict=True)):
+                raise RuntimeError("cross-node get returned wrong bytes")
+            ns2.delete(keys)  # the next round fetches from the peer again
+    out.append(Result(f"local get, TCP ({label})", nbytes / min(local) / GB, "GB/s"))
+    out.append(Result(f"cross-node get, peer fetch ({label})", nbytes / min(remote) / GB,
+                      "GB/s"))
+
+
+def _lookups(pod: LocalPod, calls: int, out: list[Result]) -> None:
+    n1, n2 = pod.nodes[0], pod.nodes[1]
+    keys = chain_hashes(range(SMALL.tokens_per_block * 10_000), SMALL.tokens_per_block)
+    blocks = [np.full(SMALL.block_nbytes, i % 251, np.uint8) for i in range(10_000)]
+    with Client(n1.endpoint) as c1, Client(n2.endpoint) as c2:
+        c2.open_namespace(SMALL, model_id="local").put(keys, blocks)
+        c2.open_namespace(SMALL, model_id="half").put(keys[:5000], blocks[:5000])
+        c1.open_namespace(SMALL, model_id="half").put(keys[5000:], blocks[5000:])
+        local = c2.open_namespace(SMALL, model_id="local")
+        half = c2.open_namespace(SMALL, model_id="half")
+        _wait(lambda: half.lookup(keys).num_hits == 10_000, "the index to publish")
+        for name, ns in (("all local", local), ("half remote", half)):
+            times = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                r = ns.lookup(keys)
+                times.append(time.perf_counter() - t)
+                assert r.num_hits == 10_000
+            times.sort()
+            out.append(Result(f"10,000-key Lookup, {name}, p50", statistics.median(times)
+                              * 1e3, "ms"))
+            out.append(Result(f"10,000-key Lookup, {name}, p99",
+                              times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3, "ms"))
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ctxmem bench pod", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--total-mib", type=int, default=64, help="MiB per get batch")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--lookups", type=int, default=50, help="Lookup calls timed per case")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    out = [Result("TCP loopback socket, 1 stream", loopback_rate() / GB, "GB/s")]
+    cfg: dict[str, Any] = {"dram_size": "512MiB", "dram_slab": "16MiB", "flash_size": None}
+    with tempfile.TemporaryDirectory(prefix="ctxmem-bench-pod-") as tmp:
+        root = Path(tmp)
+        with LocalPod(root / "plain", 2, **cfg) as pod:
+            _gets(pod, args.total_mib, args.repeat, "plaintext", out)
+            _lookups(pod, args.lookups, out)
+        pki = make_pki(root / "pki", tenants=())
+        cert, key = member_cert(pki, "member")
+        tls = {"tls_cert_file": str(cert), "tls_key_file": str(key),
+               "tls_ca_file": str(pki.ca)}
+        with LocalPod(root / "tls", 2, pod=tls, **cfg) as pod:
+            _gets(pod, args.total_mib, args.repeat, "mTLS 1.3 between nodes", out)
+    out.append(Result("cross-node get, shared flash (part 3: not measured here)",
+                      float("nan"), "GB/s"))
+    width = max(len(r.name) for r in out)
+    for r in out:
+        print(f"{r.name:<{width}}  {r.value:9.3f} {r.unit}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": [asdict(r) for r in out]}, indent=1))
+    return 0

@@ -1,0 +1,58 @@
+"""A pod on one machine: one ``redis-server`` and N real ``ctxmem serve`` nodes on
+loopback, each with its own flash file, key and peer-fetch port (tests, ``ctxmem bench
+pod``, and the README's pod of three)."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+from ctxmem_tools.launcher import ServiceProcess, free_port, local_config
+from ctxmem_tools.redis_server import RedisServer
+
+
+def pod_section(redis_url: str, node_id: str, token: str, *, host: str = "127.0.0.1",
+                port: int | None = None, **extra: Any) -> dict[str, Any]:
+    """The ``pod:`` section of one node's config (peer fetch on ``host:port``)."""
+    port = port or free_port(host)
+    section: dict[str, Any] = {
+        "enabled": True, "index_url": redis_url, "node_id": node_id,
+        "advertise": f"{host}:{port}", "listen": f"{host}:{port}", "pod_token": token,
+        "heartbeat_s": 0.5, "node_ttl_s": 2.0,
+    }
+    section.update(extra)
+    return section
+
+
+class LocalPod:
+    """``redis-server`` plus ``n`` service processes; ``with LocalPod(dir, 3) as pod``."""
+
+    def __init__(self, workdir: Path, n: int = 3, *, pod: dict[str, Any] | None = None,
+                 **config: Any) -> None:
+        workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.token = secrets.token_hex(16)
+        self.redis = RedisServer(workdir / "redis")
+        self.nodes: list[ServiceProcess] = []
+        try:
+            for i in range(n):
+                d = workdir / f"node{i + 1}"
+                cfg = local_config(d, **config)
+                cfg["pod"] = pod_section(self.redis.url, f"node{i + 1}", self.token,
+                                         **(pod or {}))
+                self.nodes.append(ServiceProcess(d, cfg))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.redis.stop()
+
+    def __enter__(self) -> LocalPod:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
