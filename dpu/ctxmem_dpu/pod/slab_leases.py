@@ -204,21 +204,25 @@ class SlabLeaseKeeper:
             log.info("flash device %s (shared): node %s holds %d slabs of %d", dev.name,
                      fence.node_id, len(fence.slabs()), dev.num_slabs)
 
-    async def top_up(self) -> int:
-        """Lease free slabs until each device has ``spare`` free leased slabs; returns how
-        many were leased. Index errors are logged (the next round tries again)."""
+    async def top_up(self, more: int = 0) -> int:
+        """Lease free slabs until each device has ``spare`` free leased slabs, and at
+        least ``more`` slabs more (the allocator is out of room: a free slab leased beats
+        evicting a block); returns how many were leased. Index errors are logged (the
+        next round tries again)."""
         got = 0
         for dev in self.devices:
+            if more and got >= more:
+                break
             try:
-                got += await self._top_up(dev)
+                got += await self._top_up(dev, more - got)
             except LeaseError as exc:
                 log.warning("flash device %s: %s", dev.name, exc)
         return got
 
-    async def _top_up(self, dev: FlashDevice) -> int:
+    async def _top_up(self, dev: FlashDevice, more: int = 0) -> int:
         fence = dev.fence
         assert fence is not None
-        need = self.spare - len(dev.alloc.free_slab_ids())
+        need = max(self.spare - len(dev.alloc.free_slab_ids()), more)
         if need <= 0:
             return 0
         blank = self._blank.get(dev.index, set())

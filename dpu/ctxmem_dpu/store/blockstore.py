@@ -187,7 +187,9 @@ class BlockStore:
         self._ctx.flash = FlashTier(devices)
         await self._recovery.rebuild()
         if self._keeper is not None:
-            await self._keeper.top_up()
+            keeper = self._keeper
+            self._placement.more_flash = lambda: keeper.top_up(more=1)
+            await keeper.top_up()
             self._tasks.append(asyncio.create_task(self._keeper.run(),
                                                    name="ctxmem-slab-leases"))
         self._tasks += [
