@@ -89,7 +89,7 @@ class SlabLeases:
 
     ``client``: a ``redis.asyncio.Redis`` (its lifetime is the caller's); ``node_id``:
     this service's node id in the pod; ``lease_s``: ``pod.slab_lease_s``; ``timeout_s``:
-    the bound on each request (default a tenth of the lease)."""
+    the bound on each request (default a fifth of the lease, at least 0.25 s)."""
 
     def __init__(self, client: aioredis.Redis, node_id: str, lease_s: float,
                  timeout_s: float | None = None, prefix: str = "ctxmem:slab") -> None:
@@ -98,7 +98,7 @@ class SlabLeases:
         self.client = client
         self.node_id = node_id
         self.lease_s = lease_s
-        self.timeout_s = timeout_s if timeout_s is not None else max(0.05, lease_s / 10)
+        self.timeout_s = timeout_s if timeout_s is not None else max(0.25, lease_s / 5)
         self.prefix = prefix
         self._grant = client.register_script(_GRANT)
         self._renew = client.register_script(_RENEW)
