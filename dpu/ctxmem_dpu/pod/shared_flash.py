@@ -47,12 +47,25 @@ from ctxmem_dpu.store.ciphers import Keyring
 log = logging.getLogger(__name__)
 
 
+# Records of adjacent slots are read in runs: at most HEADER_RUN header-table entries and
+# RUN_BYTES of payload (or one slot, when a slot is larger) per device read.
+HEADER_RUN = 256
+RUN_BYTES = 1 << 20
+
+
 class _Staging(threading.local):
-    """Per-thread page-aligned buffers (O_DIRECT): one header sector, one payload."""
+    """Per-thread page-aligned buffers (O_DIRECT): a header sector, a header-table run,
+    a payload run."""
 
     def __init__(self) -> None:
         self.header = mmap.mmap(-1, SECTOR)
-        self.payload = mmap.mmap(-1, 1 << 20)
+        self.table = mmap.mmap(-1, SECTOR)
+        self.payload = mmap.mmap(-1, RUN_BYTES)
+
+    def table_buf(self, n: int) -> mmap.mmap:
+        if len(self.table) < n:
+            self.table = mmap.mmap(-1, n)
+        return self.table
 
     def payload_buf(self, n: int) -> mmap.mmap:
         if len(self.payload) < n:
@@ -109,8 +122,8 @@ class _SharedDevice:
         except Stale:
             return self._read(job, ns, fresh=True)  # the slab may have been reassigned
 
-    def _read(self, job: _Job, ns: bytes, fresh: bool) -> bytes:
-        loc, e = job.loc, job.entry
+    def _locate(self, loc: SharedLocation, fresh: bool) -> tuple[int, int, int]:
+        """(slab, slot index, slot size) of a payload offset, from the slab's header."""
         size = self.sb.slab_size
         slab = (loc.offset - DATA_START) // size
         if loc.offset < DATA_START or slab >= self.sb.num_slabs:
@@ -124,33 +137,105 @@ class _SharedDevice:
         if rem or not 0 <= index < h.slots or loc.length > slot_size:
             raise Stale(f"offset {loc.offset} is not a slot of slab {slab} ({slot_size}-byte "
                         f"slots)")
+        return slab, index, slot_size
+
+    def _read(self, job: _Job, ns: bytes, fresh: bool) -> bytes:
+        slab, index, slot_size = self._locate(job.loc, fresh)
         hbuf = _staging.header
-        if os.preadv(self.fd, [hbuf], header_offset(slab, index, size)) != SECTOR:
+        if os.preadv(self.fd, [hbuf], header_offset(slab, index, self.sb.slab_size)) != SECTOR:
             raise OSError(f"shared flash {self.path}: short header read")
-        hdr = RecordHeader.unpack(memoryview(hbuf))
-        c = job.cipher
+        buf = _staging.payload_buf(slot_size)
+        view = memoryview(buf)[:slot_size]
+        try:
+            if os.preadv(self.fd, [view], job.loc.offset) != slot_size:
+                raise OSError(f"shared flash {self.path}: short payload read")
+            return self._decode(job, ns, memoryview(hbuf), view, f"slab {slab} slot {index}")
+        finally:
+            view.release()
+
+    def _decode(self, job: _Job, ns: bytes, hdr_raw: memoryview, payload: memoryview,
+                where: str) -> bytes:
+        """Check a record's header against the entry, decrypt and CRC-check its payload
+        (``payload``: the whole slot as read); raises Stale."""
+        loc, e, c = job.loc, job.entry, job.cipher
+        hdr = RecordHeader.unpack(hdr_raw)
         if (hdr is None or hdr.namespace != ns or (job.key is not None and hdr.key != job.key)
                 or hdr.seq != e.seq or hdr.length != e.nbytes or hdr.length != loc.length
                 or hdr.crc != e.crc32c or hdr.encrypted != (c is not None)
                 or (c is not None and hdr.key_check and hdr.key_check != c.check_value)):
-            raise Stale(f"record header at slab {slab} slot {index} is not the indexed block")
-        buf = _staging.payload_buf(slot_size)
-        view = memoryview(buf)[:slot_size]
-        try:
-            if os.preadv(self.fd, [view], loc.offset) != slot_size:
-                raise OSError(f"shared flash {self.path}: short payload read")
-            if c is None:
-                out = bytes(view[: loc.length])
-            else:
-                plain = bytearray(slot_size)
-                c.decrypt_into(view, plain, xts_tweak(self.sb.tweak_id, loc.offset))
-                del plain[loc.length:]
-                out = plain  # type: ignore[assignment]  # bytes-like, no second copy
-        finally:
-            view.release()
+            raise Stale(f"record header at {where} is not the indexed block")
+        if c is None:
+            out = bytes(payload[: loc.length])
+        else:
+            plain = bytearray(len(payload))
+            c.decrypt_into(payload, plain, xts_tweak(self.sb.tweak_id, loc.offset))
+            del plain[loc.length:]
+            out = plain  # type: ignore[assignment]  # bytes-like, no second copy
         if crc32c(out) != e.crc32c:
-            raise Stale(f"payload CRC32C mismatch at slab {slab} slot {index}")
+            raise Stale(f"payload CRC32C mismatch at {where}")
         return out
+
+    def read_many(self, jobs: list[_Job], ns: bytes) -> list[bytes | str]:
+        """:meth:`read` of each job; the records of adjacent slots of one slab (the order a
+        node's demotion writes them) are read with one header-table read and one payload
+        read per run (at most RUN_BYTES of payload, HEADER_RUN headers). Per job, the
+        block or why it is a miss (a counter name)."""
+        out: list[bytes | str] = ["stale"] * len(jobs)
+        located: list[tuple[int, int, int, int]] = []  # slab, index, slot size, job
+        retry: list[int] = []
+        for i, job in enumerate(jobs):
+            try:
+                located.append((*self._locate(job.loc, fresh=False), i))
+            except Stale:
+                retry.append(i)
+        located.sort()
+        k = 0
+        while k < len(located):
+            slab, first, size, _i = located[k]
+            cap = max(1, min(HEADER_RUN, RUN_BYTES // size))
+            j = k + 1
+            while (j < len(located) and j - k < cap and located[j][0] == slab
+                   and located[j][1] == first + (j - k)):
+                j += 1
+            run = located[k:j]
+            try:
+                self._read_run(jobs, ns, run, out, retry)
+            except OSError as exc:
+                log.warning("shared flash %s: read failed (%s); misses", self.path, exc)
+                for *_r, i in run:
+                    out[i] = "io_errors"
+            k = j
+        for i in retry:  # not where the cached slab header says: read it again
+            try:
+                out[i] = self._read(jobs[i], ns, fresh=True)
+            except Stale as exc:
+                log.debug("shared flash: miss: %s", exc)
+            except (OSError, ValueError) as exc:
+                log.warning("shared flash %s: read failed (%s); a miss", self.path, exc)
+                out[i] = "io_errors"
+        return out
+
+    def _read_run(self, jobs: list[_Job], ns: bytes, run: list[tuple[int, int, int, int]],
+                  out: list[bytes | str], retry: list[int]) -> None:
+        slab, first, size, _i = run[0]
+        n = len(run)
+        hdrs = memoryview(_staging.table_buf(n * SECTOR))[: n * SECTOR]
+        pays = memoryview(_staging.payload_buf(n * size))[: n * size]
+        try:
+            if os.preadv(self.fd, [hdrs], header_offset(slab, first, self.sb.slab_size)
+                         ) != n * SECTOR or os.preadv(self.fd, [pays], jobs[run[0][3]].loc.offset
+                                                      ) != n * size:
+                raise OSError(f"shared flash {self.path}: short read in slab {slab}")
+            for m, (_s, index, _z, i) in enumerate(run):
+                try:
+                    out[i] = self._decode(jobs[i], ns, hdrs[m * SECTOR:(m + 1) * SECTOR],
+                                          pays[m * size:(m + 1) * size],
+                                          f"slab {slab} slot {index}")
+                except Stale:
+                    retry.append(i)
+        finally:
+            hdrs.release()
+            pays.release()
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -205,8 +290,11 @@ class SharedFlashSource(RemoteSource):
             jobs.append((i, dev, _Job(loc, e, keys[i] if keys is not None else None, cipher)))
         if not jobs:
             return out
+        # Contiguous parts in device order, so adjacent records share a read (read_many).
+        jobs.sort(key=lambda j: (j[1].sb.device_uuid, j[2].loc.offset))
         n = min(self._threads, len(jobs))
-        parts = [jobs[k::n] for k in range(n)]
+        size = -(-len(jobs) // n)
+        parts = [jobs[k:k + size] for k in range(0, len(jobs), size)]
         loop = asyncio.get_running_loop()
         try:
             done = await asyncio.wait_for(asyncio.gather(*(
@@ -230,15 +318,14 @@ class SharedFlashSource(RemoteSource):
     def _work(ns: bytes, part: list[tuple[int, _SharedDevice, _Job]]) -> list[bytes | str]:
         """On a read thread: per job, the block or why it is a miss (a counter name)."""
         res: list[bytes | str] = []
-        for _i, dev, job in part:
-            try:
-                res.append(dev.read(job, ns))
-            except Stale as exc:
-                log.debug("shared flash: miss: %s", exc)
-                res.append("stale")
-            except (OSError, ValueError) as exc:
-                log.warning("shared flash %s: read failed (%s); a miss", dev.path, exc)
-                res.append("io_errors")
+        k = 0
+        while k < len(part):
+            dev = part[k][1]
+            j = k
+            while j < len(part) and part[j][1] is dev:
+                j += 1
+            res += dev.read_many([job for _i, _d, job in part[k:j]], ns)
+            k = j
         return res
 
     def close(self) -> None:
