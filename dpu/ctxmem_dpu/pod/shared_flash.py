@@ -252,7 +252,7 @@ class SharedFlashSource(RemoteSource):
     construction; :meth:`close` (or ``with``) releases the descriptors and threads."""
 
     def __init__(self, paths: Sequence[str], master_key: bytes | None, *,
-                 o_direct: bool = True, threads: int = 2, timeout_s: float = 2.0) -> None:
+                 o_direct: bool = True, threads: int = 4, timeout_s: float = 2.0) -> None:
         self._devices: dict[str, _SharedDevice] = {}
         try:
             for p in paths:

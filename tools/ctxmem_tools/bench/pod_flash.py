@@ -25,7 +25,7 @@ BENCH_TIMEOUT_S = 600.0
 
 def measure_shared_flash(workdir: Path | None = None, block_kib: Sequence[int] = (2048, 64),
                          blocks: int = 256, batch: int = 32, repeat: int = 3,
-                         threads: int = 2) -> list[Result]:
+                         threads: int = 4) -> list[Result]:
     """Shared-flash get throughput (GB/s, every byte decrypted and CRC-checked) and the
     p50 latency of a one-block get (µs), per block size, each with its O_DIRECT limit.
 
