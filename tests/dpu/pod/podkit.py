@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import redis.asyncio as aioredis
 
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.config import Config, config_from_dict
+from ctxmem_common.flash_format import SECTOR, Superblock, aligned_buffer
 from ctxmem_common.layout import KVLayout
 from ctxmem_dpu.blocks import Namespace, Session
 from ctxmem_dpu.pod.entries import RemoteEntry, SharedLocation
@@ -45,12 +47,25 @@ def layout(kib: int) -> KVLayout:
                     tokens_per_block=1)
 
 
-def format_shared(path: str, slab_size: int, size: int = 0) -> bytes:
+def format_shared(path: str, slab_size: int, size: int = 0, slabs: int = 0) -> bytes:
     """Create (``size``: a file of that size) and format the shared device once, as an
-    operator does before attaching it shared; returns its UUID."""
+    operator does before attaching it shared; returns its UUID. ``slabs``: only that many
+    slabs (a superblock pair written directly, with a new UUID: the guest's namespace
+    size then does not matter)."""
     if size and not os.path.exists(path):
         with open(path, "wb") as f:
             f.truncate(size)
+    if slabs:
+        sb = Superblock(slab_size, slabs, uuid.uuid4().bytes)
+        buf = aligned_buffer(2 * SECTOR)
+        buf[:] = sb.pack_pair()
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+        try:
+            os.pwritev(fd, [buf], 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return sb.device_uuid
     with FlashDevice(0, "format", path, slab_size, True) as dev:
         return dev.superblock.device_uuid
 

@@ -161,7 +161,7 @@ async def test_killed_writer_served_then_taken_over_and_stale_pointer_is_a_miss(
             dev = b.flash.devices[0]
             uuid = dev.superblock.device_uuid
             deadline = time.monotonic() + 20 * LEASE_S
-            while (await _holders(url, uuid, [slab_a]))[0] is not None:
+            while (h := (await _holders(url, uuid, [slab_a]))[0]) is not None and h[0] == "a":
                 assert time.monotonic() < deadline, "a's lease never lapsed"
                 await asyncio.sleep(0.1)
             # b leases blank slabs first (each new slot size assigns one), a's slab last;
