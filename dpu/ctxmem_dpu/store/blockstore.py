@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from ctxmem_common.config import Config
 from ctxmem_common.errors import InvalidArgument
@@ -36,7 +37,6 @@ from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
 from ctxmem_dpu.pod.entries import SharedLocation
-from ctxmem_dpu.pod.slab_leases import SlabLeaseKeeper, SlabLeases
 from ctxmem_dpu.policy import SegmentedLRU
 from ctxmem_dpu.store import health as health_mod
 from ctxmem_dpu.store.ciphers import Keyring
@@ -57,6 +57,9 @@ from ctxmem_dpu.store.writethrough import WriteThrough
 from ctxmem_dpu.tiers import flash_owner
 from ctxmem_dpu.tiers.dram import DramTier
 from ctxmem_dpu.tiers.flash import FlashTier
+
+if TYPE_CHECKING:  # the pod's slab leases (and redis) load only where a device is shared
+    from ctxmem_dpu.pod.slab_leases import SlabLeaseKeeper, SlabLeases
 
 log = logging.getLogger("ctxmem_dpu.store")
 

@@ -4,13 +4,16 @@ a pod's shared devices the slab fence and this node's slab leases."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ctxmem_common.config import Config
 from ctxmem_common.errors import InvalidArgument
-from ctxmem_dpu.pod.slab_leases import SlabLeaseKeeper, SlabLeases
 from ctxmem_dpu.store.context import IOPool
 from ctxmem_dpu.tiers.flash import FlashDevice
 from ctxmem_dpu.tiers.flash_fence import SlabFence
+
+if TYPE_CHECKING:  # the pod's modules (and redis) load only where a device is shared
+    from ctxmem_dpu.pod.slab_leases import SlabLeaseKeeper, SlabLeases
 
 
 async def open_devices(cfg: Config, io: IOPool, flash_paths: Sequence[tuple[str, str]],
@@ -36,6 +39,8 @@ async def open_devices(cfg: Config, io: IOPool, flash_paths: Sequence[tuple[str,
             devices.append(await io.run(FlashDevice, i, name, path, cfg.flash.slab_size,
                                         cfg.flash.o_direct, True, fence))
         if leases is not None and any(d.fence is not None for d in devices):
+            from ctxmem_dpu.pod.slab_leases import SlabLeaseKeeper
+
             keeper = SlabLeaseKeeper(leases, devices, io.run, cfg.pod.shared_spare_slabs)
             await keeper.attach()
     except BaseException:
