@@ -134,6 +134,9 @@ class FlashDeviceConfig:
     create: bool = False
     kernel: KernelOptions | None = None  # backend 'kernel' only (docs/storage.md)
     spdk: SpdkOptions | None = None  # backend 'spdk' only (docs/storage.md)
+    # Attached by several services of a pod (its flash enclosure): each writes only the
+    # slabs it leases in the pod's index, any reads any record (docs/pod.md).
+    shared: bool = False
 
     def device_spec(self, where: str) -> DeviceSpec:
         """This device as the storage layer takes it (``where``: its key path, which
@@ -273,6 +276,12 @@ class PodConfig:
     # Remote blocks pulled per Acquire/Prefetch (one request per holder node).
     fetch_max_blocks: int = 256
 
+    # Lease of a slab on a shared flash device (flash.devices[].shared), renewed every
+    # third of it: a dead node's slabs are taken over this long after its last renewal.
+    slab_lease_s: float = 10.0
+    # Free slabs of each shared device a node keeps leased ahead of need.
+    shared_spare_slabs: int = 2
+
 
 @dataclass(frozen=True)
 class LoggingConfig:
@@ -373,6 +382,9 @@ def _check(cfg: Config) -> None:
         raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
     if cfg.eviction.protect_after_hits < 1:
         raise ConfigError("eviction.protect_after_hits: must be >= 1")
+    if not cfg.pod.slab_lease_s > 0 or cfg.pod.shared_spare_slabs < 1:
+        raise ConfigError("pod.slab_lease_s must be > 0 (seconds) and pod.shared_spare_slabs "
+                          ">= 1")
 
 
 def _check_pod(pod: PodConfig) -> None:

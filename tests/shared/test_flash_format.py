@@ -153,3 +153,21 @@ def test_fit_records_drops_lengths_that_do_not_fit(image: tuple[int, Superblock]
     assert scan is not None
     assert fit_records(scan.records, SLOT) is scan.records  # all fit: the same columns
     assert fit_records(scan.records, 999).slot == []  # 1000-byte records, 999-byte slots
+
+
+def test_slab_header_pod_extension_round_trips_and_old_readers_ignore_it() -> None:
+    from ctxmem_common.flash_format import SlabHeader, Superblock
+
+    sb = Superblock(1 << 20, 3, bytes(range(16)))
+    plain = SlabHeader(65536, 14).for_device(sb)
+    owned = plain.owned_by("node-a", 7)
+    raw = owned.pack()
+    assert SlabHeader.unpack(raw) == owned
+    assert (owned.owner, owned.epoch) == ("node-a", 7)
+    # The fields before the pod extension are unchanged, so a reader of the earlier
+    # format (which stops at the first extension) reads the same slab.
+    assert raw[:len(plain.pack().rstrip(b"\0"))] == plain.pack().rstrip(b"\0")
+    damaged = bytearray(raw)
+    damaged[len(plain.pack().rstrip(b"\0")) + 10] ^= 1  # a bit of the pod extension
+    assert SlabHeader.unpack(bytes(damaged)) == plain  # no owner: never mistaken
+    assert SlabHeader.unpack(plain.pack()) == plain

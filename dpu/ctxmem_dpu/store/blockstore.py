@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from ctxmem_common.config import Config
 from ctxmem_common.errors import InvalidArgument
@@ -35,11 +36,13 @@ from ctxmem_common.layout import KVLayout
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
+from ctxmem_dpu.pod.entries import SharedLocation
 from ctxmem_dpu.policy import SegmentedLRU
 from ctxmem_dpu.store import health as health_mod
 from ctxmem_dpu.store.ciphers import Keyring
 from ctxmem_dpu.store.context import IOPool, StoreContext
 from ctxmem_dpu.store.demotion import Demotion
+from ctxmem_dpu.store.devices import open_devices
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
@@ -54,7 +57,10 @@ from ctxmem_dpu.store.stats import new_counters, snapshot
 from ctxmem_dpu.store.writethrough import WriteThrough
 from ctxmem_dpu.tiers import flash_owner
 from ctxmem_dpu.tiers.dram import DramTier
-from ctxmem_dpu.tiers.flash import FlashDevice, FlashTier
+from ctxmem_dpu.tiers.flash import FlashTier
+
+if TYPE_CHECKING:  # the pod's slab leases (and redis) load only where a device is shared
+    from ctxmem_dpu.pod.slab_leases import SlabLeaseKeeper, SlabLeases
 
 log = logging.getLogger("ctxmem_dpu.store")
 
@@ -76,9 +82,14 @@ class BlockStore:
         flash_paths: Sequence[tuple[str, str]] = (),
         master_key: bytes | None = None,
         software_crypto_off: Iterable[str] = (),
+        slab_leases: SlabLeases | None = None,
     ) -> None:
         self.cfg = cfg
         self._flash_paths = list(flash_paths)
+        # Shared flash (a pod): the devices several services write, each only the slabs
+        # it leases through ``slab_leases`` (ctxmem_dpu.pod.slab_leases).
+        self._slab_leases = slab_leases
+        self._keeper: SlabLeaseKeeper | None = None
         self._ctx = StoreContext(
             cfg, DramTier(cfg.dram.size, cfg.dram.slab_size, cfg.dram.prefault),
             FlashTier([]), new_counters(), IOPool(cfg.service.io_threads))
@@ -177,19 +188,17 @@ class BlockStore:
         """Open the flash devices, rebuild the index from them, start the demoter and the
         reaper."""
         faults.install_from_env()
-        devices: list[FlashDevice] = []
-        try:
-            for i, (name, path) in enumerate(self._flash_paths):
-                devices.append(await self._ctx.io.run(
-                    FlashDevice, i, name, path, self.cfg.flash.slab_size,
-                    self.cfg.flash.o_direct))
-        except BaseException:
-            for dev in devices:  # release the ones already opened (lock, owner record)
-                dev.close()
-            raise
+        devices, self._keeper = await open_devices(self.cfg, self._ctx.io, self._flash_paths,
+                                                   self._slab_leases)
         self._ctx.flash = FlashTier(devices)
         await self._recovery.rebuild()
-        self._tasks = [
+        if self._keeper is not None:
+            keeper = self._keeper
+            self._placement.more_flash = lambda: keeper.top_up(more=1)
+            await keeper.top_up()
+            self._tasks.append(asyncio.create_task(self._keeper.run(),
+                                                   name="ctxmem-slab-leases"))
+        self._tasks += [
             asyncio.create_task(self._demotion.run(), name="ctxmem-demoter"),
             asyncio.create_task(self._reaper(), name="ctxmem-reaper"),
         ]
@@ -205,7 +214,7 @@ class BlockStore:
         # would strand blocks with half-done bookkeeping): the demoter sees ``closed``
         # and returns after its current batch; the others are short and awaited.
         for t in self._tasks:
-            if t.get_name() == "ctxmem-reaper":
+            if t.get_name() in ("ctxmem-reaper", "ctxmem-slab-leases"):
                 t.cancel()
         pending: list[Awaitable[object]] = [*self._tasks, *ctx.io.tasks]
         for job in pending:
@@ -222,6 +231,8 @@ class BlockStore:
                 log.exception("flushing dirty blocks to flash at shutdown failed")
         # Headers a failed write may have left behind.
         await self._invalidator.retry_parked(log_errors=True)
+        if self._keeper is not None:
+            await self._keeper.close()
         ctx.io.shutdown()
         ctx.flash.close()
         ctx.dram.close()
@@ -251,6 +262,13 @@ class BlockStore:
                 owner_at = now + flash_owner.LEASE_S / 3
                 await self._health.refresh_owners()
             await self._invalidator.retry_parked()
+
+    # -- shared flash (a pod) -------------------------------------------------------
+    def shared_location(self, b: Block) -> SharedLocation | None:
+        """Where any node of the pod reads ``b`` on shared flash: its device's UUID (hex),
+        the payload's byte offset and length; ``None`` unless ``b`` is durable on a
+        shared device (what the cluster index publishes with the block)."""
+        return self._ctx.flash.shared_location(b.flash, b.length) if b.durable else None
 
     # -- sessions and namespaces -----------------------------------------------------
     def connect(self, tenant: str, token: str, transport: str, client_name: str) -> Session:

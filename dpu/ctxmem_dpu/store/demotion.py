@@ -40,6 +40,7 @@ from ctxmem_dpu.store.index import BlockIndex, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError
+from ctxmem_dpu.tiers.flash_fence import SlabFenced
 
 log = logging.getLogger("ctxmem_dpu.store")
 
@@ -157,7 +158,13 @@ class Demotion:
                     self._invalidator.unpin(b)
         written = 0
         for (b, ext), err in zip(plan, results or [None] * len(plan), strict=True):
-            if isinstance(err, DramChanged):
+            if isinstance(err, SlabFenced):
+                # Shared flash: the slab's lease lapsed or was taken over; no header was
+                # written there. The block stays dirty (another slab takes it).
+                failures[b] = err
+                ctx.counters["flash_fenced_writes"] += 1
+                ctx.flash.free(ext)
+            elif isinstance(err, DramChanged):
                 failures[b] = err
                 # Its header was never written: the extent holds no record.
                 ctx.flash.free(ext)
@@ -239,9 +246,23 @@ class Demotion:
         """The four I/O phases of a demotion; one result per job (None: durable)."""
         io = self._ctx.io
 
+        def fences(jobs: list[Any]) -> list[BaseException | None]:
+            # Shared devices: is each slab's lease still this node's (clock and the slab
+            # header's epoch on the device)? Once per slab per batch.
+            slabs: dict[FlashDevice, set[int]] = {}
+            for dev, slot, _h, _v, _c in jobs:
+                if dev.fence is not None:
+                    slabs.setdefault(dev, set()).add(slot.slab)
+            fenced = {(dev, slab): exc for dev, ss in slabs.items()
+                      for slab, exc in dev.check_fences(ss).items()}
+            return [fenced.get((j[0], j[1].slab)) for j in jobs]
+
         def payloads(part: list[Any]) -> list[BaseException | None]:
             out: list[BaseException | None] = []
-            for dev, slot, header, view, cipher in part:
+            for (dev, slot, header, view, cipher), err in part:
+                if err is not None:
+                    out.append(err)
+                    continue
                 try:
                     dev.write_payload(slot, view, cipher)
                 except (FlashIOError, ValueError) as exc:
@@ -287,7 +308,8 @@ class Demotion:
             return [failed.get(j[0], r) if r is None else r
                     for j, r in zip(jobs, results, strict=True)]
 
-        results = await io.parallel(payloads, jobs)
+        fenced = await io.run(fences, jobs)
+        results = await io.parallel(payloads, list(zip(jobs, fenced, strict=True)))
         faults.point("demote.after_payload")
         results = await synced(results)
         faults.point("demote.after_payload_sync")

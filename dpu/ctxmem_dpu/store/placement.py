@@ -50,6 +50,9 @@ class Placement:
         self._health = health
         self._invalidator = invalidator
         self._quotas = quotas
+        # Shared flash: leases at least one more free slab (ctxmem_dpu.pod.slab_leases,
+        # SlabLeaseKeeper.top_up); returns how many it leased. None: no shared device.
+        self.more_flash: Callable[[], Awaitable[int]] | None = None
 
     def tenant_of(self, b: Block) -> str:
         """The tenant owning ``b`` (see ``Quotas.tenant_of``)."""
@@ -153,6 +156,12 @@ class Placement:
         power cut can never bring an evicted block back over an extent reused since, and
         a later delete of the key never misses a copy on flash."""
         flash, index = self._ctx.flash, self._index
+        if self.more_flash is not None:
+            # Shared flash: lease free slabs before evicting anything.
+            while (exts := flash.allocate(slot_size, n)) is None and await self.more_flash():
+                pass
+            if exts is not None:
+                return exts
         for _round in range(3):
             exts = flash.allocate(slot_size, n)
             if exts is not None:

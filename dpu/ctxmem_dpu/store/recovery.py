@@ -146,7 +146,7 @@ class Recovery:
         """The used slabs of ``dev`` with their records, in slab order; up to
         ``io_threads`` (at least 2) slab reads in flight while the caller indexes."""
         pending: deque[asyncio.Future[tuple[int, int, TableColumns] | None]] = deque()
-        slabs = iter(range(dev.num_slabs))
+        slabs = iter(dev.owned_slabs())  # a shared device: only the slabs leased here
         depth = max(2, self._ctx.cfg.service.io_threads)
         while True:
             while len(pending) < depth and (slab := next(slabs, None)) is not None:

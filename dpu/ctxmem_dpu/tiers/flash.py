@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from ctxmem_common.flash_format import slots_per_slab
 from ctxmem_dpu.alloc import SlotRef
+from ctxmem_dpu.pod.entries import SharedLocation
 from ctxmem_dpu.tiers import flash_io
 from ctxmem_dpu.tiers.base import Tier
 from ctxmem_dpu.tiers.flash_device import FlashSlabAllocator, FormattedDevice
@@ -95,6 +96,17 @@ class FlashTier(Tier[Extent]):
         for ext in out:  # all or nothing
             self.free(ext)
         return None
+
+    def shared_location(self, ext: Extent | None, length: int) -> SharedLocation | None:
+        """``ext`` as any node of a pod reads it (device UUID hex, payload offset,
+        ``length``), or ``None`` when it is not on a shared device."""
+        if ext is None:
+            return None
+        dev = self.devices[ext.device]
+        if dev.fence is None:
+            return None
+        return SharedLocation(dev.superblock.device_uuid.hex(), dev.payload_offset(ext.slot),
+                              length)
 
     def free(self, slot: Extent) -> None:
         self.devices[slot.device].alloc.free(slot.slot)

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from ctxmem_common.flash_format import (
     DATA_START,
@@ -35,6 +36,7 @@ from ctxmem_common.flash_format import (
 )
 from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
 from ctxmem_dpu.tiers import flash_io
+from ctxmem_dpu.tiers.flash_fence import SlabFence
 from ctxmem_dpu.tiers.flash_io import ZEROS, DeviceFile, FlashIOError, ShortRead, scan_buffers
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,42 @@ class FlashSlabAllocator(SlabAllocator):
         else:
             partial.discard(slab.id)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.revoked: set[int] = set()
+
+    # -- shared devices: only leased slabs are handed out (ctxmem_dpu.tiers.flash_fence)
+    def start_empty(self) -> None:
+        """A shared device: no slab is this service's until its lease is granted."""
+        self._free_slabs.clear()
+
+    def add_slab(self, slab_id: int) -> None:
+        """A lease on free slab ``slab_id`` was granted: it may be assigned."""
+        self.revoked.discard(slab_id)
+        slab = self.slabs[slab_id]
+        if slab.klass is None and slab_id not in self._free_slabs:
+            self._free_slabs.append(slab_id)
+            self._free_slabs.sort(reverse=True)
+
+    def revoke_slab(self, slab_id: int) -> None:
+        """The lease on ``slab_id`` is lost: hand out nothing more from it (its slots in
+        use stay counted until freed; the slab never returns to the pool)."""
+        self.revoked.add(slab_id)
+        if slab_id in self._free_slabs:
+            self._free_slabs.remove(slab_id)
+        slab = self.slabs[slab_id]
+        if slab.klass is not None:
+            self._partial.get(slab.klass, set()).discard(slab_id)
+
+    def free(self, ref: SlotRef) -> None:
+        super().free(ref)
+        if ref.slab in self.revoked:
+            self.revoke_slab(ref.slab)
+
+    def free_slab_ids(self) -> list[int]:
+        """The slabs not assigned to any slot size (leased ones, on a shared device)."""
+        return sorted(self._free_slabs)
+
 
 class FormattedDevice(DeviceFile):
     """One device or file, formatted with a superblock pair and cut into slabs (a blank
@@ -74,9 +112,11 @@ class FormattedDevice(DeviceFile):
     its superblock, formatting it would lose every record)."""
 
     def __init__(self, index: int, name: str, path: str, slab_size: int, o_direct: bool,
-                 lock: bool = True) -> None:
-        super().__init__(name, path, o_direct, lock)
+                 lock: bool = True, fence: SlabFence | None = None) -> None:
+        super().__init__(name, path, o_direct, lock, shared=fence is not None)
         self.index = index
+        # A shared device: the slabs this service leases (None: it owns the device).
+        self.fence = fence
         self.healthy = True
         self.health_reason = ""
         self._fresh: set[int] = set()  # slabs assigned but not yet initialised on flash
@@ -103,6 +143,8 @@ class FormattedDevice(DeviceFile):
             slots_per_slab=lambda slot: slots_per_slab(self.slab_size, slot),
             on_assign=self._slab_assigned,
         )
+        if fence is not None:
+            self.alloc.start_empty()
 
     # -- layout -------------------------------------------------------------------------
     def _load_or_format(self, slab_size: int) -> Superblock:
@@ -131,6 +173,14 @@ class FormattedDevice(DeviceFile):
                 f"flash device {self.name!r} ({self.path}) has {self.size} bytes; it needs at "
                 f"least {DATA_START + slab_size} (1 MiB + one slab of flash.slab_size)",
             )
+        if self.shared:
+            # Two services attaching a blank shared device at once would each format it
+            # (two UUIDs, the other's records lost): a shared device is formatted once,
+            # on purpose.
+            raise FlashIOError(
+                errno.ENODEV, f"flash device {self.name!r} ({self.path}) is shared but not "
+                f"formatted; format it once, with no service attached: `ctxmem check "
+                f"--format --device {self.name}={self.path} --slab-size SIZE`")
         self._refuse_if_not_blank(slab_size)
         sb = Superblock.new(slab_size, self.size)
         self._write_superblocks(sb)
@@ -191,10 +241,52 @@ class FormattedDevice(DeviceFile):
                 n = min(len(ZEROS), table - done)
                 self._pwrite(memoryview(ZEROS)[:n], base + SECTOR + done)
                 done += n
+            header = SlabHeader(s.slot_size, s.capacity).for_device(self.superblock)
+            if self.fence is not None:
+                # Never zero a table this service does not own (another node's records).
+                self.fence.check(slab_id, self.slab_owner(slab_id))
+                header = header.owned_by(self.fence.node_id, self.fence.epoch(slab_id))
             buf = aligned_buffer(SECTOR)
-            buf[:] = SlabHeader(s.slot_size, s.capacity).for_device(self.superblock).pack()
+            buf[:] = header.pack()
             self._pwrite(buf, base)
             self._fresh.discard(slab_id)
+
+    # -- shared devices -----------------------------------------------------------------
+    def slab_owner(self, slab_id: int) -> tuple[str, int]:
+        """(owner node, fencing epoch) the slab header on the device names (("", 0): none,
+        or a slab of a device one service owns)."""
+        h = self.reader.slab_header(slab_id, self.slab_size)
+        return (h.owner, h.epoch) if h is not None else ("", 0)
+
+    def check_fences(self, slabs: set[int]) -> dict[int, FlashIOError]:
+        """Before a write batch on a shared device: per slab that may not be written, why
+        (its lease lapsed, or the header on the device names a later epoch)."""
+        out: dict[int, FlashIOError] = {}
+        if self.fence is None:
+            return out
+        for slab in slabs:
+            try:
+                self.fence.check(slab, None if slab in self._fresh else self.slab_owner(slab))
+            except FlashIOError as exc:
+                out[slab] = exc
+        return out
+
+    def restamp_slab(self, slab_id: int, epoch: int) -> None:
+        """Rewrite an assigned slab's header naming this node at ``epoch`` (a lease of a
+        slab this node wrote before, granted again): its records stay."""
+        assert self.fence is not None
+        h = self.reader.slab_header(slab_id, self.slab_size)
+        if h is None:
+            return
+        buf = aligned_buffer(SECTOR)
+        buf[:] = h.for_device(self.superblock).owned_by(self.fence.node_id, epoch).pack()
+        self._pwrite(buf, self.slab_base(slab_id))
+        self.sync()
+
+    def owned_slabs(self) -> list[int]:
+        """The slabs whose records this service indexes at start: every slab, or on a
+        shared device the slabs it leases (other nodes' are found through the index)."""
+        return list(range(self.num_slabs)) if self.fence is None else self.fence.slabs()
 
     # -- health (I/O threads) -----------------------------------------------------------
     def check_identity(self) -> None:
@@ -240,6 +332,10 @@ class FormattedDevice(DeviceFile):
             if slab.klass is None or slab.id in self._fresh:
                 continue
             want = SlabHeader(slab.slot_size, slab.capacity).for_device(self.superblock)
+            if self.fence is not None:
+                if not self.fence.held(slab.id):
+                    continue  # not ours any more: another node's header
+                want = want.owned_by(self.fence.node_id, self.fence.epoch(slab.id))
             self._pread(buf, self.slab_base(slab.id))
             if SlabHeader.unpack(memoryview(buf)) != want:
                 buf[:] = want.pack()

@@ -82,10 +82,16 @@ class DeviceFile:
     leaving it closes the file (and clears the owner record).
     """
 
-    def __init__(self, name: str, path: str, o_direct: bool, lock: bool = True) -> None:
+    def __init__(self, name: str, path: str, o_direct: bool, lock: bool = True,
+                 shared: bool = False) -> None:
         self.name = name
         self.path = path
         self._lock = lock
+        # shared: a pod's shared device (several services write it, each only the slabs
+        # it leases): a shared flock (an exclusive attach, or ctxmem check --repair, is
+        # refused while any is held, and the other way round) and the pod's owner marker.
+        self.shared = shared
+        self._lock_op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         # Descriptors replaced by reopen(): kept open until close(), since an I/O thread
         # may still be blocked on one, and a closed number could be reused under it.
         self._retired_fds: list[int] = []
@@ -109,17 +115,20 @@ class DeviceFile:
             ) from None
         if lock:
             try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self.fd, self._lock_op | fcntl.LOCK_NB)
             except OSError:
                 os.close(self.fd)
                 self.fd = -1
-                raise FlashIOError(
-                    errno.EBUSY, f"flash device {name!r} ({path}) is in use by another "
-                    f"process (another ctxmem service, or ctxmem check --repair)") from None
+                how = ("attached exclusively by another process (a non-shared service, or "
+                       "ctxmem check --repair)" if shared else
+                       "in use by another process (another ctxmem service, a pod's services "
+                       "sharing it, or ctxmem check --repair)")
+                raise FlashIOError(errno.EBUSY, f"flash device {name!r} ({path}) is {how}"
+                                   ) from None
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
         self.owner: DeviceOwner | None = None
         if lock:
-            owner = DeviceOwner(name, path)
+            owner = DeviceOwner(name, path, shared)
             try:
                 owner.claim(self.fd, self.size)
             except BaseException:
@@ -207,7 +216,7 @@ class DeviceFile:
                                           f"{path}: {exc.strerror}") from None
         if self._lock:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, self._lock_op | fcntl.LOCK_NB)
             except OSError:
                 os.close(fd)
                 raise FlashIOError(errno.EBUSY, f"flash device {self.name!r}: {path} is "

@@ -15,6 +15,15 @@ another process: its start time differs). So a service killed with SIGKILL and
 restarted at once takes its device back, and a record from another host is honoured
 until its lease runs out.
 
+A *shared* device (``flash.devices[].shared``: the pod's flash enclosure, attached by
+several services) has no single owner: each service writes only the slabs it leases
+(:mod:`ctxmem_dpu.tiers.flash_fence`). Its owner sector holds the *shared marker* (the
+instance ``SHARED_INSTANCE``), written at attach and refreshed by every attached service
+(the last refresh names its host and pid, for messages), never cleared by a close (others
+may still be attached): it lapses one lease after the last service stops refreshing it.
+A non-shared open that finds a live marker is refused, and a shared open that finds a
+live non-shared owner is refused, so a device is either one service's or the pod's.
+
 The record is read and written straight on the descriptor, not through the fault layer
 (like the superblock at open: owning a device is not an I/O path faults are injected
 into).
@@ -43,6 +52,9 @@ LEASE_S = float(os.environ.get("CTXMEM_FLASH_OWNER_LEASE_S", "30"))
 # if it is one of these (a device reopened through an alias in the same process).
 _held: set[bytes] = set()
 
+# The owner record's instance on a device attached as shared by a pod's services.
+SHARED_INSTANCE = b"\xff" * 16
+
 
 def boot_id() -> bytes:
     """This boot's id (``/proc/sys/kernel/random/boot_id``) as 16 bytes; zeros if none."""
@@ -70,6 +82,9 @@ def process_start(pid: int) -> int | None:
 def describe(rec: OwnerRecord) -> str:
     """``service <id> (pid N on host H, lease until T)`` for messages."""
     until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.expires_ns / 1e9))
+    if rec.instance == SHARED_INSTANCE:
+        return (f"the services of a pod as a shared device (last refreshed by pid {rec.pid} "
+                f"on host {rec.host}, lease until {until})")
     return (f"service {rec.instance.hex()[:12]} (pid {rec.pid} on host {rec.host}, "
             f"lease until {until})")
 
@@ -80,6 +95,8 @@ def stale_reason(rec: OwnerRecord, now_ns: int) -> str:
         return ""
     if now_ns > rec.expires_ns:
         return "its lease has expired"
+    if rec.instance == SHARED_INSTANCE:
+        return ""  # several services refresh it: only its lease tells
     if rec.host != socket.gethostname():
         return ""  # another host: only its lease tells
     if rec.boot_id != boot_id():
@@ -94,10 +111,11 @@ def stale_reason(rec: OwnerRecord, now_ns: int) -> str:
 class DeviceOwner:
     """This process's claim on one device's owner sector (see the module docstring)."""
 
-    def __init__(self, name: str, path: str) -> None:
+    def __init__(self, name: str, path: str, shared: bool = False) -> None:
         self.name = name
         self.path = path
-        self.instance = uuid.uuid4().bytes
+        self.shared = shared
+        self.instance = SHARED_INSTANCE if shared else uuid.uuid4().bytes
         self.held = False
         self._buf = aligned_buffer(SECTOR)
 
@@ -131,6 +149,11 @@ class DeviceOwner:
             rec = self._read(fd)
             if rec is not None and rec.instance != self.instance:
                 why = stale_reason(rec, time.time_ns())
+                if not why and rec.instance == SHARED_INSTANCE:
+                    raise FlashIOError(
+                        errno.EBUSY, f"flash device {self.name!r} ({self.path}) is attached "
+                        f"by {describe(rec)}; attach it with flash.devices[].shared: true "
+                        f"(and the pod's slab leases), or stop those services first")
                 if not why:
                     raise FlashIOError(
                         errno.EBUSY, f"flash device {self.name!r} ({self.path}) is in use by "
@@ -146,7 +169,8 @@ class DeviceOwner:
                                           f"cannot read or write its owner record: "
                                           f"{exc.strerror}") from None
         self.held = True
-        _held.add(self.instance)
+        if not self.shared:
+            _held.add(self.instance)
 
     def refresh(self, fd: int) -> None:
         """Extend the lease. Raises FlashIOError (EBUSY) when another service has taken
@@ -157,7 +181,8 @@ class DeviceOwner:
             return  # (a truncated device is not written beyond its end)
         try:
             rec = self._read(fd)
-            if rec is not None and rec.instance != self.instance:
+            if rec is not None and rec.instance != self.instance and (
+                    not self.shared or not stale_reason(rec, time.time_ns())):
                 raise FlashIOError(errno.EBUSY, f"flash device {self.name!r} ({self.path}) "
                                                 f"was taken over by {describe(rec)}")
             self._write(fd, self._record().pack())
@@ -172,6 +197,8 @@ class DeviceOwner:
         if not self.held:
             return
         self.held = False
+        if self.shared:
+            return  # the pod's marker: other services may still be attached (it lapses)
         _held.discard(self.instance)
         try:
             rec = self._read(fd)

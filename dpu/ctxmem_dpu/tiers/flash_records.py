@@ -48,6 +48,8 @@ class FlashDevice(FormattedDevice):
     def write_payload(self, slot: SlotRef, payload: memoryview, cipher: XtsCipher | None
                       ) -> None:
         """Write one record's payload (encrypted when ``cipher``); no header, no sync."""
+        if self.fence is not None:
+            self.fence.check(slot.slab)
         if slot.slab in self._fresh:
             self._init_slab(slot.slab)
         off = self.payload_offset(slot)
@@ -61,6 +63,8 @@ class FlashDevice(FormattedDevice):
             self._pwrite(payload, off)
 
     def write_header(self, slot: SlotRef, header: RecordHeader) -> None:
+        if self.fence is not None:
+            self.fence.check(slot.slab)
         hdr = staging.header
         hdr[:] = header.pack()
         self._pwrite(hdr, self.header_offset(slot))
@@ -242,7 +246,13 @@ class FlashDevice(FormattedDevice):
         self.read_payload(slot, dst, length, crc, cipher)
 
     def invalidate(self, slot: SlotRef) -> None:
-        """Zero a record's header so a restart does not bring the block back."""
+        """Zero a record's header so a restart does not bring the block back. On a shared
+        device, a slab whose lease this service lost is left alone (the new owner zeroes
+        its table when it assigns it); a lapsed lease raises SlabFenced (parked, retried)."""
+        if self.fence is not None:
+            if self.fence.lost(slot.slab):
+                return
+            self.fence.check(slot.slab)
         hdr = staging.header
         hdr[:] = bytes(SECTOR)
         self._pwrite(hdr, self.header_offset(slot))

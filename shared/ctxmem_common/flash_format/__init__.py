@@ -19,7 +19,9 @@ Device layout (all offsets and sizes multiples of 4 KiB; every service I/O is O_
     slab:      slab header (4 KiB): magic "CTXSLAB1", version, slot size, slot count, CRC,
                then the extension: magic "CTXSLABX", device UUID 16 B, slab size u64,
                slab count u64, CRC32C (the superblock's geometry when the slab was
-               assigned; a header without it, from before it existed, is still valid)
+               assigned; a header without it, from before it existed, is still valid);
+               on a shared device then: magic "CTXSLABP", owner node id 64 B, fencing
+               epoch u64, CRC32C (the pod node that leased the slab; ctxmem_dpu.pod)
                record-header table: slot count x 4 KiB (one header per slot)
                payload area: slot count x slot size
 
@@ -84,6 +86,7 @@ from ctxmem_common.flash_format.records import (
     SECTOR,
     SLAB_EXT_MAGIC,
     SLAB_MAGIC,
+    SLAB_POD_MAGIC,
     OwnerRecord,
     RecordHeader,
     SlabHeader,
@@ -125,6 +128,7 @@ __all__ = [
     "SECTOR",
     "SLAB_EXT_MAGIC",
     "SLAB_MAGIC",
+    "SLAB_POD_MAGIC",
     "BufferPool",
     "FlashReader",
     "OwnerRecord",

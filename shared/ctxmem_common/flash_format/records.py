@@ -41,6 +41,12 @@ _SLAB = struct.Struct("<8sIQI")  # magic, version, slot_size, slots
 # rebuilds a lost superblock pair from.
 _SLAB_EXT = struct.Struct("<8s16sQQ")
 _SLAB_EXT_AT = _SLAB.size + 4
+# The shared-flash extension (after the first extension's CRC; absent on a device only one
+# service writes): magic, the owning pod node's id (UTF-8, zero-padded), its fencing epoch
+# for this slab (ctxmem_dpu.pod.slab_leases). Readers of older headers ignore it.
+_SLAB_POD = struct.Struct("<8s64sQ")
+_SLAB_POD_AT = _SLAB_EXT_AT + _SLAB_EXT.size + 4
+SLAB_POD_MAGIC = b"CTXSLABP"
 # The owner record: magic, service instance, pid, process start (clock ticks since boot),
 # lease expiry (wall clock, ns), boot id, host name.
 _OWNER = struct.Struct("<8s16sIQQ16s64s")
@@ -113,6 +119,10 @@ class SlabHeader:
     device_uuid: bytes = b""
     slab_size: int = 0
     num_slabs: int = 0
+    # Shared flash (several services of a pod write one device): the node that holds the
+    # slab's lease and its fencing epoch; "" and 0 on a device one service owns.
+    owner: str = ""
+    epoch: int = 0
 
     def pack(self) -> bytes:
         body = _SLAB.pack(SLAB_MAGIC, FORMAT_VERSION, self.slot_size, self.slots)
@@ -121,6 +131,9 @@ class SlabHeader:
             ext = _SLAB_EXT.pack(SLAB_EXT_MAGIC, self.device_uuid, self.slab_size,
                                  self.num_slabs)
             out += ext + _CRC.pack(crc32c(ext))
+            if self.owner:
+                pod = _SLAB_POD.pack(SLAB_POD_MAGIC, self.owner.encode()[:64], self.epoch)
+                out += pod + _CRC.pack(crc32c(pod))
         return out.ljust(SECTOR, b"\0")
 
     @classmethod
@@ -135,12 +148,23 @@ class SlabHeader:
         emagic, dev_uuid, slab_size, num_slabs = _SLAB_EXT.unpack(ext)
         if emagic != SLAB_EXT_MAGIC or ext_crc != crc32c(ext):
             return cls(slot_size, slots)  # written before the extension existed
-        return cls(slot_size, slots, dev_uuid, slab_size, num_slabs)
+        pod = bytes(raw[_SLAB_POD_AT : _SLAB_POD_AT + _SLAB_POD.size])
+        (pod_crc,) = _CRC.unpack_from(raw, _SLAB_POD_AT + _SLAB_POD.size)
+        pmagic, owner, epoch = _SLAB_POD.unpack(pod)
+        if pmagic != SLAB_POD_MAGIC or pod_crc != crc32c(pod):
+            return cls(slot_size, slots, dev_uuid, slab_size, num_slabs)
+        return cls(slot_size, slots, dev_uuid, slab_size, num_slabs,
+                   owner.rstrip(b"\0").decode(errors="replace"), epoch)
 
     def for_device(self, sb: Superblock) -> SlabHeader:
         """This header carrying ``sb``'s geometry (what the service writes)."""
         return SlabHeader(self.slot_size, self.slots, sb.device_uuid, sb.slab_size,
-                          sb.num_slabs)
+                          sb.num_slabs, self.owner, self.epoch)
+
+    def owned_by(self, owner: str, epoch: int) -> SlabHeader:
+        """This header naming ``owner`` (a pod node) at fencing ``epoch`` (shared flash)."""
+        return SlabHeader(self.slot_size, self.slots, self.device_uuid, self.slab_size,
+                          self.num_slabs, owner, epoch)
 
     def superblock(self) -> Superblock | None:
         """The superblock this header's extension describes, or ``None`` without one."""
