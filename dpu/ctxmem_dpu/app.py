@@ -13,6 +13,7 @@ import os
 import signal
 import uuid
 from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -63,6 +64,7 @@ class Service:
         self.http: HttpEndpoint | None = None
         self.tls: ServerTls | None = None
         self.pod: PodNode | None = None
+        self._lease_redis: Any = None  # redis.asyncio.Redis of the slab leases (shared flash)
         self.ready = False
         self.grpc_port = 0
         self._stopped = False
@@ -103,7 +105,23 @@ class Service:
             flash_paths.append((backend.spec.name, path))
             if backend.offloads_encryption:
                 crypto_off.append(backend.spec.name)
-        self.store = BlockStore(cfg, flash_paths, master_key, crypto_off)
+        # Shared flash (docs/pod.md): slabs of a device several services attach are leased
+        # in the pod's index; nothing of it loads for a device that is not shared.
+        shared = {d.name for d in cfg.flash.devices if d.shared}
+        slab_leases = None
+        if shared and not cfg.pod.enabled:
+            raise ConfigError(f"flash devices {sorted(shared)} are shared "
+                              f"(flash.devices[].shared): their slabs are leased in the pod's "
+                              f"index; set pod.enabled with pod.index_url and pod.node_id, or "
+                              f"make them non-shared")
+        if shared:
+            from ctxmem_dpu.pod.redis_conn import connect
+            from ctxmem_dpu.pod.slab_leases import SlabLeases
+
+            self._lease_redis = connect(cfg.pod)
+            slab_leases = SlabLeases(self._lease_redis, cfg.pod.node_id, cfg.pod.slab_lease_s)
+        self.store = BlockStore(cfg, flash_paths, master_key, crypto_off,
+                                slab_leases=slab_leases)
         for backend in self.backends:  # where a failed device is now (see _usable_again)
             self.store.locators[backend.spec.name] = backend.locate
         await self.store.start()
@@ -147,7 +165,13 @@ class Service:
             # Fetch sources tried before the peer, in order: shared flash (part 3) is
             # appended here when a flash device is marked shared.
             sources: list[RemoteSource] = []
-            self.pod = PodNode(cfg, self.store, sources)
+            if shared:
+                from ctxmem_dpu.pod.shared_flash import SharedFlashSource
+
+                sources.append(SharedFlashSource(
+                    [path for name, path in flash_paths if name in shared], master_key))
+            self.pod = PodNode(cfg, self.store, sources,
+                               shared_location=self.store.shared_location)
             await self.pod.start()
             servicer.pod = self.pod
         listen = cfg.service.listen
@@ -209,6 +233,9 @@ class Service:
                 await srv.close()
         if self.store is not None:
             await self.store.close()
+        if self._lease_redis is not None:  # after the store: it released its slab leases
+            await self._lease_redis.aclose()
+            self._lease_redis = None
         for backend in self.backends:
             try:
                 backend.detach()

@@ -78,6 +78,10 @@ class ClusterIndex:
         #: This node's publish epoch (see ``entries``): a new one at each full republish.
         self.epoch = 0
         self._beat_ok = 0.0  # monotonic time of the last acknowledged heartbeat
+        #: UUIDs (hex) of the shared flash devices this node reads directly: an entry
+        #: located there outlives its writer (docs/pod.md, "Shared flash"), so a dead
+        #: node's entry on one of them is still a hit and is not cleaned up.
+        self.shared_devices: frozenset[str] = frozenset()
 
     async def _call(self, what: str, coro: Any) -> Any:
         try:
@@ -192,6 +196,12 @@ class ClusterIndex:
             if value[:2 + value[1]] in live:
                 out.append(value)
                 continue
+            if self.shared_devices and not value.startswith(mine):
+                e = unpack_entry(value)
+                if e is not None and e.shared is not None \
+                        and e.shared.device_uuid in self.shared_devices:
+                    out.append(value)  # on shared flash: readable whoever wrote it
+                    continue
             out.append(None)
             if not value.startswith(mine):
                 dead.append((key, value))

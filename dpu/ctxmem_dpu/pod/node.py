@@ -44,6 +44,8 @@ class PodNode:
         self.store = store
         counters = store.counters
         self.index = ClusterIndex(self.pod, connect(self.pod))
+        self.index.shared_devices = frozenset(
+            u for src in extra_sources for u in getattr(src, "device_uuids", ()))
         self.publisher = Publisher(self.pod, self.index, self._holdings, counters)
         self.server = PeerServer(self.pod, store, counters,
                                  io_timeout_s=cfg.data_plane.read_timeout_s)

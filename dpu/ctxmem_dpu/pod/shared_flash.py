@@ -253,13 +253,14 @@ class SharedFlashSource(RemoteSource):
 
     def __init__(self, paths: Sequence[str], master_key: bytes | None, *,
                  o_direct: bool = True, threads: int = 4, timeout_s: float = 2.0) -> None:
+        self.name = "shared_flash"
         self._devices: dict[str, _SharedDevice] = {}
         try:
             for p in paths:
                 dev = _SharedDevice(p, o_direct)
                 self._devices[dev.sb.device_uuid.hex()] = dev
         except BaseException:
-            self.close()
+            self.shutdown()
             raise
         self._keyring = Keyring(master_key)
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads),
@@ -287,7 +288,8 @@ class SharedFlashSource(RemoteSource):
             if loc is None or dev is None:
                 self.counters["unknown_device"] += 1
                 continue
-            jobs.append((i, dev, _Job(loc, e, keys[i] if keys is not None else None, cipher)))
+            key = keys[i] if keys is not None else (e.key or None)
+            jobs.append((i, dev, _Job(loc, e, key, cipher)))
         if not jobs:
             return out
         # Contiguous parts in device order, so adjacent records share a read (read_many).
@@ -328,7 +330,14 @@ class SharedFlashSource(RemoteSource):
             k = j
         return res
 
-    def close(self) -> None:
+    def accepts(self, entry: RemoteEntry) -> bool:
+        """Entries on a shared device this node has attached (no I/O)."""
+        return entry.shared is not None and entry.shared.device_uuid in self._devices
+
+    async def close(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
         """Close every device and stop the threads (idempotent)."""
         for dev in self._devices.values():
             dev.close()
@@ -340,4 +349,4 @@ class SharedFlashSource(RemoteSource):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.shutdown()

@@ -157,6 +157,7 @@ class Demotion:
                     b.io = None
                     self._invalidator.unpin(b)
         written = 0
+        shared: list[Block] = []
         for (b, ext), err in zip(plan, results or [None] * len(plan), strict=True):
             if isinstance(err, SlabFenced):
                 # Shared flash: the slab's lease lapsed or was taken over; no header was
@@ -187,6 +188,11 @@ class Demotion:
                     index.flash_lru.add(b, b.hits)
                     written += 1
                     ctx.counters["demoted_bytes"] += b.length
+                    if ctx.flash.devices[ext.device].fence is not None:
+                        shared.append(b)
+        # On a shared device any node of the pod can now read the block directly: its
+        # index entry is published again with the location (the pod's publisher).
+        index.announce(shared, True)
         for b in blocks:
             b.io = None
             self._invalidator.unpin(b)

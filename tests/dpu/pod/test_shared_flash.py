@@ -182,7 +182,7 @@ async def test_killed_writer_served_then_taken_over_and_stale_pointer_is_a_miss(
                 assert _exact([p], await src.fetch(p.ns, [p.entry], [p.key])) == [True]
             assert b.audit() == []
     finally:
-        src.close()
+        src.shutdown()
 
 
 async def test_fence_stops_writes_when_lease_taken_over_or_not_renewed(

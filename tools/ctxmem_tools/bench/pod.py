@@ -30,6 +30,7 @@ import numpy as np
 from ctxmem.client import Client
 from ctxmem_common.keys import chain_hashes
 from ctxmem_common.layout import KVLayout
+from ctxmem_tools.bench.pod_flash import measure_shared_flash
 from ctxmem_tools.bench.security_pki import make_pki, member_cert
 from ctxmem_tools.pod_launcher import LocalPod
 
@@ -45,6 +46,7 @@ class Result:
     name: str
     value: float
     unit: str
+    limit: float = float("nan")  # the machine's limit measured in the same run, if any
 
 
 def loopback_rate(total: int = 256 << 20, chunk: int = 4 << 20) -> float:
@@ -149,6 +151,10 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=64, help="MiB per get batch")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--lookups", type=int, default=50, help="Lookup calls timed per case")
+    ap.add_argument("--flash-blocks", type=int, default=256,
+                    help="blocks per size in the shared-flash rows")
+    ap.add_argument("--workdir", default="/var/tmp",
+                    help="where the shared-flash file goes (O_DIRECT: not tmpfs)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     out = [Result("TCP loopback socket, 1 stream", loopback_rate() / GB, "GB/s")]
@@ -164,11 +170,16 @@ def run(argv: list[str] | None = None) -> int:
                "tls_ca_file": str(pki.ca)}
         with LocalPod(root / "tls", 2, pod=tls, **cfg) as pod:
             _gets(pod, args.total_mib, args.repeat, "mTLS 1.3 between nodes", out)
-    out.append(Result("cross-node get, shared flash (part 3: not measured here)",
-                      float("nan"), "GB/s"))
+    # Shared flash: a get straight from a device several nodes attach, next to the
+    # device's own O_DIRECT read of the same extents (alternated in the same rounds).
+    for f in measure_shared_flash(Path(args.workdir), blocks=args.flash_blocks,
+                                  batch=min(32, args.flash_blocks)):
+        out.append(Result(f"cross-node get, shared flash: {f.name}", f.value, f.unit, f.limit))
     width = max(len(r.name) for r in out)
     for r in out:
-        print(f"{r.name:<{width}}  {r.value:9.3f} {r.unit}")
+        limit = "" if r.limit != r.limit else f"   limit {r.limit:9.3f} {r.unit} " \
+            f"({r.value / r.limit:.2f})"
+        print(f"{r.name:<{width}}  {r.value:9.3f} {r.unit}{limit}")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": [asdict(r) for r in out]}, indent=1))
     return 0
