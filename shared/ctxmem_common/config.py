@@ -31,6 +31,7 @@ from ctxmem_common.config_defaults import (
     default_config_yaml,
     default_shm_socket,
 )
+from ctxmem_common.config_pod import PodConfig, check_pod
 from ctxmem_common.config_schema import Size, build, reference_rows
 from ctxmem_common.device_settings import (
     DeviceSpec,
@@ -240,50 +241,6 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
-class PodConfig:
-    """The pod tier (docs/pod.md): a cluster index on Redis/Valkey and peer fetch between
-    services. Off by default; one node needs none of it."""
-
-    enabled: bool = False
-    # redis://[:PASSWORD@]HOST:PORT/DB or rediss:// (TLS); the password may instead come
-    # from index_password_env.
-    index_url: str = ""
-    index_password_env: str = "CTXMEM_POD_INDEX_PASSWORD"
-    index_ca_file: str = ""  # rediss:// only: CA bundle for the index server's certificate
-    node_id: str = ""  # unique in the pod; letters, digits, '-', '_', '.'
-    # HOST:PORT peers connect to for this node's peer-fetch server, and where it listens.
-    advertise: str = ""
-    listen: str = "127.0.0.1:0"
-    # Service-to-service authentication: a secret every pod member shares (>= 16
-    # characters), from this environment variable or pod_token (config).
-    pod_token: str = ""
-    pod_token_env: str = "CTXMEM_POD_TOKEN"
-    # TLS on peer fetch (required when listen is not loopback): this node's certificate and
-    # key, and the pod CA that signs every member's (mutual: peers present theirs).
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    tls_ca_file: str = ""
-    heartbeat_s: float = 1.0
-    node_ttl_s: float = 5.0
-    publish_interval_ms: int = 20
-    publish_batch: int = 1024
-    # Updates kept while the index is unreachable (coalesced per key); beyond it the
-    # publisher drops them and republishes everything once the index answers again.
-    publish_backlog: int = 100_000
-    index_timeout_s: float = 0.5
-    fetch_timeout_s: float = 5.0
-    connect_timeout_s: float = 1.0
-    # Remote blocks pulled per Acquire/Prefetch (one request per holder node).
-    fetch_max_blocks: int = 256
-
-    # Lease of a slab on a shared flash device (flash.devices[].shared), renewed every
-    # third of it: a dead node's slabs are taken over this long after its last renewal.
-    slab_lease_s: float = 10.0
-    # Free slabs of each shared device a node keeps leased ahead of need.
-    shared_spare_slabs: int = 2
-
-
-@dataclass(frozen=True)
 class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -377,43 +334,11 @@ def _check(cfg: Config) -> None:
                           "too; set tls.cert_file and tls.key_file")
     if not tls.reload_interval_s > 0:
         raise ConfigError("tls.reload_interval_s: must be > 0 (seconds)")
-    _check_pod(cfg.pod)
+    check_pod(cfg.pod)
     if not 0.0 <= cfg.eviction.protected_fraction <= 1.0:
         raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
     if cfg.eviction.protect_after_hits < 1:
         raise ConfigError("eviction.protect_after_hits: must be >= 1")
-    if not cfg.pod.slab_lease_s > 0 or cfg.pod.shared_spare_slabs < 1:
-        raise ConfigError("pod.slab_lease_s must be > 0 (seconds) and pod.shared_spare_slabs "
-                          ">= 1")
-
-
-def _check_pod(pod: PodConfig) -> None:
-    if not pod.enabled:
-        return
-    if not pod.index_url.startswith(("redis://", "rediss://")):
-        raise ConfigError(f"pod.index_url: {pod.index_url!r} is not a redis:// or rediss:// "
-                          f"URL; name the pod's Redis/Valkey index")
-    if not pod.node_id or not all(c.isalnum() or c in "-_." for c in pod.node_id) \
-            or len(pod.node_id) > 64:
-        raise ConfigError(f"pod.node_id: {pod.node_id!r}: give 1-64 letters, digits, '-', "
-                          f"'_' or '.', unique in the pod")
-    if not pod.advertise:
-        raise ConfigError("pod.advertise: required (HOST:PORT peers use to reach this node's "
-                          "peer-fetch server)")
-    if bool(pod.tls_cert_file) != bool(pod.tls_key_file) or (
-            pod.tls_cert_file and not pod.tls_ca_file):
-        raise ConfigError("pod.tls_cert_file, tls_key_file, tls_ca_file: set all three "
-                          "(mutual TLS between pod members) or none")
-    for key in ("heartbeat_s", "node_ttl_s", "index_timeout_s", "fetch_timeout_s",
-                "connect_timeout_s"):
-        if not getattr(pod, key) > 0:
-            raise ConfigError(f"pod.{key}: must be > 0 (seconds)")
-    if pod.node_ttl_s <= pod.heartbeat_s:
-        raise ConfigError("pod.node_ttl_s: must exceed pod.heartbeat_s (a live node's key "
-                          "must not expire between two heartbeats)")
-    for key in ("publish_interval_ms", "publish_batch", "publish_backlog", "fetch_max_blocks"):
-        if getattr(pod, key) < 1:
-            raise ConfigError(f"pod.{key}: must be >= 1")
 
 
 def _check_quota(where: str, q: TenantQuota) -> None:
