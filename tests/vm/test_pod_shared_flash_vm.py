@@ -95,12 +95,31 @@ async def _exact(src: SharedFlashSource, pubs: list[Published]) -> list[bool | N
     return out
 
 
+def _wipe(path: str, nbytes: int) -> None:
+    """Zero the first ``nbytes`` of ``path`` (O_DIRECT): the guest's nvmet namespace is
+    shared by every guest test, and a later one must find no superblock or slab header of
+    ours (a device holding records is refused, never reformatted)."""
+    import mmap
+
+    zeros = mmap.mmap(-1, MIB)  # page-aligned, zero-filled
+    fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    try:
+        for off in range(0, nbytes, MIB):
+            os.pwritev(fd, [zeros], off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        zeros.close()
+
+
 async def test_two_services_one_namespace_writer_killed_and_taken_over(
-        paths: tuple[str, str, int], tmp_path: Path, monkeypatch: Any) -> None:
+        paths: tuple[str, str, int], tmp_path: Path, monkeypatch: Any,
+        request: pytest.FixtureRequest) -> None:
     path_a, path_b, size = paths  # with native multipath: one node, two controllers
     slab = 16 * MIB
     assert size >= MIB + 3 * slab, f"the namespace ({size} bytes) is too small"
     format_shared(path_a, slab, slabs=3)  # three slabs whatever the namespace's size
+    request.addfinalizer(lambda: _wipe(path_a, MIB + 3 * slab))
     monkeypatch.setattr(podkit, "NODE_START_TIMEOUT_S", 300.0)
     timings: dict[str, float] = {}
     with RedisServer(tmp_path / "redis") as redis:
