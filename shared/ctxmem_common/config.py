@@ -250,6 +250,10 @@ class PodConfig:
     index_url: str = ""
     index_password_env: str = "CTXMEM_POD_INDEX_PASSWORD"
     index_ca_file: str = ""  # rediss:// only: CA bundle for the index server's certificate
+    # The index is a Redis Cluster (or Valkey cluster): index_url names any one of its
+    # nodes (redis:// or rediss://, database 0), the client finds the others. Every key
+    # used together shares a hash tag, so the pod works across slots and masters.
+    index_cluster: bool = False
     node_id: str = ""  # unique in the pod; letters, digits, '-', '_', '.'
     # HOST:PORT peers connect to for this node's peer-fetch server, and where it listens.
     advertise: str = ""
