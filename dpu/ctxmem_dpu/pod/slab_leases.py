@@ -91,7 +91,8 @@ class SlabLeases:
 
     ``client``: a ``redis.asyncio.Redis`` or ``RedisCluster`` (its lifetime is the
     caller's); ``node_id``: this service's node id in the pod; ``lease_s``:
-    ``pod.slab_lease_s``; ``timeout_s``: the bound on each request (default a fifth of the lease, at least 0.25 s)."""
+    ``pod.slab_lease_s``; ``timeout_s``: the bound on each request (default a fifth of
+    the lease, at least 0.25 s)."""
 
     def __init__(self, client: aioredis.Redis | aioredis.RedisCluster, node_id: str,
                  lease_s: float,
