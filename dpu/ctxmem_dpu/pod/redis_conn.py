@@ -42,6 +42,7 @@ def connect(pod: PodConfig) -> IndexClient:
         kwargs["password"] = password
     if pod.index_url.startswith("rediss://"):
         kwargs["ssl_cert_reqs"] = "required"
+        kwargs["ssl_check_hostname"] = True  # the URL's host must be in the certificate
         if pod.index_ca_file:
             kwargs["ssl_ca_certs"] = pod.index_ca_file
     if pod.index_cluster:
