@@ -397,6 +397,10 @@ def _check_pod(pod: PodConfig) -> None:
     if not pod.index_url.startswith(("redis://", "rediss://")):
         raise ConfigError(f"pod.index_url: {pod.index_url!r} is not a redis:// or rediss:// "
                           f"URL; name the pod's Redis/Valkey index")
+    db = pod.index_url.split("//", 1)[1].split("?", 1)[0].partition("/")[2]
+    if pod.index_cluster and db not in ("", "0"):
+        raise ConfigError(f"pod.index_url: database {db!r} with pod.index_cluster: a Redis "
+                          f"Cluster has database 0 only; end the URL with /0 or nothing")
     if not pod.node_id or not all(c.isalnum() or c in "-_." for c in pod.node_id) \
             or len(pod.node_id) > 64:
         raise ConfigError(f"pod.node_id: {pod.node_id!r}: give 1-64 letters, digits, '-', "
