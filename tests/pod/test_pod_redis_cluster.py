@@ -12,7 +12,9 @@ import redis
 import ctxmem
 from ctxmem_common.keys import namespace_digest
 from ctxmem_dpu.pod.entries import NODES_KEY, alive_key, blocks_key
+from ctxmem_tools.bench.security_pki import make_pki, member_cert
 from ctxmem_tools.pod_launcher import LocalPod
+from ctxmem_tools.redis_server import RedisClusterServers
 from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
 
 MODELS = [f"m{i}" for i in range(6)]
@@ -66,3 +68,25 @@ def test_pod_on_a_redis_cluster(tmp_path: Path, redis_cluster: Any, clients: Cli
             r.close()
         for node in (n1, n2):
             assert clients.stats(node.endpoint)["pod_index_errors"] == 0
+
+
+def test_pod_on_a_redis_cluster_over_tls(tmp_path: Path, clients: Clients) -> None:
+    """``rediss://`` and ``pod.index_cluster`` together: a TLS-only cluster (clients and
+    the cluster bus), verified against ``pod.index_ca_file``; a cross-node hit."""
+    pki = make_pki(tmp_path / "pki", tenants=())
+    # Server and client use: the cluster bus is mutual TLS between the masters.
+    cert, key = member_cert(pki, "redis-cluster")
+    with RedisClusterServers(tmp_path / "cluster", tls=(cert, key, pki.ca)) as cluster, \
+            LocalPod(tmp_path / "pod", 2, index=cluster,
+                     pod={"index_ca_file": str(pki.ca)}) as pod:
+        assert cluster.url.startswith("rediss://")
+        n1, n2 = pod.nodes
+        keys = ctxmem.chain_hashes(range(16 * 3), 16)
+        data = blocks(3, 23)
+        for m in MODELS[:3]:
+            assert clients.put(n1.endpoint, keys, data, model=m) == 3
+        for m in MODELS[:3]:
+            wait_for(lambda m=m: clients.hits(n2.endpoint, keys, m) == 3,  # type: ignore[misc]
+                     what=f"publish of namespace {m} over TLS")
+            assert clients.get(n2.endpoint, keys, data, model=m) == 3
+        assert clients.stats(n2.endpoint)["pod_index_errors"] == 0

@@ -68,10 +68,11 @@ def test_index_over_tls(tmp_path: Path) -> None:
     """``rediss://``: a TLS-only redis-server (no plain port), the nodes verify it against
     ``pod.index_ca_file``; a cross-node get is byte exact."""
     pki = make_pki(tmp_path / "pki", tenants=())
-    index = RedisServer(tmp_path / "redis", tls=(pki.server_cert, pki.server_key, pki.ca))
-    assert index.url.startswith("rediss://")
     clients = Clients()
-    with LocalPod(tmp_path / "pod", 2, index=index, pod={"index_ca_file": str(pki.ca)}) as pod:
+    with RedisServer(tmp_path / "redis", tls=(pki.server_cert, pki.server_key, pki.ca)) \
+            as index, LocalPod(tmp_path / "pod", 2, index=index,
+                               pod={"index_ca_file": str(pki.ca)}) as pod:
+        assert index.url.startswith("rediss://")
         n1, n2 = pod.nodes
         keys = ctxmem.chain_hashes(range(16 * 4), 16)
         data = blocks(4, 17)
@@ -91,10 +92,10 @@ def test_index_with_the_wrong_ca_is_unreachable_not_fatal(tmp_path: Path) -> Non
     cross-node gets are misses, and the failures are counted (``pod_index_errors``)."""
     pki = make_pki(tmp_path / "pki", tenants=())
     other = make_pki(tmp_path / "other", tenants=())
-    index = RedisServer(tmp_path / "redis", tls=(pki.server_cert, pki.server_key, pki.ca))
     clients = Clients()
-    with LocalPod(tmp_path / "pod", 2, index=index,
-                  pod={"index_ca_file": str(other.ca)}) as pod:
+    with RedisServer(tmp_path / "redis", tls=(pki.server_cert, pki.server_key, pki.ca)) \
+            as index, LocalPod(tmp_path / "pod", 2, index=index,
+                               pod={"index_ca_file": str(other.ca)}) as pod:
         n1, n2 = pod.nodes
         keys = ctxmem.chain_hashes(range(16 * 4), 16)
         data = blocks(4, 19)

@@ -71,6 +71,8 @@ class RedisServer:
                      str(self.workdir / "nodes.conf"), "--cluster-node-timeout", "2000",
                      "--cluster-port", str(self.bus_port),
                      "--masterauth", self.password]
+            if self.tls:  # the cluster bus over TLS too
+                args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -148,15 +150,19 @@ class RedisClusterServers:
     """A Redis Cluster of ``masters`` ``redis-server`` processes on loopback (no
     replicas), all with one password (``--requirepass`` and ``--masterauth``), slots
     spread evenly (CLUSTER ADDSLOTSRANGE, CLUSTER MEET); ready once every node reports
-    ``cluster_state:ok``. ``url`` names the first node (``pod.index_cluster: true``)."""
+    ``cluster_state:ok``. ``url`` names the first node (``pod.index_cluster: true``).
+    ``tls=(cert, key, CA)``: TLS only, clients and the cluster bus (``rediss://``); the
+    bus is mutual TLS between the masters, so the certificate needs client and server
+    use (``security_pki.member_cert``)."""
 
-    def __init__(self, workdir: Path, masters: int = 3, timeout_s: float = 30.0) -> None:
+    def __init__(self, workdir: Path, masters: int = 3, timeout_s: float = 30.0,
+                 tls: tuple[Path, Path, Path] | None = None) -> None:
         self.password = secrets.token_hex(16)
         self.nodes: list[RedisServer] = []
         try:
             for i in range(masters):
                 self.nodes.append(RedisServer(workdir / f"m{i}", password=self.password,
-                                              cluster=True))
+                                              cluster=True, tls=tls))
             # What ``redis-cli --cluster create`` does, without its one-second waits: an
             # even share of the 16384 slots per master, distinct config epochs, and every
             # node met by the first (gossip joins the rest).
