@@ -61,6 +61,15 @@ def redis_server(tmp_path: Path) -> Iterator[Any]:
         yield r
 
 
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[Any]:
+    """A real 3-master Redis Cluster on loopback (``RedisClusterServers``), one password."""
+    from ctxmem_tools.redis_server import RedisClusterServers
+
+    with RedisClusterServers(tmp_path / "cluster") as c:
+        yield c
+
+
 @pytest.fixture(scope="session")
 def spdk_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real ``spdk_tgt`` for the whole session, the DPU's storage stack (QEMU guest).

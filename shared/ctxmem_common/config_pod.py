@@ -20,6 +20,10 @@ class PodConfig:
     index_url: str = ""
     index_password_env: str = "CTXMEM_POD_INDEX_PASSWORD"
     index_ca_file: str = ""  # rediss:// only: CA bundle for the index server's certificate
+    # The index is a Redis Cluster (or Valkey cluster): index_url names any one of its
+    # nodes (redis:// or rediss://, database 0), the client finds the others. Every key
+    # used together shares a hash tag, so the pod works across slots and masters.
+    index_cluster: bool = False
     node_id: str = ""  # unique in the pod; letters, digits, '-', '_', '.'
     # HOST:PORT peers connect to for this node's peer-fetch server, and where it listens.
     advertise: str = ""
@@ -63,6 +67,10 @@ def check_pod(pod: PodConfig) -> None:
     if not pod.index_url.startswith(("redis://", "rediss://")):
         raise ConfigError(f"pod.index_url: {pod.index_url!r} is not a redis:// or rediss:// "
                           f"URL; name the pod's Redis/Valkey index")
+    db = pod.index_url.split("//", 1)[1].split("?", 1)[0].partition("/")[2]
+    if pod.index_cluster and db not in ("", "0"):
+        raise ConfigError(f"pod.index_url: database {db!r} with pod.index_cluster: a Redis "
+                          f"Cluster has database 0 only; end the URL with /0 or nothing")
     if not pod.node_id or not all(c.isalnum() or c in "-_." for c in pod.node_id) \
             or len(pod.node_id) > 64:
         raise ConfigError(f"pod.node_id: {pod.node_id!r}: give 1-64 letters, digits, '-', "

@@ -71,6 +71,8 @@ BASE = "service: {insecure: true}\npod:\n"
      "  tls_cert_file: c\n  tls_key_file: k\n", "tls_ca_file"),
     ("  enabled: true\n  index_url: redis://h:1\n  node_id: a\n  advertise: h:2\n"
      "  heartbeat_s: 5\n  node_ttl_s: 5\n", "pod.node_ttl_s"),
+    ("  enabled: true\n  index_url: redis://h:1/3\n  index_cluster: true\n",
+     "pod.index_url: database '3' with pod.index_cluster"),
     ("  bogus: 1\n", "pod.bogus"),
 ])
 def test_bad_pod_settings_name_the_key(pod: str, error: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxmem_tools.launcher import ServiceProcess, free_port, local_config
-from ctxmem_tools.redis_server import RedisServer
+from ctxmem_tools.redis_server import RedisClusterServers, RedisServer
 
 
 def pod_section(redis_url: str, node_id: str, token: str, *, host: str = "127.0.0.1",
@@ -26,21 +26,30 @@ def pod_section(redis_url: str, node_id: str, token: str, *, host: str = "127.0.
 
 
 class LocalPod:
-    """``redis-server`` plus ``n`` service processes; ``with LocalPod(dir, 3) as pod``."""
+    """``redis-server`` plus ``n`` service processes; ``with LocalPod(dir, 3) as pod``.
+
+    ``index``: the pod's index when not a fresh ``RedisServer`` of its own: a TLS
+    ``RedisServer`` (``pod`` then names ``index_ca_file``) or a
+    :class:`RedisClusterServers` (the nodes get ``pod.index_cluster: true``). The pod
+    stops it at close either way."""
 
     def __init__(self, workdir: Path, n: int = 3, *, pod: dict[str, Any] | None = None,
+                 index: RedisServer | RedisClusterServers | None = None,
                  **config: Any) -> None:
         workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.workdir = workdir
         self.token = secrets.token_hex(16)
-        self.redis = RedisServer(workdir / "redis")
+        self.index = index if index is not None else RedisServer(workdir / "redis")
+        pod = dict(pod or {})
+        if isinstance(self.index, RedisClusterServers):
+            pod.setdefault("index_cluster", True)
         self.nodes: list[ServiceProcess] = []
         try:
             for i in range(n):
                 d = workdir / f"node{i + 1}"
                 cfg = local_config(d, **config)
-                cfg["pod"] = pod_section(self.redis.url, f"node{i + 1}", self.token,
-                                         **(pod or {}))
+                cfg["pod"] = pod_section(self.index.url, f"node{i + 1}", self.token,
+                                         **pod)
                 self.nodes.append(ServiceProcess(d, cfg))
         except BaseException:
             self.close()
@@ -49,7 +58,14 @@ class LocalPod:
     def close(self) -> None:
         for node in self.nodes:
             node.stop()
-        self.redis.stop()
+        self.index.stop()
+
+    @property
+    def redis(self) -> RedisServer:
+        """The single ``redis-server`` of the pod (not a cluster's)."""
+        if not isinstance(self.index, RedisServer):
+            raise TypeError("this pod's index is a Redis Cluster: use LocalPod.index")
+        return self.index
 
     def __enter__(self) -> LocalPod:
         return self

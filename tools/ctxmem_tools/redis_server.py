@@ -4,7 +4,8 @@ and a pod of three on one machine.
 It is started with no persistence (the cluster index is a cache of what the nodes hold;
 every node republishes after a restart, see docs/pod.md), a password, and its files in a
 private work directory. ``stop``/``start`` keep the port, so a test can take the index
-away and give it back at the same URL.
+away and give it back at the same URL. ``tls=(cert, key, ca)`` serves TLS only
+(``rediss://``); :class:`RedisClusterServers` starts a Redis Cluster of such processes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import secrets
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -23,7 +25,8 @@ class RedisServer:
     """One ``redis-server`` process; restartable on the same port and password."""
 
     def __init__(self, workdir: Path, port: int | None = None, bind: str = "127.0.0.1",
-                 password: str | None = None, start: bool = True) -> None:
+                 password: str | None = None, start: bool = True,
+                 tls: tuple[Path, Path, Path] | None = None, cluster: bool = False) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError(
@@ -37,14 +40,19 @@ class RedisServer:
         self.port = port or free_port()
         self.password = password if password is not None else secrets.token_hex(16)
         self.log_path = workdir / "redis.log"
+        self.tls = tls  # (certificate, key, CA): TLS only, no plain-TCP port
+        self.cluster = cluster
+        # The cluster bus: its own free port (the default, port + 10000, may not exist).
+        self.bus_port = free_port() if cluster else 0
         self.proc: subprocess.Popen[bytes] | None = None
         if start:
             self.start()
 
     @property
     def url(self) -> str:
-        """``redis://:PASSWORD@HOST:PORT/0`` (the form ``pod.index_url`` takes)."""
-        return f"redis://:{self.password}@{self.bind}:{self.port}/0"
+        """``redis[s]://:PASSWORD@HOST:PORT/0`` (the form ``pod.index_url`` takes)."""
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://:{self.password}@{self.bind}:{self.port}/0"
 
     def start(self, timeout_s: float = 20.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -53,6 +61,18 @@ class RedisServer:
                 "--requirepass", self.password, "--save", "", "--appendonly", "no",
                 "--dir", str(self.workdir), "--logfile", str(self.log_path),
                 "--protected-mode", "yes"]
+        if self.tls:
+            cert, key, ca = self.tls
+            args[3:5] = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                         str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+                         "--tls-auth-clients", "no"]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file",
+                     str(self.workdir / "nodes.conf"), "--cluster-node-timeout", "2000",
+                     "--cluster-port", str(self.bus_port),
+                     "--masterauth", self.password]
+            if self.tls:  # the cluster bus over TLS too
+                args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -70,12 +90,30 @@ class RedisServer:
             time.sleep(0.02)
 
     def _ping(self) -> bool:
+        return b"+PONG" in self.command("PING")
+
+    def command(self, cmd: str, timeout_s: float = 0.5) -> bytes:
+        """Send ``cmd`` (after AUTH) and return the raw reply bytes read within
+        ``timeout_s`` (b"" when the server does not answer)."""
         try:
-            with socket.create_connection((self.bind, self.port), timeout=0.5) as s:
-                s.sendall(f"AUTH {self.password}\r\nPING\r\n".encode())
-                return b"+PONG" in s.recv(64) or b"+PONG" in s.recv(64)
+            with socket.create_connection((self.bind, self.port), timeout=timeout_s) as raw:
+                s: socket.socket = raw
+                if self.tls:
+                    ctx = ssl.create_default_context(cafile=str(self.tls[2]))
+                    s = ctx.wrap_socket(raw, server_hostname=self.bind)
+                s.sendall(f"AUTH {self.password}\r\n{cmd}\r\n".encode())
+                out = b""
+                deadline = time.monotonic() + timeout_s
+                while time.monotonic() < deadline:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    out += chunk
+                    if out.startswith(b"+OK\r\n") and len(out) > 5 and out.endswith(b"\r\n"):
+                        break
+                return out
         except OSError:
-            return False
+            return b""
 
     def log(self) -> str:
         try:
@@ -102,6 +140,75 @@ class RedisServer:
         self.proc = None
 
     def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisClusterServers:
+    """A Redis Cluster of ``masters`` ``redis-server`` processes on loopback (no
+    replicas), all with one password (``--requirepass`` and ``--masterauth``), slots
+    spread evenly (CLUSTER ADDSLOTSRANGE, CLUSTER MEET); ready once every node reports
+    ``cluster_state:ok``. ``url`` names the first node (``pod.index_cluster: true``).
+    ``tls=(cert, key, CA)``: TLS only, clients and the cluster bus (``rediss://``); the
+    bus is mutual TLS between the masters, so the certificate needs client and server
+    use (``security_pki.member_cert``)."""
+
+    def __init__(self, workdir: Path, masters: int = 3, timeout_s: float = 30.0,
+                 tls: tuple[Path, Path, Path] | None = None) -> None:
+        self.password = secrets.token_hex(16)
+        self.nodes: list[RedisServer] = []
+        try:
+            for i in range(masters):
+                self.nodes.append(RedisServer(workdir / f"m{i}", password=self.password,
+                                              cluster=True, tls=tls))
+            # What ``redis-cli --cluster create`` does, without its one-second waits: an
+            # even share of the 16384 slots per master, distinct config epochs, and every
+            # node met by the first (gossip joins the rest).
+            for i, n in enumerate(self.nodes):
+                lo, hi = 16384 * i // masters, 16384 * (i + 1) // masters - 1
+                for cmd in (f"CLUSTER ADDSLOTSRANGE {lo} {hi}",
+                            f"CLUSTER SET-CONFIG-EPOCH {i + 1}"):
+                    reply = n.command(cmd, timeout_s=2.0)
+                    if not reply.startswith(b"+OK\r\n+OK"):
+                        raise RuntimeError(f"{cmd} on {n.bind}:{n.port} answered {reply!r}:"
+                                           f"\n{n.log()}")
+            for n in self.nodes[1:]:
+                reply = self.nodes[0].command(
+                    f"CLUSTER MEET {n.bind} {n.port} {n.bus_port}", timeout_s=2.0)
+                if not reply.startswith(b"+OK\r\n+OK"):
+                    raise RuntimeError(f"CLUSTER MEET {n.bind}:{n.port} answered {reply!r}")
+            deadline = time.monotonic() + timeout_s
+            while not all(b"cluster_state:ok" in n.command("CLUSTER INFO")
+                          for n in self.nodes):
+                if time.monotonic() > deadline:
+                    states = [n.command("CLUSTER INFO")[:200] for n in self.nodes]
+                    raise RuntimeError(f"Redis Cluster not ok after {timeout_s} s: {states}")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        """The first node's ``redis://:PASSWORD@HOST:PORT/0``."""
+        return self.nodes[0].url
+
+    def owner_of(self, key: str) -> int:
+        """The index (in :attr:`nodes`) of the master serving ``key``'s slot: the one node
+        that answers ``EXISTS key`` rather than redirecting (``-MOVED``)."""
+        for i, n in enumerate(self.nodes):
+            reply = n.command(f"EXISTS {key}")
+            if reply.startswith(b"+OK\r\n:"):
+                return i
+        raise RuntimeError(f"no master of the cluster serves key {key!r}")
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def __enter__(self) -> RedisClusterServers:
         return self
 
     def __exit__(self, *exc: object) -> None:

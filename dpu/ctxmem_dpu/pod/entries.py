@@ -4,8 +4,10 @@ Redis layout (every key of one namespace shares the hash tag ``{NS}``, so a name
 keys sit in one Redis Cluster slot and batch in one command):
 
 * ``ctxmem:{NS}:blocks`` — a hash, field = block key (raw bytes), value = packed entry;
-* ``ctxmem:nodes`` — a hash, node id → advertised peer-fetch address;
-* ``ctxmem:node:{ID}`` — present while node ID is alive (a TTL its heartbeat refreshes).
+* ``ctxmem:{nodes}:members`` — a hash, node id → advertised peer-fetch address;
+* ``ctxmem:{nodes}:alive:ID`` — present while node ID is alive (a TTL its heartbeat
+  refreshes). The node keys share the hash tag ``{nodes}`` (one Redis Cluster slot), so a
+  heartbeat's pipeline and a multi-key EXISTS over several nodes never cross slots.
 
 A packed entry: version (1 byte), node id (1-byte length + UTF-8), the holder's publish
 epoch (u32), tier (1 byte), seq (u64), nbytes (u64), CRC32C (u32), shared flag (1 byte)
@@ -63,11 +65,11 @@ def blocks_key(ns_digest: bytes) -> str:
     return f"ctxmem:{ns_tag(ns_digest)}:blocks"
 
 
-NODES_KEY = "ctxmem:nodes"
+NODES_KEY = "ctxmem:{nodes}:members"
 
 
 def alive_key(node_id: str) -> str:
-    return f"ctxmem:node:{node_id}"
+    return f"ctxmem:{{nodes}}:alive:{node_id}"
 
 
 def node_prefix(node_id: str) -> bytes:

@@ -3,7 +3,7 @@
 Every call is one round trip (a pipeline or one command per namespace) and bounded by
 ``pod.index_timeout_s``; an unreachable index raises :class:`IndexUnavailable`, which
 the callers turn into misses (lookups) or a backlog (publishing). Liveness: each node
-refreshes ``ctxmem:node:ID`` (a TTL) in :meth:`heartbeat`, which also reads which other
+refreshes ``ctxmem:{nodes}:alive:ID`` (a TTL) in :meth:`heartbeat`, which also reads which other
 nodes are alive; entries of a node not alive are ignored by :meth:`lookup` and deleted
 lazily (:meth:`drop_stale`, a conditional delete: only the value that was judged stale).
 """
@@ -28,7 +28,7 @@ from ctxmem_dpu.pod.entries import (
 )
 
 if TYPE_CHECKING:
-    import redis.asyncio
+    from ctxmem_dpu.pod.redis_conn import IndexClient
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,11 @@ class IndexUnavailable(Exception):
 class ClusterIndex:
     """This node's view of the pod's index: publish, look up, liveness."""
 
-    def __init__(self, pod: PodConfig, client: redis.asyncio.Redis) -> None:
+    def __init__(self, pod: PodConfig, client: IndexClient) -> None:
         self.pod = pod
         self.node_id = pod.node_id
         self._r = client
         self._prefix = node_prefix(pod.node_id)
-        self._del_mine = client.register_script(_DEL_IF_PREFIX)
         self._del_equal = client.register_script(_DEL_IF_EQUAL)
         #: Live peers (not this node) → advertised address, as of the last heartbeat.
         self.live: dict[str, str] = {}
@@ -167,9 +166,8 @@ class ClusterIndex:
                 gone = [k for k, e in per_key.items() if e is None]
                 if sets:
                     p.hset(blocks_key(ns), mapping=sets)  # type: ignore[arg-type]
-                if gone:
-                    await self._del_mine(keys=[blocks_key(ns)],
-                                         args=[self._prefix, *gone], client=p)
+                if gone:  # EVAL, not EVALSHA: a cluster pipeline loads no scripts
+                    p.eval(_DEL_IF_PREFIX, 1, blocks_key(ns), self._prefix, *gone)
                 n += len(per_key)
             if n:
                 await self._call("publish", p.execute())

@@ -11,13 +11,21 @@ from ctxmem_common.errors import ConfigError
 if TYPE_CHECKING:
     import redis.asyncio
 
+    #: A single server or a Redis Cluster (``pod.index_cluster``).
+    IndexClient = redis.asyncio.Redis | redis.asyncio.RedisCluster
 
-def connect(pod: PodConfig) -> redis.asyncio.Redis:
+
+def connect(pod: PodConfig) -> IndexClient:
     """A client for ``pod.index_url`` whose every command is bounded by
     ``pod.index_timeout_s`` (connect: ``pod.connect_timeout_s``); ``rediss://`` verifies
     the server against ``pod.index_ca_file`` (or the system CAs). The password comes from
     the URL or the ``pod.index_password_env`` variable. Connects lazily: an index that is
-    down at start is not an error (the node serves its own blocks meanwhile)."""
+    down at start is not an error (the node serves its own blocks meanwhile).
+
+    With ``pod.index_cluster`` the URL names one node of a Redis Cluster (any master or
+    replica; the client learns the others from it) and the client is a
+    ``redis.asyncio.RedisCluster``: every key the pod uses together shares a hash tag
+    (docs/pod.md, "Redis layout"), so no command crosses slots."""
     import redis.asyncio as aioredis
 
     if not pod.index_url.startswith(("redis://", "rediss://")):
@@ -26,7 +34,6 @@ def connect(pod: PodConfig) -> redis.asyncio.Redis:
     kwargs: dict[str, Any] = {
         "socket_timeout": pod.index_timeout_s,
         "socket_connect_timeout": pod.connect_timeout_s,
-        "retry_on_timeout": False,
         "health_check_interval": 0,
         "decode_responses": False,
     }
@@ -35,7 +42,13 @@ def connect(pod: PodConfig) -> redis.asyncio.Redis:
         kwargs["password"] = password
     if pod.index_url.startswith("rediss://"):
         kwargs["ssl_cert_reqs"] = "required"
+        kwargs["ssl_check_hostname"] = True  # the URL's host must be in the certificate
         if pod.index_ca_file:
             kwargs["ssl_ca_certs"] = pod.index_ca_file
-    client: redis.asyncio.Redis = aioredis.Redis.from_url(pod.index_url, **kwargs)
+    if pod.index_cluster:
+        cluster: redis.asyncio.RedisCluster = aioredis.RedisCluster.from_url(
+            pod.index_url, **kwargs)
+        return cluster
+    client: redis.asyncio.Redis = aioredis.Redis.from_url(
+        pod.index_url, retry_on_timeout=False, **kwargs)
     return client

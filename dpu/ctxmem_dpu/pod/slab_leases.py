@@ -4,9 +4,11 @@ Several services of a pod attach one NVMe-oF namespace (``flash.devices[].shared
 writes only slabs it holds a lease on; every service reads any extent (validated by its
 record header and CRC: :mod:`ctxmem_dpu.pod.shared_flash`).
 
-**The lease.** Key ``ctxmem:slab:<device uuid>:<slab>:lease`` holds ``<node id>|<epoch>``
+**The lease.** Key ``ctxmem:slab:{<device uuid>}:<slab>:lease`` holds ``<node id>|<epoch>``
 with a time to live of ``pod.slab_lease_s``; ``...:epoch`` is the slab's *fencing epoch*
-counter. A grant is one Lua script (atomic in Redis): a slab with no live lease gets the
+counter. The device's keys share the hash tag ``{<device uuid>}`` (one Redis Cluster slot:
+the grant script's two keys and a batched read of many slabs' leases). A grant is one Lua
+script (atomic in Redis): a slab with no live lease gets the
 next epoch (``INCR``, so every grant of a slab has a higher epoch than any before) and a
 lease naming this node; a live lease naming this node is extended and keeps its epoch (a
 service restarted under the same node id takes its slabs back). Renewal extends the lease
@@ -87,11 +89,13 @@ class LeaseError(Exception):
 class SlabLeases:
     """Slab leases of one pod node in the cluster index (see the module docstring).
 
-    ``client``: a ``redis.asyncio.Redis`` (its lifetime is the caller's); ``node_id``:
-    this service's node id in the pod; ``lease_s``: ``pod.slab_lease_s``; ``timeout_s``:
-    the bound on each request (default a fifth of the lease, at least 0.25 s)."""
+    ``client``: a ``redis.asyncio.Redis`` or ``RedisCluster`` (its lifetime is the
+    caller's); ``node_id``: this service's node id in the pod; ``lease_s``:
+    ``pod.slab_lease_s``; ``timeout_s``: the bound on each request (default a fifth of
+    the lease, at least 0.25 s)."""
 
-    def __init__(self, client: aioredis.Redis, node_id: str, lease_s: float,
+    def __init__(self, client: aioredis.Redis | aioredis.RedisCluster, node_id: str,
+                 lease_s: float,
                  timeout_s: float | None = None, prefix: str = "ctxmem:slab") -> None:
         if not node_id or "|" in node_id or len(node_id.encode()) > 64:
             raise ValueError(f"node id {node_id!r}: 1-64 bytes, without '|'")
@@ -105,7 +109,7 @@ class SlabLeases:
         self._release = client.register_script(_RELEASE)
 
     def _key(self, device_uuid: bytes, slab: int) -> str:
-        return f"{self.prefix}:{device_uuid.hex()}:{slab}"
+        return f"{self.prefix}:{{{device_uuid.hex()}}}:{slab}"
 
     def deadline(self, sent: float) -> float:
         """The monotonic time until which a lease granted or renewed by a request sent at

@@ -198,7 +198,7 @@ async def test_fence_stops_writes_when_lease_taken_over_or_not_renewed(
         # had lapsed) and writes its header at its higher epoch, as a new owner does.
         client = aioredis.Redis.from_url(url)
         try:
-            await client.delete(f"ctxmem:slab:{uuid.hex()}:{slab}:lease")
+            await client.delete(f"ctxmem:slab:{{{uuid.hex()}}}:{slab}:lease")
             grant = await SlabLeases(client, "x", 30.0).grant(uuid, slab)
         finally:
             await client.aclose()

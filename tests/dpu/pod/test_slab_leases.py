@@ -22,14 +22,16 @@ OPS = st.lists(st.tuples(st.sampled_from(["grant", "renew", "release", "expire"]
                          st.sampled_from(NODES), st.integers(0, 2)), max_size=40)
 
 
-async def _run(url: str, ops: list[tuple[str, str, int]], prefix: str) -> None:
-    client = aioredis.Redis.from_url(url)
+async def _run(url: str, ops: list[tuple[str, str, int]], prefix: str,
+               cluster: bool = False) -> None:
+    client: aioredis.Redis | aioredis.RedisCluster = (
+        aioredis.RedisCluster.from_url(url) if cluster else aioredis.Redis.from_url(url))
     try:
         leases = {n: SlabLeases(client, n, 30.0, prefix=prefix) for n in NODES}
         holder: dict[int, tuple[str, int]] = {}  # the model: who holds each slab
         top: dict[int, int] = {}  # highest epoch ever granted per slab
         for op, n, slab in ops:
-            key = f"{prefix}:{UUID.hex()}:{slab}:lease"
+            key = f"{prefix}:{{{UUID.hex()}}}:{slab}:lease"
             if op == "grant":
                 got = await leases[n].grant(UUID, slab)
                 cur = holder.get(slab)
@@ -70,6 +72,24 @@ def test_one_holder_and_growing_epochs(redis_server: Any) -> None:
     @given(OPS)
     def check(ops: list[tuple[str, str, int]]) -> None:
         asyncio.run(_run(redis_server.url, ops, f"t{next(runs)}"))
+
+    check()
+
+
+def test_leases_on_a_redis_cluster(redis_cluster: Any) -> None:
+    """The same property on a 3-master Redis Cluster: the grant script's two keys and the
+    batched holders read stay in the device's slot (its hash tag), while different devices
+    land on different masters."""
+    runs = iter(range(10**6))
+    owners = {redis_cluster.owner_of(f"t0:{{{bytes([i] * 16).hex()}}}:0:lease")
+              for i in range(8)}
+    assert len(owners) > 1, "the devices' lease keys all landed on one master"
+
+    @settings(max_examples=15, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(OPS)
+    def check(ops: list[tuple[str, str, int]]) -> None:
+        asyncio.run(_run(redis_cluster.url, ops, f"t{next(runs)}", cluster=True))
 
     check()
 
