@@ -53,11 +53,17 @@ install_python() {
         # torch is pinned to 2.13.0 (the CPU build this project's machines carry); a loose
         # torch requirement would pull a multi-GB CUDA build.
         "$VENV/bin/pip" install -q -e ".[dev,tools,spdk]" "torch==2.13.0"
-        # LMCache, for the test that drives ctxmem from LMCache's own engine. A plain
-        # `pip install lmcache` downgrades grpcio/protobuf below what ctxmem's generated
-        # gRPC code needs, so its runtime deps are named and lmcache goes in --no-deps.
+        # LMCache, for the tests that drive ctxmem from LMCache's own engine and from a
+        # real `lmcache server` (its MP server: OpenTelemetry, FastAPI/uvicorn, httpx and
+        # blake3 are what its CLI and server import). A plain `pip install lmcache`
+        # downgrades grpcio/protobuf below what ctxmem's generated gRPC code needs, so its
+        # runtime deps are named and lmcache goes in --no-deps. fastapi stays below 0.142
+        # (later ones need opentelemetry-api >= 1.44; LMCache 0.5.6 wants <= 1.40).
         "$VENV/bin/pip" install -q "torch==2.13.0" numba==0.68.1 py-cpuinfo psutil aiohttp \
-            requests cachetools aiofile msgspec pyzmq
+            requests cachetools aiofile msgspec pyzmq opentelemetry-api==1.40.0 \
+            opentelemetry-sdk==1.40.0 opentelemetry-semantic-conventions==0.61b0 \
+            fastapi==0.141.1 starlette==1.10.0 uvicorn==0.54.0 httpx==0.28.1 \
+            httpcore==1.0.9 blake3==1.0.11
         "$VENV/bin/pip" install -q --no-deps lmcache==0.5.6
         echo "$want" > "$stamp"
     fi

@@ -24,6 +24,10 @@ derived from the engine's own deterministic data, a restarted engine (with the s
 ``pre_caching_hash_algorithm``) finds what a previous one stored, and a restarted
 service recovers its index from flash.
 
+Several KV groups (hybrid models; :mod:`ctxmem.integrations.lmcache_groups`): each
+group's bytes go to a namespace with that group's layout and the tag ``lmcache_kv_group``
+``<i>/<n>``; a chunk hits only when every group holds it.
+
 Partial last chunks (``save_unfull_chunk: true``) go to a sibling namespace (tag
 ``lmcache_partial=1``) padded to a full block, with the token count in the block's last
 four bytes (a partial chunk always leaves at least one token of slack there).
@@ -62,8 +66,14 @@ from ctxmem.integrations._common import (
     shared_client,
     torch_dtype_name,
 )
+from ctxmem.integrations.lmcache_groups import (
+    KVGroup,
+    expected_format,
+    group_bytes,
+    group_layout,
+    kv_groups,
+)
 from ctxmem_common.errors import CtxmemError
-from ctxmem_common.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +133,7 @@ class CtxmemBackend(StoragePluginInterface):
         self.chunk_size = int(getattr(config, "chunk_size", None) or metadata.chunk_size)
         self.layerwise = bool(getattr(config, "use_layerwise", False))
         self.use_mla = bool(metadata.use_mla)
-        self.fmt = self._expected_format(config)
-        num_layers, kv_size, _, num_heads, head_size = metadata.kv_shape
-        self.num_layers = int(num_layers)
-        self.kv_size = int(kv_size)
-        self.num_heads = int(num_heads)
-        self.head_size = int(head_size)
+        self.fmt = expected_format(config, layerwise=self.layerwise, use_mla=self.use_mla)
         self._warn = RateLimitedLog(log)
         self._namespaces: dict[tuple[Any, ...], Namespace] = {}
         self._ns_lock = threading.Lock()
@@ -141,31 +146,13 @@ class CtxmemBackend(StoragePluginInterface):
         return f"CtxmemBackend({self.endpoint})"
 
     # -- namespaces and layouts ------------------------------------------------------
-    def _expected_format(self, config: Any) -> MemoryFormat:
-        """The memory format LMCache's engine allocates chunks in (mirrors its rules)."""
-        if self.layerwise:
-            if self.use_mla:
-                return MemoryFormat.KV_MLA_FMT
-            if getattr(config, "enable_blending", False):
-                return MemoryFormat.KV_2TD
-            return MemoryFormat.KV_T2D
-        return MemoryFormat.KV_MLA_FMT if self.use_mla else MemoryFormat.KV_2LTD
+    def _groups_now(self) -> list[KVGroup]:
+        """The KV groups, read at each use (LMCache builds them when the engine registers
+        its KV caches, after this backend exists). Layer-wise chunks have one group."""
+        groups = kv_groups(self.metadata)
+        return groups[:1] if self.layerwise else groups
 
-    def _layout(self, key: CacheEngineKey) -> KVLayout:
-        layers = 1 if self.layerwise else self.num_layers
-        dtype = torch_dtype_name(key.dtype)
-        tp = {"tp_rank": int(key.worker_id), "tp_size": max(1, int(key.world_size))}
-        if self.use_mla:
-            rank = int(config_get(self.extra, "kv_lora_rank", self.num_heads * self.head_size))
-            rope = int(config_get(self.extra, "qk_rope_head_dim", 0))
-            if rank + rope != self.num_heads * self.head_size:
-                rank, rope = self.num_heads * self.head_size, 0
-            return KVLayout(dtype=dtype, num_layers=layers, tokens_per_block=self.chunk_size,
-                            kv_lora_rank=rank, qk_rope_head_dim=rope, **tp)
-        return KVLayout(dtype=dtype, num_layers=layers, num_kv_heads=self.num_heads,
-                        head_dim=self.head_size, tokens_per_block=self.chunk_size, **tp)
-
-    def _tags(self, key: CacheEngineKey, partial: bool) -> dict[str, str]:
+    def _tags(self, group: KVGroup, key: CacheEngineKey, partial: bool) -> dict[str, str]:
         tags = {
             "engine": "lmcache",
             "lmcache_world_size": str(key.world_size),
@@ -177,6 +164,8 @@ class CtxmemBackend(StoragePluginInterface):
             tags["lmcache_layerwise"] = "1"
         if partial:
             tags["lmcache_partial"] = "1"
+        if group.count > 1:
+            tags["lmcache_kv_group"] = f"{group.index}/{group.count}"
         for name, value in key.tags or ():
             if name in _SALT_TAGS:
                 tags["cache_salt"] = salt_tag(str(value))
@@ -184,9 +173,11 @@ class CtxmemBackend(StoragePluginInterface):
                 tags[f"lmcache_tag_{name}"] = str(value)
         return tags
 
-    def _namespace(self, key: CacheEngineKey, partial: bool = False) -> Namespace:
+    def _namespace(self, key: CacheEngineKey, partial: bool = False,
+                   group: KVGroup | None = None) -> Namespace:
+        group = group or self._groups_now()[0]
         ident = (key.model_name, key.world_size, key.worker_id, str(key.dtype),
-                 key.tags, partial)
+                 key.tags, partial, group)
         ns = self._namespaces.get(ident)
         if ns is not None:
             return ns
@@ -194,13 +185,21 @@ class CtxmemBackend(StoragePluginInterface):
             ns = self._namespaces.get(ident)
             if ns is None:
                 model_id = str(config_get(self.extra, "model_id", key.model_name)) or "model"
-                ns = open_namespace(self.client, self._layout(key), model_id=model_id,
-                                    tenant=self.tenant, tags=self._tags(key, partial))
+                layout = group_layout(group, key, chunk_size=self.chunk_size,
+                                      layerwise=self.layerwise, use_mla=self.use_mla,
+                                      extra=self.extra)
+                ns = open_namespace(self.client, layout, model_id=model_id,
+                                    tenant=self.tenant, tags=self._tags(group, key, partial))
                 self._namespaces[ident] = ns
             return ns
 
+    def _namespaces_of(self, key: CacheEngineKey, partial: bool = False
+                       ) -> list[Namespace]:
+        """One namespace per KV group, in the groups' order."""
+        return [self._namespace(key, partial, g) for g in self._groups_now()]
+
     @staticmethod
-    def _groups(keys: Sequence[CacheEngineKey]) -> list[tuple[int, int]]:
+    def _runs(keys: Sequence[CacheEngineKey]) -> list[tuple[int, int]]:
         """Runs of consecutive keys that share a namespace, as (start, stop)."""
         runs: list[tuple[int, int]] = []
         start = 0
@@ -211,29 +210,27 @@ class CtxmemBackend(StoragePluginInterface):
         return runs
 
     # -- geometry of memory objects --------------------------------------------------
-    def _shape(self, num_tokens: int) -> torch.Size:
-        full = self.metadata.get_shapes(num_tokens)[0]  # [kv, layers, tokens, hidden]
+    def _shapes(self, num_tokens: int) -> list[torch.Size]:
+        """The shapes LMCache's engine allocates a chunk in: one per KV group, each
+        ``[kv, layers, tokens, hidden]`` (layer-wise: one layer, in its format)."""
+        shapes = [torch.Size(s) for s in self.metadata.get_shapes(num_tokens)]
         if not self.layerwise:
-            return torch.Size(full)
-        kv, _, tokens, hidden = full
+            return shapes
+        kv, _, tokens, hidden = shapes[0]
         if self.fmt == MemoryFormat.KV_T2D:
-            return torch.Size([tokens, kv, hidden])
+            return [torch.Size([tokens, kv, hidden])]
         if self.fmt == MemoryFormat.KV_2TD:
-            return torch.Size([kv, tokens, hidden])
-        return torch.Size([kv, 1, tokens, hidden])
-
-    def _dtype(self) -> torch.dtype:
-        return self.metadata.get_dtypes()[0]
+            return [torch.Size([kv, tokens, hidden])]
+        return [torch.Size([kv, 1, tokens, hidden])]
 
     def _allocate(self, num_tokens: int) -> MemoryObj | None:
-        return self.local_cpu_backend.allocate(self._shape(num_tokens), self._dtype(),
-                                               fmt=self.fmt)
+        dtypes = list(self.metadata.get_dtypes())
+        shapes = self._shapes(num_tokens)
+        return self.local_cpu_backend.allocate(shapes, dtypes[: len(shapes)], fmt=self.fmt)
 
-    @staticmethod
-    def _bytes(obj: MemoryObj) -> np.ndarray:
-        tensor = obj.tensor
-        assert tensor is not None
-        return tensor.reshape(-1).view(torch.uint8).numpy()
+    def _object_groups(self, obj: MemoryObj) -> int:
+        shapes = obj.meta.shapes
+        return len(shapes) if shapes is not None and obj.meta.dtypes is not None else 1
 
     def _tokens_of(self, obj: MemoryObj) -> int:
         try:
@@ -251,9 +248,12 @@ class CtxmemBackend(StoragePluginInterface):
         miss LMCache already handles."""
         hits = 0
         try:
-            for start, stop in self._groups(keys):
+            for start, stop in self._runs(keys):
                 run = keys[start:stop]
-                n = self._namespace(run[0]).lookup([encode_chunk_key(k) for k in run]).num_hits
+                names = [encode_chunk_key(k) for k in run]
+                n = len(run)
+                for ns in self._namespaces_of(run[0]):  # a hit needs every KV group
+                    n = min(n, ns.lookup(names[:n]).num_hits) if n else 0
                 hits += n
                 if n < len(run):
                     if start + n == len(keys) - 1 and self._partial_exists(keys[-1]):
@@ -274,16 +274,18 @@ class CtxmemBackend(StoragePluginInterface):
     def _partial_exists(self, key: CacheEngineKey) -> bool:
         if not self._allows_partial():
             return False
-        return bool(self._namespace(key, partial=True).exists([encode_chunk_key(key)])[0])
+        name = encode_chunk_key(key)
+        return all(ns.exists([name])[0] for ns in self._namespaces_of(key, partial=True))
 
     def _allows_partial(self) -> bool:
         return bool(getattr(self.config, "save_unfull_chunk", False)) and not self.layerwise
 
     def _prefetch(self, keys: Sequence[CacheEngineKey]) -> None:
         try:
-            for start, stop in self._groups(keys):
+            for start, stop in self._runs(keys):
                 run = keys[start:stop]
-                self._namespace(run[0]).prefetch([encode_chunk_key(k) for k in run])
+                for ns in self._namespaces_of(run[0]):
+                    ns.prefetch([encode_chunk_key(k) for k in run])
         except CtxmemError as exc:
             self._warn.warning("prefetch", "ctxmem prefetch failed: %s", exc)
 
@@ -337,17 +339,10 @@ class CtxmemBackend(StoragePluginInterface):
             full = [(k, o) for k, o in pending if self._tokens_of(o) >= self.chunk_size]
             partial = [(k, o) for k, o in pending if self._tokens_of(o) < self.chunk_size]
             done: list[CacheEngineKey] = []
-            for start, stop in self._groups([k for k, _ in full]):
+            for start, stop in self._runs([k for k, _ in full]):
                 run = full[start:stop]
-                ns = self._namespace(run[0][0])
-                bufs = [self._bytes(o) for _, o in run]
-                if any(b.nbytes != ns.block_nbytes for b in bufs):
-                    self._warn.warning("shape", "ctxmem: LMCache chunk of %d bytes does not "
-                                       "match the layout's %d; not stored",
-                                       bufs[0].nbytes, ns.block_nbytes)
-                    continue
-                ns.put([encode_chunk_key(k) for k, _ in run], bufs)
-                done.extend(k for k, _ in run)
+                if self._put_groups([k for k, _ in run], [o for _, o in run]):
+                    done.extend(k for k, _ in run)
             for key, obj in partial:
                 if self._allows_partial() and self._put_partial(key, obj):
                     done.append(key)
@@ -362,16 +357,43 @@ class CtxmemBackend(StoragePluginInterface):
         finally:
             self._release(pending)
 
-    def _put_partial(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
-        ns = self._namespace(key, partial=True)
-        data = self._bytes(obj)
-        if data.nbytes > ns.block_nbytes - _TRAILER:
+    def _put_groups(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> bool:
+        """Each KV group's bytes of ``objs`` into that group's namespace; the last group
+        first, so a lookup (which needs every group) never sees a chunk half-written."""
+        nss = self._namespaces_of(keys[0])
+        if any(self._object_groups(o) != len(nss) for o in objs):
+            self._warn.warning("groups", "ctxmem: LMCache chunk has %d KV groups, the "
+                               "engine metadata %d; not stored",
+                               self._object_groups(objs[0]), len(nss))
             return False
-        block = np.zeros(ns.block_nbytes, dtype=np.uint8)
-        block[: data.nbytes] = data
-        block[-_TRAILER:] = np.frombuffer(
-            self._tokens_of(obj).to_bytes(_TRAILER, "little"), dtype=np.uint8)
-        ns.put([encode_chunk_key(key)], [block])
+        per_group = [[group_bytes(o, g) for o in objs] for g in range(len(nss))]
+        for ns, bufs in zip(nss, per_group, strict=True):
+            if any(b.nbytes != ns.block_nbytes for b in bufs):
+                self._warn.warning("shape", "ctxmem: LMCache chunk of %d bytes does not "
+                                   "match the layout's %d; not stored",
+                                   bufs[0].nbytes, ns.block_nbytes)
+                return False
+        names = [encode_chunk_key(k) for k in keys]
+        for ns, bufs in reversed(list(zip(nss, per_group, strict=True))):
+            ns.put(names, bufs)
+        return True
+
+    def _put_partial(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+        nss = self._namespaces_of(key, partial=True)
+        if self._object_groups(obj) != len(nss):
+            return False
+        blocks = []
+        for g, ns in enumerate(nss):
+            data = group_bytes(obj, g)
+            if data.nbytes > ns.block_nbytes - _TRAILER:
+                return False
+            block = np.zeros(ns.block_nbytes, dtype=np.uint8)
+            block[: data.nbytes] = data
+            block[-_TRAILER:] = np.frombuffer(
+                self._tokens_of(obj).to_bytes(_TRAILER, "little"), dtype=np.uint8)
+            blocks.append(block)
+        for ns, block in reversed(list(zip(nss, blocks, strict=True))):
+            ns.put([encode_chunk_key(key)], [block])
         return True
 
     # -- gets ------------------------------------------------------------------------
@@ -395,17 +417,19 @@ class CtxmemBackend(StoragePluginInterface):
         """Memory objects for the longest leading run of ``keys`` that could be read."""
         out: list[MemoryObj] = []
         try:
-            for start, stop in self._groups(keys):
+            for start, stop in self._runs(keys):
                 run = list(keys[start:stop])
-                ns = self._namespace(run[0])
                 objs: list[MemoryObj] = []
                 for _ in run:
                     obj = self._allocate(self.chunk_size)
                     if obj is None:
                         break
                     objs.append(obj)
-                n = ns.get([encode_chunk_key(k) for k in run[: len(objs)]],
-                           [self._bytes(o) for o in objs]) if objs else 0
+                names = [encode_chunk_key(k) for k in run[: len(objs)]]
+                n = len(objs)
+                for g, ns in enumerate(self._namespaces_of(run[0])):
+                    if n:  # a chunk loads only when every KV group's block did
+                        n = ns.get(names[:n], [group_bytes(o, g) for o in objs[:n]])
                 for obj in objs[n:]:
                     obj.ref_count_down()
                 out.extend(objs[:n])
@@ -422,18 +446,21 @@ class CtxmemBackend(StoragePluginInterface):
     def _get_partial(self, key: CacheEngineKey) -> MemoryObj | None:
         if not self._allows_partial():
             return None
-        ns = self._namespace(key, partial=True)
-        block = np.empty(ns.block_nbytes, dtype=np.uint8)
-        if ns.get([encode_chunk_key(key)], [block]) != 1:
+        blocks: list[np.ndarray] = []
+        for ns in self._namespaces_of(key, partial=True):
+            block = np.empty(ns.block_nbytes, dtype=np.uint8)
+            if ns.get([encode_chunk_key(key)], [block]) != 1:
+                return None
+            blocks.append(block)
+        tokens = {int.from_bytes(b[-_TRAILER:].tobytes(), "little") for b in blocks}
+        if len(tokens) != 1 or not 0 < min(tokens) < self.chunk_size:
             return None
-        tokens = int.from_bytes(block[-_TRAILER:].tobytes(), "little")
-        if not 0 < tokens < self.chunk_size:
-            return None
-        obj = self._allocate(tokens)
+        obj = self._allocate(tokens.pop())
         if obj is None:
             return None
-        data = self._bytes(obj)
-        data[:] = block[: data.nbytes]
+        for g, block in enumerate(blocks):
+            data = group_bytes(obj, g)
+            data[:] = block[: data.nbytes]
         return obj
 
     # -- the rest of the interface ---------------------------------------------------
@@ -449,9 +476,11 @@ class CtxmemBackend(StoragePluginInterface):
     def batched_remove(self, keys: list[CacheEngineKey], force: bool = True) -> int:
         removed = 0
         try:
-            for start, stop in self._groups(keys):
+            for start, stop in self._runs(keys):
                 run = keys[start:stop]
-                removed += self._namespace(run[0]).delete([encode_chunk_key(k) for k in run])
+                names = [encode_chunk_key(k) for k in run]
+                counts = [ns.delete(names) for ns in self._namespaces_of(run[0])]
+                removed += max(counts, default=0)
         except CtxmemError as exc:
             self._warn.warning("delete", "ctxmem delete failed: %s", exc)
         return removed

@@ -1,0 +1,201 @@
+"""A real ``lmcache server`` (LMCache 0.5.6's MP server) with ctxmem as its L2 adapter.
+
+The server is LMCache's own CLI process (``lmcache server``, CPU L1, docs/deploy.md's
+``--l2-adapter`` JSON pointing at a real ctxmem service). The client is LMCache's own MP
+client, the one vLLM's ``LMCacheMPConnector`` drives: ``LMCacheMPWorkerAdapter``
+(registers the worker's paged KV and stores/retrieves blocks over ZMQ) and
+``LMCacheMPSchedulerAdapter`` (lookups, which prefetch from L2 into L1). The paged KV is
+a CPU tensor in vLLM's flash layout; LMCache's CPU transfer context moves it.
+
+The server is restarted between store and load, so the loaded bytes came from ctxmem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+lmcache = pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by "
+                              "deploy/setup.sh (--no-deps) into the main venv")
+torch = pytest.importorskip("torch")
+pytest.importorskip("fastapi", reason="`lmcache server` needs fastapi/uvicorn/"
+                    "opentelemetry/blake3: deploy/setup.sh installs them")
+pytest.importorskip("blake3", reason="`lmcache server` hashes tokens with blake3")
+zmq = pytest.importorskip("zmq")
+
+from lmcache.integration.vllm.vllm_multi_process_adapter import (  # noqa: E402
+    LMCacheMPSchedulerAdapter,
+    LMCacheMPWorkerAdapter,
+    LoadStoreOp,
+    ParallelStrategy,
+)
+
+from tests.engines.test_lmcache_mp import documented_l2_adapter  # noqa: E402
+
+CHUNK, BLOCK, LAYERS, HEADS, HEAD, BLOCKS = 16, 16, 2, 2, 8, 8
+MODEL = "tiny-llama-mp"
+LMCACHE_BIN = Path(sys.executable).with_name("lmcache")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LMCacheServer:
+    """``lmcache server`` as a subprocess; ``start`` waits (bounded) for its ZMQ port."""
+
+    def __init__(self, workdir: Path, endpoint: str) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        spec = documented_l2_adapter()
+        spec["adapter_params"] = {**spec["adapter_params"], "endpoint": endpoint,
+                                  "timeout_s": 10.0}
+        self.args = [str(LMCACHE_BIN), "server", "--host", "127.0.0.1",
+                     "--port", str(self.port), "--chunk-size", str(CHUNK),
+                     "--l1-size-gb", "0.05", "--eviction-policy", "LRU",
+                     "--disable-observability", "--supported-transfer-mode", "auto",
+                     "--http-host", "127.0.0.1",
+                     "--http-port", str(free_port()), "--l2-adapter", json.dumps(spec)]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.starts += 1
+        log = open(self.workdir / f"lmcache-server-{self.starts}.log", "wb")  # noqa: SIM115
+        env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1",
+               "PYTHONPATH": os.pathsep.join(sys.path)}
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                     env=env)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        text = ""
+        while time.monotonic() < deadline:
+            text = self.log()
+            if "cache server is running" in text:
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        pytest.fail(f"`lmcache server` did not come up in {timeout_s:.0f} s; its log:\n"
+                    f"{text[-3000:]}")
+
+    def log(self) -> str:
+        return (self.workdir / f"lmcache-server-{self.starts}.log").read_text(
+            errors="replace")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@pytest.fixture
+def lmcache_server(service: Any, tmp_path: Path) -> Iterator[LMCacheServer]:
+    srv = LMCacheServer(tmp_path, service.endpoint)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def strategy() -> ParallelStrategy:
+    return ParallelStrategy(mla_only=False, vllm_world_size=1, vllm_worker_id=0,
+                            tp_size=1, pp_size=1, n_servers=1)
+
+
+def paged_kv() -> dict[str, Any]:
+    """vLLM's flash layout per layer: ``[2, blocks, block size, heads, head]``."""
+    return {f"model.layers.{i}.self_attn.attn":
+            torch.zeros(2, BLOCKS, BLOCK, HEADS, HEAD, dtype=torch.bfloat16)
+            for i in range(LAYERS)}
+
+
+def clients(url: str, ctx: Any) -> tuple[Any, Any, dict[str, Any]]:
+    extra = {"lmcache.mp.mq_timeout": 20.0}
+    sched = LMCacheMPSchedulerAdapter([url], ctx, MODEL, BLOCK, strategy(),
+                                      extra_config=extra)
+    worker = LMCacheMPWorkerAdapter(url, ctx, MODEL, BLOCK, strategy(), extra_config=extra)
+    kv = paged_kv()
+    worker.register_kv_caches(kv, layout_hints={"kv_layout": "NHD"})
+    return sched, worker, kv
+
+
+def until(what: str, poll: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = poll()
+        if out:
+            return out
+        time.sleep(0.05)
+    raise AssertionError(f"LMCache's MP client: {what} did not finish in {timeout_s:.0f} s")
+
+
+def lookup(sched: Any, rid: str, tokens: list[int]) -> int:
+    sched.maybe_submit_lookup_request(rid, tokens)
+    got: list[int] = []
+
+    def poll() -> bool:
+        result = sched.check_lookup_result(rid)
+        if result is not None:
+            got.append(int(result))
+        return bool(got)
+
+    until(f"lookup {rid}", poll)
+    return got[0]
+
+
+def test_real_lmcache_server_stores_into_ctxmem_and_loads_after_restart(
+        lmcache_server: LMCacheServer) -> None:
+    tokens = list(range(1000, 1000 + 3 * CHUNK))
+    blocks = [[1, 2, 3]]
+    g = torch.Generator().manual_seed(11)
+    ctx = zmq.Context()
+    try:
+        sched, worker, kv = clients(lmcache_server.url, ctx)
+        for t in kv.values():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        want = {n: t[:, 1:4].clone() for n, t in kv.items()}
+        op = LoadStoreOp(token_ids=tokens, block_ids=blocks, start=0, end=len(tokens))
+        worker.submit_store_request("store-1", op, None)
+        until("store", lambda: "store-1" in (worker.get_finished({"store-1"})[0] or ()))
+        worker.shutdown()
+        sched.shutdown()
+
+        lmcache_server.stop()  # its L1 is gone: what loads now comes from ctxmem
+        lmcache_server.start()
+        sched, worker, kv = clients(lmcache_server.url, ctx)
+        assert lookup(sched, "load-1", tokens) == 3 * CHUNK
+        op = LoadStoreOp(token_ids=tokens, block_ids=[[4, 5, 6]], start=0, end=len(tokens))
+        worker.submit_retrieve_request("load-1", op, None)
+        until("retrieve", lambda: "load-1" in (worker.get_finished(set())[1] or ()))
+        assert not worker.get_block_ids_with_load_errors()
+        for name, t in kv.items():
+            got = t[:, 4:7].contiguous().view(torch.uint8)
+            assert torch.equal(got, want[name].contiguous().view(torch.uint8)), name
+        assert lookup(sched, "miss-1", [7] * (2 * CHUNK)) == 0
+        worker.shutdown()
+        sched.shutdown()
+    finally:
+        ctx.destroy(linger=0)
