@@ -17,12 +17,11 @@ LMCache's ``CacheEngineKey`` carries -- model name, world size, worker id (the T
 KV dtype and every ``lmcache.tag.*`` request tag -- plus the chunk geometry (layers, KV
 heads, head size, chunk size, MLA or not, memory format). A ``cachesalt``/``cache_salt``
 tag (LMCache's per-tenant salt, e.g. from ``kv_transfer_params``) becomes the namespace
-tag ``cache_salt`` as a digest, so two salts never share blocks and the salt itself is
-not sent. The block key is the chunk hash. Because the namespace and the keys are
-derived from the engine's own deterministic data, a restarted engine (with the same
-``PYTHONHASHSEED`` when LMCache's ``builtin`` hash is used, or a sha256-based
-``pre_caching_hash_algorithm``) finds what a previous one stored, and a restarted
-service recovers its index from flash.
+tag ``cache_salt`` as a digest (two salts never share blocks; the salt is not sent). The
+block key is the chunk hash. Because the namespace and the keys are derived from the
+engine's own deterministic data, a restarted engine (same ``PYTHONHASHSEED`` with
+LMCache's ``builtin`` hash, or a sha256 ``pre_caching_hash_algorithm``) finds what a
+previous one stored, and a restarted service recovers its index from flash.
 
 Several KV groups (hybrid models; :mod:`ctxmem.integrations.lmcache_groups`): each
 group's bytes go to a namespace with that group's layout and the tag ``lmcache_kv_group``
