@@ -242,11 +242,15 @@ req="$CTX_WHEEL"
 [ -n "$EXTRAS" ] && req="$CTX_WHEEL[$EXTRAS]"
 find_links=(--find-links "$WORK/wheels" --find-links "$WHEELHOUSE")
 [ -n "$EXTRA_WHEELS" ] && find_links+=(--find-links "$EXTRA_WHEELS")
+# pip download evaluates environment markers against THIS interpreter, not the image's:
+# a dependency behind a marker the image's CPython meets but ours does not is named here.
+# redis needs async-timeout on Python < 3.11.3; Debian 12's python3.11 is 3.11.2.
+marker_deps=("async-timeout>=4.0.3")
 log "wheels: resolving ctxmem[$EXTRAS] deps for $PYTAG/$MARCH into $WHEELHOUSE"
 PIP_CACHE_DIR="$CACHE/pip" "$PYTHON" -m pip download --quiet \
   --only-binary=:all: "${platforms[@]}" \
   --python-version "$PYVER" --implementation cp --abi "$PYTAG" \
-  "${find_links[@]}" -d "$WHEELHOUSE" "$req" \
+  "${find_links[@]}" -d "$WHEELHOUSE" "$req" "${marker_deps[@]}" \
   || die "could not get binary wheels for ctxmem[$EXTRAS] on $PYTAG/$MARCH (for the rdma extra, pass --wheels DIR with a pyverbs wheel)"
 # The wheelhouse may now hold a ctxmem wheel copied from WORK; the install below
 # takes the fresh one by path, and the stale copy is dropped so it never wins.
