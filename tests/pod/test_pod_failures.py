@@ -202,3 +202,29 @@ def test_peer_fetch_refuses_without_the_pod_token(pod: LocalPod, clients: Client
             s.settimeout(5)
             assert s.recv(1) == b""  # closed, nothing served
     assert clients.stats(n1.endpoint)["pod_peer_refused"] == 2
+
+
+def test_peer_fetch_bounds_hostile_connections(pod: LocalPod, clients: Clients) -> None:
+    """A connection that never says hello is closed after the read timeout (10 s); a
+    member's request for more than MAX_KEYS keys is refused with nothing served; the node
+    serves peers as before afterwards."""
+    n1, n2, _ = pod.nodes
+    host, port = n1.config["pod"]["listen"].rsplit(":", 1)
+    token = pod.token.encode()
+    with socket.create_connection((host, int(port)), timeout=5) as silent, \
+            socket.create_connection((host, int(port)), timeout=5) as greedy:
+        greedy.sendall(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(token)) + token)
+        greedy.settimeout(5)
+        assert greedy.recv(1) == b"\x01"  # accepted as a pod member
+        greedy.sendall(w.REQUEST.pack(w.REQUEST_MAGIC, bytes(16), w.MAX_KEYS + 1))
+        assert greedy.recv(64) == b""  # refused: closed, nothing served
+        t0 = time.monotonic()
+        silent.settimeout(30)
+        assert silent.recv(1) == b""  # closed by the server, not by us
+        assert time.monotonic() - t0 < 20
+    assert clients.stats(n1.endpoint).get("pod_served_blocks", 0) == 0
+    keys = ctxmem.chain_hashes(range(16 * 2), 16)
+    data = blocks(2, 11)
+    assert clients.put(n1.endpoint, keys, data) == 2
+    wait_for(lambda: clients.hits(n2.endpoint, keys) == 2, what="publish")
+    assert clients.get(n2.endpoint, keys, data) == 2
