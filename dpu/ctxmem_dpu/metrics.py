@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ctxmem_common.errors import ConfigError
@@ -285,6 +285,8 @@ class HttpEndpoint(AsyncResource):
                  *, request_timeout_s: float = 5.0, max_connections: int = 16) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StoreCollector(store))
+        # process_cpu_seconds_total and friends: the service's own CPU, beside its bytes.
+        ProcessCollector(registry=self.registry)
         self.host = host
         self.port = port
         self.ready = ready

@@ -42,9 +42,26 @@ def test_prometheus_metrics_and_health(service: ServiceHandle) -> None:
                  'ctxmem_bytes_total{op="put"} ' + f"{4 * LAYOUT.block_nbytes}.0",
                  "ctxmem_integrity_failures_total 0.0", "ctxmem_leases 0.0",
                  'ctxmem_tier_used_bytes{tier="dram"}', 'ctxmem_evictions_total{tier="dram"}',
-                 'ctxmem_tier_capacity_bytes{tier="flash"}'):
+                 'ctxmem_tier_capacity_bytes{tier="flash"}', "process_cpu_seconds_total "):
         assert line in text, f"missing {line!r} in /metrics"
     assert _get(service.metrics_url_for("/nope"))[0] == 404
+
+
+def test_stats_reports_the_service_process_cpu(service: ServiceHandle) -> None:
+    """Stats carries the service's own CPU seconds (user + system), which the benches
+    divide by the bytes moved; they grow with the work the service does."""
+    before = service.stats()
+    assert before["process_cpu_seconds"] == pytest.approx(
+        before["process_cpu_user_seconds"] + before["process_cpu_system_seconds"])
+    assert before["process_cpu_seconds"] > 0
+    with ctxmem.Client(service.endpoint) as c:
+        ns = c.open_namespace(LAYOUT, model_id="cpu")
+        keys = ctxmem.chain_hashes(range(16 * 64), 16)
+        bufs = [np.ones(LAYOUT.block_nbytes, np.uint8)] * 64
+        ns.put(keys, bufs)
+        ns.get(keys, [np.zeros(LAYOUT.block_nbytes, np.uint8) for _ in keys])
+    after = service.stats()
+    assert after["process_cpu_seconds"] > before["process_cpu_seconds"]
 
 
 def test_another_tenant_cannot_map_my_regions(service: ServiceHandle) -> None:
