@@ -26,6 +26,12 @@ def test_bench_uses_the_configured_flash_device(tmp_path: Path) -> None:
     assert doc["params"]["flash_device"] == entry
     names = {r["name"] for r in doc["results"]}
     assert {"flash_get_2MiB_xts", "flash_demote_2MiB", "limit_odirect_read"} <= names
+    # Every throughput of the data path carries the CPU per GB the service (its Stats) and
+    # the bench process spent in that phase.
+    moved = [r for r in doc["results"] if r["unit"] == "GB/s" and not r["name"].startswith(
+        "limit_")]
+    assert moved and all(r["service_cpu_s_per_gb"] > 0 and r["client_cpu_s_per_gb"] > 0
+                         for r in moved), moved
     assert device.stat().st_size == 1 << 30  # the service created and used it
     assert not (tmp_path / "work" / "xts" / "flash0.img").exists()  # not the default file
 

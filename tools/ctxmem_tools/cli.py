@@ -17,8 +17,9 @@ def demo_command(argv: list[str]) -> int:
 
 
 def bench_command(argv: list[str]) -> int:
-    """``ctxmem bench`` (data path vs limits), ``ctxmem bench ttft`` and
-    ``ctxmem bench recovery``."""
+    """``ctxmem bench`` (data path vs limits), ``ctxmem bench ttft``,
+    ``ctxmem bench concurrency`` (N clients at once), ``ctxmem bench stable``
+    (instructions per block) and ``ctxmem bench recovery``."""
     if argv and argv[0] == "ttft":
         from ctxmem_tools.bench.ttft import run as run_ttft
 
@@ -31,6 +32,14 @@ def bench_command(argv: list[str]) -> int:
         from ctxmem_tools.bench.pod import run as run_pod
 
         return run_pod(argv[1:])
+    if argv and argv[0] == "concurrency":
+        from ctxmem_tools.bench.concurrency import run as run_concurrency
+
+        return run_concurrency(argv[1:])
+    if argv and argv[0] == "stable":
+        from ctxmem_tools.bench.stable import run as run_stable
+
+        return run_stable(argv[1:])
     if argv and argv[0] == "recovery":
         from ctxmem_tools.bench.recovery import run as run_recovery
 

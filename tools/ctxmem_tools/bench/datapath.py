@@ -12,8 +12,12 @@ In one run, on the same buffers and the same flash file, it measures:
   alternating on the same blocks, next to memcpy, CRC32C and copy-then-CRC (``copy_crc``:
   the one-thread cost of copying and checking every byte).
 
-Each figure is printed next to its limit, and ``--json`` writes
-``{"results": [{"name", "value", "unit", "limit", "fraction_of_limit"}]}``.
+Each figure is printed next to its limit and, for throughputs, the CPU seconds per GB
+moved that the service (from its own Stats) and the bench process spent in that phase;
+``--json`` writes ``{"results": [{"name", "value", "unit", "limit", "fraction_of_limit",
+"service_cpu_s_per_gb", "client_cpu_s_per_gb"}]}``. ``ctxmem bench concurrency`` runs
+several clients at once (bench/concurrency.py); ``ctxmem bench stable`` counts
+instructions per block (bench/stable.py).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ctxmem_common.codecs import XtsCipher, crc32c
 from ctxmem_common.keys import chain_hashes
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.progress import Progress, progress
+from ctxmem_tools.bench.cpu import CpuMeter
 from ctxmem_tools.launcher import ServiceProcess, local_config
 
 MiB = 1 << 20
@@ -51,6 +56,10 @@ class Result:
     unit: str
     limit: float
     fraction_of_limit: float
+    # CPU seconds per GB moved in the phase (throughput rows): the service's own (from
+    # Stats) and the bench process's (the client side). None where not measured.
+    service_cpu_s_per_gb: float | None = None
+    client_cpu_s_per_gb: float | None = None
 
 
 def _best_rate(fn: Callable[[], None], nbytes: int, repeat: int) -> float:
@@ -152,19 +161,23 @@ def bench_verify(svc: ServiceProcess, transport: str, layout: KVLayout, size: st
                 verify_gets=True) as on, \
             Client(svc.endpoint, transport=transport,  # type: ignore[arg-type]
                    verify_gets=False) as off:
+        meter = CpuMeter(lambda: on.stats()["process_cpu_seconds"])
+        meter.calibrate()
         spaces = {v: c.open_namespace(layout, model_id=f"bench-verify-{size}")
                   for v, c in ((True, on), (False, off))}
         assert spaces[True].put(keys, bufs).stored == len(keys)
         for _ in range(rounds):
             for verify, ns in spaces.items():
-                t = time.perf_counter()
-                assert ns.get(keys, outs) == len(keys)
-                times[verify].append(time.perf_counter() - t)
+                with meter.phase(str(verify), nbytes):
+                    t = time.perf_counter()
+                    assert ns.get(keys, outs) == len(keys)
+                    times[verify].append(time.perf_counter() - t)
         spaces[True].delete(keys)
     for verify, label in ((True, "verify"), (False, "noverify")):
         gbs = nbytes / statistics.median(times[verify]) / GB
         name = f"dram_get_{size}_{label}"
-        results.append(Result(name, gbs, "GB/s", limits["memcpy"], gbs / limits["memcpy"]))
+        results.append(Result(name, gbs, "GB/s", limits["memcpy"], gbs / limits["memcpy"],
+                               *meter.per_gb(str(verify))))
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -184,43 +197,47 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
     bufs = [rng.integers(0, 255, block, dtype=np.uint8) for _ in range(batch)]
     outs = [np.empty(block, dtype=np.uint8) for _ in range(batch)]
     nbytes = block * batch
+    crypt = "_xts" if tag == "xts" else ""
+    put_n, get_n = f"dram_put_{size}{crypt}", f"dram_get_{size}{crypt}"
+    demote_n, cold_n = f"flash_demote_{size}{crypt}", f"flash_get_{size}{crypt}"
     with Client(svc.endpoint, transport=transport) as client:  # type: ignore[arg-type]
         ns = client.open_namespace(layout, model_id=f"bench-{size}-{tag}")
+        # Service and client CPU per phase, read around (never inside) each timed call.
+        meter = CpuMeter(lambda: client.stats()["process_cpu_seconds"])
+        meter.calibrate()
         put_t, get_t, cold_t, demote_t = [], [], [], []
         for r in range(rounds):
             keys = chain_hashes(np.arange(batch) + r * batch + block, 1, salt=tag.encode())
-            t = time.perf_counter()
-            res = ns.put(keys, bufs)
-            put_t.append(time.perf_counter() - t)
+            with meter.phase(put_n, nbytes):
+                t = time.perf_counter()
+                res = ns.put(keys, bufs)
+                put_t.append(time.perf_counter() - t)
             assert res.stored == batch, res
-            t = time.perf_counter()
-            n = ns.get(keys, outs)
-            get_t.append(time.perf_counter() - t)
+            with meter.phase(get_n, nbytes):
+                t = time.perf_counter()
+                n = ns.get(keys, outs)
+                get_t.append(time.perf_counter() - t)
             assert n == batch and all(np.array_equal(a, b) for a, b in zip(bufs, outs, strict=True))
-            t = time.perf_counter()
-            ns.evict(keys)
-            demote_t.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            n = ns.get(keys, outs)
-            cold_t.append(time.perf_counter() - t)
+            with meter.phase(demote_n, nbytes):
+                t = time.perf_counter()
+                ns.evict(keys)
+                demote_t.append(time.perf_counter() - t)
+            with meter.phase(cold_n, nbytes):
+                t = time.perf_counter()
+                n = ns.get(keys, outs)
+                cold_t.append(time.perf_counter() - t)
             assert n == batch, f"cold get served {n} of {batch}"
             ns.delete(keys)
             if bar is not None:
                 bar.update()
         if tag == "plain":
             bench_verify(svc, transport, layout, size, bufs, outs, rounds, limits, results)
-        crypt = "_xts" if tag == "xts" else ""
-        cases = [
-            (f"dram_put_{size}{crypt}", put_t),
-            (f"dram_get_{size}{crypt}", get_t),
-            (f"flash_demote_{size}{crypt}", demote_t),
-            (f"flash_get_{size}{crypt}", cold_t),
-        ]
+        cases = [(put_n, put_t), (get_n, get_t), (demote_n, demote_t), (cold_n, cold_t)]
         for name, times in cases:
             limit = limit_for(name, limits)
             # Throughput from the median batch: robust to one slow batch on a busy 2-core box.
             gbs = nbytes / statistics.median(times) / GB
-            results.append(Result(name, gbs, "GB/s", limit, gbs / limit))
+            results.append(Result(name, gbs, "GB/s", limit, gbs / limit, *meter.per_gb(name)))
             ideal_ms = nbytes / (limit * GB) * 1e3
             for q, label in ((0.5, "p50"), (0.99, "p99")):
                 ms = _pct(times, q) * 1e3
@@ -329,9 +346,13 @@ def run(argv: list[str] | None = None) -> int:
             ideal_ms = batch_bytes / (limit_for(r.name.rsplit("_", 1)[0], limits) * GB) * 1e3
             r.limit = ideal_ms
             r.fraction_of_limit = ideal_ms / r.value
-    print(f"\n{'name':34} {'value':>10} {'unit':9} {'limit':>10} {'fraction':>9}")
+    print(f"\n{'name':34} {'value':>10} {'unit':9} {'limit':>10} {'fraction':>9} "
+          f"{'svc cpu s/GB':>12} {'cli cpu s/GB':>12}")
     for r in results:
-        print(f"{r.name:34} {r.value:10.3f} {r.unit:9} {r.limit:10.3f} {r.fraction_of_limit:9.2f}")
+        cpu = "" if r.service_cpu_s_per_gb is None else \
+            f" {r.service_cpu_s_per_gb:12.4f} {r.client_cpu_s_per_gb or 0.0:12.4f}"
+        print(f"{r.name:34} {r.value:10.3f} {r.unit:9} {r.limit:10.3f} "
+              f"{r.fraction_of_limit:9.2f}{cpu}")
     if args.json:
         doc = {
             "results": [asdict(r) for r in results],
