@@ -28,6 +28,8 @@ install_system() {
     command -v redis-server >/dev/null || need+=(redis-server)
     # promtool (Debian's prometheus package) checks deploy/prometheus/*.rules.yaml in the tests.
     command -v promtool >/dev/null || need+=(prometheus)
+    # valgrind (callgrind): `ctxmem bench stable` counts instructions per block; its test runs it.
+    command -v valgrind >/dev/null || need+=(valgrind)
     if [ ${#need[@]} -gt 0 ]; then
         log "apt-get install ${need[*]}"
         $SUDO apt-get update -qq
