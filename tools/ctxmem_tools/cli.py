@@ -40,6 +40,10 @@ def bench_command(argv: list[str]) -> int:
         from ctxmem_tools.bench.stable import run as run_stable
 
         return run_stable(argv[1:])
+    if argv and argv[0] == "profile":
+        from ctxmem_tools.bench.profile import run as run_profile
+
+        return run_profile(argv[1:])
     if argv and argv[0] == "recovery":
         from ctxmem_tools.bench.recovery import run as run_recovery
 
