@@ -26,6 +26,9 @@ def test_bench_uses_the_configured_flash_device(tmp_path: Path) -> None:
     assert doc["params"]["flash_device"] == entry
     names = {r["name"] for r in doc["results"]}
     assert {"flash_get_2MiB_xts", "flash_demote_2MiB", "limit_odirect_read"} <= names
+    # The memcpy limit is the best the machine offers: one thread or every CPU.
+    lim = {r["name"]: r["value"] for r in doc["results"]}
+    assert lim["limit_memcpy"] == max(lim["limit_memcpy_numpy"], lim["limit_memcpy_threads"]) > 0
     # Every throughput of the data path carries the CPU per GB the service (its Stats) and
     # the bench process spent in that phase.
     moved = [r for r in doc["results"] if r["unit"] == "GB/s" and not r["name"].startswith(
