@@ -7,7 +7,8 @@ batch. Every round starts on a barrier, so the N batches really run together:
 
 * aggregate GB/s of a round: N batches' bytes over the time from the first client's
   start to the last one's end; the figure is the median round;
-* p99 (and p50) of one client's batch time over every client and round, and the ratio
+* p99 (and p50) of one client's batch time over every client and round (N x rounds
+  samples: with one client and 8 rounds the p99 is the slowest batch), and the ratio
   p99(N) / p99(1) beside N (target: it grows no faster than the client count);
 * the limit, measured by the same N processes in the same run and with the same
   barrier: each copies its own buffers (numpy's one-thread copy, and a copy split over

@@ -13,6 +13,12 @@ put or get and to dump the count per phase. Those requests are no-ops outside va
 What is counted is the calling thread: the Python path, the shim, the copies and CRCs
 it makes, and its share of gRPC; gRPC's own background threads and the service are not.
 
+Compare counts of the same path only: callgrind counts every iteration of a ``rep``
+string instruction, so a large copy through glibc's ``memcpy`` (``rep movsb``) counts
+about one instruction per byte where numpy's vector loop counts one per 32 bytes. A
+change of copy routine shows up many times larger than it runs; a change of Python
+work per block shows up as it is.
+
 A CPU without performance counters (most VMs: ``perf stat -e instructions`` reports
 "not supported") still runs valgrind, which is why callgrind and not ``perf`` counts
 here. Each phase also reports the blocks and bytes it moved, so the figures are
