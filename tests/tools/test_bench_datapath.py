@@ -31,13 +31,14 @@ def test_bench_uses_the_configured_flash_device(tmp_path: Path) -> None:
     assert lim["limit_memcpy"] == max(lim["limit_memcpy_numpy"], lim["limit_memcpy_threads"]) > 0
     # Every throughput of the data path carries the CPU per GB the service (its Stats) and
     # the bench process spent in that phase. A demotion may have run in the background
-    # (write-back) before its evict, so its phase can cost next to nothing: >= 0 there.
+    # (write-back) before its evict, and the client only sends one Evict, so that phase
+    # can cost next to nothing: >= 0 there, > 0 everywhere else.
     moved = [r for r in doc["results"] if r["unit"] == "GB/s" and not r["name"].startswith(
         "limit_")]
-    assert moved and all(r["client_cpu_s_per_gb"] > 0 for r in moved), moved
-    assert all(r["service_cpu_s_per_gb"] > 0 for r in moved
-               if not r["name"].startswith("flash_demote")), moved
-    assert all(r["service_cpu_s_per_gb"] >= 0 for r in moved), moved
+    assert moved
+    for r in moved:
+        cpu = (r["service_cpu_s_per_gb"], r["client_cpu_s_per_gb"])
+        assert min(cpu) >= 0 if r["name"].startswith("flash_demote") else min(cpu) > 0, r
     assert device.stat().st_size == 1 << 30  # the service created and used it
     assert not (tmp_path / "work" / "xts" / "flash0.img").exists()  # not the default file
 
