@@ -224,9 +224,17 @@ else
   (cd "$REPO" && tar --exclude=./.venv --exclude=./out --exclude=./.git -cf - .) | tar -C "$SRC" -xf -
 fi
 [ -f "$SRC/pyproject.toml" ] || die "source copy has no pyproject.toml"
-log "wheels: building the ctxmem-kv wheel"
-PIP_CACHE_DIR="$CACHE/pip" "$PYTHON" -m pip wheel --quiet --no-deps -w "$WORK/wheels" "$SRC"
-# The distribution is ctxmem-kv (pyproject.toml): its wheel is ctxmem_kv-VERSION-py3-none-any.whl.
+# The native CRC32C helper (setup.py) is compiled for the build host: for another
+# architecture the wheel is built without it (py3-none-any) and the image's service runs
+# the pure CRC32C path (the crc32c package's wheel, itself ARMv8-CRC accelerated), which
+# it logs at start ("CRC32C pure"). The same architecture gets the cp311-abi3 wheel.
+native=1
+[ "$(uname -m)" = "$MARCH" ] || native=0
+log "wheels: building the ctxmem-kv wheel (native CRC32C helper: $([ $native = 1 ] && echo yes || echo "no, $MARCH is not $(uname -m)"))"
+CTXMEM_BUILD_NATIVE=$native PIP_CACHE_DIR="$CACHE/pip" "$PYTHON" -m pip wheel --quiet --no-deps \
+  -w "$WORK/wheels" "$SRC"
+# The distribution is ctxmem-kv (pyproject.toml): its wheel is ctxmem_kv-VERSION-py3-none-any.whl
+# (or -cp311-abi3-linux_ARCH.whl with the native helper).
 built=("$WORK"/wheels/ctxmem_kv-*.whl)
 CTX_WHEEL="${built[0]}"
 [ -f "$CTX_WHEEL" ] || die "the ctxmem_kv wheel was not built in $WORK/wheels"
