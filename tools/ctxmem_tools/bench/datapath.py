@@ -90,7 +90,7 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
 
     def copy_crc_native() -> None:
         for s, d in zip(src, dst, strict=True):
-            copy_crc32c(s, d)
+            copy_crc32c(s.data, d.data)
 
     cipher = XtsCipher(os.urandom(64))
     out = np.empty(block, dtype=np.uint8)
