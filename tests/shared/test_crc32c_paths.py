@@ -1,5 +1,6 @@
-"""Every CRC32C path agrees: the native extension's hardware path (SSE4.2 / ARMv8 CRC) and
-its portable table path, forced in turn with ``set_implementation``, and the pure path (the
+"""Every CRC32C path agrees: each of the native extension's paths this CPU runs (AVX-512
+VPCLMULQDQ folding, SSE4.2 with and without AVX2 streaming stores, ARMv8 CRC, the portable
+table path), forced in turn with ``set_implementation``, and the pure path (the
 ``crc32c`` package), each against the published vectors and against each other on random
 lengths, alignments and initial CRCs; the fused copy copies exactly and refuses a wrong
 size or a read-only destination; ``CTXMEM_CRC32C_IMPL`` picks the path at import.
@@ -32,8 +33,8 @@ if os.environ.get(crc_mod.ENV) == "pure":
 
 from ctxmem_common.codecs import _crc32c_native as native  # type: ignore[attr-defined]  # noqa: E402
 
-# The paths of this machine: the CPU's instructions if it has them, the tables always.
-NATIVE_PATHS = ["table"] + (["hardware"] if native.hardware() else [])
+# The paths of this machine: the tables always, each instruction path the CPU runs.
+NATIVE_PATHS: list[str] = native.available()
 
 
 @pytest.fixture(params=[*NATIVE_PATHS, "pure"])
@@ -47,7 +48,7 @@ def path(request: pytest.FixtureRequest) -> Iterator[tuple[CrcFn, CrcFn]]:
     try:
         yield native.crc32c, native.copy_crc32c
     finally:
-        native.set_implementation("table" if before == "table" else "hardware")
+        native.set_implementation(before)
 
 
 def test_this_machine_has_the_hardware_path() -> None:
@@ -56,6 +57,7 @@ def test_this_machine_has_the_hardware_path() -> None:
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         pytest.skip(f"{platform.machine()}: no CRC32C instructions expected")
     assert native.hardware() is not None
+    assert native.available()[-1] == native.hardware()
     if not os.environ.get(crc_mod.ENV):
         assert f"native/{native.hardware()}" == crc_mod.IMPLEMENTATION
 
@@ -71,10 +73,12 @@ def test_published_vectors(path: tuple[CrcFn, CrcFn], data: bytes, expected: int
 
 def _cases(seed: int) -> Iterator[tuple[int, int, int, int]]:
     """(length, source offset, destination offset, initial CRC): the edges of each path's
-    steps (8-byte words, 3 x 256 and 3 x 8192 stripes, the 64 KiB streaming threshold) and
+    steps (8-byte words, 3 x 256 and 3 x 8192 stripes, the 1 KiB floor and 256-byte steps
+    of the folding path, the 64 KiB streaming threshold) and
     random ones."""
     rng = np.random.default_rng(seed)
-    edges = [0, 1, 7, 8, 9, 255, 767, 768, 769, 24575, 24576, 24577, 65535, 65536, 65537,
+    edges = [0, 1, 7, 8, 9, 255, 767, 768, 769, 1023, 1024, 1025, 1087, 1279, 1280, 1343,
+             24575, 24576, 24577, 65535, 65536, 65537,
              (2 << 20) + 3]
     for n in edges + rng.integers(0, 300_000, 40).tolist():
         yield (int(n), int(rng.integers(0, 64)), int(rng.integers(0, 64)),
@@ -133,6 +137,9 @@ def test_native_argument_errors() -> None:
         native.copy_crc32c(memoryview(buf)[:32], memoryview(buf)[8:40])
     with pytest.raises(ValueError, match="unknown implementation"):
         native.set_implementation("fast")
+    if "sse4.2" in native.available() and "armv8-crc" not in native.available():
+        with pytest.raises(ValueError, match="unknown implementation"):
+            native.set_implementation("armv8-crc")
 
 
 def test_copy_takes_numpy_arrays_of_any_dtype() -> None:
@@ -142,7 +149,7 @@ def test_copy_takes_numpy_arrays_of_any_dtype() -> None:
     assert np.array_equal(src, dst)
 
 
-@pytest.mark.parametrize("choice", [*NATIVE_PATHS, "pure", "bogus"])
+@pytest.mark.parametrize("choice", ["hardware", "table", "pure", "bogus"])
 def test_the_env_switch_picks_the_path(choice: str) -> None:
     code = ("from ctxmem_common.codecs import CRC32C_IMPLEMENTATION as i, crc32c, copy_crc32c;"
             "d = bytearray(9); assert copy_crc32c(b'123456789', d) == crc32c(d) == 0xE3069283;"
