@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem.transport.verified import ReadProgress, copy_checked
-from ctxmem_common.codecs import copy_crc32c
+from ctxmem_common.codecs import CRC32C_FUSED, copy_crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import (
     SHM_HELLO,
@@ -110,7 +110,11 @@ class ShmChannel(DataChannel):
     def write_crc(self, allocation_id: bytes, slots: Sequence[pb.Slot],
                   views: Sequence[memoryview]) -> list[int]:
         """Copy each view into its slot and CRC it in the same pass: the CRC32C Commit
-        carries is of the very bytes stored in the slot."""
+        carries is of the very bytes stored in the slot (read from the view once). On the
+        pure CRC32C path (no fused copy) the views are CRC'd first, then copied: a CRC of
+        the slot after the copy could cover another mapper's bytes."""
+        if not CRC32C_FUSED:
+            return super().write_crc(allocation_id, slots, views)
         with self._lock:
             out = []
             for slot, src in zip(slots, views, strict=True):

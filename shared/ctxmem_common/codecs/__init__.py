@@ -8,9 +8,10 @@ The flash write pipeline's order is: CRC32C of the plaintext (at commit) → enc
 write; the read pipeline is: read → decrypt → verify CRC32C. A mismatch is a miss.
 """
 
+from ctxmem_common.codecs.crc import FUSED as CRC32C_FUSED
 from ctxmem_common.codecs.crc import IMPLEMENTATION as CRC32C_IMPLEMENTATION
 from ctxmem_common.codecs.crc import copy_crc32c, crc32c
 from ctxmem_common.codecs.xts import XtsCipher, derive_namespace_key, xts_tweak
 
-__all__ = ["CRC32C_IMPLEMENTATION", "XtsCipher", "copy_crc32c", "crc32c",
+__all__ = ["CRC32C_FUSED", "CRC32C_IMPLEMENTATION", "XtsCipher", "copy_crc32c", "crc32c",
            "derive_namespace_key", "xts_tweak"]

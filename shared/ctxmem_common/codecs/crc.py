@@ -9,7 +9,9 @@ Two implementations stand behind the same functions:
   destination holds exactly the bytes that were checked.
 * ``pure``: the ``crc32c`` package (also hardware-accelerated, no fused copy): the fallback
   when the extension was not built; :func:`copy_crc32c` then copies, then CRCs the
-  destination chunk by chunk while it is in cache (still the bytes as stored).
+  destination chunk by chunk while it is in cache: the bytes as stored, provided nobody
+  else writes ``dst`` meanwhile. So where ``dst`` is shared (a put into a slab slot), a
+  caller checks :data:`FUSED` and otherwise CRCs its own source before copying.
 
 ``CTXMEM_CRC32C_IMPL`` forces one at import: ``hardware``, ``table`` (the extension's
 portable path) or ``pure``; unset means the fastest available. Tests and ``ctxmem bench``
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 import crc32c as _crc32c
 
-__all__ = ["IMPLEMENTATION", "copy_crc32c", "crc32c"]
+__all__ = ["FUSED", "IMPLEMENTATION", "copy_crc32c", "crc32c"]
 
 ENV = "CTXMEM_CRC32C_IMPL"
 _CHOICES = ("hardware", "table", "pure")
@@ -65,6 +67,10 @@ _native = _load_native(_choice)
 
 IMPLEMENTATION: str = "pure" if _native is None else f"native/{_native.implementation()}"
 """The active implementation (see the module docstring)."""
+
+FUSED: bool = _native is not None
+"""Whether :func:`copy_crc32c` CRCs each word from the register it stores (native), so the
+CRC is of the bytes stored even if ``dst`` is written by someone else during the copy."""
 
 
 def _pure_crc32c(data: Buffer, value: int = 0) -> int:
