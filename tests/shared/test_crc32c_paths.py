@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -165,3 +167,37 @@ def test_the_env_switch_picks_the_path(choice: str) -> None:
     want = {"pure": "pure", "table": "native/table"}.get(choice, f"native/{native.hardware()}")
     assert r.stdout.strip() == want
 
+
+
+HARNESS = Path(__file__).with_name("crc32c_harness.c")
+SOURCE_DIR = Path(crc_mod.__file__).parent
+
+
+def _run_harness(cc: str, runner: list[str], tmp_path: Path) -> str:
+    exe = tmp_path / f"harness-{Path(cc).name}"
+    subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-static",
+                    f"-I{SOURCE_DIR}", "-o", str(exe), str(HARNESS)],
+                   check=True, capture_output=True, timeout=120)
+    r = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_c_core_every_path_of_this_cpu(tmp_path: Path) -> None:
+    """The C core alone (no Python), as the compiler of this machine builds it."""
+    if shutil.which("gcc") is None:
+        pytest.fail("gcc not found (deploy/setup.sh installs it)")
+    out = _run_harness("gcc", [], tmp_path)
+    for name in native.available():
+        assert f"{name} " in out and "FAIL" not in out, out
+
+
+def test_c_core_armv8_crc_path_under_qemu(tmp_path: Path) -> None:
+    """BlueField's path (ARMv8 CRC32C instructions), cross-compiled and run under
+    qemu-aarch64-static: vectors and agreement with the table path, copy and CRC."""
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64-static")
+    if cc is None or qemu is None:
+        pytest.skip("needs gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and qemu-user-static")
+    out = _run_harness(cc, [qemu], tmp_path)
+    assert "armv8-crc            ok" in out, out
