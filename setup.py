@@ -3,8 +3,9 @@ fused copy + CRC32C in C; see the C file's header). Everything else is in pyproj
 
 The extension is optional: if it cannot be built (no compiler, no Python headers, an old
 Python), the install still succeeds and ``ctxmem_common.codecs`` falls back to the
-``crc32c`` package. ``CTXMEM_BUILD_NATIVE=0`` skips it on purpose (the arm64 image's wheel is
-built on an x86-64 host, where a native build would be for the wrong machine).
+``crc32c`` package (tests/shared/test_crc32c_paths.py fails then, rather than pass on the
+fallback). ``CTXMEM_BUILD_NATIVE=0`` skips it on purpose (deploy/image/build.sh, for a
+foreign architecture without a cross compiler; with one, it cross-compiles instead).
 On Python >= 3.11 it is built against the limited API, so one wheel (cp311-abi3) per
 architecture serves every later Python.
 """
