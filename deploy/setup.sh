@@ -24,6 +24,11 @@ install_system() {
     command -v python3 >/dev/null || need+=(python3)
     python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
     command -v gcc >/dev/null || need+=(gcc)
+    # The native CRC32C helper (setup.py) compiles against the headers of the Python the
+    # venv is made from; without them `pip install -e .` still works, on the pure path.
+    python3 -c 'import os, sys, sysconfig
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+        2>/dev/null || need+=(python3-dev)
     # Redis (Debian's package) is the pod tier's cluster index; the tests start their own.
     command -v redis-server >/dev/null || need+=(redis-server)
     # promtool (Debian's prometheus package) checks deploy/prometheus/*.rules.yaml in the tests.
@@ -43,7 +48,9 @@ install_python() {
         python3 -m venv "$VENV"
     fi
     local stamp="$VENV/.ctxmem-installed" want
-    want=$(cat pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)
+    # setup.py and the C source too: a change to the native helper rebuilds it.
+    want=$(cat pyproject.toml setup.py shared/ctxmem_common/codecs/*.c deploy/setup.sh \
+        | sha256sum | cut -c1-16)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "pip install -e .[dev,tools,spdk]"
         "$VENV/bin/pip" install -q --upgrade pip

@@ -224,9 +224,30 @@ else
   (cd "$REPO" && tar --exclude=./.venv --exclude=./out --exclude=./.git -cf - .) | tar -C "$SRC" -xf -
 fi
 [ -f "$SRC/pyproject.toml" ] || die "source copy has no pyproject.toml"
-log "wheels: building the ctxmem-kv wheel"
-PIP_CACHE_DIR="$CACHE/pip" "$PYTHON" -m pip wheel --quiet --no-deps -w "$WORK/wheels" "$SRC"
-# The distribution is ctxmem-kv (pyproject.toml): its wheel is ctxmem_kv-VERSION-py3-none-any.whl.
+# The native CRC32C helper (setup.py; the ARMv8 CRC32C instructions on a BlueField) is
+# C: on the image's own architecture the wheel is built as usual (cp311-abi3); for another
+# one it is cross-compiled with Debian's ${MARCH}-linux-gnu-gcc (deploy/image/deps.sh
+# installs it), against this host's Python headers: the limited API's structures are the
+# same on every 64-bit little-endian Linux, and the image's python3.11 loads the module
+# (its service logs "CRC32C native/armv8-crc" at start). Without that compiler the wheel is
+# py3-none-any and the image runs the pure path ("CRC32C pure": the crc32c package).
+wheel_env=(CTXMEM_BUILD_NATIVE=1)
+wheel_opts=()
+if [ "$(uname -m)" = "$MARCH" ]; then
+  native="yes"
+elif command -v "$MARCH-linux-gnu-gcc" >/dev/null; then
+  native="yes, cross-compiled with $MARCH-linux-gnu-gcc"
+  wheel_env+=(CC="$MARCH-linux-gnu-gcc" LDSHARED="$MARCH-linux-gnu-gcc -shared")
+  wheel_opts=(-C--build-option=--plat-name=linux_$MARCH)
+else
+  native="NO: no $MARCH-linux-gnu-gcc (run deploy/image/deps.sh); the image gets the pure path"
+  wheel_env=(CTXMEM_BUILD_NATIVE=0)
+fi
+log "wheels: building the ctxmem-kv wheel (native CRC32C helper: $native)"
+env "${wheel_env[@]}" PIP_CACHE_DIR="$CACHE/pip" "$PYTHON" -m pip wheel --quiet --no-deps \
+  "${wheel_opts[@]}" -w "$WORK/wheels" "$SRC"
+# The distribution is ctxmem-kv (pyproject.toml): its wheel is
+# ctxmem_kv-VERSION-cp311-abi3-linux_ARCH.whl (py3-none-any without the native helper).
 built=("$WORK"/wheels/ctxmem_kv-*.whl)
 CTX_WHEEL="${built[0]}"
 [ -f "$CTX_WHEEL" ] || die "the ctxmem_kv wheel was not built in $WORK/wheels"
@@ -236,6 +257,8 @@ mkdir -p "$WHEELHOUSE"
 platforms=()
 for ((y = GLIBC_MINOR; y >= 17; y--)); do platforms+=(--platform "manylinux_2_${y}_${MARCH}"); done
 platforms+=(--platform "manylinux2014_${MARCH}")
+# (and linux_ARCH: the project's own wheel, with the native helper, carries that tag)
+platforms+=(--platform "linux_${MARCH}")
 # Name the wheel by path: by name it would resolve against the index (and "ctxmem", the
 # old distribution name, is another project there).
 req="$CTX_WHEEL"

@@ -13,7 +13,10 @@
 # Idempotent: installs only what is missing. Works as root; uses sudo otherwise.
 set -euo pipefail
 
-PKGS=(mmdebstrap arch-test umoci skopeo qemu-user-static binfmt-support ca-certificates)
+#   gcc-aarch64-linux-gnu + libc6-dev-arm64-cross
+#                   cross-compile the native CRC32C helper for the arm64 image
+PKGS=(mmdebstrap arch-test umoci skopeo qemu-user-static binfmt-support ca-certificates
+      gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
 
 if [ "$(id -u)" -eq 0 ]; then SUDO=(); else SUDO=(sudo); fi
 export DEBIAN_FRONTEND=noninteractive

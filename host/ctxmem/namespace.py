@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ctxmem.buffers import Staged
 from ctxmem.transport.base import TransportError
 from ctxmem.transport.verified import ReadProgress
-from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import (
     CtxmemError,
     InvalidArgument,
@@ -154,7 +153,6 @@ class Namespace:
         return PutResult(stored, existing)
 
     def _put_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, int]:
-        crcs = [crc32c(v) for v in views]  # Commit requires them (end-to-end integrity)
         rpc = self.client._rpc
 
         def op(s: _Session) -> tuple[int, int]:
@@ -166,7 +164,9 @@ class Namespace:
                                                abort=True))
                 return 0, len(keys)
             try:
-                s.channel.write(a.allocation_id, a.slots, [views[i] for i in new])
+                # Commit requires the CRCs (end-to-end integrity); the channel computes
+                # them in the same pass as its copy where it can (shared memory).
+                crcs = s.channel.write_crc(a.allocation_id, a.slots, [views[i] for i in new])
             except TransportError:
                 with contextlib.suppress(CtxmemError):
                     rpc("Commit", pb.CommitRequest(session_id=s.id,
@@ -174,7 +174,7 @@ class Namespace:
                 raise
             c = rpc("Commit", pb.CommitRequest(
                 session_id=s.id, allocation_id=a.allocation_id,
-                crc32c=[crcs[i] for i in new] if crcs else []))
+                crc32c=crcs))
             return c.committed, len(keys) - len(new)
 
         return self._retrying(op)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -247,6 +248,14 @@ def _wait_ready(svc: Service) -> float:
 def test_service_health_and_round_trip(service: Service) -> None:
     startup_s = _wait_ready(service)
     print(f"{ARCH} service ({'emulated' if EMULATED else 'native'}) ready in {startup_s:.1f} s")
+    # Which CRC32C path the image's service runs (its start line says): the native helper,
+    # cross-compiled for arm64 (deploy/image/build.sh), so on a BlueField the ARMv8 CRC32C
+    # instructions (qemu-aarch64 emulates them too).
+    crc = re.search(r"CRC32C (\S+)", service.log.read_text())
+    assert crc, f"the service's start line names no CRC32C path:\n{service.log.read_text()}"
+    print(f"{ARCH} service CRC32C path: {crc.group(1)}")
+    assert crc.group(1) == ("native/armv8-crc" if ARCH == "arm64" else crc.group(1)), crc.group(1)
+    assert crc.group(1).startswith("native/"), crc.group(1)
     assert _http_status(service.metrics + "/healthz") == 200
     if EMULATED:
         # The image's PID 1 (tini) is a foreign binary run by QEMU through binfmt_misc.

@@ -1,8 +1,11 @@
 """The distribution is ready to publish: ``python -m build`` makes an sdist and a wheel with
 no deprecation warning, ``twine check --strict`` passes both, the wheel is one
-``py3-none-any`` wheel (pure Python: the same file serves x86-64 and arm64) named
-``ctxmem-kv`` (``ctxmem`` on PyPI is an unrelated project) and installs into an empty
-directory from which ``import ctxmem, ctxmem_dpu, ctxmem_common`` work.
+``cp311-abi3`` wheel for this machine's architecture (Python code plus the native CRC32C
+helper built against the limited API: one wheel per architecture serves Python >= 3.11)
+named ``ctxmem-kv`` (``ctxmem`` on PyPI is an unrelated project) and installs into an
+empty directory from which ``import ctxmem, ctxmem_dpu, ctxmem_common`` work, with the
+native helper active. ``CTXMEM_BUILD_NATIVE=0`` (what the arm64 image build on an x86-64
+host uses) makes one ``py3-none-any`` wheel without it.
 
 The build runs ``--no-isolation`` (the test environment's setuptools, no download) on a
 clean copy of the tree (git-tracked and untracked-not-ignored files, what a clone has), so
@@ -12,6 +15,8 @@ it never writes ``build/`` or ``*.egg-info`` into the checkout. About 3 s.
 from __future__ import annotations
 
 import email.parser
+import os
+import platform
 import re
 import shutil
 import subprocess
@@ -40,10 +45,11 @@ def copy_tree(dst: Path) -> Path:
     return src
 
 
-def build(src: Path, out: Path) -> subprocess.CompletedProcess[str]:
+def build(src: Path, out: Path, native: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CTXMEM_BUILD_NATIVE": "1" if native else "0"}
     return subprocess.run(
         [sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir",
-         str(out), str(src)], capture_output=True, text=True, timeout=300)
+         str(out), str(src)], capture_output=True, text=True, timeout=300, env=env)
 
 
 def deprecations(log: str) -> list[str]:
@@ -89,10 +95,14 @@ def test_twine_check_passes(dist: tuple[Path, str]) -> None:
     assert proc.stdout.count("PASSED") == 2, proc.stdout
 
 
-def test_one_pure_python_wheel_with_the_new_name(dist: tuple[Path, str]) -> None:
+NATIVE = "ctxmem_common/codecs/_crc32c_native.abi3.so"
+
+
+def test_one_abi3_wheel_with_the_native_helper(dist: tuple[Path, str]) -> None:
     out, _log = dist
     wheels = list(out.glob("*.whl"))
-    assert [w.name for w in wheels] == ["ctxmem_kv-0.1.0-py3-none-any.whl"]
+    tag = f"cp311-abi3-linux_{platform.machine()}"
+    assert [w.name for w in wheels] == [f"ctxmem_kv-0.1.0-{tag}.whl"]
     assert (out / "ctxmem_kv-0.1.0.tar.gz").is_file()
     with zipfile.ZipFile(wheels[0]) as zf:
         names = zf.namelist()
@@ -100,8 +110,8 @@ def test_one_pure_python_wheel_with_the_new_name(dist: tuple[Path, str]) -> None
             zf.read("ctxmem_kv-0.1.0.dist-info/METADATA").decode())
         wheel = zf.read("ctxmem_kv-0.1.0.dist-info/WHEEL").decode()
         eps = zf.read("ctxmem_kv-0.1.0.dist-info/entry_points.txt").decode()
-    assert "Root-Is-Purelib: true" in wheel and "Tag: py3-none-any" in wheel, wheel
-    assert not [n for n in names if n.endswith((".so", ".pyd", ".dylib"))]
+    assert "Root-Is-Purelib: false" in wheel and f"Tag: {tag}" in wheel, wheel
+    assert [n for n in names if n.endswith((".so", ".pyd", ".dylib"))] == [NATIVE]
     assert meta["Name"] == DIST_NAME
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta.get_all("License-File") == ["LICENSE"]
@@ -128,12 +138,26 @@ def test_wheel_installs_and_imports(dist: tuple[Path, str], tmp_path: Path) -> N
             f"for name in {IMPORTS!r}:\n"
             "    mod = importlib.import_module(name)\n"
             "    assert mod.__file__.startswith(sys.argv[1]), (name, mod.__file__)\n"
+            "from ctxmem_common.codecs import CRC32C_IMPLEMENTATION as impl\n"
+            "assert impl.startswith('native/'), impl\n"
             f"print(md.version({DIST_NAME!r}))\n")
     proc = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path,
                           env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "0.1.0"
+
+
+def test_pure_wheel_when_native_is_off(tmp_path: Path) -> None:
+    """``CTXMEM_BUILD_NATIVE=0``: one ``py3-none-any`` wheel (the arm64 image's, built on
+    an x86-64 host), whose CRC32C is the ``crc32c`` package's."""
+    proc = build(copy_tree(tmp_path), tmp_path / "dist", native=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    wheels = list((tmp_path / "dist").glob("*.whl"))
+    assert [w.name for w in wheels] == ["ctxmem_kv-0.1.0-py3-none-any.whl"]
+    with zipfile.ZipFile(wheels[0]) as zf:
+        assert not [n for n in zf.namelist() if n.endswith((".so", ".pyd", ".dylib"))]
+        assert "Root-Is-Purelib: true" in zf.read("ctxmem_kv-0.1.0.dist-info/WHEEL").decode()
 
 
 def test_image_build_finds_the_wheel(dist: tuple[Path, str]) -> None:

@@ -1,7 +1,8 @@
-"""Issue 13, case 1 (shim side) and case 5: every get checks each block's CRC32C as it is
-copied out, writes a block into the caller's buffer only if it passed, and leaves every
-buffer past the returned count untouched: whatever happened to the block's bytes in DRAM,
-whenever the lease expired, whether the service went away between batches.
+"""Issue 13, case 1 (shim side) and case 5: every get checks each block's CRC32C in the
+same pass as its copy into the caller's buffer, scrubs (zeroes) the buffer of a block that
+failed, and leaves every buffer after it untouched: no buffer ever holds wrong bytes,
+whatever happened to the block's bytes in DRAM (before or during the copy), whenever the
+lease expired, whether the service went away between batches.
 
 The bytes of a committed block are changed in DRAM by a raw client that maps the slab
 (it acquired the block, so it may map the region, and a shared-memory mapping is
@@ -18,9 +19,10 @@ import numpy as np
 import pytest
 
 import ctxmem
+from ctxmem.transport import verified
 from ctxmem.transport.base import TransportError
 from ctxmem.transport.shm import ShmChannel
-from ctxmem.transport.verified import BlockBounce, ReadProgress
+from ctxmem.transport.verified import ReadProgress, copy_checked
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from tests.adversary.raw import RawAllocation, RawSession
@@ -64,31 +66,65 @@ def test_block_changed_in_dram_is_a_miss_and_nothing_past_it_is_written(
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N
         corrupt(raw, ks[5])
-        assert get_checked(ns, ks) == 5
+        assert get_checked(ns, ks, scrubbed=True) == 5
         assert get_checked(ns, ks[:5]) == 5
 
 
 def test_expired_lease_keeps_the_verified_blocks(
         svc: Any, raw: RawSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """The lease expires while block 3 is copied and block 5 changes meanwhile: blocks
-    0-4 passed their check and count; 5 fails and is not written, nor are 6 and 7."""
+    0-4 passed their check and count; 5 fails and is scrubbed, 6 and 7 are not written."""
     ks = keys("lease")
-    real = BlockBounce.deliver
+    real = verified.copy_crc32c
     calls = 0
 
-    def slow_deliver(self: BlockBounce, dst: memoryview, crc: int, want: int) -> bool:
+    def slow_copy(src: memoryview, dst: memoryview, value: int = 0) -> int:
         nonlocal calls
         calls += 1
+        crc = real(src, dst, value)
         if calls == 4:
             corrupt(raw, ks[5])
             time.sleep(1.6)  # past lease_ttl_s: Release will say the lease expired
-        return real(self, dst, crc, want)
+        return crc
 
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N
-        monkeypatch.setattr(BlockBounce, "deliver", slow_deliver)
-        assert get_checked(ns, ks) == 5
+        monkeypatch.setattr(verified, "copy_crc32c", slow_copy)
+        assert get_checked(ns, ks, scrubbed=True) == 5
+
+
+@pytest.mark.parametrize("changed", ["copied", "not_yet_copied"])
+def test_slot_changed_mid_copy_never_yields_a_wrong_block(
+        svc: Any, monkeypatch: pytest.MonkeyPatch, changed: str) -> None:
+    """A writer changes block 3's slot while it is being copied out (the copy is split in
+    two halves with the change in between, through the client's own writable mapping of
+    the slab). A byte the copy already stored: the buffer holds the committed bytes, which
+    is what was checked, so the block is delivered, exact. A byte not copied yet: the
+    buffer would hold it, so the check fails, the buffer is scrubbed and the run ends."""
+    ks = keys(f"midcopy-{changed}")
+    real = verified.copy_crc32c
+    calls = 0
+
+    def racy_copy(src: memoryview, dst: memoryview, value: int = 0) -> int:
+        nonlocal calls
+        calls += 1
+        if calls != 4:
+            return real(src, dst, value)
+        half = src.nbytes // 2
+        crc = real(src[:half], dst[:half], value)
+        at = half // 2 if changed == "copied" else half + half // 2
+        src[at] ^= 0xFF  # the slot itself, as any mapper of the slab could
+        return real(src[half:], dst[half:], crc)
+
+    with ctxmem.Client(svc.endpoint, transport="shm") as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        assert ns.put(ks, [content(k) for k in ks]).stored == N
+        monkeypatch.setattr(verified, "copy_crc32c", racy_copy)
+        if changed == "copied":
+            assert get_checked(ns, ks[:4]) == 4
+        else:
+            assert get_checked(ns, ks, scrubbed=True) == 3
 
 
 @pytest.mark.parametrize(("when", "served"), [("before_acquire", 2), ("before_release", 4)])
@@ -158,13 +194,10 @@ def test_unverified_get_still_works(svc: Any) -> None:
         assert get_checked(ns, ks) == N
 
 
-def test_bounce_delivers_only_matching_bytes() -> None:
+def test_copy_checked_scrubs_a_mismatch() -> None:
     src = memoryview(np.arange(3 * BLOCK + 7, dtype=np.uint64).view(np.uint8))
     dst = bytearray([SENTINEL]) * src.nbytes
-    b = BlockBounce()
-    crc = b.copy_in(src)
-    assert crc == crc32c(src)
-    assert not b.deliver(memoryview(dst), crc, crc ^ 1)
-    assert dst.count(SENTINEL) == len(dst)
-    assert b.deliver(memoryview(dst), crc, crc32c(src))
+    assert not copy_checked(src, memoryview(dst), crc32c(src) ^ 1)
+    assert dst.count(0) == len(dst), "a block that failed leaves zeros, not its bytes"
+    assert copy_checked(src, memoryview(dst), crc32c(src))
     assert bytes(dst) == bytes(src)

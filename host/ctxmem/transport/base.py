@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from ctxmem.transport.verified import BlockBounce, ReadProgress
+from ctxmem.transport.verified import ReadProgress, check_landed
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
@@ -25,6 +25,15 @@ class DataChannel(abc.ABC):
     def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None: ...
 
+    def write_crc(self, allocation_id: bytes, slots: Sequence[pb.Slot],
+                  views: Sequence[memoryview]) -> list[int]:
+        """:meth:`write`, returning each view's CRC32C (what Commit carries: the put's
+        end-to-end check). This default CRCs the views, then writes them; shared memory
+        fuses the CRC with its copy into the slot."""
+        crcs = [crc32c(v) for v in views]
+        self.write(allocation_id, slots, views)
+        return crcs
+
     @abc.abstractmethod
     def read(self, lease_id: bytes, slots: Sequence[pb.Slot],
              views: Sequence[memoryview]) -> None:
@@ -33,28 +42,20 @@ class DataChannel(abc.ABC):
     def read_verified(self, lease_id: bytes, slots: Sequence[pb.Slot],
                       views: Sequence[memoryview], crcs: Sequence[int],
                       progress: ReadProgress) -> None:
-        """Read each block through the channel's bounce and write it into its view only if
-        its CRC32C equals ``crcs[i]``; stop at the first block that fails (recorded in
-        ``progress.bad``; it and later views stay untouched). ``progress.done`` counts the
-        blocks delivered so far, also when this raises.
+        """Read each block into its view and check its CRC32C against ``crcs[i]``; stop
+        at the first block that fails (recorded in ``progress.bad``; its view is zeroed,
+        later views stay untouched). ``progress.done`` counts the blocks delivered so far,
+        also when this raises.
 
-        This default reads one block per :meth:`read` call; channels override it to fuse
-        the check with their copy (see :mod:`ctxmem.transport.verified`)."""
-        bounce = self._verify_bounce()
+        This default reads one block per :meth:`read` call, then CRCs it in place;
+        channels override it to fuse the check with their copy (see
+        :mod:`ctxmem.transport.verified`)."""
         for i, (slot, dst, want) in enumerate(zip(slots, views, crcs, strict=True)):
-            tmp = bounce.view(dst.nbytes)
-            self.read(lease_id, [slot], [tmp])
-            if not bounce.deliver(dst, crc32c(tmp), want):
+            self.read(lease_id, [slot], [dst])
+            if not check_landed(dst, crc32c(dst), want):
                 progress.bad = i
                 return
             progress.done = i + 1
-
-    def _verify_bounce(self) -> BlockBounce:
-        bounce: BlockBounce | None = getattr(self, "_block_bounce", None)
-        if bounce is None:
-            bounce = BlockBounce()
-            self._block_bounce = bounce
-        return bounce
 
     @abc.abstractmethod
     def close(self) -> None: ...

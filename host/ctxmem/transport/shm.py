@@ -2,11 +2,12 @@
 
 Regions are mapped on first use and cached by ``(region, generation)``; a slot naming a
 newer generation means the slab was recycled, so the old mapping is dropped and the new
-memfd fetched. A write is a memoryview slice assignment: a single C ``memcpy``. A verified
-read (the default get) copies each block out of the mapping through a private bounce of
-one block, CRC-ing it chunk by chunk as it passes, and delivers it only if the CRC matches
-(:mod:`ctxmem.transport.verified`): another client that still maps the slab cannot make a
-get return bytes that were not committed.
+memfd fetched. An unverified write or read is a memoryview slice assignment: a single C
+``memcpy``. A put's write (:meth:`ShmChannel.write_crc`) and a verified read (the default
+get) copy each block with :func:`~ctxmem_common.codecs.copy_crc32c`, the copy and its
+CRC32C in one pass; a read whose CRC differs from the committed one scrubs the buffer and
+stops (:mod:`ctxmem.transport.verified`): another client that still maps the slab cannot
+make a get return bytes that were not committed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import threading
 from collections.abc import Sequence
 
 from ctxmem.transport.base import DataChannel, TransportError
-from ctxmem.transport.verified import ReadProgress
+from ctxmem.transport.verified import ReadProgress, copy_checked
+from ctxmem_common.codecs import CRC32C_FUSED, copy_crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import (
     SHM_HELLO,
@@ -105,6 +107,21 @@ class ShmChannel(DataChannel):
                 region = self._region(slot.region, slot.generation)
                 region[slot.offset : slot.offset + slot.length] = src
 
+    def write_crc(self, allocation_id: bytes, slots: Sequence[pb.Slot],
+                  views: Sequence[memoryview]) -> list[int]:
+        """Copy each view into its slot and CRC it in the same pass: the CRC32C Commit
+        carries is of the very bytes stored in the slot (read from the view once). On the
+        pure CRC32C path (no fused copy) the views are CRC'd first, then copied: a CRC of
+        the slot after the copy could cover another mapper's bytes."""
+        if not CRC32C_FUSED:
+            return super().write_crc(allocation_id, slots, views)
+        with self._lock:
+            out = []
+            for slot, src in zip(slots, views, strict=True):
+                region = self._region(slot.region, slot.generation)
+                out.append(copy_crc32c(src, region[slot.offset : slot.offset + slot.length]))
+            return out
+
     def read(self, lease_id: bytes, slots: Sequence[pb.Slot],
              views: Sequence[memoryview]) -> None:
         with self._lock:
@@ -115,12 +132,10 @@ class ShmChannel(DataChannel):
     def read_verified(self, lease_id: bytes, slots: Sequence[pb.Slot],
                       views: Sequence[memoryview], crcs: Sequence[int],
                       progress: ReadProgress) -> None:
-        bounce = self._verify_bounce()
         with self._lock:
             for i, (slot, dst, want) in enumerate(zip(slots, views, crcs, strict=True)):
                 region = self._region(slot.region, slot.generation)
-                crc = bounce.copy_in(region[slot.offset : slot.offset + slot.length])
-                if not bounce.deliver(dst, crc, want):
+                if not copy_checked(region[slot.offset : slot.offset + slot.length], dst, want):
                     progress.bad = i
                     return
                 progress.done = i + 1

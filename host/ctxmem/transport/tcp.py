@@ -2,11 +2,10 @@
 
 A batch is sent back to back (request headers and payloads), then the answers are read,
 so a batch costs one round trip, not one per block. Writes go straight from the caller's
-buffers (``sendall`` of a memoryview). A verified read (the default get) receives each
-block into the channel's one-block bounce, CRC-ing each received piece while it is in
-cache, and copies it into the caller's buffer only if the CRC matches
-(:mod:`ctxmem.transport.verified`); an unverified read receives straight into the caller's
-buffer.
+buffers (``sendall`` of a memoryview). Reads receive straight into the caller's buffers; a
+verified read (the default get) CRCs each received piece as it lands, while it is in
+cache, and a block whose CRC differs from the committed one is scrubbed (zeroed) and ends
+the run (:mod:`ctxmem.transport.verified`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ctxmem.transport.base import DataChannel, TransportError
-from ctxmem.transport.verified import ReadProgress
+from ctxmem.transport.verified import ReadProgress, check_landed, scrub
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import OP_READ, OP_WRITE, STATUS_TEXT, TCP_HELLO, TCP_REQ, TCP_RESP, Status
@@ -118,11 +117,11 @@ class TcpChannel(DataChannel):
 
     def _read(self, lease_id: bytes, views: Sequence[memoryview], crcs: Sequence[int] | None,
               progress: ReadProgress) -> None:
-        """Pipelined read of every block of the lease: into ``views`` directly when
-        ``crcs`` is ``None``, else through the bounce, delivering only blocks that match.
-        After a failed block the rest of the answers are still drained (into the bounce)
-        so the connection stays in step."""
-        bounce = self._verify_bounce()
+        """Pipelined read of every block of the lease into ``views``, checking each
+        against ``crcs`` unless it is ``None``. After a failed block (scrubbed) the rest
+        of the answers are still drained, into a scratch buffer, so the connection stays
+        in step and the views after it stay untouched."""
+        scratch: memoryview | None = None
         with self._lock:
             try:
                 self._sock.sendall(b"".join(
@@ -136,13 +135,20 @@ class TcpChannel(DataChannel):
                     if crcs is None:
                         _recv_into(self._sock, view)
                         progress.done = i + 1
-                        continue
-                    crc = _recv_into(self._sock, bounce.view(length), crc=True)
-                    if progress.bad is None:
-                        if bounce.deliver(view, crc, crcs[i]):
+                    elif progress.bad is None:
+                        try:
+                            crc = _recv_into(self._sock, view, crc=True)
+                        except BaseException:
+                            scrub(view)  # part of a block arrived: none of it stays
+                            raise
+                        if check_landed(view, crc, crcs[i]):
                             progress.done = i + 1
                         else:
                             progress.bad = i
+                    else:
+                        if scratch is None or scratch.nbytes < length:
+                            scratch = memoryview(bytearray(length))
+                        _recv_into(self._sock, scratch[:length])
             except OSError as exc:
                 raise TransportError(f"TCP read failed: {exc}") from None
 

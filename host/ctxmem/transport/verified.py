@@ -1,19 +1,26 @@
-"""Verified reads: a block reaches the caller's buffer only after its CRC32C matched.
+"""Verified reads: a get never leaves a block's buffer holding bytes that failed its CRC32C.
 
-Every channel's :meth:`~ctxmem.transport.base.DataChannel.read_verified` delivers blocks
-through :class:`BlockBounce`, a per-channel buffer of one block: the block's bytes are
-copied (shared memory), received (TCP) or RDMA-read into it, their CRC32C is computed as
-they arrive, chunk by chunk while the chunk is still in cache, and only if it equals the
-CRC committed with the block are they copied into the caller's buffer. So
+Every channel's :meth:`~ctxmem.transport.base.DataChannel.read_verified` moves each block
+straight into the caller's buffer and checks it in the same pass:
 
-* the bytes in the caller's buffer are exactly the bytes that were checked: a stale or
-  hostile writer changing the slot during the copy changes the bounce at worst, and then
-  the block fails its check (no check-then-copy race);
-* a block that fails is not written at all, and neither is any block after it: a get
-  leaves buffers past its returned count untouched.
+* shared memory: :func:`copy_checked` copies the block out of the mapped slot with
+  :func:`~ctxmem_common.codecs.copy_crc32c`, which CRCs each word from the register it
+  stores (native: SSE4.2 / ARMv8 CRC, one pass over memory), so the CRC is of exactly the
+  bytes now in the buffer: a stale or hostile writer changing the slot during the copy
+  makes the block fail its check, never pass with bytes that were not checked;
+* TCP: each received piece is CRC'd as it lands in the buffer, while it is in cache;
+* RDMA keeps its own landing buffer (:mod:`ctxmem.transport.rdma_buffers`): a failed
+  block is never copied out of it.
 
-The bounce stays in L2/L3 (one block), so the common path costs about one copy's DRAM
-traffic plus the CRC's compute (see docs/benchmarks.md, ``dram_get_*_verify``).
+A block whose CRC differs from the one committed with it is scrubbed (:func:`scrub`: its
+buffer is zeroed) and the read stops there. So after a get that returned ``n``:
+buffers ``0..n-1`` hold exactly their committed blocks; buffer ``n``, if a block failed
+there, holds zeros (shared memory, TCP) or its previous content (RDMA), never wrong bytes;
+every buffer after it is untouched.
+
+Why not a private bounce (copy + CRC into it, deliver only on a match, as before): the
+second copy (bounce -> buffer) cost a third of a 2 MiB get's time; fused into the caller's
+buffer, a verified get moves each byte once (docs/benchmarks.md, ``dram_get_*_verify``).
 """
 
 from __future__ import annotations
@@ -22,13 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ctxmem_common.codecs import crc32c
+from ctxmem_common.codecs import copy_crc32c
 
-__all__ = ["CHUNK_BYTES", "BlockBounce", "ReadProgress"]
-
-CHUNK_BYTES = 512 << 10
-"""Copy-and-CRC step of a shared-memory block: small enough to be CRC'd from L2 right
-after it was copied, big enough that the per-chunk Python call does not show."""
+__all__ = ["ReadProgress", "check_landed", "copy_checked", "scrub"]
 
 
 @dataclass
@@ -38,43 +41,29 @@ class ReadProgress:
 
     ``done``: leading blocks written to their destination (each verified, unless the
     read was unverified). ``bad``: index of the block that failed its CRC32C (the read
-    stops there; it and the blocks after it are not written), or ``None``.
+    stops there; its buffer is scrubbed, the buffers after it are not written), or
+    ``None``.
     """
 
     done: int = 0
     bad: int | None = None
 
 
-class BlockBounce:
-    """One block-sized private buffer a channel moves a block through before delivering
-    it. Grows to the largest block seen; not thread-safe (channels hold their lock)."""
+def scrub(dst: memoryview) -> None:
+    """Zero ``dst``: a block that failed its check leaves no byte of it behind."""
+    np.frombuffer(dst, dtype=np.uint8)[:] = 0
 
-    def __init__(self) -> None:
-        self._buf = np.empty(0, dtype=np.uint8)
 
-    def view(self, nbytes: int) -> memoryview:
-        """A writable view of ``nbytes`` of the bounce (reallocated if too small)."""
-        if self._buf.nbytes < nbytes:
-            self._buf = np.empty(nbytes, dtype=np.uint8)
-        return self._buf.data[:nbytes]
+def copy_checked(src: memoryview, dst: memoryview, want: int) -> bool:
+    """Copy ``src`` into ``dst`` and CRC it in one pass; if the CRC of the bytes stored
+    differs from ``want`` (the committed CRC), scrub ``dst``. Returns whether it matched."""
+    return check_landed(dst, copy_crc32c(src, dst), want)
 
-    def copy_in(self, src: memoryview) -> int:
-        """Copy ``src`` into the bounce in :data:`CHUNK_BYTES` steps, CRC-ing each chunk
-        right after copying it; returns the CRC32C of the bytes now in the bounce."""
-        n = src.nbytes
-        bounce = self.view(n)
-        crc = 0
-        for off in range(0, n, CHUNK_BYTES):
-            end = min(off + CHUNK_BYTES, n)
-            bounce[off:end] = src[off:end]
-            crc = crc32c(bounce[off:end], crc)
-        return crc
 
-    def deliver(self, dst: memoryview, crc: int, want: int) -> bool:
-        """Copy the bounce's first ``dst.nbytes`` into ``dst`` if ``crc`` (theirs) equals
-        ``want`` (the committed CRC); otherwise leave ``dst`` untouched. Returns whether
-        it was delivered."""
-        if crc != want:
-            return False
-        dst[:] = self.view(dst.nbytes)
+def check_landed(dst: memoryview, crc: int, want: int) -> bool:
+    """``crc`` (of the bytes now in ``dst``) against ``want``; scrubs ``dst`` if they
+    differ. Returns whether they matched."""
+    if crc == want:
         return True
+    scrub(dst)
+    return False

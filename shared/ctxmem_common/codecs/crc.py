@@ -1,7 +1,29 @@
-"""CRC32C (Castagnoli), hardware-accelerated, over any buffer."""
+"""CRC32C (Castagnoli) over any buffer, and a copy fused with it (one pass over memory).
+
+Two implementations stand behind the same functions:
+
+* ``native``: ``ctxmem_common.codecs._crc32c_native``, this package's C extension (built at
+  install by setup.py): SSE4.2 ``crc32`` on x86-64 (with AVX2, large copies use
+  non-temporal stores), the ARMv8 CRC32C instructions on aarch64 (BlueField), slicing-by-8
+  tables elsewhere. :func:`copy_crc32c` copies and CRCs each word in the same pass, so the
+  destination holds exactly the bytes that were checked.
+* ``pure``: the ``crc32c`` package (also hardware-accelerated, no fused copy): the fallback
+  when the extension was not built; :func:`copy_crc32c` then copies, then CRCs the
+  destination chunk by chunk while it is in cache: the bytes as stored, provided nobody
+  else writes ``dst`` meanwhile. So where ``dst`` is shared (a put into a slab slot), a
+  caller checks :data:`FUSED` and otherwise CRCs its own source before copying.
+
+``CTXMEM_CRC32C_IMPL`` forces one at import: ``hardware``, ``table`` (the extension's
+portable path) or ``pure``; unset means the fastest available. Tests and ``ctxmem bench``
+use it to compare the paths on one machine. :data:`IMPLEMENTATION` says which is active
+(``native/sse4.2+avx2``, ``native/armv8-crc``, ``native/table``, ``pure``); the service
+logs it at start and the bench prints it.
+"""
 
 from __future__ import annotations
 
+import os
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -9,11 +31,79 @@ if TYPE_CHECKING:
 
 import crc32c as _crc32c
 
+__all__ = ["FUSED", "IMPLEMENTATION", "copy_crc32c", "crc32c"]
+
+ENV = "CTXMEM_CRC32C_IMPL"
+_CHOICES = ("hardware", "table", "pure")
+
 # Release the GIL for buffers above the package's threshold so a CRC of a 2 MiB block
 # does not stall the service's event loop thread.
 _GIL_RELEASE = 1
+_PURE_CHUNK = 256 << 10
+"""The pure fused copy's step: small enough that the CRC reads the chunk from L2."""
 
 
-def crc32c(data: Buffer, value: int = 0) -> int:
-    """CRC32C of ``data``, continuing from ``value`` (0 to start)."""
+def _load_native(choice: str) -> ModuleType | None:
+    if choice == "pure":
+        return None
+    try:
+        from ctxmem_common.codecs import _crc32c_native as mod  # type: ignore[attr-defined]
+    except ImportError:
+        if choice:
+            raise ImportError(
+                f"{ENV}={choice} needs the native extension ctxmem_common.codecs."
+                f"_crc32c_native, which is not built; reinstall with a C compiler and the "
+                f"Python headers (`pip install -e .`), or set {ENV}=pure") from None
+        return None
+    if choice:
+        mod.set_implementation(choice)
+    return mod
+
+
+_choice = os.environ.get(ENV, "").strip().lower()
+if _choice and _choice not in _CHOICES:
+    raise ImportError(f"{ENV}={_choice!r}: use one of {', '.join(_CHOICES)}, or unset it")
+_native = _load_native(_choice)
+
+IMPLEMENTATION: str = "pure" if _native is None else f"native/{_native.implementation()}"
+"""The active implementation (see the module docstring)."""
+
+FUSED: bool = _native is not None
+"""Whether :func:`copy_crc32c` CRCs each word from the register it stores (native), so the
+CRC is of the bytes stored even if ``dst`` is written by someone else during the copy."""
+
+
+def _pure_crc32c(data: Buffer, value: int = 0) -> int:
     return int(_crc32c.crc32c(data, value, _GIL_RELEASE))
+
+
+def _pure_copy_crc32c(src: Buffer, dst: Buffer, value: int = 0) -> int:
+    s = memoryview(src).cast("B")
+    d = memoryview(dst).cast("B")
+    if d.readonly:
+        raise ValueError("copy_crc32c: dst is read-only; pass a writable buffer "
+                         "(bytearray, a writable memoryview or numpy array)")
+    if s.nbytes != d.nbytes:
+        raise ValueError(f"copy_crc32c: src is {s.nbytes} bytes but dst is {d.nbytes}; pass "
+                         f"a destination of exactly the source's size")
+    for off in range(0, s.nbytes, _PURE_CHUNK):
+        end = min(off + _PURE_CHUNK, s.nbytes)
+        d[off:end] = s[off:end]
+        value = _crc32c.crc32c(d[off:end], value, _GIL_RELEASE)
+    return int(value)
+
+
+if TYPE_CHECKING:
+    def crc32c(data: Buffer, value: int = 0) -> int:
+        """CRC32C of ``data``, continuing from ``value`` (0 to start)."""
+
+    def copy_crc32c(src: Buffer, dst: Buffer, value: int = 0) -> int:
+        """Copy ``src`` into ``dst`` (the same size; ValueError otherwise, or if ``dst``
+        is read-only) and return the CRC32C, continuing from ``value``, of the bytes
+        stored into ``dst``."""
+elif _native is None:
+    crc32c = _pure_crc32c
+    copy_crc32c = _pure_copy_crc32c
+else:
+    crc32c = _native.crc32c
+    copy_crc32c = _native.copy_crc32c
