@@ -14,6 +14,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import is_not
 from typing import TYPE_CHECKING, Any
 
 from ctxmem_common.config import PodConfig
@@ -184,23 +186,34 @@ class ClusterIndex:
             return []
         raw = await self._call("lookup", self._r.hmget(blocks_key(ns_digest), list(keys)))
         live = self._live_prefixes
+        # The common case, checked in C: every value is a live peer's entry (a prefix
+        # match includes the node id's length byte, so it is exact).
+        if all(map(bytes.startswith, compress(raw, map(is_not, raw, repeat(None))),
+                   repeat(tuple(live)))):
+            return list(raw)
+        try:  # then per value: a live peer's entry or no entry
+            out: list[bytes | None] = [v if v is not None and v[:2 + v[1]] in live else None
+                                       for v in raw]
+        except IndexError:  # a value shorter than 2 bytes: not an entry (below)
+            out = [None] * len(raw)
+        if out.count(None) == raw.count(None):
+            return out
+        # Values that are neither: this node's own, a dead node's (on shared flash still a
+        # hit), or unreadable.
         mine = self._prefix
-        out: list[bytes | None] = []
         dead: list[tuple[bytes, bytes]] = []
-        for key, value in zip(keys, raw, strict=True):
-            if value is None or len(value) < 2:
-                out.append(None)
+        for i, (key, value) in enumerate(zip(keys, raw, strict=True)):
+            if value is None or out[i] is not None or len(value) < 2:
                 continue
             if value[:2 + value[1]] in live:
-                out.append(value)
+                out[i] = value
                 continue
             if self.shared_devices and not value.startswith(mine):
                 e = unpack_entry(value)
                 if e is not None and e.shared is not None \
                         and e.shared.device_uuid in self.shared_devices:
-                    out.append(value)  # on shared flash: readable whoever wrote it
+                    out[i] = value  # on shared flash: readable whoever wrote it
                     continue
-            out.append(None)
             if not value.startswith(mine):
                 dead.append((key, value))
         if dead:

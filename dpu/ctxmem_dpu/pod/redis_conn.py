@@ -27,6 +27,9 @@ def connect(pod: PodConfig) -> IndexClient:
     ``redis.asyncio.RedisCluster``: every key the pod uses together shares a hash tag
     (docs/pod.md, "Redis layout"), so no command crosses slots."""
     import redis.asyncio as aioredis
+    from redis.asyncio.connection import Connection, parse_url
+
+    from ctxmem_dpu.pod.resp_pack import fast_connection_class, use_on_cluster
 
     if not pod.index_url.startswith(("redis://", "rediss://")):
         raise ConfigError(f"pod.index_url: {pod.index_url!r} is not a redis:// or rediss:// "
@@ -48,7 +51,10 @@ def connect(pod: PodConfig) -> IndexClient:
     if pod.index_cluster:
         cluster: redis.asyncio.RedisCluster = aioredis.RedisCluster.from_url(
             pod.index_url, **kwargs)
+        use_on_cluster(cluster)
         return cluster
-    client: redis.asyncio.Redis = aioredis.Redis.from_url(
-        pod.index_url, retry_on_timeout=False, **kwargs)
-    return client
+    # Commands packed in C (pod/resp_pack.py); the URL's scheme picks plain or TLS.
+    options = {**kwargs, "retry_on_timeout": False, **parse_url(pod.index_url)}
+    options["connection_class"] = fast_connection_class(
+        options.get("connection_class", Connection))
+    return aioredis.Redis.from_pool(aioredis.ConnectionPool(**options))
