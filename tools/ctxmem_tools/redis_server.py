@@ -5,7 +5,9 @@ It is started with no persistence (the cluster index is a cache of what the node
 every node republishes after a restart, see docs/pod.md), a password, and its files in a
 private work directory. ``stop``/``start`` keep the port, so a test can take the index
 away and give it back at the same URL. ``tls=(cert, key, ca)`` serves TLS only
-(``rediss://``); :class:`RedisClusterServers` starts a Redis Cluster of such processes.
+(``rediss://``), ``tls_client`` makes it mutual (client certificates required);
+:class:`RedisClusterServers` starts a Redis Cluster of such processes, with replicas if
+asked. ``exe="valkey-server"`` runs Valkey instead (the same options and protocol).
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ class RedisServer:
 
     def __init__(self, workdir: Path, port: int | None = None, bind: str = "127.0.0.1",
                  password: str | None = None, start: bool = True,
-                 tls: tuple[Path, Path, Path] | None = None, cluster: bool = False) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
+                 tls: tuple[Path, Path, Path] | None = None, cluster: bool = False,
+                 tls_client: tuple[Path, Path] | None = None,
+                 exe: str = "redis-server") -> None:
+        found = shutil.which(exe)
+        if found is None:
             raise RuntimeError(
-                "redis-server not found: install Debian's redis-server package "
-                "(deploy/setup.sh does this)")
-        self.exe = exe
+                f"{exe} not found: install Debian's {exe} package (deploy/setup.sh does "
+                f"this; valkey-server comes from bookworm-backports on Debian 12)")
+        self.exe = found
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         workdir.chmod(0o700)
@@ -41,6 +45,9 @@ class RedisServer:
         self.password = password if password is not None else secrets.token_hex(16)
         self.log_path = workdir / "redis.log"
         self.tls = tls  # (certificate, key, CA): TLS only, no plain-TCP port
+        # (certificate, key) this helper presents; with it the server requires a client
+        # certificate signed by the CA from every client (--tls-auth-clients yes).
+        self.tls_client = tls_client
         self.cluster = cluster
         # The cluster bus: its own free port (the default, port + 10000, may not exist).
         self.bus_port = free_port() if cluster else 0
@@ -65,7 +72,7 @@ class RedisServer:
             cert, key, ca = self.tls
             args[3:5] = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
                          str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
-                         "--tls-auth-clients", "no"]
+                         "--tls-auth-clients", "yes" if self.tls_client else "no"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file",
                      str(self.workdir / "nodes.conf"), "--cluster-node-timeout", "2000",
@@ -100,6 +107,8 @@ class RedisServer:
                 s: socket.socket = raw
                 if self.tls:
                     ctx = ssl.create_default_context(cafile=str(self.tls[2]))
+                    if self.tls_client:
+                        ctx.load_cert_chain(*self.tls_client)
                     s = ctx.wrap_socket(raw, server_hostname=self.bind)
                 s.sendall(f"AUTH {self.password}\r\n{cmd}\r\n".encode())
                 out = b""

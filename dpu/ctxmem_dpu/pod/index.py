@@ -92,8 +92,22 @@ class ClusterIndex:
                 f"cluster index {what}: no answer from {self._where()} within "
                 f"pod.index_timeout_s={self.pod.index_timeout_s} s") from None
         except Exception as exc:  # redis.exceptions.* and OSError: the index is down
-            raise IndexUnavailable(f"cluster index {what} at {self._where()} failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
+            raise self._failed(what, exc) from None
+
+    def _failed(self, what: str, exc: Exception) -> IndexUnavailable:
+        """The error for a failed call, with what to do when TLS says why."""
+        text = f"{type(exc).__name__}: {exc}"
+        hint = ""
+        if "CERTIFICATE_REQUIRED" in text or "certificate required" in text:
+            hint = ("; the index requires a client certificate: set pod.index_cert_file "
+                    "and pod.index_key_file (signed by a CA the index trusts)")
+        elif self.pod.index_cert_file and ("UNKNOWN_CA" in text or "BAD_CERTIFICATE" in text
+                                           or "CERTIFICATE_EXPIRED" in text):
+            hint = (f"; the index refused this node's client certificate "
+                    f"{self.pod.index_cert_file} (pod.index_cert_file): is it signed by the "
+                    f"CA the index trusts (tls-ca-cert-file), and valid?")
+        return IndexUnavailable(f"cluster index {what} at {self._where()} failed: {text}"
+                                f"{hint}")
 
     def _where(self) -> str:
         url = self.pod.index_url
@@ -109,8 +123,7 @@ class ClusterIndex:
         except IndexUnavailable:
             raise
         except Exception as exc:  # a pipeline's setup or reset on a dead connection
-            raise IndexUnavailable(f"cluster index heartbeat at {self._where()} failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
+            raise self._failed("heartbeat", exc) from None
 
     async def _heartbeat(self) -> bool:
         ttl_ms = int(self.pod.node_ttl_s * 1000)
@@ -156,8 +169,7 @@ class ClusterIndex:
         except IndexUnavailable:
             raise
         except Exception as exc:  # a pipeline's setup or reset on a dead connection
-            raise IndexUnavailable(f"cluster index publish at {self._where()} failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
+            raise self._failed("publish", exc) from None
 
     async def _apply(self, updates: dict[bytes, dict[bytes, RemoteEntry | None]]) -> int:
         n = 0

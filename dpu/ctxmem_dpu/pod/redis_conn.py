@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ctxmem_common.config import PodConfig
 from ctxmem_common.errors import ConfigError
+from ctxmem_common.safepaths import read_tls_key_file
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -15,10 +16,37 @@ if TYPE_CHECKING:
     IndexClient = redis.asyncio.Redis | redis.asyncio.RedisCluster
 
 
+def client_key_file(path: str) -> str:
+    """``path`` once checked as a private key file (``pod.index_key_file``): readable, a
+    regular file of this user or root, no access for group or other — the rule of every
+    ctxmem key file (:func:`~ctxmem_common.safepaths.read_tls_key_file`). ``ConfigError``
+    (``UnsafePathError``) naming the key and the fix otherwise: the service does not
+    start."""
+    try:
+        read_tls_key_file(path, "TLS client key file (pod.index_key_file)")
+    except OSError as exc:
+        raise ConfigError(f"pod.index_key_file: {path!r} cannot be read: "
+                          f"{exc.strerror or exc} (errno {exc.errno})") from None
+    return path
+
+
+def _readable(path: str, key: str) -> str:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key}: {path!r} cannot be read: {exc.strerror or exc} "
+                          f"(errno {exc.errno})") from None
+    return path
+
+
 def connect(pod: PodConfig) -> IndexClient:
     """A client for ``pod.index_url`` whose every command is bounded by
     ``pod.index_timeout_s`` (connect: ``pod.connect_timeout_s``); ``rediss://`` verifies
-    the server against ``pod.index_ca_file`` (or the system CAs). The password comes from
+    the server against ``pod.index_ca_file`` (or the system CAs) and, with
+    ``pod.index_cert_file``/``index_key_file``, presents this node's client certificate
+    (the files are checked here: a missing or unsafe one stops the service at start,
+    naming the key). The password comes from
     the URL or the ``pod.index_password_env`` variable. Connects lazily: an index that is
     down at start is not an error (the node serves its own blocks meanwhile).
 
@@ -47,7 +75,10 @@ def connect(pod: PodConfig) -> IndexClient:
         kwargs["ssl_cert_reqs"] = "required"
         kwargs["ssl_check_hostname"] = True  # the URL's host must be in the certificate
         if pod.index_ca_file:
-            kwargs["ssl_ca_certs"] = pod.index_ca_file
+            kwargs["ssl_ca_certs"] = _readable(pod.index_ca_file, "pod.index_ca_file")
+        if pod.index_cert_file:  # mutual TLS: the index checks this node's certificate
+            kwargs["ssl_certfile"] = _readable(pod.index_cert_file, "pod.index_cert_file")
+            kwargs["ssl_keyfile"] = client_key_file(pod.index_key_file)
     if pod.index_cluster:
         cluster: redis.asyncio.RedisCluster = aioredis.RedisCluster.from_url(
             pod.index_url, **kwargs)
