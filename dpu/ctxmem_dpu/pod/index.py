@@ -79,6 +79,11 @@ class ClusterIndex:
         #: This node's publish epoch (see ``entries``): a new one at each full republish.
         self.epoch = 0
         self._beat_ok = 0.0  # monotonic time of the last acknowledged heartbeat
+        # A call failed (any: lookup, publish, heartbeat) and when it last did: the index
+        # may have lost writes it had acknowledged (a Redis Cluster master failed over to
+        # a replica that lagged), so the node republishes once calls succeed again.
+        self._troubled = False
+        self._trouble_at = 0.0
         #: UUIDs (hex) of the shared flash devices this node reads directly: an entry
         #: located there outlives its writer (docs/pod.md, "Shared flash"), so a dead
         #: node's entry on one of them is still a hit and is not cleaned up.
@@ -88,14 +93,20 @@ class ClusterIndex:
         try:
             return await asyncio.wait_for(coro, self.pod.index_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
+            self._note_trouble()
             raise IndexUnavailable(
                 f"cluster index {what}: no answer from {self._where()} within "
                 f"pod.index_timeout_s={self.pod.index_timeout_s} s") from None
         except Exception as exc:  # redis.exceptions.* and OSError: the index is down
             raise self._failed(what, exc) from None
 
+    def _note_trouble(self) -> None:
+        self._troubled = True
+        self._trouble_at = time.monotonic()
+
     def _failed(self, what: str, exc: Exception) -> IndexUnavailable:
         """The error for a failed call, with what to do when TLS says why."""
+        self._note_trouble()
         text = f"{type(exc).__name__}: {exc}"
         hint = ""
         if "CERTIFICATE_REQUIRED" in text or "certificate required" in text:
@@ -116,8 +127,10 @@ class ClusterIndex:
     # -- liveness --------------------------------------------------------------------
     async def heartbeat(self) -> bool:
         """Refresh this node's alive key and read which peers are alive. Returns whether
-        this node's key had vanished (first beat, index restarted, or no beat acknowledged
-        for longer than the TTL): the caller republishes everything it holds then."""
+        the caller must republish everything it holds: this node's key had vanished
+        (first beat, index restarted, or no beat acknowledged for longer than the TTL), or
+        the index is answering again after calls failed (a failover may have lost entries
+        it had acknowledged; the first beat with no failure for a heartbeat period)."""
         try:
             return await self._heartbeat()
         except IndexUnavailable:
@@ -149,7 +162,13 @@ class ClusterIndex:
         self._beat_ok = now
         if vanished:  # everything is republished under a new epoch
             self.epoch += 1
-        return vanished
+        recovered = self._troubled and now - self._trouble_at > self.pod.heartbeat_s
+        if recovered:
+            self._troubled = False
+            log.warning("cluster index answering again after failed calls: republishing "
+                        "what this node holds (entries written just before a failover "
+                        "may have been lost)")
+        return vanished or recovered
 
     def forget_peers(self) -> None:
         """Treat every peer as gone (the index does not answer: liveness is unknown)."""
