@@ -6,6 +6,7 @@ fast ones (single server and Redis Cluster), and a Lookup's filtering of HMGET v
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from ctxmem_dpu.pod.entries import NODES_KEY, RemoteEntry, alive_key, blocks_key
 from ctxmem_dpu.pod.index import ClusterIndex
 from ctxmem_dpu.pod.redis_conn import connect
 from ctxmem_dpu.pod.resp_pack import FastConnection, FastSSLConnection, pack_command
+from ctxmem_tools.redis_server import RedisClusterServers, RedisServer
 
 _ARG = st.one_of(st.binary(max_size=40), st.text(max_size=10),
                  st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False,
@@ -52,27 +54,30 @@ def _pod(url: str, **extra: Any) -> PodConfig:
                      **extra)
 
 
-def test_the_clients_connections_pack_in_c(redis_server: Any, redis_cluster: Any) -> None:
-    async def run() -> None:
-        single = connect(_pod(redis_server.url))
-        cluster = connect(_pod(redis_cluster.url, index_cluster=True))
-        try:
-            await single.ping()
-            assert single.connection_pool.connection_class is FastConnection
-            assert await cluster.hmget(blocks_key(bytes(16)), [b"a" * 32] * 20) == [None] * 20
-            nodes = cluster.get_nodes()
-            assert len(nodes) == 3
-            for node in nodes:
-                assert node.connection_class is FastConnection, node.name
-        finally:
-            await single.aclose()
-            await cluster.aclose()
-
-    asyncio.run(run())
+def test_the_clients_connections_pack_in_c(tmp_path: Path, index_exe: str) -> None:
+    with RedisServer(tmp_path / "redis", exe=index_exe) as server, \
+            RedisClusterServers(tmp_path / "cluster", exe=index_exe) as servers:
+        asyncio.run(_fast_connections(server.url, servers.url))
     assert FastSSLConnection.__mro__[1].__name__ == "_FastPack"
 
 
-def test_lookup_filters_values_exactly(redis_server: Any) -> None:
+async def _fast_connections(url: str, cluster_url: str) -> None:
+    single = connect(_pod(url))
+    cluster = connect(_pod(cluster_url, index_cluster=True))
+    try:
+        await single.ping()
+        assert single.connection_pool.connection_class is FastConnection
+        assert await cluster.hmget(blocks_key(bytes(16)), [b"a" * 32] * 20) == [None] * 20
+        nodes = cluster.get_nodes()
+        assert len(nodes) == 3
+        for node in nodes:
+            assert node.connection_class is FastConnection, node.name
+    finally:
+        await single.aclose()
+        await cluster.aclose()
+
+
+def test_lookup_filters_values_exactly(tmp_path: Path, index_exe: str) -> None:
     """Per key: a live peer's entry is returned; a dead node's, this node's own, a corrupt
     value (empty, one byte, foreign version) and no value are None; the dead node's entry
     is cleaned up. All-live answers take the C path, mixed ones the per-value path: both
@@ -80,8 +85,8 @@ def test_lookup_filters_values_exactly(redis_server: Any) -> None:
     ns = bytes(range(16))
     keys = [bytes([i % 256, i // 256]) * 16 for i in range(6000)]
 
-    async def run() -> None:
-        index = ClusterIndex(_pod(redis_server.url), connect(_pod(redis_server.url)))
+    async def run(url: str) -> None:
+        index = ClusterIndex(_pod(url), connect(_pod(url)))
         r = index._r
         try:
             live = {k: pack_entry(RemoteEntry("peer", "dram", i, 4096, i))
@@ -105,7 +110,7 @@ def test_lookup_filters_values_exactly(redis_server: Any) -> None:
             got = await index.lookup(ns, keys[5001:5010] + keys[:3])
             assert got == [None] * 9 + [live[k] for k in keys[:3]]
             await index.close()  # waits for the lazy cleanup
-            left = await (r2 := connect(_pod(redis_server.url))).hmget(
+            left = await (r2 := connect(_pod(url))).hmget(
                 blocks_key(ns), list(odd))
             await r2.aclose()
             # The dead nodes' entries (and the foreign version's) are gone; this node's own
@@ -114,4 +119,5 @@ def test_lookup_filters_values_exactly(redis_server: Any) -> None:
         finally:
             await r.aclose()
 
-    asyncio.run(run())
+    with RedisServer(tmp_path / "redis", exe=index_exe) as server:
+        asyncio.run(run(server.url))

@@ -24,12 +24,12 @@ from tests.pod.podtest import Clients, blocks, wait_for
 HINT = "the index requires a client certificate: set pod.index_cert_file"
 
 
-def test_index_with_client_certificates(tmp_path: Path) -> None:
+def test_index_with_client_certificates(tmp_path: Path, index_exe: str) -> None:
     pki = make_pki(tmp_path / "pki", tenants=())
     member = member_cert(pki, "pod-member")  # client use: what the nodes present
     clients = Clients()
     with RedisServer(tmp_path / "redis", tls=(pki.server_cert, pki.server_key, pki.ca),
-                     tls_client=member) as index, \
+                     tls_client=member, exe=index_exe) as index, \
             LocalPod(tmp_path / "pod", 2, index=index,
                      pod={"index_ca_file": str(pki.ca), "index_cert_file": str(member[0]),
                           "index_key_file": str(member[1])}) as pod:

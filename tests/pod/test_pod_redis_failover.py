@@ -21,8 +21,10 @@ from ctxmem_tools.redis_server import RedisClusterServers
 from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
 
 
-def test_pod_across_a_master_failover(tmp_path: Path, clients: Clients) -> None:
-    with RedisClusterServers(tmp_path / "cluster", replicas=1, node_timeout_ms=1000) \
+def test_pod_across_a_master_failover(tmp_path: Path, clients: Clients, index_exe: str
+                                      ) -> None:
+    with RedisClusterServers(tmp_path / "cluster", replicas=1, node_timeout_ms=1000,
+                             exe=index_exe) \
             as cluster, LocalPod(tmp_path / "pod", 2, index=cluster,
                                  pod={"node_ttl_s": 10.0}) as pod:
         # A node TTL longer than the failover (~3 s: the whole cluster answers CLUSTERDOWN

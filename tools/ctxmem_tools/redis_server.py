@@ -35,7 +35,8 @@ class RedisServer:
         if found is None:
             raise RuntimeError(
                 f"{exe} not found: install Debian's {exe} package (deploy/setup.sh does "
-                f"this; valkey-server comes from bookworm-backports on Debian 12)")
+                f"this; on Debian 12 valkey-server is in bookworm-backports: "
+                f"deploy/ci/valkey.sh fetches it)")
         self.exe = found
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
