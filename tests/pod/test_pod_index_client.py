@@ -67,6 +67,11 @@ async def _fast_connections(url: str, cluster_url: str) -> None:
     try:
         await single.ping()
         assert single.connection_pool.connection_class is FastConnection
+        conn = await single.connection_pool.get_connection()
+        try:  # replies parsed in C too (pyproject requires hiredis)
+            assert type(conn._parser).__name__ == "_AsyncHiredisParser"
+        finally:
+            await single.connection_pool.release(conn)
         assert await cluster.hmget(blocks_key(bytes(16)), [b"a" * 32] * 20) == [None] * 20
         nodes = cluster.get_nodes()
         assert len(nodes) == 3
