@@ -114,6 +114,19 @@ def test_lookup_filters_values_exactly(tmp_path: Path, index_exe: str) -> None:
             assert got == [live[k] for k in keys[:5000]] + [None] * 10
             got = await index.lookup(ns, keys[5001:5010] + keys[:3])
             assert got == [None] * 9 + [live[k] for k in keys[:3]]
+            # Live peers whose ids differ in length: the other C check (startswith).
+            other = {k: pack_entry(RemoteEntry("peer-22", "flash", i, 4096, i))
+                     for i, k in enumerate(keys[5500:5600])}
+            await r.hset(blocks_key(ns), mapping=other)  # type: ignore[arg-type]
+            await r.set(alive_key("peer-22"), "127.0.0.1:3")
+            await r.hset(NODES_KEY, "peer-22", "127.0.0.1:3")
+            await index.heartbeat()
+            assert set(index.live) == {"peer", "peer-22"}
+            got = await index.lookup(ns, keys[5500:5600] + keys[:100])
+            assert got == [other[k] for k in keys[5500:5600]] + [live[k] for k in keys[:100]]
+            got = await index.lookup(ns, keys[5500:5502] + keys[5001:5003] + keys[:2])
+            assert got == [other[keys[5500]], other[keys[5501]], None, None, live[keys[0]],
+                           live[keys[1]]]
             await index.close()  # waits for the lazy cleanup
             left = await (r2 := connect(_pod(url))).hmget(
                 blocks_key(ns), list(odd))

@@ -11,7 +11,7 @@ entry) before it is adopted, so a wrong source answer is a miss.
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import is_
@@ -64,17 +64,16 @@ class RemoteFetch:
         """Per key, the local block and (for local misses only) the packed remote entry:
         the cluster is asked only for the keys this node misses, in one round trip."""
         local = self.store.lookup_blocks(ns, keys, prefix=False)
-        # Gather the misses and scatter their entries back with C-level iteration (a
-        # 10,000-key Lookup; docs/pod.md, "Lookup cost").
+        # Gather the misses in C; scatter their entries back in one comprehension (faster
+        # than map(list.__setitem__): a 10,000-key Lookup; docs/pod.md, "Lookup cost").
         flags = list(map(is_, local, repeat(None)))
         if not any(flags):
             return local, [None] * len(keys)
         got = await self.lookup(ns.digest, list(compress(keys, flags)))
         if len(got) == len(keys):
             return local, got
-        remote: list[bytes | None] = [None] * len(keys)
-        deque(map(remote.__setitem__, compress(range(len(keys)), flags), got), maxlen=0)
-        return local, remote
+        it = iter(got)
+        return local, [next(it) if f else None for f in flags]
 
     async def pull(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Fetch the remote blocks in the leading run of ``keys`` (local or remote, up to

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import is_not
+from operator import getitem, is_not
 from typing import TYPE_CHECKING, Any
 
 from ctxmem_common.config import PodConfig
@@ -217,10 +217,14 @@ class ClusterIndex:
             return []
         raw = await self._call("lookup", self._r.hmget(blocks_key(ns_digest), list(keys)))
         live = self._live_prefixes
-        # The common case, checked in C: every value is a live peer's entry (a prefix
-        # match includes the node id's length byte, so it is exact).
-        if all(map(bytes.startswith, compress(raw, map(is_not, raw, repeat(None))),
-                   repeat(tuple(live)))):
+        # The common case, checked in C: every value is a live peer's entry. A prefix
+        # holds the node id's length byte, so a match is exact; when the live nodes' ids
+        # have one length, the set of the values' prefixes must be among theirs.
+        values = compress(raw, map(is_not, raw, repeat(None)))
+        if len(lengths := {len(p) for p in live}) == 1:
+            if set(map(getitem, values, repeat(slice(0, lengths.pop())))) <= live:
+                return list(raw)
+        elif live and all(map(bytes.startswith, values, repeat(tuple(live)))):
             return list(raw)
         try:  # then per value: a live peer's entry or no entry
             out: list[bytes | None] = [v if v is not None and v[:2 + v[1]] in live else None
