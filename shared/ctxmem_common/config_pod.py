@@ -20,6 +20,11 @@ class PodConfig:
     index_url: str = ""
     index_password_env: str = "CTXMEM_POD_INDEX_PASSWORD"
     index_ca_file: str = ""  # rediss:// only: CA bundle for the index server's certificate
+    # rediss:// only: the client certificate and its key this node presents to the index
+    # (a server started with tls-auth-clients yes refuses a node without one). The key
+    # file must be private (mode 0600, owned by the service's user or root).
+    index_cert_file: str = ""
+    index_key_file: str = ""
     # The index is a Redis Cluster (or Valkey cluster): index_url names any one of its
     # nodes (redis:// or rediss://, database 0), the client finds the others. Every key
     # used together shares a hash tag, so the pod works across slots and masters.
@@ -71,6 +76,13 @@ def check_pod(pod: PodConfig) -> None:
     if pod.index_cluster and db not in ("", "0"):
         raise ConfigError(f"pod.index_url: database {db!r} with pod.index_cluster: a Redis "
                           f"Cluster has database 0 only; end the URL with /0 or nothing")
+    if bool(pod.index_cert_file) != bool(pod.index_key_file):
+        raise ConfigError("pod.index_cert_file, pod.index_key_file: set both (the client "
+                          "certificate this node presents to the index, and its key) or "
+                          "neither")
+    if pod.index_cert_file and not pod.index_url.startswith("rediss://"):
+        raise ConfigError(f"pod.index_cert_file: a client certificate needs TLS to the index; "
+                          f"pod.index_url {pod.index_url.split('@')[-1]!r} is not rediss://")
     if not pod.node_id or not all(c.isalnum() or c in "-_." for c in pod.node_id) \
             or len(pod.node_id) > 64:
         raise ConfigError(f"pod.node_id: {pod.node_id!r}: give 1-64 letters, digits, '-', "

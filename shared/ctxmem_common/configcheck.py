@@ -6,7 +6,9 @@ the effective config, every default filled in, is printed as YAML. Nothing is st
 opened, bound or created (the service's start-time identity rule, a pure check, runs
 too): files the config names (flash devices, key and certificate
 files, SPDK's socket) are only looked up with ``os.path.exists`` and reported as
-warnings on stderr when missing, since they may well exist only on the target machine.
+warnings on stderr when missing, since they may well exist only on the target machine;
+the index's client key, CA and certificate (``pod.index_*_file``), when present, must be
+readable and the key private, as the service requires at start (else invalid).
 Exit status: 0 valid, 2 invalid (the loader's message names the key and the problem).
 """
 
@@ -23,6 +25,7 @@ import yaml
 from ctxmem_common.config import Config, load_config
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.identity import check_identity_mode
+from ctxmem_common.safepaths import read_tls_key_file
 
 REDACTED = "<redacted>"
 
@@ -55,6 +58,10 @@ def referenced_files(cfg: Config) -> list[tuple[str, str]]:
     add("tls.cert_file", cfg.tls.cert_file)
     add("tls.key_file", cfg.tls.key_file)
     add("tls.client_ca_file", cfg.tls.client_ca_file)
+    if cfg.pod.enabled:
+        for key in ("index_ca_file", "index_cert_file", "index_key_file", "tls_cert_file",
+                    "tls_key_file", "tls_ca_file"):
+            add(f"pod.{key}", getattr(cfg.pod, key))
     for i, dev in enumerate(cfg.flash.devices):
         where = f"flash.devices[{i}]"
         if dev.backend == "local" and not dev.create:
@@ -74,6 +81,32 @@ def missing_files(cfg: Config) -> list[str]:
             for key, path in referenced_files(cfg) if not os.path.exists(path)]
 
 
+def unsafe_files(cfg: Config) -> list[str]:
+    """An error line per file the config names that exists here but the service would
+    refuse at start: ``pod.index_key_file`` not private (the rule of every ctxmem key file,
+    :func:`~ctxmem_common.safepaths.read_tls_key_file`) or not readable, and the index's
+    client certificate or CA not readable."""
+    out: list[str] = []
+    if not cfg.pod.enabled:
+        return out
+    for key in ("index_ca_file", "index_cert_file", "index_key_file"):
+        path = getattr(cfg.pod, key)
+        if not path or not os.path.exists(path):
+            continue  # a missing file is a warning (missing_files)
+        try:
+            if key == "index_key_file":
+                read_tls_key_file(path, "TLS client key file (pod.index_key_file)")
+            else:
+                with open(path, "rb"):
+                    pass
+        except CtxmemError as exc:
+            out.append(str(exc))
+        except OSError as exc:
+            out.append(f"pod.{key}: {path} cannot be read: {exc.strerror or exc} "
+                       f"(errno {exc.errno})")
+    return out
+
+
 def config_command(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="ctxmem config", description="Check a config file without starting anything.")
@@ -88,6 +121,10 @@ def config_command(argv: list[str]) -> int:
         identity = check_identity_mode(cfg)  # the start-time rule: no open listener
     except CtxmemError as exc:
         print(f"ctxmem config check: invalid: {exc}", file=sys.stderr)
+        return 2
+    if unsafe := unsafe_files(cfg):
+        for line in unsafe:
+            print(f"ctxmem config check: invalid: {line}", file=sys.stderr)
         return 2
     for line in missing_files(cfg):
         print(f"warning: {line}", file=sys.stderr)

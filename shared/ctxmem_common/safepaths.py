@@ -219,8 +219,10 @@ def open_key_file(path: str | os.PathLike[str], create_with: str | None = None) 
         return f.read()
 
 
-def read_tls_key_file(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of TLS private key file ``path`` (``tls.key_file``), after checking it is
+def read_tls_key_file(path: str | os.PathLike[str],
+                      what: str = "TLS key file (tls.key_file)") -> bytes:
+    """The bytes of TLS private key file ``path`` (``what`` names it and its config key in
+    errors: ``tls.key_file``, ``pod.index_key_file``), after checking it is
     private: a regular file owned by root or the service's user that group and other may
     not read or write.
 
@@ -234,7 +236,6 @@ def read_tls_key_file(path: str | os.PathLike[str]) -> bytes:
         OSError: the file cannot be read.
     """
     p = os.path.abspath(os.fspath(path))
-    what = "TLS key file (tls.key_file)"
     real = os.path.realpath(p)
     if real != p:
         home = os.path.realpath(os.path.dirname(p))

@@ -5,7 +5,6 @@ every command the pod sends is proved not to cross slots."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import redis
 
@@ -20,7 +19,13 @@ from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
 MODELS = [f"m{i}" for i in range(6)]
 
 
-def test_pod_on_a_redis_cluster(tmp_path: Path, redis_cluster: Any, clients: Clients) -> None:
+def test_pod_on_a_redis_cluster(tmp_path: Path, index_exe: str, clients: Clients) -> None:
+    with RedisClusterServers(tmp_path / "cluster", exe=index_exe) as redis_cluster:
+        _pod_on_a_cluster(tmp_path, redis_cluster, clients)
+
+
+def _pod_on_a_cluster(tmp_path: Path, redis_cluster: RedisClusterServers,
+                      clients: Clients) -> None:
     owners = {redis_cluster.owner_of(blocks_key(namespace_digest("default", m, LAYOUT)))
               for m in MODELS}
     assert len(owners) > 1, "every namespace landed on one master: the test proves nothing"

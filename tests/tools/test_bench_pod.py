@@ -22,6 +22,8 @@ def test_bench_pod_small(tmp_path: Path) -> None:
     for case in ("all local", "half remote"):
         assert 0 < rows[f"10,000-key Lookup, {case}, p50"] <= rows[
             f"10,000-key Lookup, {case}, p99"]
+    assert math.isfinite(rows["10,000-key Lookup, remote part (half remote - all local), "
+                              "median of call pairs"])
     flash = [r for r in results if "shared flash" in r["name"]]
     assert flash, "no shared-flash rows"
     for r in flash:  # every shared-flash figure comes with its O_DIRECT limit

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import is_
 
 from crc32c import crc32c
 
@@ -62,13 +64,16 @@ class RemoteFetch:
         """Per key, the local block and (for local misses only) the packed remote entry:
         the cluster is asked only for the keys this node misses, in one round trip."""
         local = self.store.lookup_blocks(ns, keys, prefix=False)
-        missing = [i for i, b in enumerate(local) if b is None]
-        remote: list[bytes | None] = [None] * len(keys)
-        if missing:
-            got = await self.lookup(ns.digest, [keys[i] for i in missing])
-            for i, e in zip(missing, got, strict=True):
-                remote[i] = e
-        return local, remote
+        # Gather the misses in C; scatter their entries back in one comprehension (faster
+        # than map(list.__setitem__): a 10,000-key Lookup; docs/pod.md, "Lookup cost").
+        flags = list(map(is_, local, repeat(None)))
+        if not any(flags):
+            return local, [None] * len(keys)
+        got = await self.lookup(ns.digest, list(compress(keys, flags)))
+        if len(got) == len(keys):
+            return local, got
+        it = iter(got)
+        return local, [next(it) if f else None for f in flags]
 
     async def pull(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Fetch the remote blocks in the leading run of ``keys`` (local or remote, up to

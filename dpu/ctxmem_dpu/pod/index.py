@@ -14,6 +14,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import getitem, is_not
 from typing import TYPE_CHECKING, Any
 
 from ctxmem_common.config import PodConfig
@@ -77,6 +79,11 @@ class ClusterIndex:
         #: This node's publish epoch (see ``entries``): a new one at each full republish.
         self.epoch = 0
         self._beat_ok = 0.0  # monotonic time of the last acknowledged heartbeat
+        # A call failed (any: lookup, publish, heartbeat) and when it last did: the index
+        # may have lost writes it had acknowledged (a Redis Cluster master failed over to
+        # a replica that lagged), so the node republishes once calls succeed again.
+        self._troubled = False
+        self._trouble_at = 0.0
         #: UUIDs (hex) of the shared flash devices this node reads directly: an entry
         #: located there outlives its writer (docs/pod.md, "Shared flash"), so a dead
         #: node's entry on one of them is still a hit and is not cleaned up.
@@ -86,12 +93,32 @@ class ClusterIndex:
         try:
             return await asyncio.wait_for(coro, self.pod.index_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
+            self._note_trouble()
             raise IndexUnavailable(
                 f"cluster index {what}: no answer from {self._where()} within "
                 f"pod.index_timeout_s={self.pod.index_timeout_s} s") from None
         except Exception as exc:  # redis.exceptions.* and OSError: the index is down
-            raise IndexUnavailable(f"cluster index {what} at {self._where()} failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
+            raise self._failed(what, exc) from None
+
+    def _note_trouble(self) -> None:
+        self._troubled = True
+        self._trouble_at = time.monotonic()
+
+    def _failed(self, what: str, exc: Exception) -> IndexUnavailable:
+        """The error for a failed call, with what to do when TLS says why."""
+        self._note_trouble()
+        text = f"{type(exc).__name__}: {exc}"
+        hint = ""
+        if "CERTIFICATE_REQUIRED" in text or "certificate required" in text:
+            hint = ("; the index requires a client certificate: set pod.index_cert_file "
+                    "and pod.index_key_file (signed by a CA the index trusts)")
+        elif self.pod.index_cert_file and ("UNKNOWN_CA" in text or "BAD_CERTIFICATE" in text
+                                           or "CERTIFICATE_EXPIRED" in text):
+            hint = (f"; the index refused this node's client certificate "
+                    f"{self.pod.index_cert_file} (pod.index_cert_file): is it signed by the "
+                    f"CA the index trusts (tls-ca-cert-file), and valid?")
+        return IndexUnavailable(f"cluster index {what} at {self._where()} failed: {text}"
+                                f"{hint}")
 
     def _where(self) -> str:
         url = self.pod.index_url
@@ -100,15 +127,16 @@ class ClusterIndex:
     # -- liveness --------------------------------------------------------------------
     async def heartbeat(self) -> bool:
         """Refresh this node's alive key and read which peers are alive. Returns whether
-        this node's key had vanished (first beat, index restarted, or no beat acknowledged
-        for longer than the TTL): the caller republishes everything it holds then."""
+        the caller must republish everything it holds: this node's key had vanished
+        (first beat, index restarted, or no beat acknowledged for longer than the TTL), or
+        the index is answering again after calls failed (a failover may have lost entries
+        it had acknowledged; the first beat with no failure for a heartbeat period)."""
         try:
             return await self._heartbeat()
         except IndexUnavailable:
             raise
         except Exception as exc:  # a pipeline's setup or reset on a dead connection
-            raise IndexUnavailable(f"cluster index heartbeat at {self._where()} failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
+            raise self._failed("heartbeat", exc) from None
 
     async def _heartbeat(self) -> bool:
         ttl_ms = int(self.pod.node_ttl_s * 1000)
@@ -134,7 +162,13 @@ class ClusterIndex:
         self._beat_ok = now
         if vanished:  # everything is republished under a new epoch
             self.epoch += 1
-        return vanished
+        recovered = self._troubled and now - self._trouble_at > self.pod.heartbeat_s
+        if recovered:
+            self._troubled = False
+            log.warning("cluster index answering again after failed calls: republishing "
+                        "what this node holds (entries written just before a failover "
+                        "may have been lost)")
+        return vanished or recovered
 
     def forget_peers(self) -> None:
         """Treat every peer as gone (the index does not answer: liveness is unknown)."""
@@ -154,8 +188,7 @@ class ClusterIndex:
         except IndexUnavailable:
             raise
         except Exception as exc:  # a pipeline's setup or reset on a dead connection
-            raise IndexUnavailable(f"cluster index publish at {self._where()} failed: "
-                                   f"{type(exc).__name__}: {exc}") from None
+            raise self._failed("publish", exc) from None
 
     async def _apply(self, updates: dict[bytes, dict[bytes, RemoteEntry | None]]) -> int:
         n = 0
@@ -184,23 +217,38 @@ class ClusterIndex:
             return []
         raw = await self._call("lookup", self._r.hmget(blocks_key(ns_digest), list(keys)))
         live = self._live_prefixes
+        # The common case, checked in C: every value is a live peer's entry. A prefix
+        # holds the node id's length byte, so a match is exact; when the live nodes' ids
+        # have one length, the set of the values' prefixes must be among theirs.
+        values = compress(raw, map(is_not, raw, repeat(None)))
+        if len(lengths := {len(p) for p in live}) == 1:
+            if set(map(getitem, values, repeat(slice(0, lengths.pop())))) <= live:
+                return list(raw)
+        elif live and all(map(bytes.startswith, values, repeat(tuple(live)))):
+            return list(raw)
+        try:  # then per value: a live peer's entry or no entry
+            out: list[bytes | None] = [v if v is not None and v[:2 + v[1]] in live else None
+                                       for v in raw]
+        except IndexError:  # a value shorter than 2 bytes: not an entry (below)
+            out = [None] * len(raw)
+        if out.count(None) == raw.count(None):
+            return out
+        # Values that are neither: this node's own, a dead node's (on shared flash still a
+        # hit), or unreadable.
         mine = self._prefix
-        out: list[bytes | None] = []
         dead: list[tuple[bytes, bytes]] = []
-        for key, value in zip(keys, raw, strict=True):
-            if value is None or len(value) < 2:
-                out.append(None)
+        for i, (key, value) in enumerate(zip(keys, raw, strict=True)):
+            if value is None or out[i] is not None or len(value) < 2:
                 continue
             if value[:2 + value[1]] in live:
-                out.append(value)
+                out[i] = value
                 continue
             if self.shared_devices and not value.startswith(mine):
                 e = unpack_entry(value)
                 if e is not None and e.shared is not None \
                         and e.shared.device_uuid in self.shared_devices:
-                    out.append(value)  # on shared flash: readable whoever wrote it
+                    out[i] = value  # on shared flash: readable whoever wrote it
                     continue
-            out.append(None)
             if not value.startswith(mine):
                 dead.append((key, value))
         if dead:

@@ -1,0 +1,94 @@
+"""The pod's index on a Redis Cluster with replicas (3 masters + 3 replicas,
+``cluster-node-timeout`` 1 s): the master serving a namespace is killed while a node keeps
+writing into it; its replica takes over. Meanwhile cross-node gets are misses or
+byte-exact hits, never errors; the nodes log the trouble once, and once the index answers
+again the writer republishes what it holds, so every block it wrote (before, during and
+after the failover, and the entries the dead master acknowledged but never passed to its
+replica) is a byte-exact hit on the other node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import ctxmem
+from ctxmem_common.keys import namespace_digest
+from ctxmem_dpu.pod.entries import blocks_key
+from ctxmem_tools.pod_launcher import LocalPod
+from ctxmem_tools.redis_server import RedisClusterServers
+from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
+
+
+def test_pod_across_a_master_failover(tmp_path: Path, clients: Clients, index_exe: str
+                                      ) -> None:
+    with RedisClusterServers(tmp_path / "cluster", replicas=1, node_timeout_ms=1000,
+                             exe=index_exe) \
+            as cluster, LocalPod(tmp_path / "pod", 2, index=cluster,
+                                 pod={"node_ttl_s": 10.0}) as pod:
+        # A node TTL longer than the failover (~3 s: the whole cluster answers CLUSTERDOWN
+        # meantime), so no node is judged dead and nothing but the failover itself makes
+        # the writer republish.
+        n1, n2 = pod.nodes
+        victim = cluster.owner_of(blocks_key(namespace_digest("default", "m", LAYOUT)))
+        replica = cluster.replica_of(victim)
+        data = blocks(2, 37)
+        batches: list[list[bytes]] = []
+
+        def put_batch() -> list[bytes]:
+            i = len(batches)
+            keys = ctxmem.chain_hashes(range(1000 * i, 1000 * i + 16 * 2), 16)
+            assert clients.put(n1.endpoint, keys, data) == 2  # the node's own: always
+            batches.append(keys)
+            return keys
+
+        first = put_batch()
+        wait_for(lambda: clients.hits(n2.endpoint, first) == 2, what="publish")
+        assert clients.get(n2.endpoint, first, data) == 2
+
+        # Entries the master acknowledged but its replica never got: the replica is
+        # stopped and its link dropped by the master while node 1 publishes them, and the
+        # master dies before the replica resumes.
+        proc = cluster.nodes[replica].proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            assert cluster.nodes[victim].command("CLIENT KILL TYPE replica").startswith(
+                b"+OK\r\n:1")
+            lagging = put_batch()
+            wait_for(lambda: clients.hits(n2.endpoint, lagging) == 2, what="publish")
+            cluster.nodes[victim].kill()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        during = 0
+        while not (cluster.role(cluster.nodes[replica]) == "master"
+                   and b"cluster_state:ok" in cluster.nodes[replica].command("CLUSTER INFO")):
+            assert time.monotonic() < deadline, "the replica did not take over in 30 s"
+            keys = put_batch()
+            during += 1
+            # Misses or byte-exact hits (Clients.get checks every byte), never an error.
+            for k in (first, keys):
+                assert clients.get(n2.endpoint, k, data) in (0, 2)
+            time.sleep(0.1)
+        assert during >= 3, "the failover was too quick to write through it"
+        after = put_batch()
+
+        # Caught up: every block node 1 wrote is a byte-exact hit on node 2, the lagging
+        # ones too (lost with the master, republished by node 1).
+        for keys in batches:
+            wait_for(lambda keys=keys: clients.hits(n2.endpoint, keys) == 2,  # type: ignore[misc]
+                     timeout_s=20, what="node 1 to republish after the failover")
+            assert clients.get(n2.endpoint, keys, data) == 2
+        assert clients.get(n2.endpoint, after, data) == 2
+        s1, s2 = clients.stats(n1.endpoint), clients.stats(n2.endpoint)
+        assert s1["pod_index_errors"] >= 1 and s2["pod_index_errors"] >= 1
+        assert s1["pod_resyncs"] >= 2  # the first beat, then after the failover
+        assert s2["pod_fetch_bad"] == 0
+        log1, log2 = n1.log(), n2.log()
+        assert log1.count("publishing to the cluster index failed") == 1, log1
+        assert log2.count("cluster index unreachable") == 1, log2
+        assert "republishing what this node holds" in log1
+        for n in (n1, n2):
+            assert n.proc is not None and n.proc.poll() is None
