@@ -58,7 +58,7 @@ def test_qp_round_trips_and_a_bad_one_is_refused() -> None:
 
 def test_rdma_listen_must_be_an_ip() -> None:
     check_pod(PodConfig(rdma_listen="10.0.2.15"))
-    with pytest.raises(ConfigError, match="pod.rdma_listen"):
+    with pytest.raises(ConfigError, match=r"pod\.rdma_listen"):
         check_pod(PodConfig(rdma_listen="10.0.2.15:4791"))
 
 
@@ -144,7 +144,7 @@ class Holder:
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.addr = "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        self.addr = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def _serve(self, r: asyncio.StreamReader, wr: asyncio.StreamWriter) -> None:
         try:
@@ -237,7 +237,7 @@ async def test_hits_are_read_by_rdma_and_the_lease_ended(
     src, counters = await _source(holder)
     try:
         missing = b"\x99" * 16
-        entries = _entries(data, keys) + [RemoteEntry("n1", "dram", 1, 10, 0, None, missing)]
+        entries = [*_entries(data, keys), RemoteEntry("n1", "dram", 1, 10, 0, None, missing)]
         got = await src.fetch(b"\x01" * 16, entries)
         assert got[:2] == [data[k] for k in keys[:2]] and got[3:5] == [data[k]
                                                                        for k in keys[3:5]]
