@@ -10,7 +10,7 @@ host without an RDMA device (pyverbs may import, but there is nothing to open).
   lease is ended (done); a stale answer (another CRC) is a miss and is never read; a
   holder that cannot grant (status 2) is asked over TCP on the same connection; a failed
   transfer is misses and the peer is fetched from over TCP afterwards; a holder without
-  RDMA gets TCP.
+  RDMA, or a queue pair that cannot be connected, gets TCP on the same connection.
 
 The verbs path itself (Soft-RoCE, READ, a holder killed mid-fetch) runs in the QEMU
 guest: tests/vm/test_pod_rdma_vm.py.
@@ -276,7 +276,8 @@ async def test_a_failed_transfer_is_misses_then_tcp(
     try:
         fake_link.fail = True
         assert await src.fetch(b"\x01" * 16, _entries(data, keys)) == [None] * len(keys)
-        assert counters["pod_peer_errors"] == 1 and counters["pod_rdma_setup_errors"] == 1
+        assert counters["pod_peer_errors"] == 1 and counters["pod_peer_rdma_fallbacks"] == 1
+        assert counters["pod_rdma_setup_errors"] == 0
         assert fake_link.made[0].closed
         # The peer is fetched from over TCP now (no new attach), byte-exact.
         assert await src.fetch(b"\x01" * 16, _entries(data, keys)) == [data[k] for k in keys]
@@ -296,6 +297,26 @@ async def test_a_holder_without_rdma_gets_tcp(
         assert (holder.attaches, holder.rdma_requests, holder.tcp_requests) == (1, 0, 1)
         assert counters["pod_peer_rdma_fallbacks"] == 1 and fake_link.made[0].closed
         assert counters["pod_rdma_setup_errors"] == 0
+    finally:
+        await src.close()
+        await holder.close()
+
+
+async def test_a_queue_pair_that_cannot_connect_gives_tcp(
+        fake_link: type[FakeLink], data: dict[bytes, bytes],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: FakeLink, peer: rw.QpInfo) -> None:
+        raise rw.RdmaDeviceError("connecting peer-fetch QP failed: errno 110", 110)
+
+    monkeypatch.setattr(FakeLink, "connect", refuse)
+    keys = sorted(data)
+    holder = Holder(data)
+    src, counters = await _source(holder)
+    try:
+        assert await src.fetch(b"\x01" * 16, _entries(data, keys)) == [data[k] for k in keys]
+        assert (holder.attaches, holder.rdma_requests, holder.tcp_requests) == (1, 0, 1)
+        assert counters["pod_rdma_setup_errors"] == 1 and counters["pod_peer_errors"] == 0
+        assert fake_link.made[0].closed
     finally:
         await src.close()
         await holder.close()

@@ -123,7 +123,7 @@ class PeerSource(RemoteSource):
                 PeerFailed, RdmaTransferError) as exc:
             self._counters["pod_peer_errors"] += 1
             if conn is not None and conn.link is not None:
-                self._rdma_failed(addr, f"transfer: {exc}")
+                self._rdma_failed(addr, f"transfer: {exc}", setup=False)
             throttled(log, logging.WARNING, "pod.peer_fetch",
                       "peer fetch of %d blocks from node %s at %s failed (%s: %s); they "
                       "are misses", len(entries), node, addr, type(exc).__name__, exc)
@@ -181,17 +181,19 @@ class PeerSource(RemoteSource):
             peer = w.unpack_qp(await conn.reader.readexactly(w.QP.size),
                                f"peer {addr}'s attach answer")
             link.connect(peer)
-        except CtxmemError as exc:
+        except CtxmemError as exc:  # the holder's QP goes unused; TCP on this connection
             link.close()
             self._rdma_failed(addr, exc.message)
-            raise PeerFailed(f"RDMA attach to peer {addr} failed: {exc.message}") from None
+            return None
         except BaseException:
             link.close()
             raise
         return link
 
-    def _rdma_failed(self, addr: str, why: str) -> None:
-        self._counters["pod_rdma_setup_errors"] += 1
+    def _rdma_failed(self, addr: str, why: str, setup: bool = True) -> None:
+        """RDMA to ``addr`` failed (setting it up, or a transfer): TCP to it for a while."""
+        if setup:
+            self._counters["pod_rdma_setup_errors"] += 1
         self._counters["pod_peer_rdma_fallbacks"] += 1
         self._tcp_until[addr] = time.monotonic() + RDMA_RETRY_S
         throttled(log, logging.WARNING, "pod.peer_rdma",
