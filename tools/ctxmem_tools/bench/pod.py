@@ -158,7 +158,8 @@ def run(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--total-mib", type=int, default=64, help="MiB per get batch")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--lookups", type=int, default=50, help="Lookup calls timed per case")
+    ap.add_argument("--lookups", type=int, default=50,
+                    help="Lookup calls timed per case (0: no Lookup rows)")
     ap.add_argument("--flash-blocks", type=int, default=256,
                     help="blocks per size in the shared-flash rows")
     ap.add_argument("--workdir", default="/var/tmp",
@@ -176,7 +177,8 @@ def run(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         with LocalPod(root / "plain", 2, **cfg) as pod:
             _gets(pod, args.total_mib, args.repeat, "plaintext", out)
-            _lookups(pod, args.lookups, out)
+            if args.lookups:
+                _lookups(pod, args.lookups, out)
         pki = make_pki(root / "pki", tenants=())
         cert, key = member_cert(pki, "member")
         tls = {"tls_cert_file": str(cert), "tls_key_file": str(key),
