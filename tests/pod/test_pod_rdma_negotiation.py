@@ -140,6 +140,7 @@ class Holder:
         self.data, self.rdma, self.grant, self.lie_crc = data, rdma, grant, lie_crc
         self.attaches = self.dones = self.tcp_requests = self.rdma_requests = 0
         self.server: asyncio.Server | None = None
+        self.conns: list[asyncio.StreamWriter] = []
         self.addr = ""
 
     async def start(self) -> None:
@@ -147,6 +148,7 @@ class Holder:
         self.addr = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def _serve(self, r: asyncio.StreamReader, wr: asyncio.StreamWriter) -> None:
+        self.conns.append(wr)
         try:
             _m, _v, n = w.HELLO.unpack(await r.readexactly(w.HELLO.size))
             assert await r.readexactly(n) == TOKEN.encode()
@@ -183,7 +185,7 @@ class Holder:
                         FakeLink.memory[addr] = d
                         wr.write(w.RDMA_ANSWER.pack(1, crc, len(d), 1, addr, 0x42))
                 if granted:
-                    assert await asyncio.wait_for(r.readexactly(4), 5) == w.DONE
+                    assert await r.readexactly(4) == w.DONE
                     self.dones += 1
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -193,7 +195,10 @@ class Holder:
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
+            for wr in self.conns:
+                wr.close()
             await self.server.wait_closed()
+            self.server = None
 
 
 async def _eventually(cond: Any, what: str) -> None:
@@ -317,6 +322,42 @@ async def test_a_queue_pair_that_cannot_connect_gives_tcp(
         assert (holder.attaches, holder.rdma_requests, holder.tcp_requests) == (1, 0, 1)
         assert counters["pod_rdma_setup_errors"] == 1 and counters["pod_peer_errors"] == 0
         assert fake_link.made[0].closed
+    finally:
+        await src.close()
+        await holder.close()
+
+
+async def test_a_holder_that_dies_during_the_reads_ends_them(
+        fake_link: type[FakeLink], data: dict[bytes, bytes],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The READs towards a holder that is gone may never complete (Soft-RoCE); its
+    connection's end stops them, long before pod.fetch_timeout_s (here 120 s)."""
+    reading = asyncio.Event()
+
+    async def hang(self: FakeLink, items: Sequence[tuple[int, int, int]],
+                   timeout_s: float) -> list[bytes]:
+        reading.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        return []
+
+    monkeypatch.setattr(FakeLink, "read", hang)
+    keys = sorted(data)
+    holder = Holder(data)
+    await holder.start()
+    counters: Counter[str] = Counter()
+    dev: Any = object()
+    src = peer_client.PeerSource(PodConfig(pod_token=TOKEN, fetch_timeout_s=120.0),
+                                 lambda _n: holder.addr, counters, rdma=dev)
+    try:
+        job = asyncio.ensure_future(src.fetch(b"\x01" * 16, _entries(data, keys)))
+        await asyncio.wait_for(reading.wait(), 30)
+        await holder.close()  # the holder dies: its connections end
+        assert await asyncio.wait_for(job, 30) == [None] * len(keys)
+        assert counters["pod_peer_errors"] == 1 and fake_link.made[0].closed
     finally:
         await src.close()
         await holder.close()

@@ -226,7 +226,7 @@ class PeerSource(RemoteSource):
                 want.append(i)
                 items.append((addr, rkey, nbytes))
         if items:
-            data = await conn.link.read(items, self._pod.fetch_timeout_s)
+            data = await self._read_watched(conn, items)
             for i, d in zip(want, data, strict=True):
                 out[i] = d
             self._counters["pod_peer_rdma_blocks"] += len(items)
@@ -239,6 +239,28 @@ class PeerSource(RemoteSource):
             for i, tcp_got in zip(again, got, strict=True):
                 out[i] = tcp_got
         return out
+
+    async def _read_watched(self, conn: Conn, items: list[tuple[int, int, int]]
+                            ) -> list[bytes]:
+        """The link's READs, ended early when the holder's connection ends (it died, or
+        ended the lease): a READ towards a QP that is gone may only end at the RC retry
+        limit or not at all (Soft-RoCE), while the socket says so at once. The holder
+        sends nothing during a lease, so any byte or EOF there ends the READs."""
+        assert conn.link is not None
+        watch = asyncio.ensure_future(conn.reader.read(1))
+        read = asyncio.ensure_future(conn.link.read(items, self._pod.fetch_timeout_s))
+        try:
+            done, _ = await asyncio.wait({watch, read}, return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:  # EOF, or a byte out of protocol: the connection is done
+                raise PeerFailed("the holder closed the connection during the RDMA READs "
+                                 "(it died or ended the lease)")
+            return read.result()
+        finally:
+            for t in (watch, read):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(BaseException):
+                        await t
 
     async def _request(self, conn: Conn, ns_digest: bytes, entries: Sequence[RemoteEntry]
                        ) -> list[bytes | None]:
