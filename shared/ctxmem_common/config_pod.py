@@ -4,6 +4,7 @@ fetch and shared-flash slab leases, and its cross-field rules. Part of
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from ctxmem_common.errors import ConfigError
@@ -61,9 +62,23 @@ class PodConfig:
     # Free slabs of each shared device a node keeps leased ahead of need.
     shared_spare_slabs: int = 2
 
+    # Peer fetch over RDMA (docs/pod.md): an IP address of this node's RDMA device (it
+    # picks the device and its RoCE v2 GID; no port). Set: this node serves and fetches
+    # blocks by RDMA READ wherever the other end has it too (negotiated on the TLS peer
+    # connection), TCP otherwise. Empty: TCP only. rdma_device names the device when the
+    # IP alone is ambiguous.
+    rdma_listen: str = ""
+    rdma_device: str = ""
+
 
 def check_pod(pod: PodConfig) -> None:
     """The cross-field rules of ``pod:`` (``ConfigError`` naming the key)."""
+    if pod.rdma_listen:
+        try:
+            ipaddress.ip_address(pod.rdma_listen.strip("[]"))
+        except ValueError:
+            raise ConfigError(f"pod.rdma_listen: {pod.rdma_listen!r} is not an IP address "
+                              f"(an address of this node's RDMA device, no port)") from None
     if not pod.slab_lease_s > 0 or pod.shared_spare_slabs < 1:
         raise ConfigError("pod.slab_lease_s must be > 0 (seconds) and pod.shared_spare_slabs "
                           ">= 1")

@@ -16,6 +16,7 @@ from ctxmem_dpu.pod.entries import RemoteEntry, SharedLocation
 from ctxmem_dpu.pod.fetch import RemoteFetch
 from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
 from ctxmem_dpu.pod.peer_client import PeerSource
+from ctxmem_dpu.pod.peer_rdma import open_device
 from ctxmem_dpu.pod.peer_server import PeerServer
 from ctxmem_dpu.pod.publisher import Publisher
 from ctxmem_dpu.pod.redis_conn import connect
@@ -47,10 +48,13 @@ class PodNode:
         self.index.shared_devices = frozenset(
             u for src in extra_sources for u in getattr(src, "device_uuids", ()))
         self.publisher = Publisher(self.pod, self.index, self._holdings, counters)
+        # Peer fetch over RDMA where both ends have it (pod.rdma_listen), else TCP.
+        self.rdma = open_device(self.pod, counters)
         self.server = PeerServer(self.pod, store, counters,
-                                 io_timeout_s=cfg.data_plane.read_timeout_s)
+                                 io_timeout_s=cfg.data_plane.read_timeout_s, rdma=self.rdma)
         # `index.live` is replaced at each heartbeat: read it at each call.
-        self.peer = PeerSource(self.pod, lambda node: self.index.live.get(node), counters)
+        self.peer = PeerSource(self.pod, lambda node: self.index.live.get(node), counters,
+                               rdma=self.rdma)
         self.fetch = RemoteFetch(store, self.index, [*extra_sources, self.peer], counters,
                                  self.pod.fetch_max_blocks)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -75,9 +79,10 @@ class PodNode:
         self.publisher.start()
         await self._heartbeat_once()
         self._beat = asyncio.create_task(self._heartbeat(), name="ctxmem-pod-heartbeat")
-        log.info("pod node %s: index %s, peer fetch on %s (advertised %s), TLS %s",
+        log.info("pod node %s: index %s, peer fetch on %s (advertised %s), TLS %s, RDMA %s",
                  self.pod.node_id, self.index._where(), self.server.address,
-                 self.pod.advertise, "mutual" if self.pod.tls_cert_file else "off (loopback)")
+                 self.pod.advertise, "mutual" if self.pod.tls_cert_file else "off (loopback)",
+                 self.rdma.choice.describe() if self.rdma is not None else "off")
 
     async def _heartbeat_once(self) -> None:
         try:
@@ -109,6 +114,7 @@ class PodNode:
         """Leave the pod (peers stop asking at once), stop serving; idempotent."""
         if self._beat is None:
             await self.server.close()
+            self._close_rdma()
             return
         self._beat.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -127,7 +133,15 @@ class PodNode:
         await self.server.close()
         for src in self.fetch.sources:
             await src.close()
+        self._close_rdma()
         await self.index.close()
+
+    def _close_rdma(self) -> None:
+        """The device, once every connection's QP and MRs are gone (server and peer
+        closed first)."""
+        if self.rdma is not None:
+            self.rdma.close()
+            self.rdma = None
 
     async def __aenter__(self) -> PodNode:
         await self.start()

@@ -3,9 +3,17 @@ server for blocks and checks every answer.
 
 A peer is trusted for nothing: an answer is used only when its length equals the index
 entry's, its CRC32C equals the entry's, and the CRC32C of the bytes received (computed in
-C) equals both. Anything else, and a peer that is dead, slow past ``pod.fetch_timeout_s``
-or unreachable, is a miss. Connections are kept per peer and reused; one that fails or
-times out is closed, never reused.
+C) equals both (over RDMA, that last check is the fetch path's,
+:meth:`RemoteFetch.fetch`, before anything is stored). Anything else, and a peer
+that is dead, slow past ``pod.fetch_timeout_s`` or unreachable, is a miss. Connections
+are kept per peer and reused; one that fails or times out is closed, never reused.
+
+With an RDMA device (``pod.rdma_listen``), each new connection offers the holder a queue
+pair; where the holder attaches it, requests on that connection are answered with READ
+keys and the blocks are read by RDMA (:mod:`ctxmem_dpu.pod.peer_rdma`), else the same
+connection carries them over TCP. A failed RDMA setup or transfer is logged, counted
+(``pod_rdma_setup_errors``, ``pod_peer_rdma_fallbacks``) and turns that peer to TCP for
+:data:`RDMA_RETRY_S`; the blocks of a failed transfer are misses.
 """
 
 from __future__ import annotations
@@ -13,21 +21,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from crc32c import crc32c
 
 from ctxmem_common.config import PodConfig
+from ctxmem_common.errors import CtxmemError
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.entries import RemoteEntry
+from ctxmem_dpu.pod.peer_rdma import FetchLink, RdmaTransferError
 from ctxmem_dpu.pod.sources import RemoteSource
+from ctxmem_dpu.transport.rdma_device import RdmaDevice
 
 log = logging.getLogger(__name__)
 
-Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+# A peer that failed RDMA (setup or a transfer) is fetched from over TCP this long.
+RDMA_RETRY_S = 30.0
+
+
+@dataclass
+class Conn:
+    """One connection to a peer's peer-fetch server, and its RDMA link if attached."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    link: FetchLink | None = None
+
+    def abort(self) -> None:
+        if self.link is not None:
+            self.link.close()  # before the socket: no READ lands after this
+        self.writer.transport.abort()
 
 
 class PeerFailed(Exception):
@@ -42,8 +70,10 @@ class PeerSource(RemoteSource):
     name = "peer"
 
     def __init__(self, pod: PodConfig, address_of: Callable[[str], str | None],
-                 counters: Counter[str]) -> None:
+                 counters: Counter[str], rdma: RdmaDevice | None = None) -> None:
         self._pod = pod
+        self._rdma = rdma
+        self._tcp_until: dict[str, float] = {}  # peer address -> RDMA not tried before
         self._address_of = address_of
         self._counters = counters
         self._token = w.pod_token(pod)
@@ -79,8 +109,10 @@ class PeerSource(RemoteSource):
             nonlocal conn
             conn = await self._connection(addr)
             for part in range(0, len(entries), w.MAX_KEYS):
-                got.extend(await self._request(conn, ns_digest,
-                                               entries[part:part + w.MAX_KEYS]))
+                chunk = entries[part:part + w.MAX_KEYS]
+                got.extend(await (self._request_rdma(conn, ns_digest, chunk)
+                                  if conn.link is not None else
+                                  self._request(conn, ns_digest, chunk)))
 
         try:
             await asyncio.wait_for(run(), self._pod.fetch_timeout_s)
@@ -88,38 +120,151 @@ class PeerSource(RemoteSource):
             self._idle.setdefault(addr, []).append(conn)
             return got
         except (OSError, TimeoutError, asyncio.TimeoutError, asyncio.IncompleteReadError,
-                PeerFailed) as exc:
+                PeerFailed, RdmaTransferError) as exc:
             self._counters["pod_peer_errors"] += 1
+            if conn is not None and conn.link is not None:
+                self._rdma_failed(addr, f"transfer: {exc}", setup=False)
             throttled(log, logging.WARNING, "pod.peer_fetch",
                       "peer fetch of %d blocks from node %s at %s failed (%s: %s); they "
                       "are misses", len(entries), node, addr, type(exc).__name__, exc)
             if conn is not None:
-                conn[1].transport.abort()
+                conn.abort()
             return got + [None] * (len(entries) - len(got))
 
     async def _connection(self, addr: str) -> Conn:
         idle = self._idle.get(addr)
         while idle:
-            reader, writer = idle.pop()
-            if not writer.is_closing() and not reader.at_eof():
-                return reader, writer
-            writer.transport.abort()
+            conn = idle.pop()
+            if not conn.writer.is_closing() and not conn.reader.at_eof():
+                return conn
+            conn.abort()
         host, port = split_hostport(addr, "peer address")
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, ssl=self._ssl, limit=w.STREAM_LIMIT,
                                     ssl_handshake_timeout=self._pod.connect_timeout_s
                                     if self._ssl else None),
             self._pod.connect_timeout_s)
-        writer.write(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(self._token)) + self._token)
-        ok = await reader.readexactly(1)
-        if ok != b"\x01":
-            writer.transport.abort()
-            raise PeerFailed(f"peer {addr} refused the pod token")
-        return reader, writer
+        conn = Conn(reader, writer)
+        try:
+            writer.write(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(self._token))
+                         + self._token)
+            ok = await reader.readexactly(1)
+            if ok != b"\x01":
+                raise PeerFailed(f"peer {addr} refused the pod token")
+            if self._rdma is not None and time.monotonic() >= self._tcp_until.get(addr, 0.0):
+                conn.link = await self._attach(conn, addr)
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    async def _attach(self, conn: Conn, addr: str) -> FetchLink | None:
+        """Offer the holder a queue pair; the connected link, or ``None`` (TCP on this
+        connection) when the holder has no RDMA or setting it up failed."""
+        assert self._rdma is not None
+        try:
+            link = FetchLink(self._rdma)
+        except CtxmemError as exc:
+            self._rdma_failed(addr, exc.message)
+            return None
+        try:
+            conn.writer.write(w.ATTACH_MAGIC + w.pack_qp(link.info()))
+            status = await conn.reader.readexactly(1)
+            if status != b"\x01":
+                self._counters["pod_peer_rdma_fallbacks"] += 1
+                self._tcp_until[addr] = time.monotonic() + RDMA_RETRY_S
+                throttled(log, logging.INFO, "pod.peer_rdma_none",
+                          "peer %s has no RDMA for peer fetch; fetching from it over TCP",
+                          addr)
+                link.close()
+                return None
+            peer = w.unpack_qp(await conn.reader.readexactly(w.QP.size),
+                               f"peer {addr}'s attach answer")
+            link.connect(peer)
+        except CtxmemError as exc:  # the holder's QP goes unused; TCP on this connection
+            link.close()
+            self._rdma_failed(addr, exc.message)
+            return None
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def _rdma_failed(self, addr: str, why: str, setup: bool = True) -> None:
+        """RDMA to ``addr`` failed (setting it up, or a transfer): TCP to it for a while."""
+        if setup:
+            self._counters["pod_rdma_setup_errors"] += 1
+        self._counters["pod_peer_rdma_fallbacks"] += 1
+        self._tcp_until[addr] = time.monotonic() + RDMA_RETRY_S
+        throttled(log, logging.WARNING, "pod.peer_rdma",
+                  "peer fetch over RDMA from %s failed (%s); TCP for the next %g s",
+                  addr, why, RDMA_RETRY_S)
+
+    async def _request_rdma(self, conn: Conn, ns_digest: bytes,
+                            entries: Sequence[RemoteEntry]) -> list[bytes | None]:
+        """One request answered with READ keys: the hits whose answer matches the index
+        entry are read by RDMA, then the lease is ended (done); a holder that could not
+        grant them (status 2) is asked again over TCP on the same connection."""
+        assert conn.link is not None
+        conn.writer.write(w.pack_keys(ns_digest, [e.key for e in entries],
+                                      w.RDMA_REQUEST_MAGIC))
+        raw = await conn.reader.readexactly(w.RDMA_ANSWER.size * len(entries))
+        out: list[bytes | None] = [None] * len(entries)
+        want: list[int] = []
+        items: list[tuple[int, int, int]] = []
+        again: list[int] = []
+        granted = False  # the holder holds a lease until our done
+        for i, e in enumerate(entries):
+            status, crc, nbytes, _seq, addr, rkey = w.RDMA_ANSWER.unpack_from(
+                raw, i * w.RDMA_ANSWER.size)
+            granted = granted or status == 1
+            if status == 2:
+                again.append(i)
+            elif status != 1 or nbytes != e.nbytes or crc != e.crc32c:
+                self._counters["pod_peer_misses"] += 1  # stale: another version there
+            else:
+                want.append(i)
+                items.append((addr, rkey, nbytes))
+        if items:
+            data = await self._read_watched(conn, items)
+            for i, d in zip(want, data, strict=True):
+                out[i] = d
+            self._counters["pod_peer_rdma_blocks"] += len(items)
+            self._counters["pod_peer_rdma_bytes"] += sum(n for _a, _k, n in items)
+        if granted:
+            conn.writer.write(w.DONE)
+        if again:
+            self._counters["pod_peer_rdma_fallbacks"] += 1
+            got = await self._request(conn, ns_digest, [entries[i] for i in again])
+            for i, tcp_got in zip(again, got, strict=True):
+                out[i] = tcp_got
+        return out
+
+    async def _read_watched(self, conn: Conn, items: list[tuple[int, int, int]]
+                            ) -> list[bytes]:
+        """The link's READs, ended early when the holder's connection ends (it died, or
+        ended the lease): a READ towards a QP that is gone may only end at the RC retry
+        limit or not at all (Soft-RoCE), while the socket says so at once. The holder
+        sends nothing during a lease, so any byte or EOF there ends the READs."""
+        assert conn.link is not None
+        watch = asyncio.ensure_future(conn.reader.read(1))
+        read = asyncio.ensure_future(conn.link.read(items, self._pod.fetch_timeout_s))
+        try:
+            done, _ = await asyncio.wait({watch, read}, return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:  # EOF, or a byte out of protocol: the connection is done
+                raise PeerFailed("the holder closed the connection during the RDMA READs "
+                                 "(it died or ended the lease)")
+            return read.result()
+        finally:
+            for t in (watch, read):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(BaseException):
+                        await t
 
     async def _request(self, conn: Conn, ns_digest: bytes, entries: Sequence[RemoteEntry]
                        ) -> list[bytes | None]:
-        reader, writer = conn
+        reader, writer = conn.reader, conn.writer
         writer.write(w.pack_keys(ns_digest, [e.key for e in entries]))
         out: list[bytes | None] = []
         for e in entries:
@@ -146,8 +291,10 @@ class PeerSource(RemoteSource):
     async def close(self) -> None:
         self._closed = True
         for conns in self._idle.values():
-            for _r, writer in conns:
-                writer.close()
+            for conn in conns:
+                if conn.link is not None:
+                    conn.link.close()
+                conn.writer.close()
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(writer.wait_closed(), 1.0)
+                    await asyncio.wait_for(conn.writer.wait_closed(), 1.0)
         self._idle.clear()

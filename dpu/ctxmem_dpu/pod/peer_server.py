@@ -5,6 +5,11 @@ compare) and, off loopback, mutual TLS with the pod CA; tenants' session tokens 
 accepted here. A request names a namespace digest (which covers the tenant), so a block
 is only ever served to the same namespace on the other node. Every wait is bounded
 (hello, request read, send), and connections are capped.
+
+With an RDMA device (``pod.rdma_listen``), a connection may attach a queue pair; its
+requests are then answered with READ keys to the pinned blocks instead of their bytes,
+and the blocks stay pinned (and the keys valid) until the fetcher says done or
+``pod.fetch_timeout_s`` passes (:mod:`ctxmem_dpu.pod.peer_rdma`).
 """
 
 from __future__ import annotations
@@ -12,15 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections import Counter
 
 from ctxmem_common.config import PodConfig
-from ctxmem_common.errors import ConfigError
+from ctxmem_common.errors import ConfigError, CtxmemError
 from ctxmem_common.identity import is_local_listen
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.pod import peer_wire as w
+from ctxmem_dpu.pod.peer_rdma import grant_blocks, holder_endpoint
 from ctxmem_dpu.store import BlockStore
+from ctxmem_dpu.transport.rdma_device import RdmaDevice
+from ctxmem_dpu.transport.rdma_endpoint import SessionEndpoint
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
@@ -30,7 +39,7 @@ class PeerServer:
     """``async with PeerServer(...)`` or :meth:`start` / :meth:`close`."""
 
     def __init__(self, pod: PodConfig, store: BlockStore, counters: Counter[str],
-                 io_timeout_s: float = 10.0) -> None:
+                 io_timeout_s: float = 10.0, rdma: RdmaDevice | None = None) -> None:
         if not pod.tls_cert_file and not is_local_listen(pod.listen):
             raise ConfigError(
                 f"pod.listen: {pod.listen!r} is not loopback and pod TLS is off; set "
@@ -42,6 +51,7 @@ class PeerServer:
         self._store = store
         self._counters = counters
         self._timeout = io_timeout_s
+        self._rdma = rdma  # serve over RDMA to peers that attach (docs/pod.md)
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self.address = ""
@@ -106,20 +116,107 @@ class PeerServer:
                       peer)
             return
         writer.write(b"\x01")
-        while True:
-            head = await asyncio.wait_for(reader.readexactly(w.REQUEST.size),
-                                          self._pod.fetch_timeout_s * 12)
-            magic, ns_digest, count = w.REQUEST.unpack(head)
-            if magic != w.REQUEST_MAGIC or count > w.MAX_KEYS:
+        ep: SessionEndpoint | None = None
+        try:
+            while True:
+                magic = await asyncio.wait_for(reader.readexactly(4),
+                                               self._pod.fetch_timeout_s * 12)
+                if magic == w.ATTACH_MAGIC and ep is None:
+                    qp = await asyncio.wait_for(reader.readexactly(w.QP.size), t)
+                    ep = self._attach(writer, qp, peer)
+                    continue
+                rest = await asyncio.wait_for(reader.readexactly(w.REQUEST.size - 4), t)
+                _magic, ns_digest, count = w.REQUEST.unpack(magic + rest)
+                rdma = magic == w.RDMA_REQUEST_MAGIC and ep is not None
+                if not (rdma or magic == w.REQUEST_MAGIC) or count > w.MAX_KEYS:
+                    throttled(log, logging.WARNING, "pod.peer_request",
+                              "peer-fetch request from %s refused: bad magic %r or %d keys "
+                              "(max %d)", peer, magic, count, w.MAX_KEYS)
+                    return
+                keys = []
+                for _ in range(count):
+                    klen = (await asyncio.wait_for(reader.readexactly(1), t))[0]
+                    keys.append(await asyncio.wait_for(reader.readexactly(klen), t))
+                if not rdma:
+                    await self._answer(writer, ns_digest, keys)
+                elif ep is not None and not await self._answer_rdma(reader, writer, ep,
+                                                                   ns_digest, keys, peer):
+                    return
+        finally:
+            if ep is not None:
+                ep.close()
+
+    def _attach(self, writer: asyncio.StreamWriter, qp: bytes, peer: object
+                ) -> SessionEndpoint | None:
+        """This end of the connection's RDMA queue pair, connected to the fetcher's ``qp``;
+        ``None`` (answered 0: the fetcher uses TCP here) without a device or on failure."""
+        if self._rdma is None:
+            writer.write(b"\x00")
+            return None
+        try:
+            ep = holder_endpoint(self._rdma, w.unpack_qp(qp, "peer-fetch attach"))
+        except CtxmemError as exc:
+            self._counters["pod_rdma_setup_errors"] += 1
+            throttled(log, logging.WARNING, "pod.peer_rdma_attach",
+                      "peer-fetch RDMA attach from %s failed (%s); that peer fetches over "
+                      "TCP", peer, exc.message)
+            writer.write(b"\x00")
+            return None
+        writer.write(b"\x01" + w.pack_qp(ep.info()))
+        return ep
+
+    async def _answer_rdma(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           ep: SessionEndpoint, ns_digest: bytes, keys: list[bytes],
+                           peer: object) -> bool:
+        """Pin the blocks, grant READ keys for them, answer, and hold both until the
+        fetcher's done (or ``pod.fetch_timeout_s``: then the connection is closed).
+        A grant the device refuses answers status 2 (ask over TCP). Returns whether the
+        connection goes on."""
+        store = self._store
+        blocks = await store.pin_for_peer(ns_digest, keys)
+        grant_id = secrets.token_bytes(16)
+        try:
+            hits = [b for b in blocks if b is not None and b.dram is not None]
+            granted: list[tuple[int, int]] | None = None
+            if hits:
+                try:
+                    granted = await grant_blocks(ep, store.dram, grant_id, hits)
+                except CtxmemError as exc:
+                    self._counters["pod_rdma_setup_errors"] += 1
+                    throttled(log, logging.WARNING, "pod.peer_rdma_grant",
+                              "peer-fetch RDMA grant of %d blocks for %s failed (%s); "
+                              "answered: ask over TCP", len(hits), peer, exc.message)
+            keyed = iter(granted or ())
+            parts = []
+            for b in blocks:
+                if b is None or b.dram is None:
+                    parts.append(w.RDMA_ANSWER.pack(0, 0, 0, 0, 0, 0))
+                elif granted is None:
+                    parts.append(w.RDMA_ANSWER.pack(2, 0, 0, 0, 0, 0))
+                else:
+                    addr, rkey = next(keyed)
+                    parts.append(w.RDMA_ANSWER.pack(1, b.crc, b.length, b.seq, addr, rkey))
+            writer.write(b"".join(parts))
+            await asyncio.wait_for(writer.drain(), self._timeout)
+            if granted is None:
+                return True
+            done = await asyncio.wait_for(reader.readexactly(len(w.DONE)),
+                                          self._pod.fetch_timeout_s)
+            if done != w.DONE:
                 throttled(log, logging.WARNING, "pod.peer_request",
-                          "peer-fetch request from %s refused: bad magic or %d keys (max %d)",
-                          peer, count, w.MAX_KEYS)
-                return
-            keys = []
-            for _ in range(count):
-                klen = (await asyncio.wait_for(reader.readexactly(1), t))[0]
-                keys.append(await asyncio.wait_for(reader.readexactly(klen), t))
-            await self._answer(writer, ns_digest, keys)
+                          "peer-fetch RDMA lease from %s ended by %r, not done; closing",
+                          peer, done)
+                return False
+            nbytes = sum(b.length for b in hits)
+            for name in ("pod_served", "pod_served_rdma"):
+                self._counters[f"{name}_blocks"] += len(hits)
+                self._counters[f"{name}_bytes"] += nbytes
+            return True
+        finally:
+            ep.revoke(grant_id)  # the keys die before the slots can be reused
+            for b in blocks:
+                if b is not None:
+                    store.unpin(b)
 
     async def _answer(self, writer: asyncio.StreamWriter, ns_digest: bytes,
                       keys: list[bytes]) -> None:

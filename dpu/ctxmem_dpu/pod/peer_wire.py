@@ -7,6 +7,18 @@ token checks: the one definition both the server and the client use.
   length (u8) and bytes.
 * answer, per key in order: status (u8: 1 hit, 0 miss), CRC32C (u32), length (u64),
   sequence (u64), then, for a hit, ``length`` bytes.
+
+RDMA (docs/pod.md), on the same authenticated connection, only when both ends have it:
+
+* attach, client → server: ``b"CXPA"`` and the client's queue pair (:data:`QP`). The
+  server answers a status (u8: 1, then its own queue pair; 0: no RDMA here, use the
+  requests above on this connection). One RC queue pair per connection, both ends', for
+  the connection's life.
+* RDMA request: as a request, with ``b"CXPD"``. Answer, per key in order
+  (:data:`RDMA_ANSWER`): status, CRC32C, length, sequence, and for a hit the remote
+  address and rkey of the block, readable (RDMA READ only, this QP only) until the
+  client sends ``b"CXPF"`` (done) or ``pod.fetch_timeout_s`` passes; the server holds the
+  blocks pinned until then.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from pathlib import Path
 
 from ctxmem_common.config import PodConfig
 from ctxmem_common.errors import ConfigError
+from ctxmem_common.rdma_wire import QpInfo
 
 HELLO = struct.Struct("!4sBH")
 HELLO_MAGIC = b"CXPH"
@@ -26,6 +39,13 @@ REQUEST = struct.Struct("!4s16sI")
 REQUEST_MAGIC = b"CXPR"
 ANSWER = struct.Struct("!BIQQ")
 VERSION = 1
+# RDMA (both QP fields as ctxmem_common.rdma_wire.QpInfo: qpn, psn, gid, lid, mtu,
+# rd_atomic).
+QP = struct.Struct("!II16sHBB")
+ATTACH_MAGIC = b"CXPA"
+RDMA_REQUEST_MAGIC = b"CXPD"
+DONE = b"CXPF"
+RDMA_ANSWER = struct.Struct("!BIQQQI")  # status, crc, length, seq, remote address, rkey
 MAX_KEYS = 4096  # keys per request; a request above it is refused
 MIN_TOKEN = 16
 # asyncio stream buffer: above the default 64 KiB, a 2 MiB block arrives in a few reads
@@ -52,12 +72,22 @@ def token_ok(sent: bytes, expected: bytes) -> bool:
     return hmac.compare_digest(sent, expected)
 
 
-def pack_keys(ns_digest: bytes, keys: list[bytes]) -> bytes:
-    parts = [REQUEST.pack(REQUEST_MAGIC, ns_digest, len(keys))]
+def pack_keys(ns_digest: bytes, keys: list[bytes], magic: bytes = REQUEST_MAGIC) -> bytes:
+    parts = [REQUEST.pack(magic, ns_digest, len(keys))]
     for k in keys:
         parts.append(bytes((len(k),)))
         parts.append(k)
     return b"".join(parts)
+
+
+def pack_qp(qp: QpInfo) -> bytes:
+    return QP.pack(qp.qpn, qp.psn, qp.gid, qp.lid, qp.mtu, qp.rd_atomic)
+
+
+def unpack_qp(raw: bytes, what: str) -> QpInfo:
+    """A peer's queue pair from :data:`QP` bytes (``InvalidArgument`` naming ``what``
+    when a field does not fit its verbs type)."""
+    return QpInfo(*QP.unpack(raw)).check(what)
 
 
 def _files(pod: PodConfig) -> tuple[str, str, str]:

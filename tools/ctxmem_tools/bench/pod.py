@@ -9,6 +9,10 @@
   other node (the cluster index asked for the local misses in one round trip), the two
   alternated call by call, and the remote part (the difference per call pair).
 
+* with ``--rdma-listen IP`` (where an RDMA device carries IP: the QEMU guest's rxe0),
+  the same gets between two nodes with ``pod.rdma_listen``: peer fetch by RDMA READ (the
+  run fails if any block went over TCP).
+
 Shared flash (issue 14 part 3) fills its own row when registered (left as a slot here).
 ``--json PATH`` writes ``{"results": [{"name", "value", "unit"}]}``.
 """
@@ -89,7 +93,8 @@ def _wait(cond: Any, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _gets(pod: LocalPod, total_mib: int, repeat: int, label: str, out: list[Result]) -> None:
+def _gets(pod: LocalPod, total_mib: int, repeat: int, label: str, out: list[Result],
+          rdma: bool = False) -> None:
     n1, n2 = pod.nodes[0], pod.nodes[1]
     n = max(1, (total_mib << 20) // BIG.block_nbytes)
     keys = chain_hashes(range(BIG.tokens_per_block * n), BIG.tokens_per_block)
@@ -113,6 +118,9 @@ def _gets(pod: LocalPod, total_mib: int, repeat: int, label: str, out: list[Resu
             remote.append(time.perf_counter() - t)
             if got != n:
                 raise RuntimeError(f"cross-node get returned {got} of {n} blocks")
+            if rdma and c2.stats()["pod_peer_rdma_blocks"] < n * len(remote):
+                raise RuntimeError("cross-node get over RDMA: some blocks went over TCP "
+                                   "(pod_peer_rdma_blocks); see the nodes' logs")
             if not all(np.array_equal(a, b) for a, b in zip(bufs, data, strict=True)):
                 raise RuntimeError("cross-node get returned wrong bytes")
             ns2.delete(keys)  # the next round fetches from the peer again
@@ -158,11 +166,17 @@ def run(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--total-mib", type=int, default=64, help="MiB per get batch")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--lookups", type=int, default=50, help="Lookup calls timed per case")
+    ap.add_argument("--lookups", type=int, default=50,
+                    help="Lookup calls timed per case (0: no Lookup rows)")
     ap.add_argument("--flash-blocks", type=int, default=256,
                     help="blocks per size in the shared-flash rows")
     ap.add_argument("--workdir", default="/var/tmp",
                     help="where the shared-flash file goes (O_DIRECT: not tmpfs)")
+    ap.add_argument("--rdma-listen", default="",
+                    help="IP of an RDMA device: add the cross-node get over RDMA rows")
+    ap.add_argument("--rdma-device", default="", help="the RDMA device (with --rdma-listen)")
+    ap.add_argument("--no-shared-flash", action="store_true",
+                    help="skip the shared-flash rows (no O_DIRECT filesystem at --workdir)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     out = [Result("TCP loopback socket, 1 stream", loopback_rate() / GB, "GB/s")]
@@ -171,17 +185,23 @@ def run(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         with LocalPod(root / "plain", 2, **cfg) as pod:
             _gets(pod, args.total_mib, args.repeat, "plaintext", out)
-            _lookups(pod, args.lookups, out)
+            if args.lookups:
+                _lookups(pod, args.lookups, out)
         pki = make_pki(root / "pki", tenants=())
         cert, key = member_cert(pki, "member")
         tls = {"tls_cert_file": str(cert), "tls_key_file": str(key),
                "tls_ca_file": str(pki.ca)}
         with LocalPod(root / "tls", 2, pod=tls, **cfg) as pod:
             _gets(pod, args.total_mib, args.repeat, "mTLS 1.3 between nodes", out)
+        if args.rdma_listen:
+            rdma = {"rdma_listen": args.rdma_listen, "rdma_device": args.rdma_device}
+            with LocalPod(root / "rdma", 2, pod=rdma, **cfg) as pod:
+                _gets(pod, args.total_mib, args.repeat, "RDMA between nodes", out, rdma=True)
     # Shared flash: a get straight from a device several nodes attach, next to the
     # device's own O_DIRECT read of the same extents (alternated in the same rounds).
-    for f in measure_shared_flash(Path(args.workdir), blocks=args.flash_blocks,
-                                  batch=min(32, args.flash_blocks)):
+    flash = [] if args.no_shared_flash else measure_shared_flash(
+        Path(args.workdir), blocks=args.flash_blocks, batch=min(32, args.flash_blocks))
+    for f in flash:
         out.append(Result(f"cross-node get, shared flash: {f.name}", f.value, f.unit, f.limit))
     width = max(len(r.name) for r in out)
     for r in out:
