@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from ctxmem_tools.launcher import ServiceProcess, local_config
 
 MiB = 1 << 20
 GB = 1e9
+PeerRound = Callable[[int, list[np.ndarray], list[np.ndarray]], None]
 
 
 @dataclass
@@ -170,7 +172,9 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
 
 def limit_for(name: str, limits: dict[str, float]) -> float:
     """The machine limit (GB/s) a throughput figure is compared with: memcpy for DRAM,
-    the device's O_DIRECT rate for flash, and with encryption also AES-XTS (the slower)."""
+    the device's O_DIRECT rate for flash, and with encryption also AES-XTS (the slower).
+    A peer's row (``lmcache_...``) is held against the same limit as ctxmem's."""
+    name = name.removeprefix("lmcache_")
     if name.startswith("dram_"):
         return limits["memcpy"]
     device = limits["odirect_read" if name.startswith("flash_get") else "odirect_write"]
@@ -215,8 +219,11 @@ def _pct(samples: list[float], q: float) -> float:
 
 def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, rounds: int,
                   tag: str, limits: dict[str, float], results: list[Result],
-                  with_lookup: bool, bar: Progress | None = None) -> None:
-    """Put/get/cold-get of ``batch`` blocks of ``block`` bytes, ``rounds`` times."""
+                  with_lookup: bool, bar: Progress | None = None,
+                  peer_round: PeerRound | None = None) -> None:
+    """Put/get/cold-get of ``batch`` blocks of ``block`` bytes, ``rounds`` times; with
+    ``peer_round``, a peer's round on the same buffers after each (``--peer``) and the
+    ``put_durable`` row (put plus demotion, per round) it is compared with."""
     layout = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=block // 2,
                       tokens_per_block=1)
     assert layout.block_nbytes == block
@@ -256,11 +263,19 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
                 cold_t.append(time.perf_counter() - t)
             assert n == batch, f"cold get served {n} of {batch}"
             ns.delete(keys)
+            if peer_round is not None:
+                peer_round(r, bufs, outs)
             if bar is not None:
                 bar.update()
         if tag == "plain":
             bench_verify(svc, transport, layout, size, bufs, outs, rounds, limits, results)
         cases = [(put_n, put_t), (get_n, get_t), (demote_n, demote_t), (cold_n, cold_t)]
+        if peer_round is not None:  # what the peer's durable put is held against
+            durable_n = f"put_durable_{size}{crypt}"
+            cases.append((durable_n, [p + d for p, d in zip(put_t, demote_t, strict=True)]))
+            for phase, moved in ((put_n, nbytes * rounds), (demote_n, 0)):
+                cpu = meter.phases[phase]
+                meter.add(durable_n, cpu.service_s, cpu.client_s, moved)
         for name, times in cases:
             limit = limit_for(name, limits)
             # Throughput from the median batch: robust to one slow batch on a busy 2-core box.
@@ -311,7 +326,19 @@ def run(argv: list[str] | None = None) -> int:
                    help="measure the O_DIRECT limit here: a block device (its last batch "
                         "of bytes, zeroed again afterwards; e.g. the same remote namespace "
                         "through the kernel initiator) instead of a scratch file in workdir")
+    p.add_argument("--peer", choices=["lmcache"], default=None,
+                   help="also run LMCache's own storage manager (its CPU and O_DIRECT local "
+                        "disk backends) on the same buffers, a round after each ctxmem round "
+                        "of the encrypted service, and print both row by row")
     args = p.parse_args(argv)
+    peer_info: dict[str, object] | None = None
+    if args.peer:
+        from ctxmem_tools.bench import peer_lmcache
+
+        try:
+            peer_version = peer_lmcache.lmcache_version()
+        except peer_lmcache.PeerUnavailable as exc:
+            p.error(str(exc))
     if args.from_json:
         if not args.png:
             p.error("--from-json draws a figure: give --png FILE")
@@ -326,6 +353,10 @@ def run(argv: list[str] | None = None) -> int:
     device_entry = json.loads(Path(args.flash_device).read_text()) if args.flash_device else None
     if device_entry is not None:
         print(f"flash tier: {device_entry.get('backend')} device {device_entry.get('name')}")
+    if args.peer:
+        peer_info = peer_lmcache.describe(peer_version, base / "lmcache-disk", device_entry)
+        print(f"peer: LMCache {peer_version} ({peer_info['lmcache_backends']}), "
+              f"disk {peer_info['lmcache_disk']}")
     scratch, offset = base / "odirect-limit.bin", 0
     if args.odirect_path:
         scratch = Path(args.odirect_path)
@@ -353,9 +384,16 @@ def run(argv: list[str] | None = None) -> int:
             cfg["flash"]["o_direct"] = True
         with ServiceProcess(base / tag, cfg) as svc:
             for block in (2 * MiB, 64 * 1024):
-                bench_service(svc, args.transport, block, batch_bytes // block, rounds, tag,
-                              limits, results, with_lookup=(tag == "xts" and block == 2 * MiB),
-                              bar=bar)
+                with ExitStack() as stack:
+                    peer = (stack.enter_context(peer_lmcache.lmcache_peer(
+                        base / "lmcache-disk", block, batch_bytes // block, tag))
+                        if args.peer and tag == "xts" else None)
+                    bench_service(svc, args.transport, block, batch_bytes // block, rounds,
+                                  tag, limits, results,
+                                  with_lookup=(tag == "xts" and block == 2 * MiB), bar=bar,
+                                  peer_round=peer.round if peer is not None else None)
+                    if peer is not None:
+                        results.extend(peer.results(limits))
         (base / tag / "flash0.img").unlink(missing_ok=True)
     # The flash file sits on a virtual disk whose speed drifts a lot from second to second
     # (host-side caching): measure the limits again after the runs and compare every
@@ -377,10 +415,13 @@ def run(argv: list[str] | None = None) -> int:
     print(f"\n{'name':34} {'value':>10} {'unit':9} {'limit':>10} {'fraction':>9} "
           f"{'svc cpu s/GB':>12} {'cli cpu s/GB':>12}")
     for r in results:
-        cpu = "" if r.service_cpu_s_per_gb is None else \
-            f" {r.service_cpu_s_per_gb:12.4f} {r.client_cpu_s_per_gb or 0.0:12.4f}"
+        cpu = "" if r.service_cpu_s_per_gb is None and r.client_cpu_s_per_gb is None else \
+            f" {_cpu_cell(r.service_cpu_s_per_gb)} {_cpu_cell(r.client_cpu_s_per_gb)}"
         print(f"{r.name:34} {r.value:10.3f} {r.unit:9} {r.limit:10.3f} "
               f"{r.fraction_of_limit:9.2f}{cpu}")
+    if peer_info is not None:
+        peer_info["pairs"] = peer_lmcache.pair_rows(results, ["2MiB", "64KiB"])
+        peer_lmcache.print_pairs(peer_info)
     if args.json:
         doc = {
             "results": [asdict(r) for r in results],
@@ -389,8 +430,10 @@ def run(argv: list[str] | None = None) -> int:
                         "crc32c": CRC32C_IMPLEMENTATION},
             "params": {"transport": args.transport, "batch_mib": args.batch_mib,
                        "rounds": rounds, "flash_device": device_entry,
-                       "odirect_path": str(scratch)},
+                       "odirect_path": str(scratch), "peer": args.peer},
         }
+        if peer_info is not None:
+            doc["peer"] = peer_info
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
     if args.png:
@@ -401,6 +444,11 @@ def run(argv: list[str] | None = None) -> int:
                                "rounds": rounds}}, args.png)
         print(f"wrote {args.png}")
     return 0
+
+
+def _cpu_cell(v: float | None) -> str:
+    """A CPU s/GB column: ``-`` where not measured (a peer in this process has no service)."""
+    return f"{'-':>12}" if v is None else f"{v:12.4f}"
 
 
 def _draw(source: Path, png: str) -> int:
