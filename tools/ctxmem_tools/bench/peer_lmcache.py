@@ -124,10 +124,16 @@ class LMCachePeer:
         tokens = block // 2 // 1024  # KV_2LTD: [2, 1 layer, tokens, 1024] uint8 per chunk
         self._shape = torch.Size([2, 1, tokens, 1024])
         batch_gib = block * batch / 2**30
+        # The disk tier's capacity is the whole file system: LocalDiskBackend.remove() does
+        # not give the bytes back to its admission count (current_cache_size, 0.5.6), so
+        # with a few batches' capacity a later round's put is refused (logged, dropped)
+        # although every earlier chunk was deleted. Nothing is preallocated either way.
+        fs = os.statvfs(disk_dir)
         cfg = LMCacheEngineConfig.from_dict({
             "chunk_size": tokens, "local_cpu": True,
             "max_local_cpu_size": 2 * batch_gib + 0.0625,
-            "local_disk": str(disk_dir), "max_local_disk_size": 2 * batch_gib + 0.0625,
+            "local_disk": str(disk_dir),
+            "max_local_disk_size": fs.f_blocks * fs.f_frsize / 2**30,
             "extra_config": {"use_odirect": True},
         })
         md = LMCacheMetadata(model_name=f"ctxmem-bench-{tag}", world_size=1,
@@ -169,6 +175,11 @@ class LMCachePeer:
         deadline = time.monotonic() + WAIT_S
         for k in keys:  # writes land in order of submission, roughly: poll the next missing
             while not self.disk.contains(k):
+                # A finished write enters the index before it leaves the put tasks: in
+                # neither means the backend refused it (admission), which it only logs.
+                if not self.disk.exists_in_put_tasks(k) and not self.disk.contains(k):
+                    raise RuntimeError(f"LMCache's disk backend refused chunk {k.chunk_hash} "
+                                       f"({self.block} B) in {self.disk_dir}: full?")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"LMCache did not write chunk {k.chunk_hash} to "
                                        f"{self.disk_dir} within {WAIT_S:.0f} s")
