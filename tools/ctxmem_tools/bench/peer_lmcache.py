@@ -5,8 +5,9 @@ they would run otherwise". So in the same run, on the same buffers, the same blo
 the same file system as ctxmem's flash file, this drives LMCache's ``StorageManager`` with
 its two local backends and nothing else: ``LocalCPUBackend`` (the hot cache, LMCache's DRAM
 tier) and ``LocalDiskBackend`` with ``use_odirect`` (its flash tier; no network, no GPU).
-Each LMCache round runs right after a ctxmem round (``bench_service``'s ``peer_round``
-hook), so both see the same neighbours on a shared machine.
+Each LMCache round runs beside a ctxmem round (``bench_service``'s ``peer_round`` hook:
+after it in even rounds, before it in odd ones), so both see the same neighbours on a
+shared machine and neither always runs in the other's wake.
 
 An LMCache round does what its engine does around the GPU copy, with a numpy buffer in the
 GPU's place: allocate memory objects from its allocator, copy the caller's blocks in
@@ -191,12 +192,15 @@ class LMCachePeer:
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
+        self._fsync_dir()
+        return returned, written, time.perf_counter() - t0
+
+    def _fsync_dir(self) -> None:
         dfd = os.open(self.disk_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-        return returned, written, time.perf_counter() - t0
 
     def get(self, keys: list[Any], outs: list[np.ndarray], location: str) -> float:
         """``batched_get`` from one backend and copy out into ``outs``; seconds taken."""
@@ -241,6 +245,7 @@ class LMCachePeer:
             self.times[name].append(self.get(keys, outs, location))
             check_equal(bufs, outs, f"{name} round {r}")
         self.sm.batched_remove(keys)
+        self._fsync_dir()  # commit the unlinks now, not during ctxmem's next timed put
 
     def results(self, limits: dict[str, float]) -> list[Result]:
         """GB/s of the median batch and p50/p99 ms per batch, as ctxmem's rows."""
@@ -310,7 +315,8 @@ def describe(version: str, disk_dir: Path, flash_device: dict[str, Any] | None) 
             "lmcache_disk": where, "lmcache_fsync": SYNC_NOTE,
             "copies": f"caller's numpy buffers <-> LMCache memory objects by torch copy_ "
                       f"({TORCH_THREADS} thread); ctxmem's client copies with numpy",
-            "order": "one LMCache round after each ctxmem round, same buffers"}
+            "order": "one LMCache round beside each ctxmem round (after it in even rounds, "
+                     "before it in odd ones), same buffers"}
 
 
 def print_pairs(info: dict[str, Any]) -> None:
