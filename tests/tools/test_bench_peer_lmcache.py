@@ -44,6 +44,7 @@ def test_quick_peer_run_pairs_every_lmcache_row_with_ctxmem(tmp_path: Path) -> N
         assert pair["ctxmem"].endswith("_xts"), "ctxmem's side runs with encryption on"
         assert pair["lmcache"].startswith("lmcache_")
         assert c["value"] > 0 and lm["value"] > 0 and lm["limit"] > 0, pair
+        assert lm["client_cpu_s_per_gb"] > 0 and pair["lmcache_cpu_s_per_gb"] > 0, pair
         assert pair["ctxmem_value"] == c["value"] and pair["lmcache_value"] == lm["value"]
         for q in ("p50", "p99"):
             assert rows[f"{pair['lmcache']}_{q}"]["value"] > 0

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from ctxmem_tools.bench.cpu import own_cpu_seconds
 from ctxmem_tools.bench.datapath import GB, Result, _pct, limit_for
 
 INSTALL = ("LMCache is not importable here; `ctxmem bench --peer lmcache` runs LMCache's own "
@@ -147,6 +148,10 @@ class LMCachePeer:
             raise RuntimeError(f"LMCache's LocalDiskBackend at {disk_dir} did not take "
                                "use_odirect: its figures would come from the page cache")
         self.times: dict[str, list[float]] = {p.lmcache: [] for p in pairs(self.size)}
+        # CPU seconds of this process (every thread: LMCache's writers and readers too)
+        # per row; LMCache has no service, so this is all of its CPU.
+        self.cpu: dict[str, float] = dict.fromkeys(self.times, 0.0)
+        self.last_put_cpu = (0.0, 0.0, 0.0)
 
     def _keys(self, r: int) -> list[Any]:
         from lmcache.utils import CacheEngineKey
@@ -160,10 +165,12 @@ class LMCachePeer:
 
     def put(self, keys: list[Any], bufs: list[np.ndarray]) -> tuple[float, float, float]:
         """Store ``bufs``; seconds until ``batched_put`` returned, until every chunk is in
-        the disk index, and until those files and their directory are fdatasync'd."""
+        the disk index, and until those files and their directory are fdatasync'd (the
+        CPU seconds at each point in :attr:`last_put_cpu`)."""
         from lmcache.v1.memory_management import MemoryFormat
 
         torch = self._torch
+        c0 = own_cpu_seconds()
         t0 = time.perf_counter()
         objs = self.sm.batched_allocate(self._shape, torch.uint8, len(keys),
                                         fmt=MemoryFormat.KV_2LTD)
@@ -173,6 +180,7 @@ class LMCachePeer:
             obj.tensor.view(-1).copy_(torch.from_numpy(buf))
         self.sm.batched_put(keys, objs)
         returned = time.perf_counter() - t0
+        c_returned = own_cpu_seconds() - c0
         deadline = time.monotonic() + WAIT_S
         for k in keys:  # writes land in order of submission, roughly: poll the next missing
             while not self.disk.contains(k):
@@ -186,6 +194,7 @@ class LMCachePeer:
                                        f"{self.disk_dir} within {WAIT_S:.0f} s")
                 time.sleep(0.0002)
         written = time.perf_counter() - t0
+        c_written = own_cpu_seconds() - c0
         for path in self._paths(keys):
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -193,7 +202,9 @@ class LMCachePeer:
             finally:
                 os.close(fd)
         self._fsync_dir()
-        return returned, written, time.perf_counter() - t0
+        durable = time.perf_counter() - t0
+        self.last_put_cpu = (c_returned, c_written, own_cpu_seconds() - c0)
+        return returned, written, durable
 
     def _fsync_dir(self) -> None:
         dfd = os.open(self.disk_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -232,17 +243,20 @@ class LMCachePeer:
         every get's bytes compared with ``bufs``."""
         keys = self._keys(r)
         s = self.size
-        returned, written, durable = self.put(keys, bufs)
-        self.times[f"lmcache_dram_put_{s}"].append(returned)
-        self.times[f"lmcache_put_disk_{s}_nosync"].append(written)
-        self.times[f"lmcache_put_durable_{s}"].append(durable)
+        names = (f"lmcache_dram_put_{s}", f"lmcache_put_disk_{s}_nosync",
+                 f"lmcache_put_durable_{s}")
+        for name, secs, cpu in zip(names, self.put(keys, bufs), self.last_put_cpu, strict=True):
+            self.times[name].append(secs)
+            self.cpu[name] += cpu
         for name, location in ((f"lmcache_dram_get_{s}", "LocalCPUBackend"),
                                (f"lmcache_flash_get_{s}", "LocalDiskBackend")):
             if location == "LocalDiskBackend":
                 self.evict_to_disk(keys)
             for out in outs:
                 out.fill(0)
+            c0 = own_cpu_seconds()
             self.times[name].append(self.get(keys, outs, location))
+            self.cpu[name] += own_cpu_seconds() - c0
             check_equal(bufs, outs, f"{name} round {r}")
         self.sm.batched_remove(keys)
         self._fsync_dir()  # commit the unlinks now, not during ctxmem's next timed put
@@ -256,7 +270,8 @@ class LMCachePeer:
                 continue
             limit = limit_for(name, limits)
             gbs = nbytes / statistics.median(times) / GB
-            out.append(Result(name, gbs, "GB/s", limit, gbs / limit))
+            cpu_per_gb = self.cpu[name] / (nbytes * len(times) / GB)
+            out.append(Result(name, gbs, "GB/s", limit, gbs / limit, None, cpu_per_gb))
             ideal_ms = nbytes / (limit * GB) * 1e3
             for q, label in ((0.5, "p50"), (0.99, "p99")):
                 ms = _pct(times, q) * 1e3
@@ -287,17 +302,22 @@ def lmcache_peer(disk_dir: Path, block: int, batch: int, tag: str) -> Iterator[L
 
 
 def pair_rows(results: list[Result], sizes: list[str]) -> list[dict[str, Any]]:
-    """Each LMCache GB/s figure next to ctxmem's: ``ratio`` > 1 when ctxmem is faster."""
-    by_name = {r.name: r.value for r in results}
+    """Each LMCache GB/s figure next to ctxmem's: ``ratio`` > 1 when ctxmem is faster;
+    CPU seconds per GB beside them (ctxmem: service + client; LMCache: its process)."""
+    by_name = {r.name: r for r in results}
     rows: list[dict[str, Any]] = []
     for size in sizes:
         for p in pairs(size):
             if p.ctxmem not in by_name or p.lmcache not in by_name:
                 continue
             c, lm = by_name[p.ctxmem], by_name[p.lmcache]
+            c_cpu = None if c.service_cpu_s_per_gb is None else \
+                c.service_cpu_s_per_gb + (c.client_cpu_s_per_gb or 0.0)
             rows.append({"row": p.row, "size": size, "ctxmem": p.ctxmem, "lmcache": p.lmcache,
-                         "ctxmem_value": c, "lmcache_value": lm, "unit": "GB/s",
-                         "ratio": c / lm if lm > 0 else float("inf"), "note": p.note})
+                         "ctxmem_value": c.value, "lmcache_value": lm.value, "unit": "GB/s",
+                         "ratio": c.value / lm.value if lm.value > 0 else float("inf"),
+                         "ctxmem_cpu_s_per_gb": c_cpu,
+                         "lmcache_cpu_s_per_gb": lm.client_cpu_s_per_gb, "note": p.note})
     return rows
 
 
@@ -325,8 +345,14 @@ def print_pairs(info: dict[str, Any]) -> None:
     print(f"\nctxmem ({info['ctxmem_checks']}) vs LMCache {info['version']} "
           f"({info['lmcache_checks']}); LMCache disk: {info['lmcache_disk']}")
     print(f"{'row':20} {'size':6} {'ctxmem GB/s':>11} {'LMCache GB/s':>12} {'ratio':>6} "
-          f"{'ahead':8} note")
+          f"{'ahead':8} {'CPU s/GB ctxmem':>15} {'LMCache':>8} note")
+
+    def cell(v: float | None, width: int) -> str:
+        return f"{'-':>{width}}" if v is None else f"{v:{width}.3f}"
+
     for r in rows:
         ahead = "ctxmem" if r["ratio"] >= 1 else "LMCache"
         print(f"{r['row']:20} {r['size']:6} {r['ctxmem_value']:11.3f} "
-              f"{r['lmcache_value']:12.3f} {r['ratio']:6.2f} {ahead:8} {r['note']}")
+              f"{r['lmcache_value']:12.3f} {r['ratio']:6.2f} {ahead:8} "
+              f"{cell(r['ctxmem_cpu_s_per_gb'], 15)} {cell(r['lmcache_cpu_s_per_gb'], 8)} "
+              f"{r['note']}")
