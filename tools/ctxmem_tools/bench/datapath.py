@@ -9,6 +9,9 @@ In one run, on the same buffers and the same flash file, it measures:
   evicted to flash first, so every byte is read from the device, decrypted and
   CRC-checked), demotion to flash, for 2 MiB and 64 KiB blocks, encryption on and off;
 * a 10,000-key Lookup (p50/p99 of one call);
+* with ``--peer lmcache``, LMCache's own storage manager beside the encrypted service's
+  rounds, on the same buffers (bench/peer_lmcache.py): ``lmcache_*`` rows, and a table
+  (``"peer"`` in ``--json``) pairing each with ctxmem's;
 * DRAM-hit get with CRC32C verification on (the default) and off (``verify_gets=False``),
   alternating on the same blocks, next to memcpy, CRC32C, copy-then-CRC (``copy_crc``:
   the one-thread cost of copying and checking every byte in two passes) and the fused
