@@ -336,7 +336,7 @@ def run(argv: list[str] | None = None) -> int:
                         "through the kernel initiator) instead of a scratch file in workdir")
     p.add_argument("--peer", choices=["lmcache"], default=None,
                    help="also run LMCache's own storage manager (its CPU and O_DIRECT local "
-                        "disk backends) on the same buffers, a round after each ctxmem round "
+                        "disk backends) on the same buffers, a round beside each ctxmem round "
                         "of the encrypted service, and print both row by row")
     args = p.parse_args(argv)
     peer_info: dict[str, object] | None = None
