@@ -40,10 +40,10 @@ from ctxmem_dpu.transport.rdma_device import (
     RETRY_CNT,
     RNR_RETRY,
     RdmaDevice,
-    _errno,
-    _verbs,
-    _wc_name,
     buffer_address,
+    load_verbs,
+    verbs_errno,
+    wc_status_name,
 )
 from ctxmem_dpu.transport.rdma_endpoint import SessionEndpoint, coalesce
 
@@ -115,7 +115,7 @@ class FetchLink:
     """
 
     def __init__(self, dev: RdmaDevice) -> None:
-        pv = _verbs()
+        pv = load_verbs()
         e = pv.libibverbs_enums
         self.dev = dev
         self.qp: Any = None
@@ -141,7 +141,7 @@ class FetchLink:
             self.close()
             raise rw.RdmaDeviceError(
                 f"creating the peer-fetch queue pair on {dev.choice.describe()} failed: "
-                f"{exc}; {rw.verbs_hint(_errno(exc))}", _errno(exc)) from None
+                f"{exc}; {rw.verbs_hint(verbs_errno(exc))}", verbs_errno(exc)) from None
         self.psn = secrets.randbits(24)
 
     def info(self) -> rw.QpInfo:
@@ -151,7 +151,7 @@ class FetchLink:
     def connect(self, peer: rw.QpInfo) -> None:
         """INIT -> RTS towards the holder's QP (path MTU and READ depth: the smaller of
         both ends'). Raises ``RdmaDeviceError``."""
-        pv = _verbs()
+        pv = load_verbs()
         attr = pv.qp.QPAttr(port_num=self.dev.port)
         attr.qp_access_flags = 0
         attr.path_mtu = min(self.dev.mtu, peer.mtu) if peer.mtu else self.dev.mtu
@@ -175,12 +175,12 @@ class FetchLink:
             raise rw.RdmaDeviceError(
                 f"connecting peer-fetch QP to the holder's QP {peer.qpn} (GID "
                 f"{rw.gid_to_str(peer.gid)}) on {self.dev.choice.describe()} failed: {exc}; "
-                f"{rw.verbs_hint(_errno(exc))}", _errno(exc)) from None
+                f"{rw.verbs_hint(verbs_errno(exc))}", verbs_errno(exc)) from None
 
     def _landing(self, nbytes: int) -> tuple[mmap.mmap, int]:
         """The landing buffer (at least ``nbytes``) and its lkey; grown by re-registering."""
         if self.landing is None or len(self.landing) < nbytes:
-            pv = _verbs()
+            pv = load_verbs()
             if self.mr is not None:
                 self.mr.close()
                 self.mr = None
@@ -195,7 +195,7 @@ class FetchLink:
                                    address=buffer_address(self.landing))
             except pv.pyverbs_error.PyverbsError as exc:
                 raise RdmaTransferError(f"registering a {size}-byte landing buffer failed: "
-                                        f"{exc}; {rw.verbs_hint(_errno(exc))}") from None
+                                        f"{exc}; {rw.verbs_hint(verbs_errno(exc))}") from None
         assert self.mr is not None
         return self.landing, int(self.mr.lkey)
 
@@ -224,7 +224,7 @@ class FetchLink:
                      timeout_s: float) -> list[bytes]:
         if self.closed:
             raise RdmaTransferError("the peer-fetch RDMA link is closed")
-        pv = _verbs()
+        pv = load_verbs()
         e = pv.libibverbs_enums
         buf, lkey = self._landing(nbytes)
         laddr = buffer_address(buf)
@@ -252,12 +252,12 @@ class FetchLink:
                 self.qp.post_send(follow)
             except pv.pyverbs_error.PyverbsError as exc:
                 raise RdmaTransferError(f"posting {len(chunk)} RDMA READs failed: {exc}; "
-                                        f"{rw.verbs_hint(_errno(exc))}") from None
+                                        f"{rw.verbs_hint(verbs_errno(exc))}") from None
             await self._wait(len(chunk), deadline, timeout_s)
         return [buf[o : o + n] for o, (_a, _k, n) in zip(offs, items, strict=True)]
 
     async def _wait(self, n: int, deadline: float, timeout_s: float) -> None:
-        pv = _verbs()
+        pv = load_verbs()
         ok = pv.libibverbs_enums.ibv_wc_status.IBV_WC_SUCCESS
         spin_until = time.monotonic() + SPIN_S
         left = n
@@ -266,7 +266,7 @@ class FetchLink:
             for wc in wcs[:got]:
                 if wc.status != ok:
                     raise RdmaTransferError(
-                        f"RDMA READ from the holder failed: {_wc_name(int(wc.status))} (the "
+                        f"RDMA READ from the holder failed: {wc_status_name(int(wc.status))} (the "
                         f"holder died or ended the lease, or the path is down)")
             left -= got
             if not left:

@@ -1,6 +1,6 @@
 """RDMA transport, service side: the verbs device context and the verbs helpers.
 
-pyverbs is imported on first use (:func:`_verbs`), never at module import, so a service
+pyverbs is imported on first use (:func:`load_verbs`), never at module import, so a service
 without RDMA never needs it. The tuning constants below set the RC queue pairs' depth
 and timers and the memory-window bind pipeline of every session
 (:mod:`ctxmem_dpu.transport.rdma_endpoint`).
@@ -18,7 +18,7 @@ from ctxmem_common.errors import ConfigError
 __all__ = [
     "ACK_TIMEOUT", "BIND_DEPTH", "BIND_SPIN_S", "BIND_TIMEOUT_S", "MIN_RNR_TIMER",
     "RESPONDER_DEPTH", "RETRY_CNT", "RNR_RETRY", "RXE_VENDOR_ID", "RdmaDevice",
-    "buffer_address",
+    "buffer_address", "load_verbs", "verbs_errno", "wc_status_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ BIND_TIMEOUT_S = 2.0
 BIND_SPIN_S = 0.0002
 
 
-def _verbs() -> Any:
+def load_verbs() -> Any:
     """The pyverbs modules, imported on first use (ImportError says how to install)."""
     try:
         import pyverbs.addr
@@ -68,14 +68,14 @@ def _verbs() -> Any:
     return pyverbs
 
 
-def _wc_name(status: int) -> str:
+def wc_status_name(status: int) -> str:
     try:
-        return str(_verbs().libibverbs_enums.ibv_wc_status(status).name)
+        return str(load_verbs().libibverbs_enums.ibv_wc_status(status).name)
     except Exception:
         return f"work completion status {status}"
 
 
-def _errno(exc: BaseException) -> int:
+def verbs_errno(exc: BaseException) -> int:
     code = getattr(exc, "error_code", -1)
     return code if isinstance(code, int) and code > 0 else 0
 
@@ -93,7 +93,7 @@ class RdmaDevice:
     """The service's verbs context on the chosen device and port."""
 
     def __init__(self, choice: rw.GidChoice) -> None:
-        pv = _verbs()
+        pv = load_verbs()
         self.choice = choice
         self.port = choice.port
         self.gid_index = choice.gid_index
@@ -103,7 +103,7 @@ class RdmaDevice:
         except pv.pyverbs_error.PyverbsError as exc:
             raise rw.RdmaDeviceError(
                 f"cannot open RDMA device {choice.device!r}: {exc}; "
-                f"{rw.verbs_hint(_errno(exc))}", _errno(exc)) from None
+                f"{rw.verbs_hint(verbs_errno(exc))}", verbs_errno(exc)) from None
         try:
             port_attr = self.ctx.query_port(self.port)
             dev_attr = self.ctx.query_device()
@@ -111,8 +111,8 @@ class RdmaDevice:
         except pv.pyverbs_error.PyverbsError as exc:
             self.ctx.close()
             raise rw.RdmaDeviceError(
-                f"cannot query {choice.describe()}: {exc}; {rw.verbs_hint(_errno(exc))}",
-                _errno(exc)) from None
+                f"cannot query {choice.describe()}: {exc}; {rw.verbs_hint(verbs_errno(exc))}",
+                verbs_errno(exc)) from None
         if gid != self.gid:
             self.ctx.close()
             raise rw.RdmaDeviceError(

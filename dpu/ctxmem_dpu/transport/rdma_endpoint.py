@@ -26,10 +26,10 @@ from ctxmem_dpu.transport.rdma_device import (
     RETRY_CNT,
     RNR_RETRY,
     RdmaDevice,
-    _errno,
-    _verbs,
-    _wc_name,
     buffer_address,
+    load_verbs,
+    verbs_errno,
+    wc_status_name,
 )
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class SessionEndpoint:
 
     def __init__(self, dev: RdmaDevice, session_id: bytes, tenant: str, peer: rw.QpInfo,
                  access: str) -> None:
-        pv = _verbs()
+        pv = load_verbs()
         e = pv.libibverbs_enums
         self.session_id = session_id
         self.tenant = tenant
@@ -130,8 +130,8 @@ class SessionEndpoint:
             raise rw.RdmaDeviceError(
                 f"creating/connecting the queue pair of RDMA session {session_id.hex()} (towards "
                 f"the client's QP {peer.qpn}, GID {rw.gid_to_str(peer.gid)}) on "
-                f"{dev.choice.describe()} failed: {exc}; {rw.verbs_hint(_errno(exc))}",
-                _errno(exc)) from None
+                f"{dev.choice.describe()} failed: {exc}; {rw.verbs_hint(verbs_errno(exc))}",
+                verbs_errno(exc)) from None
         except BaseException:
             self.close()
             raise
@@ -151,7 +151,7 @@ class SessionEndpoint:
         """
         if self.closed:
             raise Unavailable(f"RDMA session {self.session_id.hex()} is closed; reconnect")
-        e = _verbs().libibverbs_enums.ibv_access_flags
+        e = load_verbs().libibverbs_enums.ibv_access_flags
         remote = int(e.IBV_ACCESS_REMOTE_WRITE if write else e.IBV_ACCESS_REMOTE_READ)
         if self.access == "mr":  # a region that is remotely writable must be locally so too
             local = int(e.IBV_ACCESS_LOCAL_WRITE) if write else 0
@@ -160,7 +160,7 @@ class SessionEndpoint:
 
     def _register(self, grant_id: bytes, runs: Sequence[tuple[DramRegion, int, int]],
                   flags: int) -> list[int]:
-        pv = _verbs()
+        pv = load_verbs()
         held = self.grants.setdefault(grant_id, [])
         keys = []
         for region, off, length in runs:
@@ -171,14 +171,14 @@ class SessionEndpoint:
                 raise Unavailable(
                     f"registering {length} bytes of DRAM slab {region.slab_id} for RDMA "
                     f"session {self.session_id.hex()} failed: {exc}; "
-                    f"{rw.verbs_hint(_errno(exc))}") from None
+                    f"{rw.verbs_hint(verbs_errno(exc))}") from None
             held.append(mr)
             keys.append(int(mr.rkey))
         return keys
 
     async def _bind(self, grant_id: bytes, runs: Sequence[tuple[DramRegion, int, int]],
                     flags: int) -> list[int]:
-        pv = _verbs()
+        pv = load_verbs()
         e = pv.libibverbs_enums
         async with self._bind_lock:  # one chain in flight: its completion is ours
             held = self.grants.setdefault(grant_id, [])
@@ -208,7 +208,7 @@ class SessionEndpoint:
                     self.revoke(grant_id)
                     raise Unavailable(
                         f"binding {len(chunk)} memory windows for RDMA session "
-                        f"{self.session_id.hex()} failed: {exc}; {rw.verbs_hint(_errno(exc))} "
+                        f"{self.session_id.hex()} failed: {exc}; {rw.verbs_hint(verbs_errno(exc))} "
                         f"(windows in use by this session: {self.windows()}, device max "
                         f"{self.dev.max_mw}; or set service.rdma_access: mr)") from None
                 await self._wait_bind(grant_id, len(chunk))
@@ -222,7 +222,7 @@ class SessionEndpoint:
             return keys
 
     async def _wait_bind(self, grant_id: bytes, n: int) -> None:
-        pv = _verbs()
+        pv = load_verbs()
         ok = pv.libibverbs_enums.ibv_wc_status.IBV_WC_SUCCESS
         deadline = time.monotonic() + BIND_TIMEOUT_S
         spin_until = time.monotonic() + BIND_SPIN_S
@@ -237,7 +237,7 @@ class SessionEndpoint:
                     self.close()
                     raise Unavailable(
                         f"binding {n} memory windows for RDMA session {self.session_id.hex()} "
-                        f"failed: {_wc_name(int(wc.status))}; the session's QP is in the "
+                        f"failed: {wc_status_name(int(wc.status))}; the session's QP is in the "
                         f"error state and the session is closed; reconnect")
                 return
             now = time.monotonic()
@@ -266,7 +266,7 @@ class SessionEndpoint:
             return cached[1], cached[2]
         if cached is not None:  # a recycled slab whose release we did not see: never reuse
             self.drop_slab(region.slab_id)
-        pv = _verbs()
+        pv = load_verbs()
         e = pv.libibverbs_enums.ibv_access_flags
         base = buffer_address(region.mm)
         mr = pv.mr.MR(self.pd, region.size, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_MW_BIND,
