@@ -77,8 +77,7 @@ class Invalidator:
                 try:
                     if not dev.healthy:
                         raise FlashIOError(5, f"flash device {dev.name!r} is marked failed")
-                    for ext in exts:
-                        dev.invalidate(ext.slot)
+                    dev.invalidate_many([ext.slot for ext in exts])
                 except FlashIOError as exc:
                     failed[d] = exc
             return failed
