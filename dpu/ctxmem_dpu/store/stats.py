@@ -31,6 +31,8 @@ COUNTERS = (
     "pod_fetch_bytes_peer", "pod_fetch_blocks_shared_flash", "pod_fetch_bytes_shared_flash",
     "pod_fetch_misses", "pod_fetch_bad", "pod_peer_errors", "pod_peer_misses",
     "pod_peer_refused", "pod_served_blocks", "pod_served_bytes",
+    # Flash blocks a get's Acquire promoted ahead of the shim's next Acquire (promotion).
+    "read_ahead_blocks",
 )
 
 
