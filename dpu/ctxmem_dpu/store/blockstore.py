@@ -367,11 +367,18 @@ class BlockStore:
         # cold blocks; the shim asks for the remainder in a following Acquire.
         max_run = max(1, self._placement.dram_capacity(ns.slot_size) // 2)
         run: list[Block] = []
+        # Past two pieces of flash blocks (this one and the one read ahead) the rest is
+        # the next Acquire's: not looked at now, so a get in pieces scans each key once.
+        cold_left = 2 * self._promotion.piece_blocks(ns) or len(keys)
         for key in keys[:max_run]:
             b = per_ns.get(key)
             if b is None:
                 break
             run.append(b)
+            if b.dram is None:
+                cold_left -= 1
+                if cold_left < 0:
+                    break
         # Many flash blocks: this piece now, the next one read ahead, queued on the I/O
         # threads behind this piece's reads (or at once when they are in flight already).
         cut, ahead = self._promotion.cold_piece(ns, run)

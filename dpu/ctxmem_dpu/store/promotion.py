@@ -33,11 +33,14 @@ log = logging.getLogger("ctxmem_dpu.store")
 
 
 # A get whose run holds more than this many bytes of flash-only blocks is served in pieces
-# (issue 17 item 6): an Acquire promotes the first piece and returns it, and starts the
-# next piece's promotion in the background before it waits, so the device reads (and
-# decrypts) piece k + 1 while the client copies piece k out; the shim's next Acquire
-# finds it in DRAM or in flight.
-COLD_PIECE_BYTES = int(os.environ.get("CTXMEM_COLD_PIECE_BYTES", 16 << 20))
+# (issue 17 item 6): an Acquire promotes the first piece and returns it, and queues the
+# next piece's promotion behind its own reads, so the device reads (and decrypts) piece
+# k + 1 while the client copies piece k out; the shim's next Acquire finds it in DRAM or
+# in flight. 0 (the default): off. On the shared 2-core test box the paired A/B was not
+# conclusive for wall time and cost the service about 0.1 CPU s/GB more (more Acquires
+# and Releases, read-ahead bookkeeping); CTXMEM_COLD_PIECE_BYTES (e.g. 16 MiB) turns it on
+# for measuring on a quieter machine or a DPU.
+COLD_PIECE_BYTES = int(os.environ.get("CTXMEM_COLD_PIECE_BYTES", "0"))
 
 
 @dataclass
@@ -87,11 +90,21 @@ class Promotion:
         return len(cold), in_dram
 
     @staticmethod
+    def piece_blocks(ns: Namespace) -> int:
+        """How many flash-only blocks of ``ns`` one Acquire promotes (a piece); 0 when
+        cold gets are not served in pieces."""
+        if COLD_PIECE_BYTES <= 0:
+            return 0
+        return max(1, COLD_PIECE_BYTES // max(1, ns.block_nbytes))
+
+    @staticmethod
     def cold_piece(ns: Namespace, run: list[Block]) -> tuple[int, list[Block]]:
         """Where an Acquire cuts ``run`` (its length when it needs no cut) so that it
         promotes at most ``COLD_PIECE_BYTES`` of flash-only blocks, and the flash-only
         blocks of the piece after (to promote ahead: :meth:`prefetch`)."""
-        per_piece = max(1, COLD_PIECE_BYTES // max(1, ns.block_nbytes))
+        per_piece = Promotion.piece_blocks(ns)
+        if not per_piece:
+            return len(run), []
         cold_at = [i for i, b in enumerate(run) if b.dram is None]
         if len(cold_at) <= per_piece:
             return len(run), []
