@@ -1,5 +1,5 @@
 """A cold get of many flash blocks is served in pieces, the next one read ahead
-(``ctxmem_dpu.store.promotion.COLD_PIECE_BYTES``, lowered here through
+(``ctxmem_dpu.store.promotion.COLD_PIECE_BYTES``, off by default, on here through
 ``CTXMEM_COLD_PIECE_BYTES``): through the shim every block still comes back exact and
 checked, the run still ends at the first miss with nothing past it written, and the
 service counts the blocks it promoted ahead."""

@@ -36,10 +36,11 @@ log = logging.getLogger("ctxmem_dpu.store")
 # (issue 17 item 6): an Acquire promotes the first piece and returns it, and queues the
 # next piece's promotion behind its own reads, so the device reads (and decrypts) piece
 # k + 1 while the client copies piece k out; the shim's next Acquire finds it in DRAM or
-# in flight. Measured (paired A/B, quiet 2-core box, AES-XTS): 64 KiB cold gets 0.91 ->
-# 1.16 GB/s, 2 MiB 1.32-1.60 -> 1.55-1.60, for about 0.07-0.12 more service CPU s/GB
-# (more Acquires and Releases). CTXMEM_COLD_PIECE_BYTES sets it; 0 turns pieces off.
-COLD_PIECE_BYTES = int(os.environ.get("CTXMEM_COLD_PIECE_BYTES", str(16 << 20)))
+# in flight. Off (0) by default: in paired A/Bs on the 2-core test box (AES-XTS, 64 MiB
+# batches) 16 MiB pieces gained 0-27% on 64 KiB cold gets (2-5% in the last, quietest
+# sets) and cost 0.07-0.15 more service CPU s/GB (more Acquires and Releases, read-ahead
+# bookkeeping). CTXMEM_COLD_PIECE_BYTES (e.g. 16777216) turns it on, to measure on a DPU.
+COLD_PIECE_BYTES = int(os.environ.get("CTXMEM_COLD_PIECE_BYTES", "0"))
 
 
 @dataclass
