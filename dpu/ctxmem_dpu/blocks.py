@@ -38,6 +38,9 @@ class Block:
     hits: int = 0
     deleted: bool = False
     io: asyncio.Future[None] | None = None
+    # Promoted ahead of a get's next Acquire (store.promotion.COLD_PIECE_BYTES): that
+    # Acquire still counts it a flash hit, as it was before the get began.
+    read_ahead: bool = False
 
 
 @dataclass(slots=True)

@@ -63,6 +63,19 @@ def byte_view(buf: Any, nbytes: int, index: int, writable: bool) -> memoryview:
     return memoryview(arr)
 
 
+def _flat_uint8(buf: Any, nbytes: int, writable: bool) -> memoryview | None:
+    """``buf``'s view when it is a flat, C-contiguous uint8 numpy array of ``nbytes``
+    (writable when asked): the usual buffer of a batch, viewed with no further checks
+    (a 64 KiB block paid about 5 us of Python in :func:`byte_view`); else ``None``."""
+    if type(buf) is not np.ndarray or buf.dtype != np.uint8 or buf.ndim != 1 \
+            or buf.nbytes != nbytes:
+        return None
+    flags = buf.flags
+    if not flags.c_contiguous or (writable and not flags.writeable):
+        return None
+    return buf.data
+
+
 class Staged:
     """Byte views for a batch of buffers, staging CUDA tensors through pinned memory.
 
@@ -73,9 +86,13 @@ class Staged:
 
     def __init__(self, buffers: list[Any], nbytes: int, writable: bool) -> None:
         self._cuda: list[tuple[Any, Any]] = []
+        self._cuda_index: list[int] = []
         self.views: list[memoryview] = []
         for i, buf in enumerate(buffers):
-            if _is_torch(buf) and buf.device.type == "cuda":
+            view = _flat_uint8(buf, nbytes, writable)
+            if view is not None:  # the common case, without the checks' Python per block
+                self.views.append(view)
+            elif _is_torch(buf) and buf.device.type == "cuda":
                 torch = sys.modules["torch"]
                 if buf.nbytes != nbytes:
                     raise InvalidArgument(f"buffers[{i}] is {buf.nbytes} bytes; blocks are "
@@ -84,11 +101,10 @@ class Staged:
                 if not writable:
                     host.copy_(buf.contiguous().view(-1).view(torch.uint8))
                 self._cuda.append((buf, host))
+                self._cuda_index.append(i)
                 self.views.append(memoryview(host.numpy()))
             else:
                 self.views.append(byte_view(buf, nbytes, i, writable))
-        self._cuda_index = [i for i, b in enumerate(buffers)
-                            if _is_torch(b) and b.device.type == "cuda"]
 
     def finish_get(self, n: int) -> None:
         for (dev, host), i in zip(self._cuda, self._cuda_index, strict=True):

@@ -35,6 +35,14 @@ def test_wrong_buffer_size(service: ServiceHandle) -> None:
         assert ns.lookup(keys).num_hits == 0  # nothing half-stored
         with pytest.raises(ctxmem.InvalidArgument, match="read-only"):
             ns.get(keys[:1], [bytes(LAYOUT.block_nbytes)])
+        # Flat uint8 arrays take the shim's fast path (buffers._flat_uint8): same checks.
+        frozen = np.zeros(LAYOUT.block_nbytes, np.uint8)
+        frozen.flags.writeable = False
+        with pytest.raises(ctxmem.InvalidArgument, match=r"buffers\[0\] is read-only"):
+            ns.get(keys[:1], [frozen])
+        strided = np.zeros(2 * LAYOUT.block_nbytes, np.uint8)[::2]
+        with pytest.raises(ctxmem.InvalidArgument, match="not C-contiguous"):
+            ns.put(keys[:1], [strided])
         with pytest.raises(ctxmem.InvalidArgument, match="2 keys and 1 buffers"):
             ns.put(keys, blocks(1))
 

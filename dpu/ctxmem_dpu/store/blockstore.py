@@ -367,17 +367,33 @@ class BlockStore:
         # cold blocks; the shim asks for the remainder in a following Acquire.
         max_run = max(1, self._placement.dram_capacity(ns.slot_size) // 2)
         run: list[Block] = []
+        # Past two pieces of flash blocks (this one and the one read ahead) the rest is
+        # the next Acquire's: not looked at now, so a get in pieces scans each key once.
+        cold_left = 2 * self._promotion.piece_blocks(ns) or len(keys)
         for key in keys[:max_run]:
             b = per_ns.get(key)
             if b is None:
                 break
             run.append(b)
-        sources = [tier_of(b) for b in run]
+            if b.dram is None:
+                cold_left -= 1
+                if cold_left < 0:
+                    break
+        # Many flash blocks: this piece now, the next one read ahead, queued on the I/O
+        # threads behind this piece's reads (or at once when they are in flight already).
+        cut, ahead = self._promotion.cold_piece(ns, run)
+        deferred = cut < len(run)  # the keys past the cut are the next Acquire's, not misses
+        run = run[:cut]
+        read_ahead = self._read_ahead(ns, ahead)
+        sources = [TIER_FLASH if b.read_ahead else tier_of(b) for b in run]
         for b in run:  # pin before any await, so nothing in the run is evicted meanwhile
             b.pins += 1
         cold = [b for b in run if b.dram is None]
+        if all(b.io is not None for b in cold):
+            read_ahead()
         try:
-            ok = await self._promotion.promote_fitting(ns, cold)
+            ok = await self._promotion.promote_fitting(ns, cold, read_ahead)
+            read_ahead()
         except BaseException:
             for b in run:
                 self.unpin(b)
@@ -396,6 +412,7 @@ class BlockStore:
         run = run[:n]
         for b in run:
             b.hits += 1
+            b.read_ahead = False
             self._index.dram_lru.touch(b, b.hits)
             if b.flash is not None:
                 self._index.flash_lru.touch(b, b.hits)
@@ -406,8 +423,23 @@ class BlockStore:
         self.counters["get_bytes"] += n * ns.block_nbytes
         self.counters["hits_dram"] += sum(1 for t in sources[:n] if t == TIER_DRAM)
         self.counters["hits_flash"] += sum(1 for t in sources[:n] if t == TIER_FLASH)
-        self.counters["misses"] += len(keys) - n
+        if not (deferred and n == len(run)):
+            self.counters["misses"] += len(keys) - n
         return lease, sources[:n]
+
+    def _read_ahead(self, ns: Namespace, blocks: list[Block]) -> Callable[[], None]:
+        """A function that starts promoting ``blocks`` (a get's next piece) in the
+        background the first time it is called, and does nothing after."""
+        keys = [b.key for b in blocks]
+
+        def start() -> None:
+            if keys:
+                for b in blocks:
+                    b.read_ahead = True
+                self._promotion.prefetch(ns, keys, self.unpin, "read_ahead_blocks")
+                keys.clear()
+
+        return start
 
     def release(self, s: Session, lease_ids: Sequence[bytes]) -> list[bool]:
         """End leases; per lease, whether it was still valid (not expired) at release."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,15 +45,24 @@ class IOPool:
         """Start ``fn`` on the I/O threads without awaiting it (pipelined scans)."""
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def parallel(self, fn: Callable[[list[Any]], list[T]], jobs: list[Any]) -> list[T]:
+    def parallel(self, fn: Callable[[list[Any]], list[T]], jobs: list[Any]
+                 ) -> Awaitable[list[T]]:
         """``fn`` over ``jobs`` split into one contiguous part per I/O thread, in parallel:
         device reads and writes overlap (queue depth > 1) with AES-XTS and CRC32C on the
-        other thread (all three release the GIL). Results keep the jobs' order."""
+        other thread (all three release the GIL). Results keep the jobs' order.
+
+        The parts are submitted to the threads now, in the call, before the caller
+        awaits: work submitted after it (a get's read-ahead, see ``promotion``) queues
+        behind it."""
         n = max(1, min(self.threads, len(jobs)))
         size = -(-len(jobs) // n)
-        parts = [jobs[i:i + size] for i in range(0, len(jobs), size)]
-        done = await asyncio.gather(*(self.run(fn, part) for part in parts))
-        return [r for part in done for r in part]
+        futs = [self.submit(fn, jobs[i:i + size]) for i in range(0, len(jobs), size)]
+
+        async def collect() -> list[T]:
+            done = await asyncio.gather(*futs)
+            return [r for part in done for r in part]
+
+        return collect()
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run ``coro`` in the background; ``close`` awaits it."""

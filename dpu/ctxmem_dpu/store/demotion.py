@@ -264,38 +264,43 @@ class Demotion:
             return [fenced.get((j[0], j[1].slab)) for j in jobs]
 
         def payloads(part: list[Any]) -> list[BaseException | None]:
-            out: list[BaseException | None] = []
-            for (dev, slot, header, view, cipher), err in part:
-                if err is not None:
-                    out.append(err)
-                    continue
-                try:
-                    dev.write_payload(slot, view, cipher)
-                except (FlashIOError, ValueError) as exc:
-                    out.append(exc)
+            # Per device and cipher, adjacent extents by one write (write_payloads).
+            out: list[BaseException | None] = [err for _job, err in part]
+            groups: dict[tuple[FlashDevice, Any], list[int]] = {}
+            for i, ((dev, _slot, _header, _view, cipher), err) in enumerate(part):
+                if err is None:
+                    groups.setdefault((dev, cipher), []).append(i)
+            for (dev, cipher), group in groups.items():
+                got = dev.write_payloads([(part[i][0][1], part[i][0][3]) for i in group],
+                                         cipher)
+                for i, err in zip(group, got, strict=True):
+                    out[i] = err
+            for i, ((_dev, _slot, header, view, _cipher), _err) in enumerate(part):
+                if out[i] is not None:
                     continue
                 # After the write, while the slot is in cache: what was written is what
                 # was committed, or the block is dropped (see the module doc).
                 with view[: header.length] as block:
-                    got = crc32c(block)
-                out.append(None if got == header.crc else DramChanged(
-                    f"block {header.key.hex()[:16]} of namespace {header.namespace.hex()[:16]}:"
-                    f" DRAM bytes changed after commit (CRC32C {got:08x}, committed "
-                    f"{header.crc:08x}; a shared-memory client wrote a slot it no longer "
-                    f"holds)"))
+                    got_crc = crc32c(block)
+                if got_crc != header.crc:
+                    out[i] = DramChanged(
+                        f"block {header.key.hex()[:16]} of namespace "
+                        f"{header.namespace.hex()[:16]}: DRAM bytes changed after commit "
+                        f"(CRC32C {got_crc:08x}, committed {header.crc:08x}; a shared-memory "
+                        f"client wrote a slot it no longer holds)")
             return out
 
         def headers(part: list[Any]) -> list[BaseException | None]:
-            out: list[BaseException | None] = []
-            for (dev, slot, header, _view, _cipher), err in part:
-                if err is not None:
-                    out.append(err)
-                    continue
-                try:
-                    dev.write_header(slot, header)
-                    out.append(None)
-                except (FlashIOError, ValueError) as exc:
-                    out.append(exc)
+            # Per device, the headers of adjacent extents by one write (write_headers).
+            out: list[BaseException | None] = [err for _job, err in part]
+            groups: dict[FlashDevice, list[int]] = {}
+            for i, ((dev, _slot, _header, _view, _cipher), err) in enumerate(part):
+                if err is None:
+                    groups.setdefault(dev, []).append(i)
+            for dev, group in groups.items():
+                got = dev.write_headers([(part[i][0][1], part[i][0][2]) for i in group])
+                for i, err in zip(group, got, strict=True):
+                    out[i] = err
             return out
 
         def sync(devs: list[FlashDevice]) -> dict[FlashDevice, BaseException]:

@@ -44,8 +44,15 @@ class Invalidator:
         self.in_flight.update(extents)
 
     def end(self, extents: list[Extent]) -> None:
-        self.in_flight.subtract(extents)
-        self.in_flight = +self.in_flight
+        # Not Counter.subtract + unary plus: those loop in Python over the batch and then
+        # copy the whole counter, per demotion and per invalidation.
+        in_flight = self.in_flight
+        for ext in extents:
+            left = in_flight[ext] - 1
+            if left > 0:
+                in_flight[ext] = left
+            else:
+                del in_flight[ext]
 
     async def retry_parked(self, log_errors: bool = False) -> None:
         """Zero the headers of parked extents, then free them, on devices that work."""
@@ -77,8 +84,7 @@ class Invalidator:
                 try:
                     if not dev.healthy:
                         raise FlashIOError(5, f"flash device {dev.name!r} is marked failed")
-                    for ext in exts:
-                        dev.invalidate(ext.slot)
+                    dev.invalidate_many([ext.slot for ext in exts])
                 except FlashIOError as exc:
                     failed[d] = exc
             return failed

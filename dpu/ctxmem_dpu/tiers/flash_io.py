@@ -150,13 +150,16 @@ class DeviceFile:
             self.slow_ios += 1
             log.warning("flash device %s: one I/O took %.3f s (slow device)", self.name, dt)
 
-    def _pwrite(self, buf: object, offset: int) -> None:
-        n_want = len(memoryview(buf))  # type: ignore[arg-type]
+    def _pwrite(self, buf: Buffer | Sequence[Buffer], offset: int) -> None:
+        """One device write of ``buf`` (a buffer, or a list of buffers written in order by
+        one ``pwritev``) at ``offset``."""
+        bufs: Sequence[Buffer] = buf if isinstance(buf, list) else [buf]  # type: ignore[list-item]
+        n_want = sum(memoryview(b).nbytes for b in bufs)
         t0 = time.perf_counter()
         try:
             if faults.active:
                 faults.before_io(self.name, "write", self.fd, self.path, offset, n_want)
-            n = os.pwritev(self.fd, [buf], offset)  # type: ignore[list-item]
+            n = os.pwritev(self.fd, bufs, offset)
         except OSError as exc:
             raise FlashIOError(
                 exc.errno, f"flash device {self.name!r}: write at {offset} failed: {exc.strerror}"

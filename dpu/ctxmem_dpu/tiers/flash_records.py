@@ -13,7 +13,7 @@ from ctxmem_common.codecs import XtsCipher, crc32c, xts_tweak
 from ctxmem_common.flash_format import SECTOR, RecordHeader
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.tiers.flash_device import FormattedDevice
-from ctxmem_dpu.tiers.flash_io import FlashIOError, staging
+from ctxmem_dpu.tiers.flash_io import ZEROS, FlashIOError, staging
 
 
 class ReadFailure(Exception):
@@ -39,6 +39,33 @@ HEADER_RUN = 256
 # most PAYLOAD_RUN bytes: small blocks stop paying one device round trip each. Blocks of
 # PAYLOAD_RUN or more are read one per I/O, as before (larger reads measured no faster).
 PAYLOAD_RUN = 1 << 20
+# Demotion writes payloads of adjacent slots (consecutive extents of one slab, the order
+# reserve_flash hands them out in) by one I/O of at most WRITE_RUN bytes, and their headers
+# (adjacent sectors of the slab's header table) by one I/O too: 64 KiB blocks stop paying
+# a device round trip and a Python call each (issue 17 item 3).
+WRITE_RUN = 2 << 20
+
+
+def adjacent_runs(slots: list[SlotRef], sizes: list[int], limit: int) -> list[list[int]]:
+    """Indexes of ``slots`` grouped into runs of consecutive slots of one slab (in slab,
+    index order), each run's ``sizes`` summing to at most ``limit`` (a run holds one item
+    at least); the device reads or writes each run by one I/O."""
+    order = sorted(range(len(slots)), key=lambda i: (slots[i].slab, slots[i].index))
+    runs: list[list[int]] = []
+    run: list[int] = []
+    total = 0
+    for i in order:
+        if run:
+            prev = slots[run[-1]]
+            if (slots[i].slab != prev.slab or slots[i].index != prev.index + 1
+                    or total + sizes[i] > limit):
+                runs.append(run)
+                run, total = [], 0
+        run.append(i)
+        total += sizes[i]
+    if run:
+        runs.append(run)
+    return runs
 
 
 class FlashDevice(FormattedDevice):
@@ -61,6 +88,77 @@ class FlashDevice(FormattedDevice):
             out.release()
         else:
             self._pwrite(payload, off)
+
+    def write_payloads(self, items: list[tuple[SlotRef, memoryview]], cipher: XtsCipher | None
+                       ) -> list[BaseException | None]:
+        """:meth:`write_payload` of many records, adjacent slots by one device write (at
+        most ``WRITE_RUN`` bytes: with ``cipher`` each payload is encrypted with its own
+        extent's tweak into this thread's staging buffer, then written as one; without,
+        one ``pwritev`` straight from the DRAM slots). ``items``: (slot, payload: the
+        whole 4 KiB-padded DRAM slot). Returns per item ``None`` (written, not synced) or
+        the error of the write (or fence check) that covered it."""
+        out: list[BaseException | None] = [None] * len(items)
+        slots = [slot for slot, _view in items]
+        for run in adjacent_runs(slots, [len(view) for _slot, view in items], WRITE_RUN):
+            try:
+                self._write_run(slots[run[0]], [items[i][1] for i in run], cipher)
+            except (FlashIOError, ValueError) as exc:
+                exc.__traceback__ = None  # its frames hold the slot views
+                for i in run:
+                    out[i] = exc
+        return out
+
+    def _write_run(self, first: SlotRef, payloads: list[memoryview], cipher: XtsCipher | None
+                   ) -> None:
+        """One device write of the payloads of slots ``first``, ``first + 1``, ..."""
+        if len(payloads) == 1:
+            self.write_payload(first, payloads[0], cipher)
+            return
+        if self.fence is not None:
+            self.fence.check(first.slab)
+        if first.slab in self._fresh:
+            self._init_slab(first.slab)
+        off = self.payload_offset(first)
+        if cipher is None:
+            self._pwrite(payloads, off)
+            return
+        total = sum(len(p) for p in payloads)
+        buf = memoryview(staging.payload_buf(total))[:total]
+        try:
+            at = 0
+            tweak_id = self.superblock.tweak_id
+            for p in payloads:
+                n = len(p)
+                cipher.encrypt_into(p, buf[at : at + n], xts_tweak(tweak_id, off + at))
+                at += n
+            self._pwrite(buf, off)
+        finally:
+            buf.release()
+
+    def write_headers(self, items: list[tuple[SlotRef, RecordHeader]]
+                      ) -> list[BaseException | None]:
+        """:meth:`write_header` of many records, the headers of adjacent slots (adjacent
+        sectors of a slab's header table) by one device write; per item ``None`` or the
+        error of the write that covered it."""
+        out: list[BaseException | None] = [None] * len(items)
+        slots = [slot for slot, _h in items]
+        for run in adjacent_runs(slots, [SECTOR] * len(items), HEADER_RUN * SECTOR):
+            first = slots[run[0]]
+            try:
+                if self.fence is not None:
+                    self.fence.check(first.slab)
+                table = memoryview(staging.table_buf(len(run)))[: len(run) * SECTOR]
+                try:
+                    for k, i in enumerate(run):
+                        table[k * SECTOR : (k + 1) * SECTOR] = items[i][1].pack()
+                    self._pwrite(table, self.header_offset(first))
+                finally:
+                    table.release()
+            except (FlashIOError, ValueError) as exc:
+                exc.__traceback__ = None
+                for i in run:
+                    out[i] = exc
+        return out
 
     def write_header(self, slot: SlotRef, header: RecordHeader) -> None:
         if self.fence is not None:
@@ -256,4 +354,16 @@ class FlashDevice(FormattedDevice):
         hdr = staging.header
         hdr[:] = bytes(SECTOR)
         self._pwrite(hdr, self.header_offset(slot))
+
+    def invalidate_many(self, slots: list[SlotRef]) -> None:
+        """:meth:`invalidate` of many records, the headers of adjacent slots zeroed by one
+        device write; raises the first FlashIOError (SlabFenced included), as the loop of
+        single invalidations did."""
+        live = [s for s in slots if self.fence is None or not self.fence.lost(s.slab)]
+        for run in adjacent_runs(live, [SECTOR] * len(live), len(ZEROS)):
+            first = live[run[0]]
+            if self.fence is not None:
+                self.fence.check(first.slab)
+            with memoryview(ZEROS)[: len(run) * SECTOR] as zeros:
+                self._pwrite(zeros, self.header_offset(first))
 
