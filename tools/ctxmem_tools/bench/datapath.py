@@ -7,7 +7,8 @@ In one run, on the same buffers and the same flash file, it measures:
 * through a real service and the shim: DRAM-hit get and put, cold flash get (each batch
   evicted to flash first, so every byte is read from the device, decrypted and
   CRC-checked), demotion to flash, for 2 MiB and 64 KiB blocks, encryption on and off;
-* a 10,000-key Lookup (p50/p99 of one call);
+* a 10,000-key Lookup (p50/p99 of one call, target p99 < 2 ms) and a 100,000-key one
+  (reported, no target);
 * DRAM-hit get with CRC32C verification on (the default) and off (``verify_gets=False``),
   alternating on the same blocks, next to memcpy, CRC32C and copy-then-CRC (``copy_crc``:
   the one-thread cost of copying and checking every byte).
@@ -42,6 +43,7 @@ from ctxmem_tools.launcher import ServiceProcess, local_config
 
 MiB = 1 << 20
 GB = 1e9
+LOOKUP_10K_TARGET_MS = 2.0  # issue 17 item 5: p99 of a 10,000-key Lookup
 
 
 @dataclass
@@ -241,7 +243,20 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
                 assert hit.num_hits == 5000
             for q, label in ((0.5, "p50"), (0.99, "p99")):
                 ms = _pct(times, q) * 1e3
-                results.append(Result(f"lookup_10k_{label}", ms, "ms", 5.0, 5.0 / ms))
+                target = LOOKUP_10K_TARGET_MS
+                results.append(Result(f"lookup_10k_{label}", ms, "ms", target, target / ms))
+            # 100,000 keys (the first 10,000 the same chain): reported, no target (NaN).
+            lk100 = chain_hashes(np.arange(100_000), 1, salt=b"lookup")
+            times = []
+            for _ in range(max(20, rounds * 2)):
+                t = time.perf_counter()
+                hit = lns.lookup(lk100)
+                times.append(time.perf_counter() - t)
+                assert hit.num_hits == 5000
+            for q, label in ((0.5, "p50"), (0.99, "p99")):
+                ms = _pct(times, q) * 1e3
+                results.append(Result(f"lookup_100k_{label}", ms, "ms", float("nan"),
+                                      float("nan")))
 
 
 def run(argv: list[str] | None = None) -> int:
