@@ -22,7 +22,7 @@ from ctxmem_common.layout import KVLayout
 MAX_KEY_BYTES = 64
 MAX_NAME_BYTES = 256
 #: Keys in one Lookup: bounds the service's work and memory per request (100,000 keys
-#: of 32 bytes is a 3.2 MB message and ~30 ms; the gRPC message limit is 64 MiB).
+#: of 32 bytes is a 3.2 MB message and ~15 ms; the gRPC message limit is 64 MiB).
 MAX_LOOKUP_KEYS = 262_144
 
 
