@@ -26,7 +26,13 @@ from ctxmem_common.errors import (
 from ctxmem_common.keys import pack_keys, validate_keys
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.protoconv import TIER_DRAM, layout_to_pb, tier_from_pb, tier_to_pb
+from ctxmem_common.protoconv import (
+    TIER_DRAM,
+    layout_to_pb,
+    tier_from_pb,
+    tier_to_pb,
+    tiers_from_codes,
+)
 
 if TYPE_CHECKING:
     from ctxmem.client import Client, _Session
@@ -54,12 +60,24 @@ class PutResult:
 
 def _lookup_request(session_id: bytes, handle: int, keys: Sequence[bytes], prefix: bool
                     ) -> pb.LookupRequest:
+    """Equal-length keys go packed (one bytes field, not a protobuf object per key), and
+    the answer is asked for as one byte per key (``tier_codes``): see
+    ctxmem_dpu.control.lookup_wire."""
     packed = pack_keys(keys) if len(keys) >= 64 else None
     if packed is not None:
         return pb.LookupRequest(session_id=session_id, namespace_handle=handle, prefix=prefix,
-                                packed_keys=packed[0], key_len=packed[1])
+                                packed_keys=packed[0], key_len=packed[1],
+                                want_tier_codes=True)
     return pb.LookupRequest(session_id=session_id, namespace_handle=handle, keys=keys,
-                            prefix=prefix)
+                            prefix=prefix, want_tier_codes=True)
+
+
+def _lookup_tiers(r: pb.LookupResponse) -> list[str]:
+    """Tier names of a Lookup answer: ``tier_codes``, or ``tiers`` from a service that
+    predates it (it ignores ``want_tier_codes``)."""
+    if r.tiers:
+        return [tier_from_pb(t) for t in r.tiers]
+    return tiers_from_codes(r.tier_codes)
 
 
 class Namespace:
@@ -114,7 +132,7 @@ class Namespace:
 
         def op(s: _Session) -> LookupResult:
             r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, True))
-            return LookupResult(r.num_hits, [tier_from_pb(t) for t in r.tiers])
+            return LookupResult(r.num_hits, _lookup_tiers(r))
 
         return self._retrying(op)
 
@@ -131,7 +149,7 @@ class Namespace:
 
         def op(s: _Session) -> list[str]:
             r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, False))
-            return [tier_from_pb(t) for t in r.tiers]
+            return _lookup_tiers(r)
 
         return self._retrying(op)
 

@@ -8,6 +8,8 @@ here, so adding a tier or a transport is one edit and both sides agree by constr
 
 from __future__ import annotations
 
+import numpy as np
+
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
 
@@ -21,6 +23,7 @@ __all__ = [
     "layout_to_pb",
     "tier_from_pb",
     "tier_to_pb",
+    "tiers_from_codes",
     "transport_from_pb",
     "transport_to_pb",
 ]
@@ -53,6 +56,17 @@ def tier_from_pb(value: int) -> str:
     """``pb.TIER_*`` → ``"dram"``/``"flash"``, or ``""`` for unspecified and unknown values
     (a newer service's tier reads as "no tier" rather than failing an older shim)."""
     return _TIER_FROM_PB.get(value, TIER_NONE)
+
+
+# Every byte value → its tier name ("" for unknown values, as tier_from_pb): one numpy
+# take turns a LookupResponse.tier_codes into names without a Python step per key.
+_TIER_NAMES_BY_CODE = np.array([tier_from_pb(v) for v in range(256)], dtype=object)
+
+
+def tiers_from_codes(codes: bytes) -> list[str]:
+    """``LookupResponse.tier_codes`` (one ``pb.Tier`` value per byte) → tier names."""
+    names: list[str] = _TIER_NAMES_BY_CODE[np.frombuffer(codes, dtype=np.uint8)].tolist()
+    return names
 
 
 def transport_to_pb(name: str) -> pb.Transport:

@@ -83,3 +83,27 @@ def test_packed_keys_round_trip_and_errors() -> None:
         unpack_keys(packed[0][:-1], 32)
     with pytest.raises(InvalidArgument, match="key_len=65"):
         unpack_keys(b"x" * 65, 65)
+
+
+def test_pack_keys_refuses_unequal_lengths_with_an_equal_total() -> None:
+    from ctxmem_common.keys import pack_keys
+
+    # 3 keys, the first 2 bytes long, 6 bytes in all: only the lengths tell them apart.
+    assert pack_keys([b"aa", b"b", b"ccc"]) is None
+    assert pack_keys([b"aa", b"bb", b"cc"]) == (b"aabbcc", 2)
+    assert pack_keys([]) is None
+
+
+def test_unpack_keys_bounds_and_duplicates() -> None:
+    from ctxmem_common.keys import unpack_keys
+
+    with pytest.raises(InvalidArgument, match="holds 5 keys; one request takes at most 4"):
+        unpack_keys(b"abcde", 1, max_keys=4)
+    assert unpack_keys(b"abcd", 1, max_keys=4) == [b"a", b"b", b"c", b"d"]
+    assert unpack_keys(b"abcdefgcd", 3) == [b"abc", b"def", b"gcd"]
+    with pytest.raises(InvalidArgument, match=r"keys\[2\] duplicates keys\[0\]"):
+        unpack_keys(b"abcdab", 2)
+    long_keys = [b"12345678" + bytes([i]) * 8 for i in range(3)]  # equal first 8 bytes
+    assert unpack_keys(b"".join(long_keys), 16) == long_keys
+    with pytest.raises(InvalidArgument, match=r"keys\[3\] duplicates keys\[1\]"):
+        unpack_keys(b"".join([*long_keys, long_keys[1]]), 16)

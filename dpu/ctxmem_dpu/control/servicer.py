@@ -22,7 +22,6 @@ from ctxmem_common.errors import (
     InvalidArgument,
     Unavailable,
 )
-from ctxmem_common.keys import unpack_keys
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_common.protoconv import (
@@ -38,6 +37,7 @@ from ctxmem_common.protoconv import (
 )
 from ctxmem_common.rdma_wire import QpInfo
 from ctxmem_dpu.control.auth import connect_tenant
+from ctxmem_dpu.control.lookup_wire import lookup_response, request_keys, tier_codes
 from ctxmem_dpu.store import BlockStore
 
 if TYPE_CHECKING:
@@ -185,19 +185,14 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         s = self.store.session(request.session_id)
         ns = self.store.namespace(s, request.namespace_handle)
-        if request.packed_keys:
-            keys = unpack_keys(request.packed_keys, request.key_len)
-        else:
-            keys = list(request.keys)
+        keys, checked = request_keys(request)  # bounded and, when packed, validated
         if self.pod is not None:  # the local index first, the cluster for the rest
-            return await self._pod_lookup(ns, keys, request.prefix)
-        found = self.store.lookup_blocks(ns, keys, request.prefix)
-        tiers = [tier_to_pb(TIER_NONE if b is None else TIER_DRAM if b.dram is not None
-                            else TIER_FLASH) for b in found]
+            return await self._pod_lookup(ns, keys, request.prefix, request.want_tier_codes)
+        found = self.store.lookup_blocks(ns, keys, request.prefix, checked=checked)
         n = len(found) if request.prefix else len(found) - found.count(None)
-        return pb.LookupResponse(num_hits=n, tiers=tiers)
+        return lookup_response(n, tier_codes(found), request.want_tier_codes)
 
-    async def _pod_lookup(self, ns: Any, keys: list[bytes], prefix: bool
+    async def _pod_lookup(self, ns: Any, keys: list[bytes], prefix: bool, packed: bool
                           ) -> pb.LookupResponse:
         assert self.pod is not None
         local, remote = await self.pod.fetch.merged(ns, keys)
@@ -209,7 +204,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
             names = names[:n]
         else:
             n = len(names) - names.count(TIER_NONE)
-        return pb.LookupResponse(num_hits=n, tiers=[tier_to_pb(t) for t in names])
+        return lookup_response(n, [tier_to_pb(t) for t in names], packed)
 
     @_rpc
     async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:

@@ -304,14 +304,16 @@ class BlockStore:
         self._registry.shm_detached(s.id)
 
     # -- lookup ----------------------------------------------------------------------
-    def lookup_blocks(self, ns: Namespace, keys: Sequence[bytes], prefix: bool
-                      ) -> list[Block | None]:
+    def lookup_blocks(self, ns: Namespace, keys: Sequence[bytes], prefix: bool,
+                      checked: bool = False) -> list[Block | None]:
         """The blocks of ``keys`` (``None`` = miss); with ``prefix``, only the leading run.
 
         Side-effect free: does not count hits for eviction or refresh recency (engines
-        ask the same question repeatedly while scheduling).
+        ask the same question repeatedly while scheduling). ``checked``: the caller
+        validated ``keys`` already (``unpack_keys``), so they are not checked twice.
         """
-        validate_keys(keys)
+        if not checked:
+            validate_keys(keys)
         found = self._index.lookup(ns.digest, keys, prefix)
         hits = len(found) if prefix else len(found) - found.count(None)
         self.counters["lookup_keys"] += len(keys)

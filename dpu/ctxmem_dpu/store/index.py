@@ -17,6 +17,10 @@ from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu.blocks import Block
 from ctxmem_dpu.policy import SegmentedLRU
 
+#: Keys probed per step of a prefix Lookup (BlockIndex.lookup): small enough that little
+#: is probed past the first miss, large enough that the step costs nothing per key.
+PREFIX_PROBE_KEYS = 1024
+
 
 class BlockIndex:
     """Key → block per namespace, the per-tier eviction order, the dirty set, sequence
@@ -67,10 +71,20 @@ class BlockIndex:
     def lookup(self, digest: bytes, keys: Sequence[bytes], prefix: bool) -> list[Block | None]:
         """The blocks of ``keys`` (``None`` = miss); with ``prefix``, only the leading run.
 
-        One C-level ``map`` over the keys: engines ask for thousands at a time."""
-        found = list(map(self.get(digest).get, keys))
-        if prefix and None in found:
-            found = found[: found.index(None)]
+        C-level ``map``s over the keys: engines ask for thousands at a time. With
+        ``prefix`` the keys are probed :data:`PREFIX_PROBE_KEYS` at a time and the probe
+        stops at the chunk holding the first miss: hashing and probing a key is most of
+        a Lookup's service time, and the keys after the first miss do not change the
+        answer (an engine's prompt is a stored prefix and then new blocks)."""
+        get = self.get(digest).get
+        if not prefix:
+            return list(map(get, keys))
+        found: list[Block | None] = []
+        for start in range(0, len(keys), PREFIX_PROBE_KEYS):
+            part = list(map(get, keys[start:start + PREFIX_PROBE_KEYS]))
+            if None in part:
+                return found + part[: part.index(None)]
+            found += part
         return found
 
     def forget(self, b: Block) -> None:

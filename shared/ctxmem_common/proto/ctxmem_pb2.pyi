@@ -145,28 +145,32 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_handle: _Optional[int] = ..., namespace_digest: _Optional[bytes] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_handle", "keys", "prefix", "packed_keys", "key_len")
+    __slots__ = ("session_id", "namespace_handle", "keys", "prefix", "packed_keys", "key_len", "want_tier_codes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_LEN_FIELD_NUMBER: _ClassVar[int]
+    WANT_TIER_CODES_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prefix: bool
     packed_keys: bytes
     key_len: int
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: _Optional[bool] = ..., packed_keys: _Optional[bytes] = ..., key_len: _Optional[int] = ...) -> None: ...
+    want_tier_codes: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: _Optional[bool] = ..., packed_keys: _Optional[bytes] = ..., key_len: _Optional[int] = ..., want_tier_codes: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_hits", "tiers")
+    __slots__ = ("num_hits", "tiers", "tier_codes")
     NUM_HITS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    TIER_CODES_FIELD_NUMBER: _ClassVar[int]
     num_hits: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    tier_codes: bytes
+    def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., tier_codes: _Optional[bytes] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("session_id", "namespace_handle", "keys")
