@@ -117,6 +117,14 @@ class ClusterIndex:
             hint = (f"; the index refused this node's client certificate "
                     f"{self.pod.index_cert_file} (pod.index_cert_file): is it signed by the "
                     f"CA the index trusts (tls-ca-cert-file), and valid?")
+        elif (self.pod.index_url.startswith("rediss://") and not self.pod.index_cert_file
+              and any(s in text for s in ("reset by peer", "closed by server", "EOF"))):
+            # TLS 1.3 checks the client's certificate after the client's handshake is
+            # done: the server's alert can be lost to the reset of the connection, so a
+            # closed connection is all the node sees. Say what it most likely means.
+            hint = ("; the index closed the TLS connection: if it requires client "
+                    "certificates (tls-auth-clients yes), set pod.index_cert_file and "
+                    "pod.index_key_file")
         return IndexUnavailable(f"cluster index {what} at {self._where()} failed: {text}"
                                 f"{hint}")
 
