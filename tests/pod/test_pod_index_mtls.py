@@ -46,7 +46,7 @@ def test_index_with_client_certificates(tmp_path: Path, index_exe: str) -> None:
         n3 = ServiceProcess(d, cfg)
         try:
             assert clients.put(n1.endpoint, keys, data) == 4
-            wait_for(lambda: clients.hits(n2.endpoint, keys) == 4,
+            wait_for(lambda: clients.hits(n2.endpoint, keys) == 4, 30,
                      what="publish with a client certificate")
             assert clients.get(n2.endpoint, keys, data) == 4
             assert clients.stats(n2.endpoint)["pod_index_errors"] == 0
@@ -57,7 +57,7 @@ def test_index_with_client_certificates(tmp_path: Path, index_exe: str) -> None:
             assert clients.get(n3.endpoint, mine, data[:2]) == 2
             assert clients.hits(n3.endpoint, keys) == 0
             assert clients.get(n3.endpoint, keys, data) == 0
-            wait_for(lambda: clients.stats(n3.endpoint)["pod_index_errors"] >= 3,
+            wait_for(lambda: clients.stats(n3.endpoint)["pod_index_errors"] >= 3, 30,
                      what="the refusals to be counted (heartbeats)")
             assert n3.proc is not None and n3.proc.poll() is None
             log = n3.log()
