@@ -21,15 +21,20 @@ from tests.conftest import ServiceHandle
 TIMEOUT_S = 2.0
 
 
-@pytest.fixture(scope="module")
-def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceHandle]:
-    workdir = tmp_path_factory.mktemp("metrics")
+def _service(tmp_path_factory: pytest.TempPathFactory, name: str,
+             request_timeout_s: float) -> Iterator[ServiceHandle]:
+    workdir = tmp_path_factory.mktemp(name)
     cfg = local_config(workdir, flash_size=None, dram_size="8MiB", dram_slab="4MiB",
                        transports=["tcp"],
-                       metrics={"request_timeout_s": TIMEOUT_S, "max_connections": 4})
+                       metrics={"request_timeout_s": request_timeout_s, "max_connections": 4})
     h = ServiceHandle(workdir, cfg)
     yield h
     h.stop()
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceHandle]:
+    yield from _service(tmp_path_factory, "metrics", TIMEOUT_S)
 
 
 def _connect(svc: ServiceHandle) -> socket.socket:
@@ -91,13 +96,7 @@ def capped_svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceHand
     """A service whose held connections outlive any scheduling delay of a loaded CI
     machine: with the 2 s deadline of ``svc`` a held connection could be cut (and its
     slot freed) before the extra one is accepted, and the extra one then served."""
-    workdir = tmp_path_factory.mktemp("metrics-cap")
-    cfg = local_config(workdir, flash_size=None, dram_size="8MiB", dram_slab="4MiB",
-                       transports=["tcp"],
-                       metrics={"request_timeout_s": HELD_TIMEOUT_S, "max_connections": 4})
-    h = ServiceHandle(workdir, cfg)
-    yield h
-    h.stop()
+    yield from _service(tmp_path_factory, "metrics-cap", HELD_TIMEOUT_S)
 
 
 HELD_TIMEOUT_S = 60.0
