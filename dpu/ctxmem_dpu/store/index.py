@@ -12,6 +12,8 @@ import asyncio
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 from ctxmem_common.config import Config
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu.blocks import Block
@@ -68,20 +70,23 @@ class BlockIndex:
         """Blocks in the index, all namespaces."""
         return sum(len(v) for v in self.blocks.values())
 
-    def lookup(self, digest: bytes, keys: Sequence[bytes], prefix: bool) -> list[Block | None]:
+    def lookup(self, digest: bytes, keys: Sequence[bytes] | np.ndarray, prefix: bool
+               ) -> list[Block | None]:
         """The blocks of ``keys`` (``None`` = miss); with ``prefix``, only the leading run.
 
         C-level ``map``s over the keys: engines ask for thousands at a time. With
         ``prefix`` the keys are probed :data:`PREFIX_PROBE_KEYS` at a time and the probe
         stops at the chunk holding the first miss: hashing and probing a key is most of
         a Lookup's service time, and the keys after the first miss do not change the
-        answer (an engine's prompt is a stored prefix and then new blocks)."""
+        answer (an engine's prompt is a stored prefix and then new blocks). ``keys`` may
+        be a numpy array of packed keys (``ctxmem_common.keys.packed_key_array``): then
+        only the chunks probed become ``bytes`` objects."""
         get = self.get(digest).get
         if not prefix:
-            return list(map(get, keys))
+            return list(map(get, _as_list(keys)))
         found: list[Block | None] = []
         for start in range(0, len(keys), PREFIX_PROBE_KEYS):
-            part = list(map(get, keys[start:start + PREFIX_PROBE_KEYS]))
+            part = list(map(get, _as_list(keys[start:start + PREFIX_PROBE_KEYS])))
             if None in part:
                 return found + part[: part.index(None)]
             found += part
@@ -95,6 +100,14 @@ class BlockIndex:
             self.announce((b,), False)
         self.dram_lru.remove(b)
         self.flash_lru.remove(b)
+
+
+def _as_list(keys: Sequence[bytes] | np.ndarray) -> Sequence[bytes]:
+    """``keys`` as ``bytes`` objects: a packed-key array's ``tolist`` (one C call)."""
+    if isinstance(keys, np.ndarray):
+        out: list[bytes] = keys.tolist()
+        return out
+    return keys
 
 
 def tier_of(b: Block) -> str:
