@@ -42,3 +42,10 @@ def test_prefix_lookup_stops_at_the_first_miss_across_probe_chunks(form: object)
     all_hits = index.lookup(b"ns", form(keys[:n]), prefix=True)  # type: ignore[operator]
     assert len(all_hits) == n  # all hits, to the end
     assert index.lookup(b"other", form(keys), prefix=True) == []  # type: ignore[operator]
+    # A last chunk of one key, a hit and a miss (itemgetter of one key is not a tuple).
+    one_more = keys[:PREFIX_PROBE_KEYS + 1]
+    found = index.lookup(b"ns", form(one_more), prefix=True)  # type: ignore[operator]
+    assert [b.key for b in found if b is not None] == one_more
+    missed = keys[:PREFIX_PROBE_KEYS] + keys[n:n + 1]
+    found = index.lookup(b"ns", form(missed), prefix=True)  # type: ignore[operator]
+    assert [b.key for b in found if b is not None] == keys[:PREFIX_PROBE_KEYS]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from operator import itemgetter
 
 import numpy as np
 
@@ -81,15 +82,18 @@ class BlockIndex:
         answer (an engine's prompt is a stored prefix and then new blocks). ``keys`` may
         be a numpy array of packed keys (``ctxmem_common.keys.packed_key_array``): then
         only the chunks probed become ``bytes`` objects."""
-        get = self.get(digest).get
+        per_ns = self.get(digest)
         if not prefix:
-            return list(map(get, _as_list(keys)))
+            return list(map(per_ns.get, _as_list(keys)))
         found: list[Block | None] = []
         for start in range(0, len(keys), PREFIX_PROBE_KEYS):
-            part = list(map(get, _as_list(keys[start:start + PREFIX_PROBE_KEYS])))
-            if None in part:
+            chunk = _as_list(keys[start:start + PREFIX_PROBE_KEYS])
+            try:  # all hits (the common chunk): itemgetter, ~15% cheaper than map(get)
+                found += (itemgetter(*chunk)(per_ns),) if len(chunk) == 1 else \
+                    itemgetter(*chunk)(per_ns)
+            except KeyError:  # the chunk holding the first miss (hashes now cached)
+                part = list(map(per_ns.get, chunk))
                 return found + part[: part.index(None)]
-            found += part
         return found
 
     def forget(self, b: Block) -> None:
