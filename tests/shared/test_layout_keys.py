@@ -107,3 +107,25 @@ def test_unpack_keys_bounds_and_duplicates() -> None:
     assert unpack_keys(b"".join(long_keys), 16) == long_keys
     with pytest.raises(InvalidArgument, match=r"keys\[3\] duplicates keys\[1\]"):
         unpack_keys(b"".join([*long_keys, long_keys[1]]), 16)
+
+
+@pytest.mark.parametrize("key_len", [1, 7, 8, 9, 33, 64])
+def test_packed_key_array_finds_every_duplicate_at_every_key_length(key_len: int) -> None:
+    """The duplicate check reads each key's first 8 bytes in place (a strided view for
+    keys of 8 bytes or more, unaligned for odd lengths): a wrong offset or stride would
+    miss duplicates or split keys wrongly."""
+    import numpy as np
+
+    from ctxmem_common.keys import packed_key_array
+
+    rng = np.random.default_rng(key_len)
+    n = min(200, 256 ** key_len)
+    keys = list(dict.fromkeys(rng.bytes(key_len) for _ in range(2 * n)))[:n]
+    if key_len > 8:  # keys equal in their first 8 bytes, different after: no duplicate
+        keys[1] = keys[0][:8] + bytes(b ^ 1 for b in keys[0][8:9]) + keys[0][9:]
+    arr = packed_key_array(b"".join(keys), key_len)
+    assert arr.tolist() == keys
+    for i, j in ((0, 1), (5, len(keys) - 1), (len(keys) - 2, len(keys) - 1)):
+        dup = [*keys[:j], keys[i], *keys[j:]]
+        with pytest.raises(InvalidArgument, match=rf"keys\[{j}\] duplicates keys\[{i}\]"):
+            packed_key_array(b"".join(dup), key_len)

@@ -37,7 +37,12 @@ from ctxmem_common.protoconv import (
 )
 from ctxmem_common.rdma_wire import QpInfo
 from ctxmem_dpu.control.auth import connect_tenant
-from ctxmem_dpu.control.lookup_wire import lookup_response, request_keys, tier_codes
+from ctxmem_dpu.control.lookup_wire import (
+    key_list,
+    lookup_response,
+    request_keys,
+    tier_codes,
+)
 from ctxmem_dpu.store import BlockStore
 
 if TYPE_CHECKING:
@@ -187,7 +192,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         ns = self.store.namespace(s, request.namespace_handle)
         keys, checked = request_keys(request)  # bounded and, when packed, validated
         if self.pod is not None:  # the local index first, the cluster for the rest
-            return await self._pod_lookup(ns, keys, request.prefix, request.want_tier_codes)
+            return await self._pod_lookup(ns, key_list(keys), request.prefix,
+                                           request.want_tier_codes)
         found = self.store.lookup_blocks(ns, keys, request.prefix, checked=checked)
         n = len(found) if request.prefix else len(found) - found.count(None)
         return lookup_response(n, tier_codes(found), request.want_tier_codes)

@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ctxmem_common.config import Config
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.keys import validate_keys
@@ -304,16 +306,17 @@ class BlockStore:
         self._registry.shm_detached(s.id)
 
     # -- lookup ----------------------------------------------------------------------
-    def lookup_blocks(self, ns: Namespace, keys: Sequence[bytes], prefix: bool,
+    def lookup_blocks(self, ns: Namespace, keys: Sequence[bytes] | np.ndarray, prefix: bool,
                       checked: bool = False) -> list[Block | None]:
         """The blocks of ``keys`` (``None`` = miss); with ``prefix``, only the leading run.
 
         Side-effect free: does not count hits for eviction or refresh recency (engines
         ask the same question repeatedly while scheduling). ``checked``: the caller
-        validated ``keys`` already (``unpack_keys``), so they are not checked twice.
+        validated ``keys`` already (``packed_key_array``: then ``keys`` may be that numpy
+        array), so they are not checked twice.
         """
         if not checked:
-            validate_keys(keys)
+            validate_keys(keys.tolist() if isinstance(keys, np.ndarray) else keys)
         found = self._index.lookup(ns.digest, keys, prefix)
         hits = len(found) if prefix else len(found) - found.count(None)
         self.counters["lookup_keys"] += len(keys)
