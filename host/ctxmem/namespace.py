@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ctxmem.buffers import Staged
 from ctxmem.transport.base import TransportError
+from ctxmem.transport.shm import ShmChannel
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.errors import (
     CtxmemError,
@@ -25,6 +26,7 @@ from ctxmem_common.errors import (
 )
 from ctxmem_common.keys import pack_keys, validate_keys
 from ctxmem_common.layout import KVLayout
+from ctxmem_common.packed_slots import unpack_acquire
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.protoconv import (
     TIER_DRAM,
@@ -242,14 +244,20 @@ class Namespace:
             nonlocal done, failed
             if done == len(keys):
                 return
+            ch = s.channel
+            shm = isinstance(ch, ShmChannel)
             a = rpc("Acquire", pb.AcquireRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys[done:]))
+                session_id=s.id, namespace_handle=self.handle, keys=keys[done:],
+                want_packed=shm))
             n = a.num_acquired
             base = done
             dst = views[base : base + n]
             progress = ReadProgress()
             try:
-                if n and verify:
+                if n and isinstance(ch, ShmChannel):
+                    packed = unpack_acquire(a, len(keys) - base, dst[0].nbytes)
+                    ch.read_packed(a.lease_id, packed, dst, verify, progress)
+                elif n and verify:
                     s.channel.read_verified(a.lease_id, a.slots[:n], dst, a.crc32c[:n],
                                             progress)
                 elif n:

@@ -157,17 +157,17 @@ def test_a_retry_goes_on_from_the_first_undelivered_block(
     """A channel that fails after delivering three blocks: the retry acquires only the
     other five, and the get returns all eight."""
     ks = keys("retry")
-    real = ShmChannel.read_verified
+    real = ShmChannel.read_packed  # a shm get reads Acquire's packed answer
     failed = False
 
-    def flaky(self: ShmChannel, lease_id: int, slots: Any, views: Any, crcs: Any,
+    def flaky(self: ShmChannel, lease_id: bytes, slots: Any, views: Any, verify: bool,
               progress: ReadProgress) -> None:
         nonlocal failed
         if not failed:
             failed = True
-            real(self, lease_id, slots[:3], views[:3], crcs[:3], progress)
+            real(self, lease_id, slots, views[:3], verify, progress)
             raise TransportError("injected: channel dropped after three blocks")
-        real(self, lease_id, slots, views, crcs, progress)
+        real(self, lease_id, slots, views, verify, progress)
 
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
@@ -181,7 +181,7 @@ def test_a_retry_goes_on_from_the_first_undelivered_block(
             return rpc(method, request)
 
         monkeypatch.setattr(c, "_rpc", spy)
-        monkeypatch.setattr(ShmChannel, "read_verified", flaky)
+        monkeypatch.setattr(ShmChannel, "read_packed", flaky)
         assert get_checked(ns, ks) == N
         assert acquired == [N, N - 3]
 

@@ -22,6 +22,7 @@ from ctxmem_common.errors import (
     InvalidArgument,
     Unavailable,
 )
+from ctxmem_common.packed_slots import pack_acquire
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_common.protoconv import (
@@ -255,17 +256,27 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         for b in lease.blocks:
             assert b.dram is not None
             refs.append(b.dram)
+        resp = pb.AcquireResponse(
+            lease_id=lease.id, num_acquired=len(lease.blocks),
+            source_tiers=[tier_to_pb(t) for t in sources],
+            expires_in_ms=int(self.store.cfg.service.lease_ttl_s * 1000),
+        )
+        if request.want_packed and s.transport == "shm":
+            # one array per field instead of a Slot message per block (packed_slots)
+            dram = self.store.dram
+            pack_acquire(resp, [r.slab for r in refs], [dram.generation(r.slab) for r in refs],
+                         [dram.offset(r) for r in refs], [b.length for b in lease.blocks],
+                         [b.crc for b in lease.blocks])
+            return resp
         slots = [self._slot(ref, b.length) for ref, b in zip(refs, lease.blocks, strict=True)]
         try:
             await self._grant_rdma(s, lease.id, refs, slots, write=False)
         except BaseException:
             self.store.release(s, [lease.id])
             raise
-        return pb.AcquireResponse(
-            lease_id=lease.id, num_acquired=len(lease.blocks), slots=slots,
-            crc32c=[b.crc for b in lease.blocks], source_tiers=[tier_to_pb(t) for t in sources],
-            expires_in_ms=int(self.store.cfg.service.lease_ttl_s * 1000),
-        )
+        resp.slots.extend(slots)
+        resp.crc32c.extend(b.crc for b in lease.blocks)
+        return resp
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:

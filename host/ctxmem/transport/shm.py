@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem.transport.verified import ReadProgress, copy_checked
 from ctxmem_common.codecs import CRC32C_FUSED, copy_crc32c
+from ctxmem_common.packed_slots import PackedSlots
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import (
     SHM_HELLO,
@@ -136,6 +137,37 @@ class ShmChannel(DataChannel):
             for i, (slot, dst, want) in enumerate(zip(slots, views, crcs, strict=True)):
                 region = self._region(slot.region, slot.generation)
                 if not copy_checked(region[slot.offset : slot.offset + slot.length], dst, want):
+                    progress.bad = i
+                    return
+                progress.done = i + 1
+
+    def read_packed(self, lease_id: bytes, slots: PackedSlots, views: Sequence[memoryview],
+                    verify: bool, progress: ReadProgress) -> None:
+        """A get's read from Acquire's packed answer (:mod:`ctxmem_common.packed_slots`):
+        as :meth:`read_verified` (``verify``) or :meth:`read`, on plain int lists, with the
+        region looked up only when it changes. Each slot's ``offset + length`` is checked
+        against the mapped region before its copy: a malformed answer raises
+        TransportError, never reads outside the mapping. ``progress.done`` counts the
+        blocks delivered, also when this raises."""
+        regions, gens, offsets, lengths, crcs = (
+            slots.regions, slots.generations, slots.offsets, slots.lengths, slots.crcs)
+        with self._lock:
+            key = (-1, -1)
+            region = memoryview(b"")
+            for i, dst in enumerate(views):
+                if (regions[i], gens[i]) != key:
+                    key = (regions[i], gens[i])
+                    region = self._region(*key)
+                off = offsets[i]
+                end = off + lengths[i]
+                if end > region.nbytes:
+                    raise TransportError(
+                        f"lease {lease_id.hex()}: slot {i} [{off}, {end}) lies outside "
+                        f"region {key[0]} ({region.nbytes} bytes); the service's answer is "
+                        f"malformed: report it")
+                if not verify:
+                    dst[:] = region[off:end]
+                elif not copy_checked(region[off:end], dst, crcs[i]):
                     progress.bad = i
                     return
                 progress.done = i + 1

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n ctxmem_common/proto/ctxmem.proto\x12\tctxmem.v1\"\xbf\x01\n\x06Layout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x05 \x01(\r\x12\x14\n\x0ckv_lora_rank\x18\x06 \x01(\r\x12\x18\n\x10qk_rope_head_dim\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\"m\n\x04Slot\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x13\n\x0bremote_addr\x18\x05 \x01(\x04\x12\x0c\n\x04rkey\x18\x06 \x01(\r\"\x0f\n\rHealthRequest\"\xa9\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12(\n\ntransports\x18\x04 \x03(\x0e\x32\x14.ctxmem.v1.Transport\x12\x12\n\nshm_socket\x18\x05 \x01(\t\x12\x15\n\rdata_endpoint\x18\x06 \x01(\t\x12\x0c\n\x04mode\x18\x07 \x01(\t\"t\n\x0e\x43onnectRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\'\n\ttransport\x18\x02 \x01(\x0e\x32\x14.ctxmem.v1.Transport\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x14\n\x0ctenant_token\x18\x04 \x01(\t\"\x82\x01\n\x0f\x43onnectResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x15\n\rsession_token\x18\x02 \x01(\x0c\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x19\n\x11\x61llocation_ttl_ms\x18\x05 \x01(\r\"\xc5\x01\n\x14OpenNamespaceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.ctxmem.v1.Layout\x12\x37\n\x04tags\x18\x04 \x03(\x0b\x32).ctxmem.v1.OpenNamespaceRequest.TagsEntry\x1a+\n\tTagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"a\n\x15OpenNamespaceResponse\x12\x18\n\x10namespace_handle\x18\x01 \x01(\r\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\x04\"\x9a\x01\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x0e\n\x06prefix\x18\x04 \x01(\x08\x12\x13\n\x0bpacked_keys\x18\x05 \x01(\x0c\x12\x0f\n\x07key_len\x18\x06 \x01(\r\x12\x17\n\x0fwant_tier_codes\x18\x07 \x01(\x08\"V\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.ctxmem.v1.Tier\x12\x12\n\ntier_codes\x18\x03 \x01(\x0c\"M\n\x0f\x41llocateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"p\n\x10\x41llocateResponse\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x0e\n\x06\x65xists\x18\x02 \x03(\x08\x12\x1e\n\x05slots\x18\x03 \x03(\x0b\x32\x0f.ctxmem.v1.Slot\x12\x15\n\rexpires_in_ms\x18\x04 \x01(\r\"Y\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x15\n\rallocation_id\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x03(\r\x12\r\n\x05\x61\x62ort\x18\x04 \x01(\x08\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"L\n\x0e\x41\x63quireRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"\xa7\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\x14\n\x0cnum_acquired\x18\x02 \x01(\r\x12\x1e\n\x05slots\x18\x03 \x03(\x0b\x32\x0f.ctxmem.v1.Slot\x12\x0e\n\x06\x63rc32c\x18\x04 \x03(\r\x12%\n\x0csource_tiers\x18\x05 \x03(\x0e\x32\x0f.ctxmem.v1.Tier\x12\x15\n\rexpires_in_ms\x18\x06 \x01(\r\"7\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x11\n\tlease_ids\x18\x02 \x03(\x0c\" \n\x0fReleaseResponse\x12\r\n\x05valid\x18\x01 \x03(\x08\"M\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"3\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x0f\n\x07in_dram\x18\x02 \x01(\r\"K\n\rDeleteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"i\n\x0c\x45victRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.ctxmem.v1.Tier\" \n\rEvictResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"t\n\rStatsResponse\x12\x34\n\x06values\x18\x01 \x03(\x0b\x32$.ctxmem.v1.StatsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\\\n\x06RdmaQp\x12\x0b\n\x03qpn\x18\x01 \x01(\r\x12\x0b\n\x03psn\x18\x02 \x01(\r\x12\x0b\n\x03gid\x18\x03 \x01(\x0c\x12\x0b\n\x03lid\x18\x04 \x01(\r\x12\x0b\n\x03mtu\x18\x05 \x01(\r\x12\x11\n\trd_atomic\x18\x06 \x01(\r\"<\n\x0fRdmaInfoRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x15\n\rsession_token\x18\x02 \x01(\x0c\"L\n\x10RdmaInfoResponse\x12\x0b\n\x03gid\x18\x01 \x01(\x0c\x12\x0b\n\x03lid\x18\x02 \x01(\r\x12\x0b\n\x03mtu\x18\x03 \x01(\r\x12\x11\n\trd_atomic\x18\x04 \x01(\r\"]\n\x11RdmaAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x15\n\rsession_token\x18\x02 \x01(\x0c\x12\x1d\n\x02qp\x18\x03 \x01(\x0b\x32\x11.ctxmem.v1.RdmaQp\"3\n\x12RdmaAttachResponse\x12\x1d\n\x02qp\x18\x01 \x01(\x0b\x32\x11.ctxmem.v1.RdmaQp*L\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x0e\n\nTIER_FLASH\x10\x02\x12\x0f\n\x0bTIER_REMOTE\x10\x03*`\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x11\n\rTRANSPORT_TCP\x10\x02\x12\x12\n\x0eTRANSPORT_RDMA\x10\x03\x32\xb9\x07\n\rContextMemory\x12=\n\x06Health\x12\x18.ctxmem.v1.HealthRequest\x1a\x19.ctxmem.v1.HealthResponse\x12@\n\x07\x43onnect\x12\x19.ctxmem.v1.ConnectRequest\x1a\x1a.ctxmem.v1.ConnectResponse\x12R\n\rOpenNamespace\x12\x1f.ctxmem.v1.OpenNamespaceRequest\x1a .ctxmem.v1.OpenNamespaceResponse\x12=\n\x06Lookup\x12\x18.ctxmem.v1.LookupRequest\x1a\x19.ctxmem.v1.LookupResponse\x12\x43\n\x08\x41llocate\x12\x1a.ctxmem.v1.AllocateRequest\x1a\x1b.ctxmem.v1.AllocateResponse\x12=\n\x06\x43ommit\x12\x18.ctxmem.v1.CommitRequest\x1a\x19.ctxmem.v1.CommitResponse\x12@\n\x07\x41\x63quire\x12\x19.ctxmem.v1.AcquireRequest\x1a\x1a.ctxmem.v1.AcquireResponse\x12@\n\x07Release\x12\x19.ctxmem.v1.ReleaseRequest\x1a\x1a.ctxmem.v1.ReleaseResponse\x12\x43\n\x08Prefetch\x12\x1a.ctxmem.v1.PrefetchRequest\x1a\x1b.ctxmem.v1.PrefetchResponse\x12=\n\x06\x44\x65lete\x12\x18.ctxmem.v1.DeleteRequest\x1a\x19.ctxmem.v1.DeleteResponse\x12:\n\x05\x45vict\x12\x17.ctxmem.v1.EvictRequest\x1a\x18.ctxmem.v1.EvictResponse\x12:\n\x05Stats\x12\x17.ctxmem.v1.StatsRequest\x1a\x18.ctxmem.v1.StatsResponse\x12\x43\n\x08RdmaInfo\x12\x1a.ctxmem.v1.RdmaInfoRequest\x1a\x1b.ctxmem.v1.RdmaInfoResponse\x12K\n\nRdmaAttach\x12\x1c.ctxmem.v1.RdmaAttachRequest\x1a\x1d.ctxmem.v1.RdmaAttachResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n ctxmem_common/proto/ctxmem.proto\x12\tctxmem.v1\"\xbf\x01\n\x06Layout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x05 \x01(\r\x12\x14\n\x0ckv_lora_rank\x18\x06 \x01(\r\x12\x18\n\x10qk_rope_head_dim\x18\x07 \x01(\r\x12\x0f\n\x07tp_rank\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\"m\n\x04Slot\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x13\n\x0bremote_addr\x18\x05 \x01(\x04\x12\x0c\n\x04rkey\x18\x06 \x01(\r\"\x0f\n\rHealthRequest\"\xa9\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12(\n\ntransports\x18\x04 \x03(\x0e\x32\x14.ctxmem.v1.Transport\x12\x12\n\nshm_socket\x18\x05 \x01(\t\x12\x15\n\rdata_endpoint\x18\x06 \x01(\t\x12\x0c\n\x04mode\x18\x07 \x01(\t\"t\n\x0e\x43onnectRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\'\n\ttransport\x18\x02 \x01(\x0e\x32\x14.ctxmem.v1.Transport\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x14\n\x0ctenant_token\x18\x04 \x01(\t\"\x82\x01\n\x0f\x43onnectResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x15\n\rsession_token\x18\x02 \x01(\x0c\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x19\n\x11\x61llocation_ttl_ms\x18\x05 \x01(\r\"\xc5\x01\n\x14OpenNamespaceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.ctxmem.v1.Layout\x12\x37\n\x04tags\x18\x04 \x03(\x0b\x32).ctxmem.v1.OpenNamespaceRequest.TagsEntry\x1a+\n\tTagsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"a\n\x15OpenNamespaceResponse\x12\x18\n\x10namespace_handle\x18\x01 \x01(\r\x12\x18\n\x10namespace_digest\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\x04\"\x9a\x01\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x0e\n\x06prefix\x18\x04 \x01(\x08\x12\x13\n\x0bpacked_keys\x18\x05 \x01(\x0c\x12\x0f\n\x07key_len\x18\x06 \x01(\r\x12\x17\n\x0fwant_tier_codes\x18\x07 \x01(\x08\"V\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.ctxmem.v1.Tier\x12\x12\n\ntier_codes\x18\x03 \x01(\x0c\"M\n\x0f\x41llocateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"p\n\x10\x41llocateResponse\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x0e\n\x06\x65xists\x18\x02 \x03(\x08\x12\x1e\n\x05slots\x18\x03 \x03(\x0b\x32\x0f.ctxmem.v1.Slot\x12\x15\n\rexpires_in_ms\x18\x04 \x01(\r\"Y\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x15\n\rallocation_id\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x03(\r\x12\r\n\x05\x61\x62ort\x18\x04 \x01(\x08\"#\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"a\n\x0e\x41\x63quireRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x13\n\x0bwant_packed\x18\x04 \x01(\x08\"\x96\x02\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\x14\n\x0cnum_acquired\x18\x02 \x01(\r\x12\x1e\n\x05slots\x18\x03 \x03(\x0b\x32\x0f.ctxmem.v1.Slot\x12\x0e\n\x06\x63rc32c\x18\x04 \x03(\r\x12%\n\x0csource_tiers\x18\x05 \x03(\x0e\x32\x0f.ctxmem.v1.Tier\x12\x15\n\rexpires_in_ms\x18\x06 \x01(\r\x12\x14\n\x0cslot_regions\x18\x07 \x01(\x0c\x12\x18\n\x10slot_generations\x18\x08 \x01(\x0c\x12\x14\n\x0cslot_offsets\x18\t \x01(\x0c\x12\x14\n\x0cslot_lengths\x18\n \x01(\x0c\x12\x11\n\tslot_crcs\x18\x0b \x01(\x0c\"7\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x11\n\tlease_ids\x18\x02 \x03(\x0c\" \n\x0fReleaseResponse\x12\r\n\x05valid\x18\x01 \x03(\x08\"M\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"3\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x0f\n\x07in_dram\x18\x02 \x01(\r\"K\n\rDeleteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"i\n\x0c\x45victRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x18\n\x10namespace_handle\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.ctxmem.v1.Tier\" \n\rEvictResponse\x12\x0f\n\x07\x65victed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"t\n\rStatsResponse\x12\x34\n\x06values\x18\x01 \x03(\x0b\x32$.ctxmem.v1.StatsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\\\n\x06RdmaQp\x12\x0b\n\x03qpn\x18\x01 \x01(\r\x12\x0b\n\x03psn\x18\x02 \x01(\r\x12\x0b\n\x03gid\x18\x03 \x01(\x0c\x12\x0b\n\x03lid\x18\x04 \x01(\r\x12\x0b\n\x03mtu\x18\x05 \x01(\r\x12\x11\n\trd_atomic\x18\x06 \x01(\r\"<\n\x0fRdmaInfoRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x15\n\rsession_token\x18\x02 \x01(\x0c\"L\n\x10RdmaInfoResponse\x12\x0b\n\x03gid\x18\x01 \x01(\x0c\x12\x0b\n\x03lid\x18\x02 \x01(\r\x12\x0b\n\x03mtu\x18\x03 \x01(\r\x12\x11\n\trd_atomic\x18\x04 \x01(\r\"]\n\x11RdmaAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x15\n\rsession_token\x18\x02 \x01(\x0c\x12\x1d\n\x02qp\x18\x03 \x01(\x0b\x32\x11.ctxmem.v1.RdmaQp\"3\n\x12RdmaAttachResponse\x12\x1d\n\x02qp\x18\x01 \x01(\x0b\x32\x11.ctxmem.v1.RdmaQp*L\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x0e\n\nTIER_FLASH\x10\x02\x12\x0f\n\x0bTIER_REMOTE\x10\x03*`\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x11\n\rTRANSPORT_TCP\x10\x02\x12\x12\n\x0eTRANSPORT_RDMA\x10\x03\x32\xb9\x07\n\rContextMemory\x12=\n\x06Health\x12\x18.ctxmem.v1.HealthRequest\x1a\x19.ctxmem.v1.HealthResponse\x12@\n\x07\x43onnect\x12\x19.ctxmem.v1.ConnectRequest\x1a\x1a.ctxmem.v1.ConnectResponse\x12R\n\rOpenNamespace\x12\x1f.ctxmem.v1.OpenNamespaceRequest\x1a .ctxmem.v1.OpenNamespaceResponse\x12=\n\x06Lookup\x12\x18.ctxmem.v1.LookupRequest\x1a\x19.ctxmem.v1.LookupResponse\x12\x43\n\x08\x41llocate\x12\x1a.ctxmem.v1.AllocateRequest\x1a\x1b.ctxmem.v1.AllocateResponse\x12=\n\x06\x43ommit\x12\x18.ctxmem.v1.CommitRequest\x1a\x19.ctxmem.v1.CommitResponse\x12@\n\x07\x41\x63quire\x12\x19.ctxmem.v1.AcquireRequest\x1a\x1a.ctxmem.v1.AcquireResponse\x12@\n\x07Release\x12\x19.ctxmem.v1.ReleaseRequest\x1a\x1a.ctxmem.v1.ReleaseResponse\x12\x43\n\x08Prefetch\x12\x1a.ctxmem.v1.PrefetchRequest\x1a\x1b.ctxmem.v1.PrefetchResponse\x12=\n\x06\x44\x65lete\x12\x18.ctxmem.v1.DeleteRequest\x1a\x19.ctxmem.v1.DeleteResponse\x12:\n\x05\x45vict\x12\x17.ctxmem.v1.EvictRequest\x1a\x18.ctxmem.v1.EvictResponse\x12:\n\x05Stats\x12\x17.ctxmem.v1.StatsRequest\x1a\x18.ctxmem.v1.StatsResponse\x12\x43\n\x08RdmaInfo\x12\x1a.ctxmem.v1.RdmaInfoRequest\x1a\x1b.ctxmem.v1.RdmaInfoResponse\x12K\n\nRdmaAttach\x12\x1c.ctxmem.v1.RdmaAttachRequest\x1a\x1d.ctxmem.v1.RdmaAttachResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENNAMESPACEREQUEST_TAGSENTRY']._serialized_options = b'8\001'
   _globals['_STATSRESPONSE_VALUESENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=2897
-  _globals['_TIER']._serialized_end=2973
-  _globals['_TRANSPORT']._serialized_start=2975
-  _globals['_TRANSPORT']._serialized_end=3071
+  _globals['_TIER']._serialized_start=3029
+  _globals['_TIER']._serialized_end=3105
+  _globals['_TRANSPORT']._serialized_start=3107
+  _globals['_TRANSPORT']._serialized_end=3203
   _globals['_LAYOUT']._serialized_start=48
   _globals['_LAYOUT']._serialized_end=239
   _globals['_SLOT']._serialized_start=241
@@ -70,41 +70,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITRESPONSE']._serialized_start=1620
   _globals['_COMMITRESPONSE']._serialized_end=1655
   _globals['_ACQUIREREQUEST']._serialized_start=1657
-  _globals['_ACQUIREREQUEST']._serialized_end=1733
-  _globals['_ACQUIRERESPONSE']._serialized_start=1736
-  _globals['_ACQUIRERESPONSE']._serialized_end=1903
-  _globals['_RELEASEREQUEST']._serialized_start=1905
-  _globals['_RELEASEREQUEST']._serialized_end=1960
-  _globals['_RELEASERESPONSE']._serialized_start=1962
-  _globals['_RELEASERESPONSE']._serialized_end=1994
-  _globals['_PREFETCHREQUEST']._serialized_start=1996
-  _globals['_PREFETCHREQUEST']._serialized_end=2073
-  _globals['_PREFETCHRESPONSE']._serialized_start=2075
-  _globals['_PREFETCHRESPONSE']._serialized_end=2126
-  _globals['_DELETEREQUEST']._serialized_start=2128
-  _globals['_DELETEREQUEST']._serialized_end=2203
-  _globals['_DELETERESPONSE']._serialized_start=2205
-  _globals['_DELETERESPONSE']._serialized_end=2238
-  _globals['_EVICTREQUEST']._serialized_start=2240
-  _globals['_EVICTREQUEST']._serialized_end=2345
-  _globals['_EVICTRESPONSE']._serialized_start=2347
-  _globals['_EVICTRESPONSE']._serialized_end=2379
-  _globals['_STATSREQUEST']._serialized_start=2381
-  _globals['_STATSREQUEST']._serialized_end=2395
-  _globals['_STATSRESPONSE']._serialized_start=2397
-  _globals['_STATSRESPONSE']._serialized_end=2513
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=2468
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=2513
-  _globals['_RDMAQP']._serialized_start=2515
-  _globals['_RDMAQP']._serialized_end=2607
-  _globals['_RDMAINFOREQUEST']._serialized_start=2609
-  _globals['_RDMAINFOREQUEST']._serialized_end=2669
-  _globals['_RDMAINFORESPONSE']._serialized_start=2671
-  _globals['_RDMAINFORESPONSE']._serialized_end=2747
-  _globals['_RDMAATTACHREQUEST']._serialized_start=2749
-  _globals['_RDMAATTACHREQUEST']._serialized_end=2842
-  _globals['_RDMAATTACHRESPONSE']._serialized_start=2844
-  _globals['_RDMAATTACHRESPONSE']._serialized_end=2895
-  _globals['_CONTEXTMEMORY']._serialized_start=3074
-  _globals['_CONTEXTMEMORY']._serialized_end=4027
+  _globals['_ACQUIREREQUEST']._serialized_end=1754
+  _globals['_ACQUIRERESPONSE']._serialized_start=1757
+  _globals['_ACQUIRERESPONSE']._serialized_end=2035
+  _globals['_RELEASEREQUEST']._serialized_start=2037
+  _globals['_RELEASEREQUEST']._serialized_end=2092
+  _globals['_RELEASERESPONSE']._serialized_start=2094
+  _globals['_RELEASERESPONSE']._serialized_end=2126
+  _globals['_PREFETCHREQUEST']._serialized_start=2128
+  _globals['_PREFETCHREQUEST']._serialized_end=2205
+  _globals['_PREFETCHRESPONSE']._serialized_start=2207
+  _globals['_PREFETCHRESPONSE']._serialized_end=2258
+  _globals['_DELETEREQUEST']._serialized_start=2260
+  _globals['_DELETEREQUEST']._serialized_end=2335
+  _globals['_DELETERESPONSE']._serialized_start=2337
+  _globals['_DELETERESPONSE']._serialized_end=2370
+  _globals['_EVICTREQUEST']._serialized_start=2372
+  _globals['_EVICTREQUEST']._serialized_end=2477
+  _globals['_EVICTRESPONSE']._serialized_start=2479
+  _globals['_EVICTRESPONSE']._serialized_end=2511
+  _globals['_STATSREQUEST']._serialized_start=2513
+  _globals['_STATSREQUEST']._serialized_end=2527
+  _globals['_STATSRESPONSE']._serialized_start=2529
+  _globals['_STATSRESPONSE']._serialized_end=2645
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=2600
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=2645
+  _globals['_RDMAQP']._serialized_start=2647
+  _globals['_RDMAQP']._serialized_end=2739
+  _globals['_RDMAINFOREQUEST']._serialized_start=2741
+  _globals['_RDMAINFOREQUEST']._serialized_end=2801
+  _globals['_RDMAINFORESPONSE']._serialized_start=2803
+  _globals['_RDMAINFORESPONSE']._serialized_end=2879
+  _globals['_RDMAATTACHREQUEST']._serialized_start=2881
+  _globals['_RDMAATTACHREQUEST']._serialized_end=2974
+  _globals['_RDMAATTACHRESPONSE']._serialized_start=2976
+  _globals['_RDMAATTACHRESPONSE']._serialized_end=3027
+  _globals['_CONTEXTMEMORY']._serialized_start=3206
+  _globals['_CONTEXTMEMORY']._serialized_end=4159
 # @@protoc_insertion_point(module_scope)

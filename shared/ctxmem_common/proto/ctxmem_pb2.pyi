@@ -213,30 +213,42 @@ class CommitResponse(_message.Message):
     def __init__(self, committed: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_handle", "keys")
+    __slots__ = ("session_id", "namespace_handle", "keys", "want_packed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    WANT_PACKED_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    want_packed: bool
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., want_packed: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "num_acquired", "slots", "crc32c", "source_tiers", "expires_in_ms")
+    __slots__ = ("lease_id", "num_acquired", "slots", "crc32c", "source_tiers", "expires_in_ms", "slot_regions", "slot_generations", "slot_offsets", "slot_lengths", "slot_crcs")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TIERS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_CRCS_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     num_acquired: int
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     source_tiers: _containers.RepeatedScalarFieldContainer[Tier]
     expires_in_ms: int
-    def __init__(self, lease_id: _Optional[bytes] = ..., num_acquired: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., crc32c: _Optional[_Iterable[int]] = ..., source_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+    slot_regions: bytes
+    slot_generations: bytes
+    slot_offsets: bytes
+    slot_lengths: bytes
+    slot_crcs: bytes
+    def __init__(self, lease_id: _Optional[bytes] = ..., num_acquired: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., crc32c: _Optional[_Iterable[int]] = ..., source_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., expires_in_ms: _Optional[int] = ..., slot_regions: _Optional[bytes] = ..., slot_generations: _Optional[bytes] = ..., slot_offsets: _Optional[bytes] = ..., slot_lengths: _Optional[bytes] = ..., slot_crcs: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_ids")
