@@ -270,3 +270,37 @@ def test_commit_or_abort_while_a_write_is_in_flight_is_refused(svc: ServiceHandl
         done = r.call("Commit", pb.CommitRequest(session_id=r.session_id, allocation_id=a.id,
                                                  crc32c=[crc32c(payload)] * 2))
         assert done.committed == 2
+
+
+def test_a_reader_that_stops_reading_is_dropped(svc: ServiceHandle) -> None:
+    """READ answers leave with one non-blocking ``sendmsg`` and no timer; what the socket
+    does not take at once must still move within ``read_timeout_s``, or the connection
+    is dropped (the service does not wait forever on a client that stopped reading)."""
+    with _raw(svc) as r:
+        keys = [b"s" * 16]
+        block = b"z" * BLOCK
+        a = r.allocate(keys)
+        r.write(a, [block])
+        assert r.commit(a, [crc32c(block)]).committed == 1
+        lease = r.acquire(keys)
+        sock = _connect(r)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        n = 4096  # answers: 64 MiB, far more than the sockets' buffers hold
+        sock.sendall(TCP_REQ.pack(b"CXTR", OP_READ, lease.id, 0, BLOCK) * n)
+        time.sleep(READ_S + 2)  # read nothing: the service's send stalls, then is dropped
+        sock.settimeout(5)
+        got = 0
+        t0 = time.monotonic()
+        try:  # dropped: only what the buffers held is left, then the end
+            while chunk := sock.recv(1 << 20):
+                got += len(chunk)
+                assert time.monotonic() - t0 < 5, (
+                    f"the service still sends after {got} bytes: the stalled reader "
+                    f"was never dropped")
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail(f"the connection stayed open after {got} bytes")
+        sock.close()
+        assert got < n * (TCP_RESP.size + BLOCK), "the stalled reader was never dropped"
+        r.release(lease)

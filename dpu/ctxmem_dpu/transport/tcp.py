@@ -149,9 +149,8 @@ class TcpDataServer(SocketDataServer):
         store.pin(b)
         view = store.dram.view(b.dram, b.length)
         try:
-            await self._sendall(conn, TCP_RESP.pack(b"CXTA", Status.OK, b.length),
-                                f"answering the {what}")
-            await self._sendall(conn, view, f"sending the {what}")
+            await self._sendmany(conn, [TCP_RESP.pack(b"CXTA", Status.OK, b.length), view],
+                                 f"answering the {what}")
         finally:
             view.release()
             store.unpin(b)
