@@ -47,7 +47,13 @@ from pathlib import Path
 import numpy as np
 
 from ctxmem.client import Client
-from ctxmem_common.codecs import CRC32C_IMPLEMENTATION, XtsCipher, copy_crc32c, crc32c
+from ctxmem_common.codecs import (
+    CRC32C_IMPLEMENTATION,
+    XTS_IMPLEMENTATION,
+    XtsCipher,
+    copy_crc32c,
+    crc32c,
+)
 from ctxmem_common.keys import chain_hashes
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.progress import Progress, progress
@@ -372,7 +378,8 @@ def run(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     batch_bytes = args.batch_mib * MiB
     print(f"ctxmem bench: transport={args.transport}, {args.batch_mib} MiB per batch, "
-          f"{rounds} rounds, workdir {base}, CRC32C {CRC32C_IMPLEMENTATION}")
+          f"{rounds} rounds, workdir {base}, CRC32C {CRC32C_IMPLEMENTATION}, "
+          f"AES-XTS {XTS_IMPLEMENTATION}")
     device_entry = json.loads(Path(args.flash_device).read_text()) if args.flash_device else None
     if device_entry is not None:
         print(f"flash tier: {device_entry.get('backend')} device {device_entry.get('name')}")
@@ -450,7 +457,7 @@ def run(argv: list[str] | None = None) -> int:
             "results": [asdict(r) for r in results],
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version(),
-                        "crc32c": CRC32C_IMPLEMENTATION},
+                        "crc32c": CRC32C_IMPLEMENTATION, "aes_xts": XTS_IMPLEMENTATION},
             "params": {"transport": args.transport, "batch_mib": args.batch_mib,
                        "rounds": rounds, "flash_device": device_entry,
                        "odirect_path": str(scratch), "peer": args.peer},
