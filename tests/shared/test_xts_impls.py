@@ -240,3 +240,16 @@ def test_without_a_system_libcrypto() -> None:
 def test_a_libcrypto_that_cannot_load_is_unavailable() -> None:
     with pytest.raises(xts_openssl.XtsUnavailable, match="cannot load"):
         xts_openssl.load("/nonexistent/libcrypto.so.3")
+
+
+def test_a_libcrypto_failing_its_self_test_is_unavailable(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """load() checks the library against a published vector before anyone uses it: a
+    wrong answer (or an OpenSSL error) makes it unavailable, so ``cryptography`` serves."""
+    monkeypatch.setattr(xts_openssl, "_CHECK_CT", bytes(16))
+    with pytest.raises(xts_openssl.XtsUnavailable, match="wrong ciphertext"):
+        xts_openssl.load()
+    monkeypatch.setattr(xts_openssl, "_CHECK_PT", bytes(15))  # OpenSSL refuses < 16 B
+    monkeypatch.setattr(xts_openssl, "_CHECK_CT", bytes(15))
+    with pytest.raises(xts_openssl.XtsUnavailable, match="self-test failed"):
+        xts_openssl.load()
