@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ctxmem_common.errors import CtxmemError, ErrorCode, error_for_code
-from ctxmem_common.keys import MAX_LOOKUP_KEYS, packed_key_array
+from ctxmem_common.errors import CtxmemError, ErrorCode, InvalidArgument, error_for_code
+from ctxmem_common.keys import MAX_KEY_BYTES, MAX_LOOKUP_KEYS, packed_key_array
 from ctxmem_common.packed_slots import PackedSlots
 from ctxmem_common.wire import ID_BYTES
 
@@ -125,6 +125,10 @@ def decode_keys_request(body: bytes, lookup: bool) -> KeysRequest:
         handle, prefix, key_len = _LOOKUP.unpack_from(body)
     else:
         (handle, key_len), prefix = _KEYS.unpack_from(body), 0
+    if not 1 <= key_len <= MAX_KEY_BYTES:  # every key has this length: name the first
+        raise InvalidArgument(
+            f"keys[0] is {key_len} bytes; block keys must be 1..{MAX_KEY_BYTES} bytes "
+            f"(hash longer engine keys down, e.g. with sha256)")
     keys = packed_key_array(body[st.size:], key_len, MAX_LOOKUP_KEYS)
     return KeysRequest(handle, bool(prefix), keys)
 

@@ -32,6 +32,7 @@ import os
 import socket
 import struct
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from ctxmem_common import safepaths
@@ -257,8 +258,11 @@ class ShmServer(SocketDataServer):
             if magic == b"CXSO":  # a fast-path op: op code, body length (SHM_OP)
                 await self._op(conn, s, replies, region, generation)
                 continue
+            if magic != b"CXSM":  # framing is lost: answer and close
+                await self._refuse(s, replies, f"bad request magic {magic!r}",
+                                   lambda: replies.push(Status.BAD_REQUEST))
             status = Status.OK
-            if magic != b"CXSM" or not 0 <= region < dram.num_slabs:
+            if not 0 <= region < dram.num_slabs:
                 status = Status.BAD_REQUEST
             elif s.id not in self.store.sessions:
                 status = Status.UNAUTHENTICATED
@@ -292,14 +296,21 @@ class ShmServer(SocketDataServer):
 
     async def _refuse_op(self, s: Session, replies: _Replies, op: int, reason: str
                          ) -> NoReturn:
-        """Answer BAD_REQUEST, send what is queued (bounded), count, and close."""
+        """Answer a malformed op BAD_REQUEST and close (:meth:`_refuse`)."""
         self.store.counters["shm_ops_refused"] += 1
+        await self._refuse(s, replies, reason,
+                           lambda: replies.push_op(Status.BAD_REQUEST, op, b""))
+
+    async def _refuse(self, s: Session, replies: _Replies, reason: str,
+                      answer: Callable[[], None]) -> NoReturn:
+        """Queue ``answer``, send what is queued (within ``read_timeout_s``), and close
+        the connection: after a malformed frame nothing more is read from it."""
         with contextlib.suppress(SlowReader):
-            replies.push_op(Status.BAD_REQUEST, op, b"")
+            answer()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(replies.drain(), self.limits.read_timeout_s)
         raise Dropped(f"session {s.id.hex()} (tenant {s.tenant!r}): {reason}; a client must "
-                      f"send well-formed ops (ctxmem_common.shm_ops)")
+                      f"send well-formed requests (ctxmem_common.wire, shm_ops)")
 
     @staticmethod
     def _may_map(s: Session, owner: object) -> bool:
