@@ -49,7 +49,7 @@ from tests.adversary.raw import RawSession
 from tests.adversary.shm_raw import shm_connect
 from tests.conftest import ServiceHandle
 
-LAYOUT = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=64 << 10,
+LAYOUT = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=32 << 10,
                          tokens_per_block=1)
 KEYS = ctxmem.chain_hashes(range(4), 1, salt=b"ops")
 

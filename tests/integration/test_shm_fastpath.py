@@ -15,9 +15,9 @@ import ctxmem
 from ctxmem.transport.shm import ShmChannel
 from tests.conftest import ServiceHandle
 
-BIG = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=2 << 20,
-                      tokens_per_block=1)  # 2 MiB blocks
-SMALL = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=64 << 10,
+BIG = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 20,
+                      tokens_per_block=1)  # 2 MiB blocks (K and V)
+SMALL = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=32 << 10,
                         tokens_per_block=1)  # 64 KiB blocks
 FAST_OPS = ("shm_ops_acquire", "shm_ops_release", "shm_ops_lookup", "shm_ops_allocate",
             "shm_ops_commit")
@@ -67,19 +67,23 @@ def _exercise(svc: ServiceHandle, layout: ctxmem.KVLayout, n: int, tag: str,
             "miss": miss, "ops": ops}
 
 
-@pytest.mark.parametrize(("layout", "n"), [(SMALL, 64), (BIG, 6)], ids=["64KiB", "2MiB"])
+def test_layouts_are_the_sizes_named() -> None:
+    assert (SMALL.block_nbytes, BIG.block_nbytes) == (64 << 10, 2 << 20)
+
+
+@pytest.mark.parametrize(("layout", "n"), [(SMALL, 64), (BIG, 12)], ids=["64KiB", "2MiB"])
 def test_exact_bytes_and_the_same_answers_as_grpc(
         service_factory: Callable[..., ServiceHandle], monkeypatch: pytest.MonkeyPatch,
         layout: ctxmem.KVLayout, n: int) -> None:
     """Every call over the fast path answers what gRPC answers, the bytes are exact, and
     the fast path was really taken (the service counted its ops) or really not."""
-    svc = service_factory(encryption=False, flash_size=None, dram_size="64MiB",
+    svc = service_factory(encryption=False, flash_size=None, dram_size="256MiB",
                           dram_slab="16MiB")
     before = _fast_counts(svc)
     fast = _exercise(svc, layout, n, "fast")
     after = _fast_counts(svc)
     assert fast["ops"]
-    # two puts, one abort-free commit each; lookup + tiers; two gets (hit, miss)
+    # two puts, one allocation and commit each; lookup + tiers; two gets (hit, miss)
     assert after["shm_ops_allocate"] - before["shm_ops_allocate"] == 2
     assert after["shm_ops_commit"] - before["shm_ops_commit"] == 2
     assert after["shm_ops_lookup"] - before["shm_ops_lookup"] == 2
@@ -133,3 +137,4 @@ def test_a_restart_reconnects_and_retries_over_the_fast_path(
         assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
         assert _channel(c).ops
     assert _fast_counts(svc)["shm_ops_acquire"] >= 1
+
