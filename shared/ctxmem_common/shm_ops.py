@@ -84,6 +84,8 @@ _COMMIT = struct.Struct(f"<{ID_BYTES}sII")
 _U32S = struct.Struct("<I")
 _ERR = struct.Struct("<H")
 
+Body = bytes | bytearray  # a request body as the service received it (not copied)
+
 RELEASE_NO_REPLY = 1  # RELEASE flag: the client reads no answer (a verified get's release)
 
 
@@ -101,7 +103,7 @@ def slot_arrays_nbytes(n: int) -> int:
     return n * _SLOT_BYTES
 
 
-def _arr(raw: memoryview | bytes, offset: int, dtype: np.dtype, n: int) -> np.ndarray:
+def _arr(raw: memoryview | bytes | bytearray, offset: int, dtype: np.dtype, n: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype, count=n, offset=offset)
 
 
@@ -114,7 +116,7 @@ def encode_keys_request(handle: int, packed: bytes, key_len: int,
     return [head, packed]
 
 
-def decode_keys_request(body: bytes, lookup: bool) -> KeysRequest:
+def decode_keys_request(body: Body, lookup: bool) -> KeysRequest:
     """The handle and the keys, checked by :func:`packed_key_array` (1..64-byte keys, no
     duplicates, at most MAX_LOOKUP_KEYS): InvalidArgument otherwise, ValueError for a
     body too short for its header."""
@@ -129,7 +131,9 @@ def decode_keys_request(body: bytes, lookup: bool) -> KeysRequest:
         raise InvalidArgument(
             f"keys[0] is {key_len} bytes; block keys must be 1..{MAX_KEY_BYTES} bytes "
             f"(hash longer engine keys down, e.g. with sha256)")
-    keys = packed_key_array(body[st.size:], key_len, MAX_LOOKUP_KEYS)
+    # A view, not a copy of up to 16 MiB: the array refers to ``body``, which the caller
+    # no longer changes.
+    keys = packed_key_array(memoryview(body)[st.size:], key_len, MAX_LOOKUP_KEYS)
     return KeysRequest(handle, bool(prefix), keys)
 
 
@@ -181,7 +185,7 @@ def encode_release(lease_ids: Sequence[bytes], no_reply: bool) -> bytes:
         lease_ids)
 
 
-def decode_release(body: bytes) -> tuple[list[bytes], bool]:
+def decode_release(body: Body) -> tuple[list[bytes], bool]:
     """(lease ids, whether the client wants an answer); ValueError if the count and the
     length disagree or the flags are unknown."""
     if len(body) < _RELEASE.size:
@@ -267,7 +271,7 @@ def encode_commit(allocation_id: bytes, crcs: Sequence[int], abort: bool) -> byt
         crcs, _U32).tobytes()
 
 
-def decode_commit(body: bytes) -> tuple[bytes, list[int], bool]:
+def decode_commit(body: Body) -> tuple[bytes, list[int], bool]:
     """(allocation id, CRCs, abort); ValueError if the count and the length disagree."""
     if len(body) < _COMMIT.size:
         raise ValueError(f"COMMIT body of {len(body)} bytes is shorter than its header")

@@ -286,7 +286,7 @@ class ShmServer(SocketDataServer):
         body = bytearray(length)
         await self._recv_into(conn, memoryview(body), f"receiving a {SHM_OP_NAMES[op]} body")
         try:
-            out = await serve_op(self.store, s.id, op, bytes(body), self.pod)
+            out = await serve_op(self.store, s.id, op, body, self.pod)  # not copied
         except Malformed as exc:
             await self._refuse_op(s, replies, op, f"malformed {SHM_OP_NAMES[op]}: {exc}")
         del body

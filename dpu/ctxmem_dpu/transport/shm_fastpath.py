@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ctxmem_common import shm_ops as wire_ops
 from ctxmem_common.errors import CtxmemError
+from ctxmem_common.shm_ops import Body
 from ctxmem_common.wire import (
     SHM_OP_ACQUIRE,
     SHM_OP_ALLOCATE,
@@ -39,7 +40,7 @@ class Malformed(Exception):
     """The body does not decode (counts and length disagree, flags unknown)."""
 
 
-async def serve_op(store: BlockStore, session_id: bytes, op: int, body: bytes,
+async def serve_op(store: BlockStore, session_id: bytes, op: int, body: Body,
                    pod: bool) -> tuple[Status, bytes] | None:
     """Run one op for the connection's session: (status, reply body), or None for a
     RELEASE flagged no-reply. A CtxmemError becomes Status.ERROR with its code and
@@ -71,7 +72,7 @@ async def serve_op(store: BlockStore, session_id: bytes, op: int, body: bytes,
         return Status.ERROR, wire_ops.encode_error(exc)
 
 
-async def _keys_op(store: BlockStore, session_id: bytes, op: int, body: bytes
+async def _keys_op(store: BlockStore, session_id: bytes, op: int, body: Body
                    ) -> tuple[Status, bytes]:
     s = store.session(session_id)  # an ended session first, whatever the body
     try:
