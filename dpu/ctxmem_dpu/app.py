@@ -175,6 +175,8 @@ class Service:
                                shared_location=self.store.shared_location)
             await self.pod.start()
             servicer.pod = self.pod
+            if self.shm is not None:  # Lookup/Acquire need the cluster: over gRPC
+                self.shm.pod = True
         listen = cfg.service.listen
         if self.tls is not None:
             self.grpc_port = self.server.add_secure_port(listen, self.tls.grpc_credentials())
