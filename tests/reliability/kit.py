@@ -107,6 +107,17 @@ class FaultyService(ServiceProcess):
         except (OSError, ValueError):
             return {}
 
+    def wait_injected(self, name: str, at_least: int = 1, timeout: float = 5.0) -> int:
+        """The count of injected fault ``name`` once it reaches ``at_least`` (the service
+        rewrites its ack file within 10 ms of a count changing, so an immediate read can
+        still see the old count), or the last count seen when ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            n = self.injected().get(name, 0)
+            if n >= at_least or time.monotonic() >= deadline:
+                return n
+            time.sleep(0.005)
+
     def wait_dead(self, timeout: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -159,7 +159,7 @@ def test_enospc_on_a_live_service_degrades_and_recovers(tmp_path: Path) -> None:
         assert svc.client.health().status == "degraded: flash device(s) flash0 full"
         assert set(tiers(ns, during)) == {"dram"}
         assert all(served(ns, during).values())
-        assert svc.injected().get("write:enospc", 0) >= 1
+        assert svc.wait_injected("write:enospc") >= 1
         assert svc.stats()["flash_devices_healthy"] == 1
         svc.faults()
         assert ns.evict(during) == 8
