@@ -236,6 +236,7 @@ class BlockStore:
         if self._keeper is not None:
             await self._keeper.close()
         ctx.io.shutdown()
+        self._puts.close()
         ctx.flash.close()
         ctx.dram.close()
 

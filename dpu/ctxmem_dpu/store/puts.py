@@ -3,8 +3,9 @@
 ``allocate`` reserves one DRAM slot per key not yet stored (evicting if needed, within the
 tenant's quota) under an allocation with a TTL; the client writes the slots; ``commit``
 ends the client's write access, computes each slot's CRC32C (checking the client's when
-sent) and makes the blocks visible: at once under write-back (queued for the demoter),
-only once durable on flash under write-through (:mod:`~ctxmem_dpu.store.writethrough`).
+sent; the batch split over threads, :mod:`~ctxmem_dpu.store.slotcrc`) and makes the
+blocks visible: at once under write-back (queued for the demoter), only once durable on
+flash under write-through (:mod:`~ctxmem_dpu.store.writethrough`).
 
 Invariant: a block is in the index only once complete; the allocation stays registered
 while its CRCs are computed, so the reaper cannot recycle its slots underneath.
@@ -16,7 +17,6 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.keys import validate_keys
 from ctxmem_dpu import faults
@@ -27,6 +27,7 @@ from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.store.sessions import SessionRegistry
+from ctxmem_dpu.store.slotcrc import SlotCrcs, crc_threads
 from ctxmem_dpu.store.writethrough import WriteThrough
 
 log = logging.getLogger("ctxmem_dpu.store")
@@ -45,6 +46,11 @@ class PutPath:
         self._placement = placement
         self._demotion = demotion
         self._write_through = write_through
+        self._crcs = SlotCrcs(crc_threads(ctx.cfg.service.commit_crc_threads))
+
+    def close(self) -> None:
+        """Stop the Commit check's threads (at service shutdown, after the last Commit)."""
+        self._crcs.shutdown()
 
     async def allocate(
         self, s: Session, ns: Namespace, keys: Sequence[bytes]
@@ -102,10 +108,7 @@ class PutPath:
         a.done = True
         dram = self._ctx.dram
         counters = self._ctx.counters
-        views = [dram.view(ref, a.ns.block_nbytes) for ref in a.slots]
-        crcs = await self._ctx.io.run(lambda: [crc32c(v) for v in views])
-        for v in views:
-            v.release()
+        crcs = await self._crcs.of_slots(dram, a.slots, a.ns.block_nbytes)
         faults.point("commit.after_crc")
         self._registry.forget_allocation(a)
         per_ns = self._index.namespace(a.ns.digest)
