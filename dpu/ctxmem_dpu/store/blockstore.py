@@ -416,12 +416,19 @@ class BlockStore:
         for b in run[n:]:
             self.unpin(b)
         run = run[:n]
+        hits: list[int] = []
+        on_flash: list[Block] = []
+        flash_hits: list[int] = []
         for b in run:
             b.hits += 1
             b.read_ahead = False
-            self._index.dram_lru.touch(b, b.hits)
+            hits.append(b.hits)
             if b.flash is not None:
-                self._index.flash_lru.touch(b, b.hits)
+                on_flash.append(b)
+                flash_hits.append(b.hits)
+        self._index.dram_lru.touch_many(run, hits)  # one batched touch per lease
+        if on_flash:
+            self._index.flash_lru.touch_many(on_flash, flash_hits)
         lease = Lease(self._registry.new_id(), s.id, ns, run,
                       time.monotonic() + self.cfg.service.lease_ttl_s)
         self._registry.add_lease(s, lease)

@@ -112,9 +112,14 @@ class PutPath:
         faults.point("commit.after_crc")
         self._registry.forget_allocation(a)
         per_ns = self._index.namespace(a.ns.digest)
+        # One comparison in C for the common case (every CRC matches); per block only
+        # when one differs.
+        check = bool(client_crcs) and list(client_crcs) != crcs
+        digest, nbytes, slot_size = a.ns.digest, a.ns.block_nbytes, a.ns.slot_size
+        next_seq = self._index.next_seq
         fresh: list[Block] = []
         for i, (key, ref, crc) in enumerate(zip(a.keys, a.slots, crcs, strict=True)):
-            if client_crcs and client_crcs[i] != crc:
+            if check and client_crcs[i] != crc:
                 counters["put_crc_mismatch"] += 1
                 log.warning("commit %s: block %d CRC32C from client %08x != %08x; dropped",
                             a.id.hex(), i, client_crcs[i], crc)
@@ -123,18 +128,18 @@ class PutPath:
             if key in per_ns:  # committed meanwhile by another writer
                 dram.free(ref)
                 continue
-            fresh.append(Block(a.ns.digest, key, a.ns.block_nbytes, a.ns.slot_size, crc,
-                               self._index.next_seq(), dram=ref))
+            fresh.append(Block(digest, key, nbytes, slot_size, crc, next_seq(), dram=ref))
         if self._ctx.flash.enabled and self._ctx.cfg.flash.write_policy == "write_through":
             # Visible only once durable; a failed flash write fails the commit.
             committed = await self._write_through.commit(a, fresh)
         else:
             committed = fresh
-            for b in fresh:
-                per_ns[b.key] = b
-                self._index.dram_lru.add(b)
-                if self._ctx.flash.enabled:
-                    self._index.dirty[b] = None
+            # New blocks, never used: at probation's most recent end in order, as one
+            # ``add`` each would put them (``add_unhit``), inserted in bulk.
+            per_ns.update({b.key: b for b in fresh})
+            self._index.dram_lru.add_unhit(fresh)
+            if self._ctx.flash.enabled:
+                self._index.dirty.update(dict.fromkeys(fresh))
         faults.point("commit.after_index")
         self._index.announce(committed, True)
         counters["put_blocks"] += len(committed)
