@@ -8,7 +8,6 @@ Stop order is the reverse; the store flushes write-back blocks before closing de
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu import sdnotify
 from ctxmem_dpu.control.auth import SessionAuthInterceptor
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
+from ctxmem_dpu.gctune import tune_gc
 from ctxmem_dpu.metrics import HttpEndpoint
 from ctxmem_dpu.pod.node import PodNode
 from ctxmem_dpu.pod.sources import RemoteSource
@@ -246,37 +246,13 @@ class Service:
                 log.exception("detaching flash device %s failed", backend.spec.name)
 
 
-GC_GEN0_THRESHOLD = 10_000
-"""Net allocations of tracked objects between two youngest-generation collections (Python's
-default is 700): see :func:`tune_gc`."""
-
-
-def tune_gc() -> None:
-    """Once the service has started: collect, then freeze what start-up allocated (modules,
-    gRPC, protobuf, the index rebuilt from flash) out of the collector's reach, and collect
-    the youngest generation after :data:`GC_GEN0_THRESHOLD` net allocations.
-
-    Why: a put of 64 KiB blocks makes a tracked ``Block`` per block (and a delete frees
-    it), so with the default threshold the collector ran several times per batch, and
-    each full collection also traversed everything start-up left (with 50,000 blocks
-    stored, start-up's objects were two thirds of a full collection's time). Measured
-    (paired A/B, 64 KiB puts with 50,000 blocks stored): collections 0.035 s of the
-    service's 0.115 CPU s/GB before, none after, RSS unchanged (issue 17, svcput).
-    Frozen objects are still freed by reference counting when dropped; only a reference
-    cycle among them is never collected."""
-    gc.collect()
-    gc.freeze()
-    _gen0, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
-
-
 async def serve(cfg: Config, ready_file: str | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with Service(cfg) as svc:
-        tune_gc()
+        tune_gc()  # start-up's objects out of the collector's reach (ctxmem_dpu.gctune)
         if ready_file:
             # No link followed, no other user's file truncated (ctxmem_common.safepaths).
             safepaths.write_ready_file(ready_file, f"{svc.grpc_port}\n")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import resource
 from collections import Counter
 from typing import TYPE_CHECKING
+
+from ctxmem_dpu.gctune import gc_stats
 
 if TYPE_CHECKING:
     from ctxmem_dpu.store.context import StoreContext
@@ -70,16 +71,8 @@ def snapshot(ctx: StoreContext, index: BlockIndex, registry: SessionRegistry,
     )
     out.update(quotas.snapshot())
     out.update(process_cpu())
-    out.update(process_gc())
+    out.update(gc_stats())
     return out
-
-
-def process_gc() -> dict[str, float]:
-    """The service process's garbage collector: collections so far (every generation) and
-    the objects frozen out of its reach at start-up (``ctxmem_dpu.app.tune_gc``), so a
-    bench can see whether collections are part of a phase's CPU."""
-    return {"process_gc_collections": float(sum(g["collections"] for g in gc.get_stats())),
-            "process_gc_frozen_objects": float(gc.get_freeze_count())}
 
 
 def process_cpu() -> dict[str, float]:
