@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from ctxmem_common import safepaths
-from ctxmem_common.codecs import CRC32C_IMPLEMENTATION
+from ctxmem_common.codecs import CRC32C_IMPLEMENTATION, XTS_IMPLEMENTATION
 from ctxmem_common.config import Config
 from ctxmem_common.errors import ConfigError
 from ctxmem_common.identity import check_identity_mode, is_local_listen, network_listens
@@ -176,6 +176,8 @@ class Service:
                                shared_location=self.store.shared_location)
             await self.pod.start()
             servicer.pod = self.pod
+            if self.shm is not None:  # Lookup/Acquire need the cluster: over gRPC
+                self.shm.pod = True
         listen = cfg.service.listen
         if self.tls is not None:
             self.grpc_port = self.server.add_secure_port(listen, self.tls.grpc_credentials())
@@ -192,10 +194,10 @@ class Service:
             await self.http.start()
         self.ready = True
         log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s), "
-                 "identity %s, TLS %s, CRC32C %s", cfg.mode, listen,
+                 "identity %s, TLS %s, AES-XTS %s, CRC32C %s", cfg.mode, listen,
                  ",".join(cfg.service.transports), len(flash_paths), mode,
                  "off" if self.tls is None else "mutual" if self.tls.mutual else "server-only",
-                 CRC32C_IMPLEMENTATION)
+                 XTS_IMPLEMENTATION, CRC32C_IMPLEMENTATION)
 
     async def __aenter__(self) -> Service:
         try:

@@ -208,9 +208,10 @@ class Client:
     def _open_channel(self, name: str, health: pb.HealthResponse, session_id: bytes,
                       token: bytes) -> DataChannel:
         if name == "shm":
-            from ctxmem.transport.shm import ShmChannel
+            from ctxmem.transport.shm import ShmChannel, shm_ops_wanted
 
-            return ShmChannel(health.shm_socket, session_id, token, self.timeout_s)
+            return ShmChannel(health.shm_socket, session_id, token, self.timeout_s,
+                              ops=health.shm_ops and shm_ops_wanted())
         if name == "tcp":
             from ctxmem.transport.tcp import TcpChannel
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ctxmem.buffers import Staged
 from ctxmem.transport.base import TransportError
-from ctxmem.transport.shm import ShmChannel
+from ctxmem.transport.shm import FastPathUnsupported, ShmChannel
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.errors import (
     CtxmemError,
@@ -26,7 +26,7 @@ from ctxmem_common.errors import (
 )
 from ctxmem_common.keys import pack_keys, validate_keys
 from ctxmem_common.layout import KVLayout
-from ctxmem_common.packed_slots import unpack_acquire
+from ctxmem_common.packed_slots import PackedSlots, unpack_acquire
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.protoconv import (
     TIER_DRAM,
@@ -34,6 +34,23 @@ from ctxmem_common.protoconv import (
     tier_from_pb,
     tier_to_pb,
     tiers_from_codes,
+)
+from ctxmem_common.shm_ops import (
+    decode_acquire_reply,
+    decode_allocate_reply,
+    decode_commit_reply,
+    decode_lookup_reply,
+    decode_release_reply,
+    encode_commit,
+    encode_keys_request,
+    encode_release,
+)
+from ctxmem_common.wire import (
+    SHM_OP_ACQUIRE,
+    SHM_OP_ALLOCATE,
+    SHM_OP_COMMIT,
+    SHM_OP_LOOKUP,
+    SHM_OP_RELEASE,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +89,16 @@ def _lookup_request(session_id: bytes, handle: int, keys: Sequence[bytes], prefi
                                 want_tier_codes=True)
     return pb.LookupRequest(session_id=session_id, namespace_handle=handle, keys=keys,
                             prefix=prefix, want_tier_codes=True)
+
+
+def _fast(s: _Session, keys: Sequence[bytes]) -> tuple[ShmChannel, bytes, int] | None:
+    """(channel, packed keys, key length) when this call can take the shared-memory
+    fast path: the service offers it, and the keys are of one length (packed)."""
+    ch = s.channel
+    if not isinstance(ch, ShmChannel) or not ch.ops:
+        return None
+    packed = pack_keys(keys)
+    return None if packed is None else (ch, packed[0], packed[1])
 
 
 def _lookup_tiers(r: pb.LookupResponse) -> list[str]:
@@ -126,6 +153,20 @@ class Namespace:
         per = max(1, self.client.max_batch_bytes // max(1, self.block_nbytes))
         return slice(start, min(start + per, n))
 
+    def _lookup_fast(self, s: _Session, keys: Sequence[bytes], prefix: bool
+                     ) -> tuple[int, bytes] | None:
+        """(hits, tier codes) over the shared-memory fast path; None: ask over gRPC."""
+        fast = _fast(s, keys)
+        if fast is None:
+            return None
+        ch, packed, key_len = fast
+        try:
+            body = ch.call(SHM_OP_LOOKUP, encode_keys_request(self.handle, packed, key_len,
+                                                              prefix))
+        except FastPathUnsupported:
+            return None
+        return decode_lookup_reply(body, len(keys))
+
     # -- API -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """How many leading ``keys`` are stored, and in which tier. Side-effect free.
@@ -133,6 +174,9 @@ class Namespace:
         Keys are validated by the service (same errors), not twice on this hot path."""
 
         def op(s: _Session) -> LookupResult:
+            fast = self._lookup_fast(s, keys, True)
+            if fast is not None:
+                return LookupResult(fast[0], tiers_from_codes(fast[1]))
             r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, True))
             return LookupResult(r.num_hits, _lookup_tiers(r))
 
@@ -150,6 +194,9 @@ class Namespace:
         :meth:`evict`)."""
 
         def op(s: _Session) -> list[str]:
+            fast = self._lookup_fast(s, keys, False)
+            if fast is not None:
+                return tiers_from_codes(fast[1])
             r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, False))
             return _lookup_tiers(r)
 
@@ -176,6 +223,9 @@ class Namespace:
         rpc = self.client._rpc
 
         def op(s: _Session) -> tuple[int, int]:
+            fast = _fast(s, keys)
+            if fast is not None:
+                return self._put_fast(fast[0], fast[1], fast[2], keys, views)
             a = rpc("Allocate", pb.AllocateRequest(
                 session_id=s.id, namespace_handle=self.handle, keys=keys))
             new = [i for i, e in enumerate(a.exists) if not e]
@@ -198,6 +248,28 @@ class Namespace:
             return c.committed, len(keys) - len(new)
 
         return self._retrying(op)
+
+    def _put_fast(self, ch: ShmChannel, packed: bytes, key_len: int, keys: list[bytes],
+                  views: list[memoryview]) -> tuple[int, int]:
+        """:meth:`_put_batch` over the shared-memory fast path: ALLOCATE, the fused
+        copy+CRC into the slots, COMMIT (or an abort when nothing is new or the copy
+        failed)."""
+        a = decode_allocate_reply(
+            ch.call(SHM_OP_ALLOCATE, encode_keys_request(self.handle, packed, key_len)),
+            len(keys), self.block_nbytes)
+        new = [i for i, e in enumerate(a.exists) if not e]
+        if not new:
+            ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, [], abort=True)])
+            return 0, len(keys)
+        try:
+            crcs = ch.write_packed(a.slots, [views[i] for i in new])
+        except TransportError:
+            with contextlib.suppress(CtxmemError):
+                ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, [], abort=True)])
+            raise
+        committed = decode_commit_reply(
+            ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, crcs, abort=False)]))
+        return committed, len(keys) - len(new)
 
     def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         """Fill ``buffers`` for the longest stored leading run of ``keys``; return its length.
@@ -246,35 +318,53 @@ class Namespace:
                 return
             ch = s.channel
             shm = isinstance(ch, ShmChannel)
-            a = rpc("Acquire", pb.AcquireRequest(
-                session_id=s.id, namespace_handle=self.handle, keys=keys[done:],
-                want_packed=shm))
-            n = a.num_acquired
             base = done
+            fast = _fast(s, keys[base:])
+            rep = None
+            if fast is not None:
+                with contextlib.suppress(FastPathUnsupported):
+                    rep = decode_acquire_reply(
+                        fast[0].call(SHM_OP_ACQUIRE, encode_keys_request(
+                            self.handle, fast[1], fast[2])),
+                        len(keys) - base, self.block_nbytes)
+            a: pb.AcquireResponse | None = None
+            if rep is not None:
+                lease_id, n = rep.lease_id, len(rep.slots)
+            else:
+                a = rpc("Acquire", pb.AcquireRequest(
+                    session_id=s.id, namespace_handle=self.handle, keys=keys[base:],
+                    want_packed=shm))
+                lease_id, n = a.lease_id, a.num_acquired
             dst = views[base : base + n]
             progress = ReadProgress()
             try:
                 if n and isinstance(ch, ShmChannel):
-                    packed = unpack_acquire(a, len(keys) - base, dst[0].nbytes)
-                    ch.read_packed(a.lease_id, packed, dst, verify, progress)
-                elif n and verify:
-                    s.channel.read_verified(a.lease_id, a.slots[:n], dst, a.crc32c[:n],
+                    packed: PackedSlots
+                    if rep is not None:
+                        packed = rep.slots
+                    else:
+                        assert a is not None
+                        packed = unpack_acquire(a, len(keys) - base, dst[0].nbytes)
+                    ch.read_packed(lease_id, packed, dst, verify, progress)
+                elif n and verify and a is not None:
+                    s.channel.read_verified(lease_id, a.slots[:n], dst, a.crc32c[:n],
                                             progress)
-                elif n:
-                    s.channel.read(a.lease_id, a.slots[:n], dst)
+                elif n and a is not None:
+                    s.channel.read(lease_id, a.slots[:n], dst)
             finally:
                 if verify:
                     done = base + progress.done  # checked bytes are right, whatever follows
-                rel = rpc("Release", pb.ReleaseRequest(session_id=s.id, lease_ids=[a.lease_id]))
+                valid = self._release(s, lease_id, fast is not None and rep is not None,
+                                      wait=not verify)
             if progress.bad is not None:
                 log.warning("ctxmem: block %d of lease %s failed its CRC32C; the run ends "
-                            "there (a miss)", base + progress.bad, a.lease_id.hex())
+                            "there (a miss)", base + progress.bad, lease_id.hex())
                 failed = True
             elif not verify:
-                if s.channel.name == "shm" and not rel.valid[0]:
+                if s.channel.name == "shm" and not valid:
                     # Unverified: the slots may have been reused while we copied.
                     log.warning("ctxmem: lease %s expired during an unverified copy; "
-                                "treating as a miss", a.lease_id.hex())
+                                "treating as a miss", lease_id.hex())
                     failed = True
                 else:
                     done = base + n
@@ -286,6 +376,20 @@ class Namespace:
                         "from there): %s", done, exc)
             return done, False
         return done, not failed
+
+    def _release(self, s: _Session, lease_id: bytes, fast: bool, wait: bool) -> bool:
+        """End a lease; whether it was still valid. A verified get does not need the
+        answer (every block was checked), so on the fast path its RELEASE is sent
+        flagged no-reply and the get returns without a round trip (answers True)."""
+        if fast:
+            ch = s.channel
+            assert isinstance(ch, ShmChannel)
+            body = ch.call(SHM_OP_RELEASE, [encode_release([lease_id], no_reply=not wait)],
+                           reply=wait)
+            return decode_release_reply(body, 1)[0] if wait else True
+        rel = self.client._rpc("Release", pb.ReleaseRequest(session_id=s.id,
+                                                            lease_ids=[lease_id]))
+        return bool(rel.valid[0])
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Ask the service to promote flash blocks of ``keys`` to DRAM ahead of need;

@@ -108,7 +108,7 @@ def unpack_keys(packed: bytes, key_len: int, max_keys: int = MAX_LOOKUP_KEYS) ->
     return keys
 
 
-def packed_key_array(packed: bytes, key_len: int, max_keys: int = MAX_LOOKUP_KEYS
+def packed_key_array(packed: bytes | memoryview, key_len: int, max_keys: int = MAX_LOOKUP_KEYS
                      ) -> np.ndarray:
     """:func:`pack_keys` output as a read-only numpy array of ``V{key_len}`` (a view of
     ``packed``, no Python object per key), checked as :func:`validate_keys` would.
@@ -132,7 +132,7 @@ def packed_key_array(packed: bytes, key_len: int, max_keys: int = MAX_LOOKUP_KEY
     return arr
 
 
-def _heads_repeat(packed: bytes, key_len: int, n: int) -> bool:
+def _heads_repeat(packed: bytes | memoryview, key_len: int, n: int) -> bool:
     """Whether two of the ``n`` keys share their first 8 bytes (zero-padded; exact for
     keys of 8 bytes or fewer). One strided copy of 8 bytes per key and one sort, in C."""
     if key_len >= 8:  # the heads read in place: a strided uint64 view of the buffer

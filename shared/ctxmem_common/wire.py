@@ -10,6 +10,15 @@ Shared memory (Unix stream socket)::
                                                                  generation u32 size u64
                                                                  (+ the region's memfd as
                                                                  SCM_RIGHTS when status 0)
+    C->S  OP     "CXSO" op u32 body_len u32 + body     S->C  "CXSP" status u32 op u32
+                                                                 body_len u64 + body
+
+OP is the control fast path (:mod:`ctxmem_common.shm_ops`: ACQUIRE, RELEASE, LOOKUP,
+ALLOCATE, COMMIT without gRPC), offered when Health says ``shm_ops``. Its replies share
+the MAP replies' queue, so every reply comes back in request order (a RELEASE flagged
+no-reply has none). ``status`` OK: the op's answer; ERROR: an ErrorCode and a message
+(the same error as over gRPC); UNSUPPORTED: ask over gRPC instead; BAD_REQUEST: the frame
+was malformed, and the service closes the connection after this reply.
 
 TCP::
 
@@ -42,6 +51,16 @@ SHM_HELLO = struct.Struct("<4s16s16s")
 SHM_STATUS = struct.Struct("<4sI")
 SHM_MAP = struct.Struct("<4sII")
 SHM_MAP_REPLY = struct.Struct("<4sIIQ")
+SHM_OP = struct.Struct("<4sII")  # same size as SHM_MAP: the reader dispatches on magic
+SHM_OP_REPLY = struct.Struct("<4sIIQ")  # same size as SHM_MAP_REPLY
+
+SHM_OP_ACQUIRE = 1
+SHM_OP_RELEASE = 2
+SHM_OP_LOOKUP = 3
+SHM_OP_ALLOCATE = 4
+SHM_OP_COMMIT = 5
+SHM_OP_NAMES = {SHM_OP_ACQUIRE: "acquire", SHM_OP_RELEASE: "release",
+                SHM_OP_LOOKUP: "lookup", SHM_OP_ALLOCATE: "allocate", SHM_OP_COMMIT: "commit"}
 
 TCP_HELLO = struct.Struct("<4s16s16s")
 TCP_REQ = struct.Struct("<4sBxxx16sIQ")
@@ -61,6 +80,8 @@ class Status(enum.IntEnum):
     WRONG_LENGTH = 6
     PEER_NOT_ALLOWED = 7
     TOO_MANY_CONNECTIONS = 8
+    ERROR = 9  # shm fast path: the body carries an ErrorCode and the message
+    UNSUPPORTED = 10  # shm fast path: this op is not served here; use gRPC
 
 
 STATUS_TEXT = {
@@ -75,4 +96,6 @@ STATUS_TEXT = {
     Status.TOO_MANY_CONNECTIONS: "too many data connections open (the service's "
                                  "data_plane.max_connections caps); close idle clients or "
                                  "raise the cap",
+    Status.ERROR: "the operation failed (the reply names the error)",
+    Status.UNSUPPORTED: "this operation is not served on the shared-memory fast path here",
 }

@@ -107,6 +107,7 @@ def test_shm_get_exact_bytes_in_either_form(
     seen: list[bool] = []
     n = 12 if nbytes == 64 << 10 else 4
     ks, data = keys(f"get{nbytes}{service_packs}", n), blocks(n, nbytes, nbytes)
+    monkeypatch.setenv("CTXMEM_SHM_OPS", "0")  # the gRPC Acquire's forms, not the fast path
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         real = c._rpc
 

@@ -165,6 +165,7 @@ def test_channel_options_reach_the_grpc_channel(service: ServiceHandle) -> None:
     with pytest.raises(ctxmem.CtxmemError):  # the 1 MiB send limit is in force
         big = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 19,
                               tokens_per_block=1)
-        with ctxmem.Client(service.endpoint, channel_options=opts) as client:
+        # TCP: over shared memory the Lookup would take the fast path, not gRPC
+        with ctxmem.Client(service.endpoint, channel_options=opts, transport="tcp") as client:
             ns = client.open_namespace(big, model_id="opts-big")
             ns.lookup([bytes([i % 256]) * 32 + i.to_bytes(4, "big") for i in range(40_000)])

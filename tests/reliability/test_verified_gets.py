@@ -25,6 +25,7 @@ from ctxmem.transport.shm import ShmChannel
 from ctxmem.transport.verified import ReadProgress, copy_checked
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.wire import SHM_OP_ACQUIRE, SHM_OP_RELEASE
 from tests.adversary.raw import RawAllocation, RawSession
 from tests.reliability import sentinel
 from tests.reliability.sentinel import BLOCK, LAYOUT, SENTINEL, content, get_checked
@@ -45,6 +46,38 @@ def corrupt(raw: RawSession, key: bytes) -> None:
     bad[BLOCK // 2] ^= 0xFF
     raw.write(RawAllocation(0, [a.slots[0]], [True]), [bytes(bad)])
     raw.call("Release", pb.ReleaseRequest(session_id=raw.session_id, lease_ids=[a.lease_id]))
+
+
+_FAST_NAMES = {SHM_OP_ACQUIRE: "Acquire", SHM_OP_RELEASE: "Release"}
+
+
+def on_calls(c: ctxmem.Client, monkeypatch: pytest.MonkeyPatch,
+             hook: Callable[[str, int], None]) -> None:
+    """Call ``hook(method, number of keys)`` before each Acquire or Release, whether it
+    goes over gRPC or over the shared-memory fast path (``ShmChannel.call``)."""
+    rpc = c._rpc
+    call = ShmChannel.call
+
+    def via_rpc(method: str, request: Any) -> Any:
+        hook(method, len(getattr(request, "keys", ())))
+        return rpc(method, request)
+
+    def via_fast(self: ShmChannel, op: int, parts: Any, reply: bool = True) -> bytes:
+        if op in _FAST_NAMES:
+            n = len(parts[1]) // int.from_bytes(parts[0][4:8], "little") \
+                if op == SHM_OP_ACQUIRE else 0
+            hook(_FAST_NAMES[op], n)
+        return call(self, op, parts, reply)
+
+    monkeypatch.setattr(c, "_rpc", via_rpc)
+    monkeypatch.setattr(ShmChannel, "call", via_fast)
+
+
+@pytest.fixture(params=["1", "0"], ids=["fast", "grpc"])
+def fast(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The shared-memory control fast path on (the default) and off (CTXMEM_SHM_OPS=0)."""
+    monkeypatch.setenv("CTXMEM_SHM_OPS", request.param)
+    return str(request.param)
 
 
 @pytest.fixture
@@ -129,7 +162,8 @@ def test_slot_changed_mid_copy_never_yields_a_wrong_block(
 
 @pytest.mark.parametrize(("when", "served"), [("before_acquire", 2), ("before_release", 4)])
 def test_service_restart_between_batches_leaves_later_buffers_untouched(
-        svc: Any, monkeypatch: pytest.MonkeyPatch, when: str, served: int) -> None:
+        svc: Any, monkeypatch: pytest.MonkeyPatch, when: str, served: int, fast: str
+) -> None:
     """Batches of two blocks; the DRAM-only service restarts (losing every block) before
     the second batch's Acquire, or after its copy and before its Release. Blocks already
     verified count; nothing past them is written."""
@@ -137,23 +171,23 @@ def test_service_restart_between_batches_leaves_later_buffers_untouched(
     with ctxmem.Client(svc.endpoint, transport="shm", max_batch_bytes=2 * BLOCK) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N
-        rpc = c._rpc
+        assert isinstance(c._sessions["default"].channel, ShmChannel)
+        assert c._sessions["default"].channel.ops == (fast == "1")
         seen = {"Acquire": 0, "Release": 0}
         method_at = "Acquire" if when == "before_acquire" else "Release"
 
-        def restart_once(method: str, request: Any) -> Any:
+        def restart_once(method: str, n: int) -> None:
             if method in seen:
                 seen[method] += 1
                 if method == method_at and seen[method] == 2:
                     svc.restart()
-            return rpc(method, request)
 
-        monkeypatch.setattr(c, "_rpc", restart_once)
+        on_calls(c, monkeypatch, restart_once)
         assert get_checked(ns, ks) == served
 
 
 def test_a_retry_goes_on_from_the_first_undelivered_block(
-        svc: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        svc: Any, monkeypatch: pytest.MonkeyPatch, fast: str) -> None:
     """A channel that fails after delivering three blocks: the retry acquires only the
     other five, and the get returns all eight."""
     ks = keys("retry")
@@ -173,14 +207,12 @@ def test_a_retry_goes_on_from_the_first_undelivered_block(
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N
         acquired: list[int] = []
-        rpc = c._rpc
 
-        def spy(method: str, request: Any) -> Any:
+        def spy(method: str, n: int) -> None:
             if method == "Acquire":
-                acquired.append(len(request.keys))
-            return rpc(method, request)
+                acquired.append(n)
 
-        monkeypatch.setattr(c, "_rpc", spy)
+        on_calls(c, monkeypatch, spy)
         monkeypatch.setattr(ShmChannel, "read_packed", flaky)
         assert get_checked(ns, ks) == N
         assert acquired == [N, N - 3]

@@ -29,6 +29,9 @@ def test_bench_uses_the_configured_flash_device(tmp_path: Path) -> None:
     # The memcpy limit is the best the machine offers: one thread or every CPU.
     lim = {r["name"]: r["value"] for r in doc["results"]}
     assert lim["limit_memcpy"] == max(lim["limit_memcpy_numpy"], lim["limit_memcpy_threads"]) > 0
+    # AES-XTS: the active implementation, and each one by name (both load here).
+    assert lim["limit_aes_xts"] > 0 and doc["machine"]["aes_xts"]
+    assert lim["limit_aes_xts_openssl"] > 0 and lim["limit_aes_xts_cryptography"] > 0
     # Every throughput of the data path carries the CPU per GB the service (its Stats) and
     # the bench process spent in that phase. A demotion may have run in the background
     # (write-back) before its evict, and the client only sends one Evict, so that phase

@@ -19,7 +19,8 @@ def demo_command(argv: list[str]) -> int:
 def bench_command(argv: list[str]) -> int:
     """``ctxmem bench`` (data path vs limits), ``ctxmem bench ttft``,
     ``ctxmem bench concurrency`` (N clients at once), ``ctxmem bench stable``
-    (instructions per block) and ``ctxmem bench recovery``."""
+    (instructions per block), ``ctxmem bench xts`` (the AES-XTS implementations per
+    record) and ``ctxmem bench recovery``."""
     if argv and argv[0] == "ttft":
         from ctxmem_tools.bench.ttft import run as run_ttft
 
@@ -44,6 +45,10 @@ def bench_command(argv: list[str]) -> int:
         from ctxmem_tools.bench.profile import run as run_profile
 
         return run_profile(argv[1:])
+    if argv and argv[0] == "xts":
+        from ctxmem_tools.bench.xts import run as run_xts
+
+        return run_xts(argv[1:])
     if argv and argv[0] == "recovery":
         from ctxmem_tools.bench.recovery import run as run_recovery
 

@@ -37,13 +37,9 @@ from ctxmem_common.protoconv import (
     transport_to_pb,
 )
 from ctxmem_common.rdma_wire import QpInfo
+from ctxmem_dpu.control import block_ops
 from ctxmem_dpu.control.auth import connect_tenant
-from ctxmem_dpu.control.lookup_wire import (
-    key_list,
-    lookup_response,
-    request_keys,
-    tier_codes,
-)
+from ctxmem_dpu.control.lookup_wire import key_list, lookup_response, request_keys
 from ctxmem_dpu.store import BlockStore
 
 if TYPE_CHECKING:
@@ -141,11 +137,6 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         self.rdma: RdmaServer | None = None  # set by the app when 'rdma' is enabled
         self.pod: PodNode | None = None  # set by the app when 'pod.enabled'
 
-    def _slot(self, ref: Any, nbytes: int) -> pb.Slot:
-        dram = self.store.dram
-        return pb.Slot(region=ref.slab, generation=dram.generation(ref.slab),
-                       offset=dram.offset(ref), length=nbytes)
-
     async def _grant_rdma(self, s: Any, grant_id: bytes, refs: Sequence[Any],
                           slots: Sequence[pb.Slot], write: bool) -> None:
         """RDMA sessions: the address and rkey of each slot, valid for this grant only."""
@@ -162,6 +153,9 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
             status=self.health(), instance_id=self.instance_id, version=__version__,
             transports=[transport_to_pb(t) for t in cfg.service.transports],
             shm_socket=self.shm_socket, data_endpoint=self.data_endpoint, mode=cfg.mode,
+            # The fast path answers from this node's index only: not in a pod.
+            shm_ops=bool(self.shm_socket) and cfg.service.shm_op_max_bytes > 0
+            and self.pod is None,
         )
 
     @_rpc
@@ -189,15 +183,14 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        s = self.store.session(request.session_id)
-        ns = self.store.namespace(s, request.namespace_handle)
+        _s, ns = block_ops.open_namespace(self.store, request.session_id,
+                                          request.namespace_handle)
         keys, checked = request_keys(request)  # bounded and, when packed, validated
         if self.pod is not None:  # the local index first, the cluster for the rest
             return await self._pod_lookup(ns, key_list(keys), request.prefix,
                                            request.want_tier_codes)
-        found = self.store.lookup_blocks(ns, keys, request.prefix, checked=checked)
-        n = len(found) if request.prefix else len(found) - found.count(None)
-        return lookup_response(n, tier_codes(found), request.want_tier_codes)
+        n, codes = block_ops.lookup(self.store, ns, keys, request.prefix, checked)
+        return lookup_response(n, codes, request.want_tier_codes)
 
     async def _pod_lookup(self, ns: Any, keys: list[bytes], prefix: bool, packed: bool
                           ) -> pb.LookupResponse:
@@ -215,10 +208,12 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
 
     @_rpc
     async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
-        s = self.store.session(request.session_id)
-        ns = self.store.namespace(s, request.namespace_handle)
-        a, exists = await self.store.allocate(s, ns, list(request.keys))
-        slots = [self._slot(r, ns.block_nbytes) for r in a.slots]
+        s, ns = block_ops.open_namespace(self.store, request.session_id,
+                                         request.namespace_handle)
+        a, exists, (regions, gens, offsets, lengths, _) = await block_ops.allocate(
+            self.store, s, ns, list(request.keys))
+        slots = [pb.Slot(region=r, generation=g, offset=o, length=n)
+                 for r, g, o, n in zip(regions, gens, offsets, lengths, strict=True)]
         try:
             await self._grant_rdma(s, a.id, a.slots, slots, write=True)
         except BaseException:
@@ -232,50 +227,36 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
 
     @_rpc
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
-        s = self.store.session(request.session_id)
-        if not request.abort:
-            # The client's CRC of every slot is required: without it a commit of slots
-            # that were never written (stale bytes) would be accepted with a valid CRC.
-            a = self.store.allocation(s, request.allocation_id)
-            if len(request.crc32c) != len(a.slots):
-                raise InvalidArgument(
-                    f"Commit of allocation {a.id.hex()} carries {len(request.crc32c)} CRC32Cs "
-                    f"for {len(a.slots)} slots; send the CRC32C of every block written, in "
-                    f"slot order (or abort=true to give the slots back)")
-        n = await self.store.commit(s, request.allocation_id, request.crc32c, request.abort)
+        n = await block_ops.commit(self.store, request.session_id, request.allocation_id,
+                                   request.crc32c, request.abort)
         return pb.CommitResponse(committed=n)
 
     @_rpc
     async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
-        s = self.store.session(request.session_id)
-        ns = self.store.namespace(s, request.namespace_handle)
+        s, ns = block_ops.open_namespace(self.store, request.session_id,
+                                         request.namespace_handle)
         if self.pod is not None:  # remote blocks of the run into local DRAM first
             await self.pod.fetch.pull(ns, list(request.keys))
-        lease, sources = await self.store.acquire(s, ns, list(request.keys))
-        refs = []
-        for b in lease.blocks:
-            assert b.dram is not None
-            refs.append(b.dram)
+        lease, sources = await block_ops.acquire(self.store, s, ns, list(request.keys))
         resp = pb.AcquireResponse(
-            lease_id=lease.id, num_acquired=len(lease.blocks),
-            source_tiers=[tier_to_pb(t) for t in sources],
+            lease_id=lease.id, num_acquired=len(lease.blocks), source_tiers=sources,
             expires_in_ms=int(self.store.cfg.service.lease_ttl_s * 1000),
         )
+        regions, gens, offsets, lengths, crcs = block_ops.lease_slots(self.store, lease)
         if request.want_packed and s.transport == "shm":
             # one array per field instead of a Slot message per block (packed_slots)
-            dram = self.store.dram
-            pack_acquire(resp, [r.slab for r in refs], [dram.generation(r.slab) for r in refs],
-                         [dram.offset(r) for r in refs], [b.length for b in lease.blocks],
-                         [b.crc for b in lease.blocks])
+            pack_acquire(resp, regions, gens, offsets, lengths, crcs)
             return resp
-        slots = [self._slot(ref, b.length) for ref, b in zip(refs, lease.blocks, strict=True)]
+        refs = [b.dram for b in lease.blocks]
+        slots = [pb.Slot(region=r, generation=g, offset=o, length=n)
+                 for r, g, o, n in zip(regions, gens, offsets, lengths, strict=True)]
         try:
             await self._grant_rdma(s, lease.id, refs, slots, write=False)
         except BaseException:
             self.store.release(s, [lease.id])
             raise
         resp.slots.extend(slots)
-        resp.crc32c.extend(b.crc for b in lease.blocks)
+        resp.crc32c.extend(crcs)
         return resp
 
     @_rpc

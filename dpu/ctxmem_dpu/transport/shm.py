@@ -12,6 +12,12 @@ The socket is shared by clients that do not trust each other, so (issue 12):
   overflow (``service.shm_reply_queue``) or reads nothing of it for
   ``service.shm_reply_deadline_s`` is disconnected, logged and counted
   (``shm_slow_readers``), and every other connection is served meanwhile;
+* the control fast path (OP frames: :mod:`ctxmem_dpu.transport.shm_fastpath`) shares
+  that queue, so its replies keep their order with MAP replies and the same limits hold;
+  queued reply bytes are capped too (:data:`MAX_QUEUED_BYTES`); a malformed OP frame
+  (bad op, a body over ``service.shm_op_max_bytes``, a body that does not decode) is
+  answered BAD_REQUEST, counted (``shm_ops_refused``) and the connection closed; a body
+  that stalls is dropped after ``data_plane.read_timeout_s``;
 * with ``service.shm_allowed_uids`` / ``shm_allowed_gids`` set, a peer whose SO_PEERCRED
   uid and gid are in neither list is answered PEER_NOT_ALLOWED at accept and closed
   (``shm_peers_refused``).
@@ -26,18 +32,22 @@ import os
 import socket
 import struct
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 from ctxmem_common import safepaths
 from ctxmem_common.wire import (
     SHM_HELLO,
     SHM_MAP,
     SHM_MAP_REPLY,
+    SHM_OP_NAMES,
+    SHM_OP_REPLY,
     SHM_STATUS,
     Status,
 )
 from ctxmem_dpu.store.placement import slab_owner
-from ctxmem_dpu.transport.socket_server import SocketDataServer, recv_exact
+from ctxmem_dpu.transport.shm_fastpath import Malformed, serve_op
+from ctxmem_dpu.transport.socket_server import Dropped, SocketDataServer, recv_exact
 
 if TYPE_CHECKING:
     from ctxmem_dpu.blocks import Session
@@ -51,6 +61,10 @@ log = logging.getLogger(__name__)
 _recv_exact = recv_exact  # the name this module always had
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _REFUSED_HELLO_WAIT_S = 1.0  # how long a refused peer's hello is waited for
+#: Reply bytes one connection may have queued unread (fast-path answers; a MAP reply is
+#: 20 bytes): several of the largest legal answers (~7.6 MB for 262,144 leased blocks).
+MAX_QUEUED_BYTES = 64 << 20
+_OP_COUNTERS = (*(f"shm_ops_{name}" for name in SHM_OP_NAMES.values()), "shm_ops_refused")
 
 
 class SlowReader(ConnectionError):
@@ -71,19 +85,44 @@ class _Replies:
         self._dram = dram
         self._limit = limit
         self._deadline_s = deadline_s
-        self._queue: deque[tuple[int, int, int]] = deque()  # (status, region, generation)
+        # (status, region, generation, None) for a MAP reply; (status, op, 0, body) for a
+        # fast-path reply
+        self._queue: deque[tuple[int, int, int, bytes | None]] = deque()
+        self._queued_bytes = 0
         self._wake = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
 
     def push(self, status: Status, region: int = 0, generation: int = 0) -> None:
-        """Queue a reply; SlowReader when ``limit`` replies are already waiting."""
+        """Queue a MAP reply; SlowReader when ``limit`` replies are already waiting."""
+        self._append((status, region, generation, None), 0)
+
+    def push_op(self, status: Status, op: int, body: bytes) -> None:
+        """Queue a fast-path reply; SlowReader when ``limit`` replies or
+        :data:`MAX_QUEUED_BYTES` are already waiting."""
+        if self._queued_bytes + len(body) > MAX_QUEUED_BYTES:
+            raise SlowReader(f"{self._queued_bytes} bytes of replies unread (at most "
+                             f"{MAX_QUEUED_BYTES} may wait)")
+        self._append((status, op, 0, body), len(body))
+
+    def _append(self, item: tuple[int, int, int, bytes | None], nbytes: int) -> None:
         if len(self._queue) >= self._limit:
-            raise SlowReader(f"{len(self._queue)} MAP replies unread "
+            raise SlowReader(f"{len(self._queue)} replies unread "
                              f"(service.shm_reply_queue={self._limit})")
-        self._queue.append((status, region, generation))
+        self._queue.append(item)
+        self._queued_bytes += nbytes
+        self._drained.clear()
         self._wake.set()
 
-    def _message(self, status: int, region: int, generation: int) -> tuple[bytes, list[int]]:
+    async def drain(self) -> None:
+        """Wait until every queued reply was sent (the caller bounds the wait)."""
+        await self._drained.wait()
+
+    def _message(self, status: int, region: int, generation: int, body: bytes | None
+                 ) -> tuple[bytes, list[int]]:
         """The reply's bytes and the fd it carries (none unless OK and still current)."""
+        if body is not None:  # a fast-path reply: region is the op
+            return SHM_OP_REPLY.pack(b"CXSP", status, region, len(body)) + body, []
         r = self._dram.regions.get(region) if status == Status.OK else None
         if status == Status.OK and (r is None or r.generation != generation):
             status = Status.STALE  # recycled while the reply waited
@@ -98,6 +137,7 @@ class _Replies:
         pending = b""  # the tail of a reply whose first bytes (and fd) are sent
         while True:
             if not pending and not self._queue:
+                self._drained.set()
                 self._wake.clear()
                 await self._wake.wait()  # idle: the client has asked for nothing
                 continue
@@ -111,7 +151,8 @@ class _Replies:
                 except BlockingIOError:
                     await self._writable(loop)
                     continue
-                self._queue.popleft()
+                body = self._queue.popleft()[3]
+                self._queued_bytes -= len(body) if body is not None else 0
                 pending = msg[sent:]  # the fd went with the first byte
                 continue
             try:
@@ -149,6 +190,11 @@ class ShmServer(SocketDataServer):
     def __init__(self, store: BlockStore, path: str) -> None:
         super().__init__(store)
         self.path = path
+        # Pod mode (set by the app): Lookup and Acquire need the cluster's view, so the
+        # fast path answers them UNSUPPORTED (the client asks over gRPC).
+        self.pod = False
+        for name in _OP_COUNTERS:  # reported from the start, like the store's own
+            store.counters.setdefault(name, 0)
 
     @property
     def address(self) -> str:
@@ -209,8 +255,14 @@ class ShmServer(SocketDataServer):
         while True:
             magic, region, generation = SHM_MAP.unpack(
                 await recv_exact(loop, conn, SHM_MAP.size))
+            if magic == b"CXSO":  # a fast-path op: op code, body length (SHM_OP)
+                await self._op(conn, s, replies, region, generation)
+                continue
+            if magic != b"CXSM":  # framing is lost: answer and close
+                await self._refuse(s, replies, f"bad request magic {magic!r}",
+                                   lambda: replies.push(Status.BAD_REQUEST))
             status = Status.OK
-            if magic != b"CXSM" or not 0 <= region < dram.num_slabs:
+            if not 0 <= region < dram.num_slabs:
                 status = Status.BAD_REQUEST
             elif s.id not in self.store.sessions:
                 status = Status.UNAUTHENTICATED
@@ -219,6 +271,46 @@ class ShmServer(SocketDataServer):
             elif dram.generation(region) != generation:
                 status = Status.STALE
             replies.push(status, region, generation)
+
+    async def _op(self, conn: socket.socket, s: Session, replies: _Replies, op: int,
+                  length: int) -> None:
+        """Read one fast-path op's body (within ``read_timeout_s``), run it and queue its
+        reply. A malformed frame is answered BAD_REQUEST, and the connection closed."""
+        cap = self.store.cfg.service.shm_op_max_bytes
+        if op not in SHM_OP_NAMES:
+            await self._refuse_op(s, replies, op, f"unknown op {op}")
+        if length > cap:
+            await self._refuse_op(s, replies, op, f"{SHM_OP_NAMES[op]} body of {length} "
+                                  f"bytes over service.shm_op_max_bytes={cap}"
+                                  + (" (the fast path is off)" if cap == 0 else ""))
+        body = bytearray(length)
+        await self._recv_into(conn, memoryview(body), f"receiving a {SHM_OP_NAMES[op]} body")
+        try:
+            out = await serve_op(self.store, s.id, op, body, self.pod)  # not copied
+        except Malformed as exc:
+            await self._refuse_op(s, replies, op, f"malformed {SHM_OP_NAMES[op]}: {exc}")
+        del body
+        self.store.counters[f"shm_ops_{SHM_OP_NAMES[op]}"] += 1
+        if out is not None:
+            replies.push_op(out[0], op, out[1])
+
+    async def _refuse_op(self, s: Session, replies: _Replies, op: int, reason: str
+                         ) -> NoReturn:
+        """Answer a malformed op BAD_REQUEST and close (:meth:`_refuse`)."""
+        self.store.counters["shm_ops_refused"] += 1
+        await self._refuse(s, replies, reason,
+                           lambda: replies.push_op(Status.BAD_REQUEST, op, b""))
+
+    async def _refuse(self, s: Session, replies: _Replies, reason: str,
+                      answer: Callable[[], None]) -> NoReturn:
+        """Queue ``answer``, send what is queued (within ``read_timeout_s``), and close
+        the connection: after a malformed frame nothing more is read from it."""
+        with contextlib.suppress(SlowReader):
+            answer()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(replies.drain(), self.limits.read_timeout_s)
+        raise Dropped(f"session {s.id.hex()} (tenant {s.tenant!r}): {reason}; a client must "
+                      f"send well-formed requests (ctxmem_common.wire, shm_ops)")
 
     @staticmethod
     def _may_map(s: Session, owner: object) -> bool:

@@ -8,29 +8,58 @@ get) copy each block with :func:`~ctxmem_common.codecs.copy_crc32c`, the copy an
 CRC32C in one pass; a read whose CRC differs from the committed one scrubs the buffer and
 stops (:mod:`ctxmem.transport.verified`): another client that still maps the slab cannot
 make a get return bytes that were not committed.
+
+With ``ops`` (the service's Health says ``shm_ops``, and ``CTXMEM_SHM_OPS`` is not 0)
+the same socket also carries the control fast path (:meth:`ShmChannel.call`: Acquire,
+Release, Lookup, Allocate, Commit as binary frames, :mod:`ctxmem_common.shm_ops`), one
+request and its reply under the channel's lock. A MAP is only ever sent inside a read or
+a write, under that lock, and waits for its own reply, so when an op is sent no MAP
+reply is outstanding and the next reply on the socket is the op's (the service answers
+in request order; a RELEASE flagged no-reply has none). A socket error or a reply that
+does not match its request breaks the channel: this call and every later one raise
+Unavailable, which reconnects (``Namespace._retrying``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import socket
 import threading
 from collections.abc import Sequence
 
 from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem.transport.verified import ReadProgress, copy_checked
-from ctxmem_common.codecs import CRC32C_FUSED, copy_crc32c
+from ctxmem_common.codecs import CRC32C_FUSED, copy_crc32c, crc32c
+from ctxmem_common.errors import InvalidArgument, Unavailable
 from ctxmem_common.packed_slots import PackedSlots
 from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.shm_ops import decode_error
 from ctxmem_common.wire import (
     SHM_HELLO,
     SHM_MAP,
     SHM_MAP_REPLY,
+    SHM_OP,
+    SHM_OP_NAMES,
+    SHM_OP_REPLY,
     SHM_STATUS,
     STATUS_TEXT,
     Status,
 )
+
+#: ``CTXMEM_SHM_OPS=0`` keeps every control call on gRPC (A/B runs, an escape hatch).
+SHM_OPS_ENV = "CTXMEM_SHM_OPS"
+_MAX_REPLY_BYTES = 256 << 20  # far above any legal answer: a larger one is a broken peer
+
+
+def shm_ops_wanted() -> bool:
+    """Whether this process may use the fast path (``CTXMEM_SHM_OPS`` unset or not 0)."""
+    return os.environ.get(SHM_OPS_ENV, "1").strip() != "0"
+
+
+class FastPathUnsupported(Exception):
+    """The service does not serve this op on the fast path (pod mode): use gRPC."""
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -43,11 +72,28 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _recv_body(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes, received in place (a large answer is not grown chunk by
+    chunk)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise TransportError("shared-memory socket closed by the service")
+        got += k
+    return bytes(buf)
+
+
 class ShmChannel(DataChannel):
     name = "shm"
 
-    def __init__(self, path: str, session_id: bytes, token: bytes, timeout_s: float) -> None:
+    def __init__(self, path: str, session_id: bytes, token: bytes, timeout_s: float,
+                 ops: bool = False) -> None:
         self.path = path
+        self.ops = ops  # the control fast path may be used (call)
+        self._broken = ""  # why the channel is unusable ("" while it is fine)
         self._lock = threading.Lock()
         self._maps: dict[int, tuple[int, mmap.mmap, memoryview]] = {}
         try:
@@ -64,6 +110,68 @@ class ShmChannel(DataChannel):
         if status != Status.OK:
             self._sock.close()
             raise TransportError(f"shared-memory channel refused: {STATUS_TEXT[Status(status)]}")
+
+    def call(self, op: int, parts: Sequence[bytes], reply: bool = True) -> bytes:
+        """Send fast-path op ``op`` with body ``parts`` and return its reply body (b""
+        with ``reply`` False: nothing is read). Raises the service's error as the same
+        CtxmemError class as over gRPC, FastPathUnsupported, or Unavailable when the
+        socket fails or the reply does not match (the channel is then broken)."""
+        name = SHM_OP_NAMES[op]
+        with self._lock:
+            if self._broken:
+                raise Unavailable(f"shared-memory channel {self.path} is broken "
+                                  f"({self._broken}); reconnecting")
+            try:
+                self._sock.sendall(SHM_OP.pack(b"CXSO", op, sum(map(len, parts))))
+                for part in parts:
+                    self._sock.sendall(part)
+                if not reply:
+                    return b""
+                magic, status, got_op, length = SHM_OP_REPLY.unpack(
+                    _recv_exact(self._sock, SHM_OP_REPLY.size))
+                if magic != b"CXSP" or got_op != op or length > _MAX_REPLY_BYTES:
+                    raise TransportError(f"reply {magic!r} op {got_op} of {length} bytes "
+                                         f"does not answer {name}")
+                body = _recv_body(self._sock, length)
+                if status == Status.BAD_REQUEST:  # the service closes the connection
+                    raise TransportError(f"the service refused {name} as malformed")
+            except (OSError, TransportError) as exc:
+                self._broken = f"{name}: {exc}"
+                raise Unavailable(f"shared-memory fast path {name} on {self.path} failed: "
+                                  f"{exc}; reconnecting") from None
+        if status == Status.OK:
+            return body
+        if status == Status.ERROR:
+            raise decode_error(body)
+        if status == Status.UNSUPPORTED:
+            raise FastPathUnsupported(name)
+        raise InvalidArgument(f"shared-memory fast path {name}: unexpected status {status}")
+
+    def write_packed(self, slots: PackedSlots, views: Sequence[memoryview]) -> list[int]:
+        """:meth:`write_crc` for a fast-path Allocate's slots (plain int lists): each view
+        into its slot, checked against the mapped region first, and its CRC32C (fused
+        with the copy where the native helper is; else the view's, before the copy)."""
+        regions, gens, offsets, lengths = (
+            slots.regions, slots.generations, slots.offsets, slots.lengths)
+        out = [] if CRC32C_FUSED else [crc32c(v) for v in views]
+        with self._lock:
+            key = (-1, -1)
+            region = memoryview(b"")
+            for i, src in enumerate(views):
+                if (regions[i], gens[i]) != key:
+                    key = (regions[i], gens[i])
+                    region = self._region(*key)
+                off = offsets[i]
+                end = off + lengths[i]
+                if end > region.nbytes:
+                    raise TransportError(
+                        f"slot {i} [{off}, {end}) lies outside region {key[0]} "
+                        f"({region.nbytes} bytes); the service's answer is malformed")
+                if CRC32C_FUSED:
+                    out.append(copy_crc32c(src, region[off:end]))
+                else:
+                    region[off:end] = src
+        return out
 
     def _region(self, region: int, generation: int) -> memoryview:
         cached = self._maps.get(region)

@@ -72,7 +72,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "instance_id", "version", "transports", "shm_socket", "data_endpoint", "mode")
+    __slots__ = ("status", "instance_id", "version", "transports", "shm_socket", "data_endpoint", "mode", "shm_ops")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class HealthResponse(_message.Message):
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    SHM_OPS_FIELD_NUMBER: _ClassVar[int]
     status: str
     instance_id: str
     version: str
@@ -87,7 +88,8 @@ class HealthResponse(_message.Message):
     shm_socket: str
     data_endpoint: str
     mode: str
-    def __init__(self, status: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_socket: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
+    shm_ops: bool
+    def __init__(self, status: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_socket: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., mode: _Optional[str] = ..., shm_ops: _Optional[bool] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("client_name", "transport", "tenant", "tenant_token")

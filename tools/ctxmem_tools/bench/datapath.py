@@ -30,6 +30,7 @@ instructions per block (bench/stable.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -47,7 +48,13 @@ from pathlib import Path
 import numpy as np
 
 from ctxmem.client import Client
-from ctxmem_common.codecs import CRC32C_IMPLEMENTATION, XtsCipher, copy_crc32c, crc32c
+from ctxmem_common.codecs import (
+    CRC32C_IMPLEMENTATION,
+    XTS_IMPLEMENTATION,
+    XtsCipher,
+    copy_crc32c,
+    crc32c,
+)
 from ctxmem_common.keys import chain_hashes
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.progress import Progress, progress
@@ -124,12 +131,16 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
         for s, d in zip(src, dst, strict=True):
             copy_crc32c(s.data, d.data)
 
-    cipher = XtsCipher(os.urandom(64))
+    key = os.urandom(64)
     out = np.empty(block, dtype=np.uint8)
 
-    def xts() -> None:
-        for i, s in enumerate(src):
-            cipher.encrypt_into(s.data, out.data, (i).to_bytes(16, "little"))
+    def xts_with(impl: str | None) -> Callable[[], None]:
+        cipher = XtsCipher(key, impl)
+
+        def xts() -> None:
+            for i, s in enumerate(src):
+                cipher.encrypt_into(s.data, out.data, (i).to_bytes(16, "little"))
+        return xts
 
     with pool:
         numpy_rate = _best_rate(memcpy, total, repeat) / GB
@@ -141,8 +152,14 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
         "crc32c": _best_rate(crc, total, repeat) / GB,
         "copy_crc": _best_rate(copy_crc, total, repeat) / GB,
         "copy_crc_native": _best_rate(copy_crc_native, total, repeat) / GB,
-        "aes_xts": _best_rate(xts, total, repeat) / GB,
+        # The active AES-XTS implementation (XTS_IMPLEMENTATION), the one the service runs
+        # when started from this environment, and each one that loads here (the default
+        # is chosen by OpenSSL release, not measured: these say which is faster here).
+        "aes_xts": _best_rate(xts_with(None), total, repeat) / GB,
     }
+    for impl in ("openssl", "cryptography"):
+        with contextlib.suppress(ImportError):  # no system libcrypto: that row is left out
+            limits[f"aes_xts_{impl}"] = _best_rate(xts_with(impl), total, repeat) / GB
     device = scratch.is_block_device()
     fd = os.open(scratch, os.O_RDWR | os.O_DIRECT | (0 if device else os.O_CREAT), 0o600)
     try:
@@ -372,7 +389,8 @@ def run(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     batch_bytes = args.batch_mib * MiB
     print(f"ctxmem bench: transport={args.transport}, {args.batch_mib} MiB per batch, "
-          f"{rounds} rounds, workdir {base}, CRC32C {CRC32C_IMPLEMENTATION}")
+          f"{rounds} rounds, workdir {base}, CRC32C {CRC32C_IMPLEMENTATION}, "
+          f"AES-XTS {XTS_IMPLEMENTATION}")
     device_entry = json.loads(Path(args.flash_device).read_text()) if args.flash_device else None
     if device_entry is not None:
         print(f"flash tier: {device_entry.get('backend')} device {device_entry.get('name')}")
@@ -450,7 +468,7 @@ def run(argv: list[str] | None = None) -> int:
             "results": [asdict(r) for r in results],
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version(),
-                        "crc32c": CRC32C_IMPLEMENTATION},
+                        "crc32c": CRC32C_IMPLEMENTATION, "aes_xts": XTS_IMPLEMENTATION},
             "params": {"transport": args.transport, "batch_mib": args.batch_mib,
                        "rounds": rounds, "flash_device": device_entry,
                        "odirect_path": str(scratch), "peer": args.peer},

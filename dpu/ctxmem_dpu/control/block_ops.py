@@ -1,0 +1,93 @@
+"""The block operations both control paths serve: gRPC (:mod:`.servicer`) and the
+shared-memory fast path (:mod:`ctxmem_dpu.transport.shm_ops`).
+
+Why one place: the fast path must refuse exactly what gRPC refuses (an unknown session,
+a namespace, lease or allocation of another session, a Commit without one CRC per slot,
+too many or bad keys) and answer exactly what it answers. Each function takes the
+store, the session's id (looked up live on every call, so an ended session is refused
+at once) and decoded arguments, and returns plain values; the callers only encode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ctxmem_common.errors import InvalidArgument
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.protoconv import tier_to_pb
+from ctxmem_dpu.control.lookup_wire import tier_codes
+
+if TYPE_CHECKING:
+    from ctxmem_dpu.blocks import Allocation, Lease, Namespace, Session
+    from ctxmem_dpu.store import BlockStore
+
+__all__ = ["SlotArrays", "acquire", "allocate", "commit", "lease_slots", "lookup",
+           "open_namespace"]
+
+# Per slot: region, generation, offset, length (and for a lease the committed CRC32C).
+SlotArrays = tuple[list[int], list[int], list[int], list[int], list[int]]
+
+
+def open_namespace(store: BlockStore, session_id: bytes, handle: int
+                   ) -> tuple[Session, Namespace]:
+    """The live session and its namespace ``handle``: UnknownSession, UnknownNamespace."""
+    s = store.session(session_id)
+    return s, store.namespace(s, handle)
+
+
+def lookup(store: BlockStore, ns: Namespace, keys: Sequence[bytes] | np.ndarray,
+           prefix: bool, checked: bool) -> tuple[int, list[pb.Tier]]:
+    """(hits, one pb.Tier code per answered key) from this node's index."""
+    found = store.lookup_blocks(ns, keys, prefix, checked=checked)
+    n = len(found) if prefix else len(found) - found.count(None)
+    return n, tier_codes(found)
+
+
+async def acquire(store: BlockStore, s: Session, ns: Namespace, keys: Sequence[bytes]
+                  ) -> tuple[Lease, list[pb.Tier]]:
+    """Lease the stored leading run of ``keys``: the lease and each block's source tier
+    (pb.Tier codes)."""
+    lease, sources = await store.acquire(s, ns, keys)
+    return lease, [tier_to_pb(t) for t in sources]
+
+
+def lease_slots(store: BlockStore, lease: Lease) -> SlotArrays:
+    """Where each leased block lies in DRAM, with its committed CRC32C."""
+    dram = store.dram
+    refs = []
+    for b in lease.blocks:
+        assert b.dram is not None
+        refs.append(b.dram)
+    return ([r.slab for r in refs], [dram.generation(r.slab) for r in refs],
+            [dram.offset(r) for r in refs], [b.length for b in lease.blocks],
+            [b.crc for b in lease.blocks])
+
+
+async def allocate(store: BlockStore, s: Session, ns: Namespace, keys: Sequence[bytes]
+                   ) -> tuple[Allocation, list[bool], SlotArrays]:
+    """Reserve a slot per key not stored: the allocation, per key whether it exists, and
+    the slots (CRCs empty)."""
+    a, exists = await store.allocate(s, ns, keys)
+    dram = store.dram
+    n = ns.block_nbytes
+    return a, exists, ([r.slab for r in a.slots], [dram.generation(r.slab) for r in a.slots],
+                       [dram.offset(r) for r in a.slots], [n] * len(a.slots), [])
+
+
+async def commit(store: BlockStore, session_id: bytes, allocation_id: bytes,
+                 crcs: Sequence[int], abort: bool) -> int:
+    """Commit (or with ``abort`` give back) an allocation; blocks committed."""
+    s = store.session(session_id)
+    if not abort:
+        # The client's CRC of every slot is required: without it a commit of slots
+        # that were never written (stale bytes) would be accepted with a valid CRC.
+        a = store.allocation(s, allocation_id)
+        if len(crcs) != len(a.slots):
+            raise InvalidArgument(
+                f"Commit of allocation {a.id.hex()} carries {len(crcs)} CRC32Cs "
+                f"for {len(a.slots)} slots; send the CRC32C of every block written, in "
+                f"slot order (or abort=true to give the slots back)")
+    return await store.commit(s, allocation_id, crcs, abort)

@@ -1,0 +1,140 @@
+"""The shared-memory control fast path (Acquire/Release, Lookup, Allocate/Commit as binary
+frames on the data socket) against the real service: exact bytes, the same answers as
+gRPC, the reconnect after a restart, and both sides of the negotiation (an old client, an
+old service)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ctxmem
+from ctxmem.transport.shm import ShmChannel
+from tests.conftest import ServiceHandle
+
+BIG = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 20,
+                      tokens_per_block=1)  # 2 MiB blocks (K and V)
+SMALL = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=32 << 10,
+                        tokens_per_block=1)  # 64 KiB blocks
+FAST_OPS = ("shm_ops_acquire", "shm_ops_release", "shm_ops_lookup", "shm_ops_allocate",
+            "shm_ops_commit")
+
+
+def _data(layout: ctxmem.KVLayout, n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, layout.block_nbytes, dtype=np.uint8) for _ in range(n)]
+
+
+def _keys(tag: str, n: int) -> list[bytes]:
+    return ctxmem.chain_hashes(range(n), 1, salt=tag.encode())
+
+
+def _fast_counts(svc: ServiceHandle) -> dict[str, float]:
+    stats = svc.stats()
+    return {k: stats[k] for k in FAST_OPS}
+
+
+def _channel(client: ctxmem.Client) -> ShmChannel:
+    ch = client._sessions["default"].channel
+    assert isinstance(ch, ShmChannel)
+    return ch
+
+
+def _exercise(svc: ServiceHandle, layout: ctxmem.KVLayout, n: int, tag: str,
+              verify: bool = True) -> dict[str, Any]:
+    """Put n blocks (half of them twice), look them up, get them back; what each call
+    answered, with the bytes the gets returned."""
+    keys = _keys(tag, n)
+    data = _data(layout, n, len(tag))
+    with ctxmem.Client(svc.endpoint, transport="shm", verify_gets=verify) as c:
+        ns = c.open_namespace(layout, model_id="fast")
+        first = ns.put(keys[: n // 2], data[: n // 2])
+        second = ns.put(keys, data)
+        lookup = ns.lookup([*keys, b"\x01" * 32])
+        tiers = ns.tiers([b"\x02" * 32, *keys])
+        out = [np.zeros(layout.block_nbytes, np.uint8) for _ in range(n)]
+        got = ns.get(keys, out)
+        missing = [np.full(layout.block_nbytes, 7, np.uint8)]
+        miss = ns.get([b"\x03" * 32], missing)
+        ops = _channel(c).ops
+    assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True)), \
+        "a get returned other bytes than were put"
+    assert np.all(missing[0] == 7), "a miss wrote into its buffer"
+    return {"first": first, "second": second, "lookup": lookup, "tiers": tiers, "got": got,
+            "miss": miss, "ops": ops}
+
+
+def test_layouts_are_the_sizes_named() -> None:
+    assert (SMALL.block_nbytes, BIG.block_nbytes) == (64 << 10, 2 << 20)
+
+
+@pytest.mark.parametrize(("layout", "n"), [(SMALL, 64), (BIG, 12)], ids=["64KiB", "2MiB"])
+def test_exact_bytes_and_the_same_answers_as_grpc(
+        service_factory: Callable[..., ServiceHandle], monkeypatch: pytest.MonkeyPatch,
+        layout: ctxmem.KVLayout, n: int) -> None:
+    """Every call over the fast path answers what gRPC answers, the bytes are exact, and
+    the fast path was really taken (the service counted its ops) or really not."""
+    svc = service_factory(encryption=False, flash_size=None, dram_size="256MiB",
+                          dram_slab="16MiB")
+    before = _fast_counts(svc)
+    fast = _exercise(svc, layout, n, "fast")
+    after = _fast_counts(svc)
+    assert fast["ops"]
+    # two puts, one allocation and commit each; lookup + tiers; two gets (hit, miss)
+    assert after["shm_ops_allocate"] - before["shm_ops_allocate"] == 2
+    assert after["shm_ops_commit"] - before["shm_ops_commit"] == 2
+    assert after["shm_ops_lookup"] - before["shm_ops_lookup"] == 2
+    assert after["shm_ops_acquire"] - before["shm_ops_acquire"] >= 2
+    assert after["shm_ops_release"] - before["shm_ops_release"] >= 1
+    unverified = _exercise(svc, layout, n, "unverified", verify=False)
+    monkeypatch.setenv("CTXMEM_SHM_OPS", "0")
+    before = _fast_counts(svc)
+    slow = _exercise(svc, layout, n, "slow")
+    assert not slow["ops"]
+    assert _fast_counts(svc) == before, "CTXMEM_SHM_OPS=0 still used the fast path"
+    for answers in (fast, unverified):
+        answers.pop("ops")
+    slow.pop("ops")
+    assert fast == slow == unverified
+    assert fast["got"] == n and fast["miss"] == 0
+    assert fast["first"].stored == n // 2 and fast["second"].existing == n // 2
+    assert fast["lookup"].num_hits == n
+
+
+def test_a_service_without_the_fast_path_serves_a_new_client(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """service.shm_op_max_bytes: 0 (an older service has no Health.shm_ops either): the
+    client stays on gRPC and gets the same bytes."""
+    svc = service_factory(encryption=False, flash_size=None,
+                          service={"shm_op_max_bytes": 0})
+    answers = _exercise(svc, SMALL, 16, "old-service")
+    assert not answers["ops"]
+    assert answers["got"] == 16
+    assert all(v == 0 for v in _fast_counts(svc).values())
+
+
+def test_a_restart_reconnects_and_retries_over_the_fast_path(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """The service restarts (every session gone): the next fast-path op is answered
+    'unknown session' or finds the socket closed, and the client reconnects, reopens its
+    namespace and retries, still on the fast path."""
+    svc = service_factory(encryption=False, flash_size=None)
+    keys = _keys("restart", 8)
+    data = _data(SMALL, 8, 3)
+    with ctxmem.Client(svc.endpoint, transport="shm") as c:
+        ns = c.open_namespace(SMALL, model_id="fast")
+        assert ns.put(keys, data).stored == 8
+        old = c._sessions["default"]
+        svc.restart()
+        assert ns.lookup(keys).num_hits == 0  # DRAM-only: the restart lost every block
+        assert c._sessions["default"] is not old
+        assert ns.put(keys, data).stored == 8
+        out = [np.zeros(SMALL.block_nbytes, np.uint8) for _ in range(8)]
+        assert ns.get(keys, out) == 8
+        assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+        assert _channel(c).ops
+    assert _fast_counts(svc)["shm_ops_acquire"] >= 1
+
