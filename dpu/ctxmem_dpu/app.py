@@ -28,6 +28,7 @@ from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu import sdnotify
 from ctxmem_dpu.control.auth import SessionAuthInterceptor
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
+from ctxmem_dpu.gctune import tune_gc
 from ctxmem_dpu.metrics import HttpEndpoint
 from ctxmem_dpu.pod.node import PodNode
 from ctxmem_dpu.pod.sources import RemoteSource
@@ -253,6 +254,7 @@ async def serve(cfg: Config, ready_file: str | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with Service(cfg) as svc:
+        tune_gc()  # start-up's objects out of the collector's reach (ctxmem_dpu.gctune)
         if ready_file:
             # No link followed, no other user's file truncated (ctxmem_common.safepaths).
             safepaths.write_ready_file(ready_file, f"{svc.grpc_port}\n")

@@ -65,6 +65,28 @@ class SegmentedLRU(Generic[T]):
             else:
                 self._probation.move_to_end(item)
 
+    def touch_many(self, items: Iterable[T], hits: Iterable[int]) -> None:
+        """:meth:`touch` each of ``items`` in order (``hits``: each one's reuse count),
+        leaving exactly the order that one :meth:`touch` per item leaves. One call per
+        lease instead of one per block: the segments, the threshold and protected's cap
+        are looked up once (moves between segments do not change the total, so the cap
+        holds for the whole batch), and the rebalance is inlined."""
+        prot, prob = self._protected, self._probation
+        threshold = self.protect_after_hits
+        cap = math.ceil(self.protected_fraction * len(self))
+        for item, h in zip(items, hits, strict=True):
+            if item in prot:
+                prot.move_to_end(item)
+            elif item in prob:
+                if h >= threshold:
+                    del prob[item]
+                    prot[item] = None
+                    while len(prot) > cap:
+                        demoted, _ = prot.popitem(last=False)
+                        prob[demoted] = None
+                else:
+                    prob.move_to_end(item)
+
     def remove(self, item: T) -> None:
         """Forget ``item`` (no-op when absent)."""
         self._probation.pop(item, None)

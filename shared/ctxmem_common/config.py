@@ -57,6 +57,10 @@ class ServiceConfig:
     lease_ttl_s: float = 30.0
     allocation_ttl_s: float = 30.0
     io_threads: int = 2
+    # Threads that check a Commit's batch (the CRC32C of every slot the client wrote) in
+    # parallel: the client waits on the Commit, so its core is idle meanwhile. 0: min(4,
+    # CPUs); 1: the whole batch in one call on one thread.
+    commit_crc_threads: int = 0
     # RDMA transport: an IP address of the RDMA device (the BlueField SF's, the RNIC's,
     # rxe0's netdev); it picks the device and its RoCE v2 GID. No port: queue pairs are
     # connected over the gRPC control plane. The device can be named explicitly.
@@ -298,6 +302,9 @@ def _check(cfg: Config) -> None:
         if dev.backend == "local" and not dev.path:
             raise ConfigError(f"flash.devices[{i}].path: required for backend 'local'")
         dev.device_spec(f"flash.devices[{i}]")  # names, sizes, which keys each backend takes
+    if cfg.service.commit_crc_threads < 0:
+        raise ConfigError(f"service.commit_crc_threads: {cfg.service.commit_crc_threads} is "
+                          f"negative; use 0 (min(4, CPUs)) or a thread count")
     if not cfg.service.transports:
         raise ConfigError("service.transports: list at least one of ['shm', 'tcp', 'rdma']")
     if "rdma" in cfg.service.transports and not cfg.service.rdma_listen:

@@ -53,3 +53,37 @@ def test_claim_rebuilds_state() -> None:
     assert a.free_slabs == 1 and a.used_slots() == 1
     got = a.allocate("x", 256 << 10, 3)
     assert got is not None and SlotRef(1, 2) not in got and all(r.slab == 1 for r in got)
+
+
+def test_batched_take_hands_out_the_slots_one_pop_each_would() -> None:
+    """``allocate`` takes a slab's slots in one slice: after random allocations and frees
+    (free lists out of order), it returns exactly what popping one slot at a time from
+    the same free lists returns, as SlotRefs."""
+    import random
+
+    for seed in range(50):
+        rng = random.Random(seed)
+        a = make(4, 16 << 10)  # 16 slots of 1 KiB per slab
+        held: list[SlotRef] = []
+        for _ in range(40):
+            if held and rng.random() < 0.4:
+                for r in rng.sample(held, rng.randint(1, len(held))):
+                    held.remove(r)
+                    a.free(r)
+                continue
+            n = rng.randint(1, 20)
+            free = {s.id: list(s.free) for s in a.slabs}
+            partial = sorted(a._partial.get("x", set()))
+            want: list[SlotRef] = []
+            for sid in partial:  # the lowest partial slab first, popping from the end
+                while free[sid] and len(want) < n:
+                    want.append(SlotRef(sid, free[sid].pop()))
+            got = a.allocate("x", 1 << 10, n)
+            if got is None:
+                continue
+            if len(want) == n:
+                assert got == want, seed
+            else:
+                assert got[:len(want)] == want, seed
+            assert all(type(r) is SlotRef for r in got)
+            held += got

@@ -58,3 +58,43 @@ def test_add_unhit_appends_to_probation_in_order_like_add() -> None:
         one.add(k)
     assert bulk.order() == one.order() == ["a", "b", "c", "x"]
     assert len(bulk) == 4 and "b" in bulk
+
+
+def _touched(p: SegmentedLRU[int], batch: list[tuple[int, int]], batched: bool
+             ) -> tuple[list[int], list[int]]:
+    if batched:
+        p.touch_many([k for k, _ in batch], [h for _, h in batch])
+    else:
+        for k, h in batch:
+            p.touch(k, h)
+    return list(p._probation), list(p._protected)
+
+
+def test_touch_many_leaves_the_order_of_one_touch_per_item() -> None:
+    """Random lists (both segments, overflowing protected), random batches (items not in
+    the list, repeats, hits below and above the threshold): batched and one by one leave
+    the same two segments, item for item, after every batch."""
+    import random
+
+    for seed in range(300):
+        rng = random.Random(seed)
+        kw = {"protect_after_hits": rng.randint(1, 3),
+              "protected_fraction": rng.choice([0.0, 0.2, 0.5, 0.8, 1.0])}
+        one: SegmentedLRU[int] = SegmentedLRU(**kw)  # type: ignore[arg-type]
+        many: SegmentedLRU[int] = SegmentedLRU(**kw)  # type: ignore[arg-type]
+        for k in range(rng.randint(0, 40)):
+            h = rng.randint(0, 3)
+            one.add(k, h)
+            many.add(k, h)
+        for _ in range(5):
+            batch = [(rng.randint(0, 45), rng.randint(0, 4))
+                     for _ in range(rng.randint(0, 30))]
+            assert _touched(many, batch, True) == _touched(one, batch, False), (seed, batch)
+
+
+def test_touch_many_promotes_and_demotes_like_touch() -> None:
+    p: SegmentedLRU[str] = SegmentedLRU(protect_after_hits=1, protected_fraction=0.5)
+    for k in "abcd":
+        p.add(k)
+    p.touch_many(["a", "b", "x", "c"], [1, 1, 1, 1])  # "x": not here, ignored
+    assert p.order() == ["d", "a", "b", "c"]  # as test_protected_overflow_... one by one

@@ -144,6 +144,61 @@ def test_native_argument_errors() -> None:
             native.set_implementation("armv8-crc")
 
 
+@pytest.fixture(params=[*NATIVE_PATHS, "pure"])
+def many(request: pytest.FixtureRequest) -> Iterator[CrcFn]:
+    """``crc32c_many`` of one path (the native call under each forced implementation, or
+    the pure fallback); the native module's choice restored after."""
+    before = native.implementation()
+    if request.param == "pure":
+        yield crc_mod._pure_crc32c_many
+        return
+    native.set_implementation(request.param)
+    try:
+        yield native.crc32c_many
+    finally:
+        native.set_implementation(before)
+
+
+def test_many_agrees_with_one_call_per_range(many: CrcFn) -> None:
+    """Random offsets and lengths (overlapping, empty, up to 300 KB, at the buffer's end),
+    as a list of lengths and as one length for all: each CRC is the one-range CRC."""
+    rng = np.random.default_rng(7)
+    buf = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    lens = [int(n) for n in rng.integers(0, 300_000, 60)] + [0, 1, 65536, 300]
+    offs = [int(rng.integers(0, buf.nbytes - n + 1)) for n in lens]
+    offs[-1], lens[-1] = buf.nbytes - 300, 300  # a range ending at the buffer's end
+    want = [crc_mod._pure_crc32c(memoryview(buf)[o:o + n])
+            for o, n in zip(offs, lens, strict=True)]
+    assert many(buf, offs, lens) == want
+    assert many(memoryview(buf), tuple(offs), tuple(lens)) == want
+    one = 65536
+    starts = [int(o) for o in rng.integers(0, buf.nbytes - one + 1, 40)]
+    assert many(buf, starts, one) == [native.crc32c(buf[o:o + one]) for o in starts]
+    assert many(buf, [], one) == []
+
+
+@pytest.mark.parametrize(("offsets", "lengths", "match"), [
+    ([0, 1 << 20], 1, "range 1 is"),               # starts at the end, one byte long
+    ([0, (1 << 20) - 10], [5, 11], "range 1 is"),  # runs one byte past the end
+    ([0, -1], 8, r"offsets\[1\] must be|range 1 is"),
+    ([0, 8], [8, -8], r"lengths\[1\] must be|range 1 is"),
+    ([0, 8], [8], "2 offsets but 1 lengths"),
+])
+def test_many_refuses_ranges_outside_the_buffer(many: CrcFn, offsets: list[int],
+                                                lengths: int | list[int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        many(bytes(1 << 20), offsets, lengths)
+
+
+def test_native_many_argument_errors() -> None:
+    with pytest.raises(TypeError, match="sequence of ints"):
+        native.crc32c_many(b"x" * 8, 5, 1)
+    with pytest.raises(TypeError, match="contiguous buffer"):
+        native.crc32c_many("text", [0], 1)
+    with pytest.raises(ValueError, match=r"offsets\[0\] must be"):
+        native.crc32c_many(b"x" * 8, [1 << 70], 1)
+
+
 def test_copy_takes_numpy_arrays_of_any_dtype() -> None:
     src = np.arange(1000, dtype=np.float32)
     dst = np.zeros(1000, dtype=np.float32)
@@ -153,8 +208,10 @@ def test_copy_takes_numpy_arrays_of_any_dtype() -> None:
 
 @pytest.mark.parametrize("choice", ["hardware", "table", "pure", "bogus"])
 def test_the_env_switch_picks_the_path(choice: str) -> None:
-    code = ("from ctxmem_common.codecs import CRC32C_IMPLEMENTATION as i, crc32c, copy_crc32c;"
+    code = ("from ctxmem_common.codecs import CRC32C_IMPLEMENTATION as i, crc32c, copy_crc32c,"
+            " crc32c_many;"
             "d = bytearray(9); assert copy_crc32c(b'123456789', d) == crc32c(d) == 0xE3069283;"
+            "assert crc32c_many(b'x123456789', [1, 0], [9, 0]) == [0xE3069283, 0];"
             "print(i)")
     env = {**os.environ, crc_mod.ENV: choice,
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}

@@ -236,6 +236,7 @@ class BlockStore:
         if self._keeper is not None:
             await self._keeper.close()
         ctx.io.shutdown()
+        self._puts.close()
         ctx.flash.close()
         ctx.dram.close()
 
@@ -390,10 +391,17 @@ class BlockStore:
         deferred = cut < len(run)  # the keys past the cut are the next Acquire's, not misses
         run = run[:cut]
         read_ahead = self._read_ahead(ns, ahead)
-        sources = [TIER_FLASH if b.read_ahead else tier_of(b) for b in run]
-        for b in run:  # pin before any await, so nothing in the run is evicted meanwhile
+        # One pass: each block's source tier (``tier_of``, or flash when read ahead), its
+        # pin (before any await, so nothing in the run is evicted meanwhile), the cold ones.
+        sources: list[str] = []
+        cold: list[Block] = []
+        for b in run:
             b.pins += 1
-        cold = [b for b in run if b.dram is None]
+            if b.dram is None:
+                cold.append(b)
+                sources.append(TIER_FLASH)
+            else:
+                sources.append(TIER_FLASH if b.read_ahead else TIER_DRAM)
         if all(b.io is not None for b in cold):
             read_ahead()
         try:
@@ -403,9 +411,12 @@ class BlockStore:
             for b in run:
                 self.unpin(b)
             raise
-        n = 0
-        while n < len(run) and run[n].dram is not None and id(run[n]) not in ok.failed:
-            n += 1
+        if not cold and not ok.failed:  # all DRAM hits, pinned: every one is served
+            n = len(run)
+        else:
+            n = 0
+            while n < len(run) and run[n].dram is not None and id(run[n]) not in ok.failed:
+                n += 1
         try:  # a tenant's leases never hold slots in more slabs than its quota allows
             n = self._quotas.fit_lease(ns.tenant, run[:n]) if n else 0
         except BaseException:
@@ -415,19 +426,27 @@ class BlockStore:
         for b in run[n:]:
             self.unpin(b)
         run = run[:n]
+        hits: list[int] = []
+        on_flash: list[Block] = []
+        flash_hits: list[int] = []
         for b in run:
             b.hits += 1
             b.read_ahead = False
-            self._index.dram_lru.touch(b, b.hits)
+            hits.append(b.hits)
             if b.flash is not None:
-                self._index.flash_lru.touch(b, b.hits)
+                on_flash.append(b)
+                flash_hits.append(b.hits)
+        self._index.dram_lru.touch_many(run, hits)  # one batched touch per lease
+        if on_flash:
+            self._index.flash_lru.touch_many(on_flash, flash_hits)
         lease = Lease(self._registry.new_id(), s.id, ns, run,
                       time.monotonic() + self.cfg.service.lease_ttl_s)
         self._registry.add_lease(s, lease)
         self.counters["get_blocks"] += n
         self.counters["get_bytes"] += n * ns.block_nbytes
-        self.counters["hits_dram"] += sum(1 for t in sources[:n] if t == TIER_DRAM)
-        self.counters["hits_flash"] += sum(1 for t in sources[:n] if t == TIER_FLASH)
+        served = sources[:n]
+        self.counters["hits_dram"] += served.count(TIER_DRAM)
+        self.counters["hits_flash"] += served.count(TIER_FLASH)
         if not (deferred and n == len(run)):
             self.counters["misses"] += len(keys) - n
         return lease, sources[:n]

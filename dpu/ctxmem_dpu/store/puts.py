@@ -3,8 +3,9 @@
 ``allocate`` reserves one DRAM slot per key not yet stored (evicting if needed, within the
 tenant's quota) under an allocation with a TTL; the client writes the slots; ``commit``
 ends the client's write access, computes each slot's CRC32C (checking the client's when
-sent) and makes the blocks visible: at once under write-back (queued for the demoter),
-only once durable on flash under write-through (:mod:`~ctxmem_dpu.store.writethrough`).
+sent; the batch split over threads, :mod:`~ctxmem_dpu.store.slotcrc`) and makes the
+blocks visible: at once under write-back (queued for the demoter), only once durable on
+flash under write-through (:mod:`~ctxmem_dpu.store.writethrough`).
 
 Invariant: a block is in the index only once complete; the allocation stays registered
 while its CRCs are computed, so the reaper cannot recycle its slots underneath.
@@ -16,7 +17,6 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.keys import validate_keys
 from ctxmem_dpu import faults
@@ -27,6 +27,7 @@ from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.store.sessions import SessionRegistry
+from ctxmem_dpu.store.slotcrc import SlotCrcs, crc_threads
 from ctxmem_dpu.store.writethrough import WriteThrough
 
 log = logging.getLogger("ctxmem_dpu.store")
@@ -45,6 +46,11 @@ class PutPath:
         self._placement = placement
         self._demotion = demotion
         self._write_through = write_through
+        self._crcs = SlotCrcs(crc_threads(ctx.cfg.service.commit_crc_threads))
+
+    def close(self) -> None:
+        """Stop the Commit check's threads (at service shutdown, after the last Commit)."""
+        self._crcs.shutdown()
 
     async def allocate(
         self, s: Session, ns: Namespace, keys: Sequence[bytes]
@@ -102,16 +108,18 @@ class PutPath:
         a.done = True
         dram = self._ctx.dram
         counters = self._ctx.counters
-        views = [dram.view(ref, a.ns.block_nbytes) for ref in a.slots]
-        crcs = await self._ctx.io.run(lambda: [crc32c(v) for v in views])
-        for v in views:
-            v.release()
+        crcs = await self._crcs.of_slots(dram, a.slots, a.ns.block_nbytes)
         faults.point("commit.after_crc")
         self._registry.forget_allocation(a)
         per_ns = self._index.namespace(a.ns.digest)
+        # One comparison in C for the common case (every CRC matches); per block only
+        # when one differs.
+        check = bool(client_crcs) and list(client_crcs) != crcs
+        digest, nbytes, slot_size = a.ns.digest, a.ns.block_nbytes, a.ns.slot_size
+        next_seq = self._index.next_seq
         fresh: list[Block] = []
         for i, (key, ref, crc) in enumerate(zip(a.keys, a.slots, crcs, strict=True)):
-            if client_crcs and client_crcs[i] != crc:
+            if check and client_crcs[i] != crc:
                 counters["put_crc_mismatch"] += 1
                 log.warning("commit %s: block %d CRC32C from client %08x != %08x; dropped",
                             a.id.hex(), i, client_crcs[i], crc)
@@ -120,18 +128,18 @@ class PutPath:
             if key in per_ns:  # committed meanwhile by another writer
                 dram.free(ref)
                 continue
-            fresh.append(Block(a.ns.digest, key, a.ns.block_nbytes, a.ns.slot_size, crc,
-                               self._index.next_seq(), dram=ref))
+            fresh.append(Block(digest, key, nbytes, slot_size, crc, next_seq(), dram=ref))
         if self._ctx.flash.enabled and self._ctx.cfg.flash.write_policy == "write_through":
             # Visible only once durable; a failed flash write fails the commit.
             committed = await self._write_through.commit(a, fresh)
         else:
             committed = fresh
-            for b in fresh:
-                per_ns[b.key] = b
-                self._index.dram_lru.add(b)
-                if self._ctx.flash.enabled:
-                    self._index.dirty[b] = None
+            # New blocks, never used: at probation's most recent end in order, as one
+            # ``add`` each would put them (``add_unhit``), inserted in bulk.
+            per_ns.update({b.key: b for b in fresh})
+            self._index.dram_lru.add_unhit(fresh)
+            if self._ctx.flash.enabled:
+                self._index.dirty.update(dict.fromkeys(fresh))
         faults.point("commit.after_index")
         self._index.announce(committed, True)
         counters["put_blocks"] += len(committed)

@@ -6,6 +6,8 @@ import resource
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from ctxmem_dpu.gctune import gc_stats
+
 if TYPE_CHECKING:
     from ctxmem_dpu.store.context import StoreContext
     from ctxmem_dpu.store.index import BlockIndex
@@ -69,6 +71,7 @@ def snapshot(ctx: StoreContext, index: BlockIndex, registry: SessionRegistry,
     )
     out.update(quotas.snapshot())
     out.update(process_cpu())
+    out.update(gc_stats())
     return out
 
 

@@ -515,6 +515,136 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args, PyObject *kwargs) {
     return PyLong_FromUnsignedLong(crc);
 }
 
+/* Read a sequence of ints in [0, PY_SSIZE_T_MAX) into a new C array (PyMem_Free it). */
+static Py_ssize_t *ssize_array(PyObject *seq, Py_ssize_t n, const char *what) {
+    Py_ssize_t *out = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_GetItem(seq, i);
+        if (item == NULL) {
+            PyMem_Free(out);
+            return NULL;
+        }
+        Py_ssize_t v = PyLong_AsSsize_t(item);
+        Py_DECREF(item);
+        if (v < 0) {
+            if (PyErr_Occurred()) PyErr_Clear();
+            PyErr_Format(PyExc_ValueError,
+                         "crc32c_many: %s[%zd] must be an int >= 0 that fits a Py_ssize_t",
+                         what, i);
+            PyMem_Free(out);
+            return NULL;
+        }
+        out[i] = v;
+    }
+    return out;
+}
+
+/* crc32c_many(buf, offsets, lengths) -> list[int]: the CRC32C (from 0) of every
+ * buf[offsets[i] : offsets[i] + lengths[i]] (`lengths` one int for all, or one per
+ * offset). Why: the service checks a Commit's whole batch of slots in one call, with the
+ * GIL released once, instead of one Python call (and one GIL round trip) per block. Every
+ * range is checked against the buffer before any CRC is computed. */
+static PyObject *py_crc32c_many(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"buf", "offsets", "lengths", NULL};
+    PyObject *buf, *offs_obj, *lens_obj;
+    Py_buffer view;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:crc32c_many", kwlist, &buf,
+                                     &offs_obj, &lens_obj))
+        return NULL;
+    Py_ssize_t n = PySequence_Size(offs_obj);
+    if (n < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError,
+                        "crc32c_many: offsets must be a sequence of ints (a list)");
+        return NULL;
+    }
+    Py_ssize_t one_len = -1;
+    if (PyLong_Check(lens_obj)) {
+        one_len = PyLong_AsSsize_t(lens_obj);
+        if (one_len < 0) {
+            if (PyErr_Occurred()) PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError,
+                            "crc32c_many: lengths must be an int >= 0 or one int per offset");
+            return NULL;
+        }
+    } else {
+        Py_ssize_t m = PySequence_Size(lens_obj);
+        if (m < 0) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError,
+                            "crc32c_many: lengths must be an int or a sequence of ints");
+            return NULL;
+        }
+        if (m != n) {
+            PyErr_Format(PyExc_ValueError,
+                         "crc32c_many: %zd offsets but %zd lengths; pass one length per "
+                         "offset, or one int for all",
+                         n, m);
+            return NULL;
+        }
+    }
+    Py_ssize_t *offs = ssize_array(offs_obj, n, "offsets");
+    if (offs == NULL) return NULL;
+    Py_ssize_t *lens = one_len >= 0 ? NULL : ssize_array(lens_obj, n, "lengths");
+    if (one_len < 0 && lens == NULL) {
+        PyMem_Free(offs);
+        return NULL;
+    }
+    uint32_t *crcs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+    if (crcs == NULL) {
+        PyMem_Free(offs);
+        PyMem_Free(lens);
+        return PyErr_NoMemory();
+    }
+    PyObject *out = NULL;
+    if (get_buffer(buf, &view, 0, "crc32c_many", "buf") < 0) goto done;
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len = lens ? lens[i] : one_len;
+        if (offs[i] > view.len || len > view.len - offs[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "crc32c_many: range %zd is [%zd, %zd + %zd), outside the %zd-byte "
+                         "buffer; pass offsets and lengths within it",
+                         i, offs[i], offs[i], len, view.len);
+            PyBuffer_Release(&view);
+            goto done;
+        }
+        total += (size_t)len;
+    }
+    const unsigned char *base = (const unsigned char *)view.buf;
+    run_fn run = active_run;
+    if (total >= GIL_RELEASE_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++)
+            crcs[i] = run(0, base + offs[i], NULL, (size_t)(lens ? lens[i] : one_len));
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            crcs[i] = run(0, base + offs[i], NULL, (size_t)(lens ? lens[i] : one_len));
+    }
+    PyBuffer_Release(&view);
+    out = PyList_New(n);
+    if (out == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SetItem(out, i, v); /* steals v */
+    }
+done:
+    PyMem_Free(offs);
+    PyMem_Free(lens);
+    PyMem_Free(crcs);
+    return out;
+}
+
 static PyObject *py_copy_crc32c(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"src", "dst", "value", NULL};
     PyObject *src, *dst, *crc_obj = NULL;
@@ -646,6 +776,12 @@ static PyMethodDef methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "copy_crc32c(src, dst, value=0) -> int\n\nCopy src into dst (same size) and return the "
      "CRC32C, continuing from value, of the words as stored into dst."},
+    {"crc32c_many", (PyCFunction)(void (*)(void))py_crc32c_many,
+     METH_VARARGS | METH_KEYWORDS,
+     "crc32c_many(buf, offsets, lengths) -> list[int]\n\nThe CRC32C (from 0) of each "
+     "buf[offsets[i]:offsets[i] + lengths[i]] (lengths: one int for all, or one per "
+     "offset), in one call with the GIL released once; ValueError before any work when a "
+     "range is outside buf."},
     {"implementation", py_implementation, METH_NOARGS,
      "implementation() -> str: the active path (\"sse4.2\", \"armv8-crc\" or \"table\")."},
     {"hardware", py_hardware, METH_NOARGS,

@@ -1,4 +1,5 @@
-"""CRC32C (Castagnoli) over any buffer, and a copy fused with it (one pass over memory).
+"""CRC32C (Castagnoli) over any buffer, over many ranges of one buffer in one call, and a
+copy fused with it (one pass over memory).
 
 Two implementations stand behind the same functions:
 
@@ -23,6 +24,7 @@ logs it at start and the bench prints it.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
 import crc32c as _crc32c
 
-__all__ = ["FUSED", "IMPLEMENTATION", "copy_crc32c", "crc32c"]
+__all__ = ["FUSED", "IMPLEMENTATION", "copy_crc32c", "crc32c", "crc32c_many"]
 
 ENV = "CTXMEM_CRC32C_IMPL"
 _CHOICES = ("hardware", "table", "pure")
@@ -93,6 +95,21 @@ def _pure_copy_crc32c(src: Buffer, dst: Buffer, value: int = 0) -> int:
     return int(value)
 
 
+def _pure_crc32c_many(buf: Buffer, offsets: Sequence[int],
+                      lengths: int | Sequence[int]) -> list[int]:
+    m = memoryview(buf).cast("B")
+    lens = [lengths] * len(offsets) if isinstance(lengths, int) else list(lengths)
+    if len(lens) != len(offsets):
+        raise ValueError(f"crc32c_many: {len(offsets)} offsets but {len(lens)} lengths; pass "
+                         f"one length per offset, or one int for all")
+    for i, (off, n) in enumerate(zip(offsets, lens, strict=True)):
+        if off < 0 or n < 0 or off + n > m.nbytes:
+            raise ValueError(f"crc32c_many: range {i} is [{off}, {off} + {n}), outside the "
+                             f"{m.nbytes}-byte buffer; pass offsets and lengths within it")
+    return [int(_crc32c.crc32c(m[off:off + n], 0, _GIL_RELEASE))
+            for off, n in zip(offsets, lens, strict=True)]
+
+
 if TYPE_CHECKING:
     def crc32c(data: Buffer, value: int = 0) -> int:
         """CRC32C of ``data``, continuing from ``value`` (0 to start)."""
@@ -101,9 +118,19 @@ if TYPE_CHECKING:
         """Copy ``src`` into ``dst`` (the same size; ValueError otherwise, or if ``dst``
         is read-only) and return the CRC32C, continuing from ``value``, of the bytes
         stored into ``dst``."""
+
+    def crc32c_many(buf: Buffer, offsets: Sequence[int],
+                    lengths: int | Sequence[int]) -> list[int]:
+        """The CRC32C (from 0) of each ``buf[offsets[i]:offsets[i] + lengths[i]]``
+        (``lengths``: one int for all ranges, or one per offset), in one call: natively,
+        with the GIL released once for the whole batch (a Commit's slots in a slab).
+        Every range is checked first: ValueError, before any CRC, if one is outside
+        ``buf``."""
 elif _native is None:
     crc32c = _pure_crc32c
     copy_crc32c = _pure_copy_crc32c
+    crc32c_many = _pure_crc32c_many
 else:
     crc32c = _native.crc32c
     copy_crc32c = _native.copy_crc32c
+    crc32c_many = _native.crc32c_many
