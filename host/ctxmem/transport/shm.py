@@ -28,10 +28,17 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
+from itertools import groupby
+from operator import add
 
 from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem.transport.verified import ReadProgress, copy_checked
-from ctxmem_common.codecs import CRC32C_FUSED, copy_crc32c, crc32c
+from ctxmem_common.codecs import (
+    CRC32C_FUSED,
+    copy_crc32c,
+    copy_crc32c_from_slots,
+    copy_crc32c_to_slots,
+)
 from ctxmem_common.errors import InvalidArgument, Unavailable
 from ctxmem_common.packed_slots import PackedSlots
 from ctxmem_common.proto import ctxmem_pb2 as pb
@@ -148,30 +155,44 @@ class ShmChannel(DataChannel):
         raise InvalidArgument(f"shared-memory fast path {name}: unexpected status {status}")
 
     def write_packed(self, slots: PackedSlots, views: Sequence[memoryview]) -> list[int]:
-        """:meth:`write_crc` for a fast-path Allocate's slots (plain int lists): each view
-        into its slot, checked against the mapped region first, and its CRC32C (fused
-        with the copy where the native helper is; else the view's, before the copy)."""
-        regions, gens, offsets, lengths = (
-            slots.regions, slots.generations, slots.offsets, slots.lengths)
-        out = [] if CRC32C_FUSED else [crc32c(v) for v in views]
+        """:meth:`write_crc` for a fast-path Allocate's slots (plain int lists): every
+        slot's region mapped and its bounds checked first (TransportError, nothing
+        copied), then one :func:`~ctxmem_common.codecs.copy_crc32c_to_slots` per run of
+        slots in the same region: each view into its slot and its CRC32C (fused with the
+        copy where the native helper is; else the view's, before the copy)."""
         with self._lock:
-            key = (-1, -1)
-            region = memoryview(b"")
-            for i, src in enumerate(views):
-                if (regions[i], gens[i]) != key:
-                    key = (regions[i], gens[i])
-                    region = self._region(*key)
-                off = offsets[i]
-                end = off + lengths[i]
-                if end > region.nbytes:
-                    raise TransportError(
-                        f"slot {i} [{off}, {end}) lies outside region {key[0]} "
-                        f"({region.nbytes} bytes); the service's answer is malformed")
-                if CRC32C_FUSED:
-                    out.append(copy_crc32c(src, region[off:end]))
-                else:
-                    region[off:end] = src
-        return out
+            runs = self._runs(slots, len(views), "")
+            out: list[int] = []
+            for start, end, region in runs:
+                out += copy_crc32c_to_slots(views[start:end], region,
+                                            slots.offsets[start:end],
+                                            slots.lengths[start:end])
+            return out
+
+    def _runs(self, slots: PackedSlots, n: int, lease: str) -> list[tuple[int, int, memoryview]]:
+        """The first ``n`` slots as runs ``(start, end, region)`` of one mapped region
+        each, every slot's ``offset + length`` checked against its region before any
+        copy: a malformed answer raises TransportError, never reads or writes outside
+        the mapping."""
+        if n > len(slots):
+            raise TransportError(f"{n} buffers for {len(slots)} slots{lease}; the service's "
+                                 f"answer is malformed: report it")
+        runs = []
+        start = 0
+        for key, group in groupby(zip(slots.regions[:n], slots.generations[:n],
+                                          strict=True)):
+            end = start + len(list(group))
+            region = self._region(*key)
+            ends = list(map(add, slots.offsets[start:end], slots.lengths[start:end]))
+            if ends and max(ends) > region.nbytes:
+                i = next(j for j, e in enumerate(ends) if e > region.nbytes)
+                raise TransportError(
+                    f"slot {start + i} [{slots.offsets[start + i]}, {ends[i]}){lease} lies "
+                    f"outside region {key[0]} ({region.nbytes} bytes); the service's answer "
+                    f"is malformed: report it")
+            runs.append((start, end, region))
+            start = end
+        return runs
 
     def _region(self, region: int, generation: int) -> memoryview:
         cached = self._maps.get(region)
@@ -252,33 +273,24 @@ class ShmChannel(DataChannel):
     def read_packed(self, lease_id: bytes, slots: PackedSlots, views: Sequence[memoryview],
                     verify: bool, progress: ReadProgress) -> None:
         """A get's read from Acquire's packed answer (:mod:`ctxmem_common.packed_slots`):
-        as :meth:`read_verified` (``verify``) or :meth:`read`, on plain int lists, with the
-        region looked up only when it changes. Each slot's ``offset + length`` is checked
-        against the mapped region before its copy: a malformed answer raises
-        TransportError, never reads outside the mapping. ``progress.done`` counts the
-        blocks delivered, also when this raises."""
-        regions, gens, offsets, lengths, crcs = (
-            slots.regions, slots.generations, slots.offsets, slots.lengths, slots.crcs)
+        as :meth:`read_verified` (``verify``) or :meth:`read`. Every slot's region is
+        mapped and its ``offset + length`` checked first: a malformed answer raises
+        TransportError before any copy. Then one
+        :func:`~ctxmem_common.codecs.copy_crc32c_from_slots` per run of slots in the same
+        region (the GIL released once per run); with ``verify`` the first block that fails
+        its CRC32C is zeroed and ends the read. ``progress.done`` counts the blocks
+        delivered, also when this raises."""
         with self._lock:
-            key = (-1, -1)
-            region = memoryview(b"")
-            for i, dst in enumerate(views):
-                if (regions[i], gens[i]) != key:
-                    key = (regions[i], gens[i])
-                    region = self._region(*key)
-                off = offsets[i]
-                end = off + lengths[i]
-                if end > region.nbytes:
-                    raise TransportError(
-                        f"lease {lease_id.hex()}: slot {i} [{off}, {end}) lies outside "
-                        f"region {key[0]} ({region.nbytes} bytes); the service's answer is "
-                        f"malformed: report it")
-                if not verify:
-                    dst[:] = region[off:end]
-                elif not copy_checked(region[off:end], dst, crcs[i]):
-                    progress.bad = i
+            runs = self._runs(slots, len(views), f" of lease {lease_id.hex()}")
+            crcs = slots.crcs if verify else None
+            for start, end, region in runs:
+                done, bad = copy_crc32c_from_slots(
+                    region, slots.offsets[start:end], slots.lengths[start:end],
+                    views[start:end], None if crcs is None else crcs[start:end])
+                progress.done = start + done
+                if bad is not None:
+                    progress.bad = start + bad
                     return
-                progress.done = i + 1
 
     def close(self) -> None:
         with self._lock:
