@@ -98,7 +98,7 @@ class Client:
 
     ``copy_threads`` (shared memory): how many threads copy one batch of a get or a put
     between the service's slabs and the caller's buffers (default ``min(2, cpu_count)``;
-    1 copies on the calling thread only). Only a batch of at least 8 MiB is split
+    1 copies on the calling thread only). Only a batch of at least 16 MiB is split
     (``ctxmem.transport.shm.COPY_THREADS_MIN_BYTES``), into contiguous parts; the
     ``copy_threads - 1`` helper threads are made on first use, per channel. A verified get
     split this way still ends at the first block that fails its check, but a buffer

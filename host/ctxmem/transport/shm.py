@@ -65,7 +65,7 @@ SHM_OPS_ENV = "CTXMEM_SHM_OPS"
 _MAX_REPLY_BYTES = 256 << 20  # far above any legal answer: a larger one is a broken peer
 #: A batch's copy is split across ``copy_threads`` only from this many bytes: below it the
 #: hand-off to a pool thread costs more than the second thread gains (docs/benchmarks.md).
-COPY_THREADS_MIN_BYTES = 8 << 20
+COPY_THREADS_MIN_BYTES = 16 << 20
 T = TypeVar("T")
 _Run = tuple[int, int, memoryview]  # (first slot, end, the region the slots lie in)
 
