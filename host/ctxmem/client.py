@@ -96,6 +96,14 @@ class Client:
     memory (a client that once held a slot can still write its slab) and voids the
     untouched guarantee.
 
+    ``copy_threads`` (shared memory): how many threads copy one batch of a get or a put
+    between the service's slabs and the caller's buffers (default ``min(2, cpu_count)``;
+    1 copies on the calling thread only). Only a batch of at least 16 MiB is split
+    (``ctxmem.transport.shm.COPY_THREADS_MIN_BYTES``), into contiguous parts; the
+    ``copy_threads - 1`` helper threads are made on first use, per channel. A verified get
+    split this way still ends at the first block that fails its check, but a buffer
+    after it that another thread had already filled is zeroed, not left untouched.
+
     ``channel_options``: extra gRPC channel arguments, merged with the client's own
     (64 MiB message size limits); one of the same name replaces the client's. For example
     ``[("grpc.use_local_subchannel_pool", 1)]`` gives this client subchannels of its own:
@@ -114,6 +122,7 @@ class Client:
         verify_puts: bool = True,
         verify_gets: bool = True,
         max_batch_bytes: int = 256 << 20,
+        copy_threads: int | None = None,
         client_name: str = "",
         channel_options: Sequence[tuple[str, Any]] = (),
         tls: TlsConfig | None = None,
@@ -126,6 +135,11 @@ class Client:
         self.verify_puts = verify_puts
         self.verify_gets = verify_gets
         self.max_batch_bytes = max_batch_bytes
+        if copy_threads is not None and copy_threads < 1:
+            raise InvalidArgument(f"copy_threads={copy_threads}: pass 1 or more (1: copy on "
+                                  f"the calling thread only), or None for the default")
+        self.copy_threads = copy_threads if copy_threads is not None else min(
+            2, os.cpu_count() or 1)
         self.client_name = client_name or f"{socket.gethostname()}:{os.getpid()}"
         # One entry per name (the caller's replaces ours): gRPC's own rule for a repeated
         # argument is not one to rely on.
@@ -211,7 +225,8 @@ class Client:
             from ctxmem.transport.shm import ShmChannel, shm_ops_wanted
 
             return ShmChannel(health.shm_socket, session_id, token, self.timeout_s,
-                              ops=health.shm_ops and shm_ops_wanted())
+                              ops=health.shm_ops and shm_ops_wanted(),
+                              copy_threads=self.copy_threads)
         if name == "tcp":
             from ctxmem.transport.tcp import TcpChannel
 

@@ -274,12 +274,14 @@ class Namespace:
     def get(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> int:
         """Fill ``buffers`` for the longest stored leading run of ``keys``; return its length.
 
-        Blocks after the returned count are untouched. Each block is checked against the
-        CRC32C committed with it before it is written into its buffer (unless the client
-        was made with ``verify_gets=False``), so a block that fails the check, a lease that
-        expired while reading, or a service that went away makes the run shorter (a miss),
-        never returns wrong bytes. Blocks that passed the check count whatever happens
-        after: a retry after a reconnect goes on from the first block not yet delivered.
+        Blocks after the returned count are untouched (or zeroed, where a shared-memory
+        batch copied by several threads had copied them: ``Client(copy_threads=...)``).
+        Each block is checked against the CRC32C committed with it before it is written
+        into its buffer (unless the client was made with ``verify_gets=False``), so a block
+        that fails the check, a lease that expired while reading, or a service that went
+        away makes the run shorter (a miss), never returns wrong bytes. Blocks that passed
+        the check count whatever happens after: a retry after a reconnect goes on from the
+        first block not yet delivered.
         """
         validate_keys(keys)
         if len(keys) != len(buffers):

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import ctxmem
-from ctxmem.transport import verified
+from ctxmem.transport import shm as shm_mod
 from ctxmem.transport.base import TransportError
 from ctxmem.transport.shm import ShmChannel
-from ctxmem.transport.verified import ReadProgress, copy_checked
-from ctxmem_common.codecs import crc32c
+from ctxmem.transport.verified import ReadProgress, check_landed, copy_checked
+from ctxmem_common.codecs import copy_crc32c, copy_crc32c_from_slots, crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import SHM_OP_ACQUIRE, SHM_OP_RELEASE
 from tests.adversary.raw import RawAllocation, RawSession
@@ -31,6 +31,7 @@ from tests.reliability import sentinel
 from tests.reliability.sentinel import BLOCK, LAYOUT, SENTINEL, content, get_checked
 
 N = 8
+REAL_FROM_SLOTS = copy_crc32c_from_slots
 
 
 def keys(tag: str, n: int = N) -> list[bytes]:
@@ -85,6 +86,35 @@ def svc(service_factory: Callable[..., Any]) -> Any:
     return service_factory(transports=["shm", "tcp"], flash_size=None, lease_ttl_s=1.0)
 
 
+BlockCopy = Callable[[int, memoryview, memoryview, "int | None"], bool]
+
+
+def copy_one(src: memoryview, dst: memoryview, want: int | None) -> bool:
+    """One block as the channel's batch copy does it (fused copy + CRC, scrub on a
+    mismatch; a plain copy unverified)."""
+    done, _bad = REAL_FROM_SLOTS(src, [0], [src.nbytes], [dst], None if want is None else [want])
+    return done == 1
+
+
+def block_by_block(copy: BlockCopy) -> Callable[..., tuple[int, int | None]]:
+    """A stand-in for the channel's batch copy that goes block by block through ``copy``
+    (block index counted over the whole get), so a test can act between two blocks."""
+    count = 0
+
+    def batch(region: memoryview, offsets: list[int], lengths: list[int],
+              dsts: list[memoryview], crcs: list[int] | None = None) -> tuple[int, int | None]:
+        nonlocal count
+        r = memoryview(region)
+        for i, (off, n, dst) in enumerate(zip(offsets, lengths, dsts, strict=True)):
+            block = count
+            count += 1
+            if not copy(block, r[off : off + n], dst, None if crcs is None else crcs[i]):
+                return i, i
+        return len(dsts), None
+
+    return batch
+
+
 @pytest.fixture
 def raw(svc: Any) -> Iterator[RawSession]:
     with RawSession(svc.endpoint, LAYOUT, model_id="m") as r:
@@ -108,22 +138,18 @@ def test_expired_lease_keeps_the_verified_blocks(
     """The lease expires while block 3 is copied and block 5 changes meanwhile: blocks
     0-4 passed their check and count; 5 fails and is scrubbed, 6 and 7 are not written."""
     ks = keys("lease")
-    real = verified.copy_crc32c
-    calls = 0
 
-    def slow_copy(src: memoryview, dst: memoryview, value: int = 0) -> int:
-        nonlocal calls
-        calls += 1
-        crc = real(src, dst, value)
-        if calls == 4:
+    def slow_copy(block: int, src: memoryview, dst: memoryview, want: int | None) -> bool:
+        ok = copy_one(src, dst, want)
+        if block == 3:
             corrupt(raw, ks[5])
             time.sleep(1.6)  # past lease_ttl_s: Release will say the lease expired
-        return crc
+        return ok
 
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N
-        monkeypatch.setattr(verified, "copy_crc32c", slow_copy)
+        monkeypatch.setattr(shm_mod, "copy_crc32c_from_slots", block_by_block(slow_copy))
         assert get_checked(ns, ks, scrubbed=True) == 5
 
 
@@ -136,24 +162,20 @@ def test_slot_changed_mid_copy_never_yields_a_wrong_block(
     is what was checked, so the block is delivered, exact. A byte not copied yet: the
     buffer would hold it, so the check fails, the buffer is scrubbed and the run ends."""
     ks = keys(f"midcopy-{changed}")
-    real = verified.copy_crc32c
-    calls = 0
 
-    def racy_copy(src: memoryview, dst: memoryview, value: int = 0) -> int:
-        nonlocal calls
-        calls += 1
-        if calls != 4:
-            return real(src, dst, value)
+    def racy_copy(block: int, src: memoryview, dst: memoryview, want: int | None) -> bool:
+        if block != 3 or want is None:
+            return copy_one(src, dst, want)
         half = src.nbytes // 2
-        crc = real(src[:half], dst[:half], value)
+        crc = copy_crc32c(src[:half], dst[:half])
         at = half // 2 if changed == "copied" else half + half // 2
         src[at] ^= 0xFF  # the slot itself, as any mapper of the slab could
-        return real(src[half:], dst[half:], crc)
+        return check_landed(dst, copy_crc32c(src[half:], dst[half:], crc), want)
 
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N
-        monkeypatch.setattr(verified, "copy_crc32c", racy_copy)
+        monkeypatch.setattr(shm_mod, "copy_crc32c_from_slots", block_by_block(racy_copy))
         if changed == "copied":
             assert get_checked(ns, ks[:4]) == 4
         else:

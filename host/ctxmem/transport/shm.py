@@ -23,15 +23,27 @@ Unavailable, which reconnects (``Namespace._retrying``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from itertools import groupby
+from operator import add
+from typing import TypeVar
 
 from ctxmem.transport.base import DataChannel, TransportError
-from ctxmem.transport.verified import ReadProgress, copy_checked
-from ctxmem_common.codecs import CRC32C_FUSED, copy_crc32c, crc32c
+from ctxmem.transport.verified import ReadProgress, copy_checked, scrub
+from ctxmem_common.codecs import (
+    CRC32C_FUSED,
+    copy_crc32c,
+    copy_crc32c_from_slots,
+    copy_crc32c_to_slots,
+)
 from ctxmem_common.errors import InvalidArgument, Unavailable
 from ctxmem_common.packed_slots import PackedSlots
 from ctxmem_common.proto import ctxmem_pb2 as pb
@@ -51,6 +63,11 @@ from ctxmem_common.wire import (
 #: ``CTXMEM_SHM_OPS=0`` keeps every control call on gRPC (A/B runs, an escape hatch).
 SHM_OPS_ENV = "CTXMEM_SHM_OPS"
 _MAX_REPLY_BYTES = 256 << 20  # far above any legal answer: a larger one is a broken peer
+#: A batch's copy is split across ``copy_threads`` only from this many bytes: below it the
+#: hand-off to a pool thread costs more than the second thread gains (docs/benchmarks.md).
+COPY_THREADS_MIN_BYTES = 16 << 20
+T = TypeVar("T")
+_Run = tuple[int, int, memoryview]  # (first slot, end, the region the slots lie in)
 
 
 def shm_ops_wanted() -> bool:
@@ -90,9 +107,12 @@ class ShmChannel(DataChannel):
     name = "shm"
 
     def __init__(self, path: str, session_id: bytes, token: bytes, timeout_s: float,
-                 ops: bool = False) -> None:
+                 ops: bool = False, copy_threads: int = 1) -> None:
         self.path = path
         self.ops = ops  # the control fast path may be used (call)
+        self.copy_threads = max(1, copy_threads)
+        self._timeout_s = timeout_s
+        self._pool: ThreadPoolExecutor | None = None  # copy_threads - 1 workers, on first use
         self._broken = ""  # why the channel is unusable ("" while it is fine)
         self._lock = threading.Lock()
         self._maps: dict[int, tuple[int, mmap.mmap, memoryview]] = {}
@@ -148,30 +168,54 @@ class ShmChannel(DataChannel):
         raise InvalidArgument(f"shared-memory fast path {name}: unexpected status {status}")
 
     def write_packed(self, slots: PackedSlots, views: Sequence[memoryview]) -> list[int]:
-        """:meth:`write_crc` for a fast-path Allocate's slots (plain int lists): each view
-        into its slot, checked against the mapped region first, and its CRC32C (fused
-        with the copy where the native helper is; else the view's, before the copy)."""
-        regions, gens, offsets, lengths = (
-            slots.regions, slots.generations, slots.offsets, slots.lengths)
-        out = [] if CRC32C_FUSED else [crc32c(v) for v in views]
+        """:meth:`write_crc` for a fast-path Allocate's slots (plain int lists): every
+        slot's region mapped and its bounds checked first (TransportError, nothing
+        copied), then one :func:`~ctxmem_common.codecs.copy_crc32c_to_slots` per run of
+        slots in the same region: each view into its slot and its CRC32C (fused with the
+        copy where the native helper is; else the view's, before the copy)."""
+        offsets, lengths = slots.offsets, slots.lengths
+
+        def part(pieces: list[_Run]) -> list[int]:
+            out: list[int] = []
+            for start, end, region in pieces:
+                out += copy_crc32c_to_slots(views[start:end], region, offsets[start:end],
+                                            lengths[start:end])
+            return out
+
         with self._lock:
-            key = (-1, -1)
-            region = memoryview(b"")
-            for i, src in enumerate(views):
-                if (regions[i], gens[i]) != key:
-                    key = (regions[i], gens[i])
-                    region = self._region(*key)
-                off = offsets[i]
-                end = off + lengths[i]
-                if end > region.nbytes:
-                    raise TransportError(
-                        f"slot {i} [{off}, {end}) lies outside region {key[0]} "
-                        f"({region.nbytes} bytes); the service's answer is malformed")
-                if CRC32C_FUSED:
-                    out.append(copy_crc32c(src, region[off:end]))
-                else:
-                    region[off:end] = src
-        return out
+            parts = self._split(self._runs(slots, len(views), ""), lengths)
+            if len(parts) == 1:
+                return part(parts[0])
+            futures = [self._pool_().submit(part, p) for p in parts[1:]]
+            out = part(parts[0])
+            for f in self._results(futures, "put"):
+                out += f
+            return out
+
+    def _runs(self, slots: PackedSlots, n: int, lease: str) -> list[_Run]:
+        """The first ``n`` slots as runs ``(start, end, region)`` of one mapped region
+        each, every slot's ``offset + length`` checked against its region before any
+        copy: a malformed answer raises TransportError, never reads or writes outside
+        the mapping."""
+        if n > len(slots):
+            raise TransportError(f"{n} buffers for {len(slots)} slots{lease}; the service's "
+                                 f"answer is malformed: report it")
+        runs: list[_Run] = []
+        start = 0
+        for key, group in groupby(zip(slots.regions[:n], slots.generations[:n],
+                                          strict=True)):
+            end = start + len(list(group))
+            region = self._region(*key)
+            ends = list(map(add, slots.offsets[start:end], slots.lengths[start:end]))
+            if ends and max(ends) > region.nbytes:
+                i = next(j for j, e in enumerate(ends) if e > region.nbytes)
+                raise TransportError(
+                    f"slot {start + i} [{slots.offsets[start + i]}, {ends[i]}){lease} lies "
+                    f"outside region {key[0]} ({region.nbytes} bytes); the service's answer "
+                    f"is malformed: report it")
+            runs.append((start, end, region))
+            start = end
+        return runs
 
     def _region(self, region: int, generation: int) -> memoryview:
         cached = self._maps.get(region)
@@ -252,35 +296,97 @@ class ShmChannel(DataChannel):
     def read_packed(self, lease_id: bytes, slots: PackedSlots, views: Sequence[memoryview],
                     verify: bool, progress: ReadProgress) -> None:
         """A get's read from Acquire's packed answer (:mod:`ctxmem_common.packed_slots`):
-        as :meth:`read_verified` (``verify``) or :meth:`read`, on plain int lists, with the
-        region looked up only when it changes. Each slot's ``offset + length`` is checked
-        against the mapped region before its copy: a malformed answer raises
-        TransportError, never reads outside the mapping. ``progress.done`` counts the
-        blocks delivered, also when this raises."""
-        regions, gens, offsets, lengths, crcs = (
-            slots.regions, slots.generations, slots.offsets, slots.lengths, slots.crcs)
+        as :meth:`read_verified` (``verify``) or :meth:`read`. Every slot's region is
+        mapped and its ``offset + length`` checked first: a malformed answer raises
+        TransportError before any copy. Then one
+        :func:`~ctxmem_common.codecs.copy_crc32c_from_slots` per run of slots in the same
+        region (the GIL released once per run); with ``verify`` the first block that fails
+        its CRC32C is zeroed and ends the read. ``progress.done`` counts the blocks
+        delivered, also when this raises.
+
+        A batch of at least :data:`COPY_THREADS_MIN_BYTES` with ``copy_threads`` > 1 is
+        split into that many contiguous parts copied at once (this thread takes the
+        first). Seen by the caller it is the same read: ``done`` is the first failed
+        block's index, that buffer is zeroed, and so is every later buffer another part
+        had already written (its blocks are not delivered): a buffer past ``done`` holds
+        zeros or is untouched, never other bytes."""
+        offsets, lengths = slots.offsets, slots.lengths
+        crcs = slots.crcs if verify else None
+
+        def part(pieces: list[_Run]) -> tuple[int, int | None]:
+            """(first block of the part not delivered, failed block or None)."""
+            end = pieces[0][0] if pieces else 0
+            for start, end, region in pieces:
+                done, bad = copy_crc32c_from_slots(
+                    region, offsets[start:end], lengths[start:end], views[start:end],
+                    None if crcs is None else crcs[start:end])
+                if bad is not None:
+                    return start + done, start + bad
+            return end, None
+
         with self._lock:
-            key = (-1, -1)
-            region = memoryview(b"")
-            for i, dst in enumerate(views):
-                if (regions[i], gens[i]) != key:
-                    key = (regions[i], gens[i])
-                    region = self._region(*key)
-                off = offsets[i]
-                end = off + lengths[i]
-                if end > region.nbytes:
-                    raise TransportError(
-                        f"lease {lease_id.hex()}: slot {i} [{off}, {end}) lies outside "
-                        f"region {key[0]} ({region.nbytes} bytes); the service's answer is "
-                        f"malformed: report it")
-                if not verify:
-                    dst[:] = region[off:end]
-                elif not copy_checked(region[off:end], dst, crcs[i]):
-                    progress.bad = i
-                    return
-                progress.done = i + 1
+            parts = self._split(self._runs(slots, len(views), f" of lease {lease_id.hex()}"),
+                                lengths)
+            if len(parts) == 1:
+                progress.done, progress.bad = part(parts[0])
+                return
+            futures = [self._pool_().submit(part, p) for p in parts[1:]]
+            results = [part(parts[0])]
+            progress.done, progress.bad = results[0]
+            try:
+                results += self._results(futures, f"get of lease {lease_id.hex()}")
+            finally:
+                # Delivered: whole parts in order, up to the first failed block (or the
+                # first part still running, if a wait timed out).
+                for done, bad in results:
+                    progress.done, progress.bad = done, bad
+                    if bad is not None:
+                        break
+                if progress.bad is not None:  # later parts' blocks are not delivered
+                    for p, (done, _bad) in zip(parts, results, strict=False):
+                        if p[0][0] > progress.bad:
+                            for i in range(p[0][0], done):
+                                scrub(views[i])
+
+    def _split(self, runs: list[_Run], lengths: list[int]) -> list[list[_Run]]:
+        """``runs`` as ``copy_threads`` contiguous parts of about equal bytes (one part
+        when the batch is under :data:`COPY_THREADS_MIN_BYTES`, or one thread)."""
+        n = runs[-1][1] if runs else 0
+        k = min(self.copy_threads, n)
+        if k <= 1 or sum(lengths[:n]) < COPY_THREADS_MIN_BYTES:
+            return [runs]
+        cuts = [n * j // k for j in range(k + 1)]
+        parts: list[list[_Run]] = []
+        for lo, hi in itertools.pairwise(cuts):
+            parts.append([(max(s, lo), min(e, hi), r) for s, e, r in runs if s < hi and e > lo])
+        return parts
+
+    def _pool_(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.copy_threads - 1,
+                                            thread_name_prefix="ctxmem-shm-copy")
+        return self._pool
+
+    def _results(self, futures: list[Future[T]], what: str) -> list[T]:
+        """The parts' results in order, each waited for until the channel's timeout; a
+        part still copying then (a machine stalled that long) breaks the channel."""
+        deadline = time.monotonic() + self._timeout_s
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                self._broken = f"a copy thread of a {what} still running after " \
+                               f"{self._timeout_s} s"
+                raise TransportError(
+                    f"shared-memory {what}: a copy thread did not finish within "
+                    f"{self._timeout_s} s (timeout_s); the channel is closed for use, "
+                    f"reconnect") from None
+        return out
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             for region in list(self._maps):
                 self._drop(region)

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 import crc32c as _crc32c
 
-__all__ = ["FUSED", "IMPLEMENTATION", "copy_crc32c", "crc32c", "crc32c_many"]
+__all__ = ["FUSED", "IMPLEMENTATION", "copy_crc32c", "copy_crc32c_from_slots",
+           "copy_crc32c_to_slots", "crc32c", "crc32c_many"]
 
 ENV = "CTXMEM_CRC32C_IMPL"
 _CHOICES = ("hardware", "table", "pure")
@@ -110,6 +111,60 @@ def _pure_crc32c_many(buf: Buffer, offsets: Sequence[int],
             for off, n in zip(offsets, lens, strict=True)]
 
 
+def _check_slots(fn: str, region: memoryview, offsets: Sequence[int],
+                 lengths: Sequence[int], bufs: Sequence[memoryview],
+                 crcs: Sequence[int] | None) -> None:
+    """The native batch functions' checks, all before any copy (same errors)."""
+    n = len(bufs)
+    if len(offsets) != n or len(lengths) != n or (crcs is not None and len(crcs) != n):
+        raise ValueError(f"{fn}: {n} buffers but {len(offsets)} offsets, {len(lengths)} "
+                         f"lengths and {n if crcs is None else len(crcs)} crcs; pass one of "
+                         f"each per block")
+    if crcs is not None and not all(0 <= c <= 0xFFFFFFFF for c in crcs):
+        raise ValueError(f"{fn}: crcs must be ints in [0, 2**32)")
+    for i, (off, length, buf) in enumerate(zip(offsets, lengths, bufs, strict=True)):
+        if off < 0 or length < 0 or off + length > region.nbytes:
+            raise ValueError(f"{fn}: slot {i} [{off}, {off} + {length}) lies outside the "
+                             f"region ({region.nbytes} bytes); nothing was copied")
+        if buf.nbytes != length:
+            raise ValueError(f"{fn}: buffer {i} is {buf.nbytes} bytes but its slot is "
+                             f"{length}; pass buffers of exactly their slot's length; "
+                             f"nothing was copied")
+
+
+def _pure_copy_from_slots(region: Buffer, offsets: Sequence[int], lengths: Sequence[int],
+                          dsts: Sequence[Buffer], crcs: Sequence[int] | None = None
+                          ) -> tuple[int, int | None]:
+    r = memoryview(region).cast("B")
+    views = [memoryview(d).cast("B") for d in dsts]
+    _check_slots("copy_crc32c_from_slots", r, offsets, lengths, views, crcs)
+    if any(v.readonly for v in views):
+        raise ValueError("copy_crc32c_from_slots: a dst is read-only; pass writable buffers")
+    for i, (off, length, dst) in enumerate(zip(offsets, lengths, views, strict=True)):
+        if crcs is None:
+            dst[:] = r[off : off + length]
+        elif _pure_copy_crc32c(r[off : off + length], dst) != crcs[i]:
+            dst[:] = bytes(length)
+            return i, i
+    return len(views), None
+
+
+def _pure_copy_to_slots(srcs: Sequence[Buffer], region: Buffer, offsets: Sequence[int],
+                        lengths: Sequence[int]) -> list[int]:
+    r = memoryview(region).cast("B")
+    views = [memoryview(s).cast("B") for s in srcs]
+    _check_slots("copy_crc32c_to_slots", r, offsets, lengths, views, None)
+    if r.readonly:
+        raise ValueError("copy_crc32c_to_slots: region is read-only; pass a writable buffer")
+    out = []
+    for off, length, src in zip(offsets, lengths, views, strict=True):
+        # Not fused: CRC the source, then copy (a CRC of the slot after the copy could
+        # cover another mapper's bytes).
+        out.append(_pure_crc32c(src))
+        r[off : off + length] = src
+    return out
+
+
 if TYPE_CHECKING:
     def crc32c(data: Buffer, value: int = 0) -> int:
         """CRC32C of ``data``, continuing from ``value`` (0 to start)."""
@@ -126,11 +181,31 @@ if TYPE_CHECKING:
         with the GIL released once for the whole batch (a Commit's slots in a slab).
         Every range is checked first: ValueError, before any CRC, if one is outside
         ``buf``."""
+
+    def copy_crc32c_from_slots(region: Buffer, offsets: Sequence[int],
+                               lengths: Sequence[int], dsts: Sequence[Buffer],
+                               crcs: Sequence[int] | None = None) -> tuple[int, int | None]:
+        """A batch of a get: ``region[offsets[i]:offsets[i] + lengths[i]]`` into
+        ``dsts[i]``, every bound and size checked before any copy (ValueError naming the
+        slot), one native call with the GIL released once. With ``crcs``, each block is
+        copied and CRC'd in one pass and the first whose CRC differs ends the call with its
+        ``dst`` zeroed: returns ``(i, i)``; otherwise ``(len(dsts), None)``. Without
+        ``crcs``, a plain copy."""
+
+    def copy_crc32c_to_slots(srcs: Sequence[Buffer], region: Buffer,
+                             offsets: Sequence[int], lengths: Sequence[int]) -> list[int]:
+        """A batch of a put: ``srcs[i]`` into ``region[offsets[i]:offsets[i] +
+        lengths[i]]``, checked first as :func:`copy_crc32c_from_slots`, and each block's
+        CRC32C (of the words as stored, where :data:`FUSED`; of the source otherwise)."""
 elif _native is None:
     crc32c = _pure_crc32c
     copy_crc32c = _pure_copy_crc32c
+    copy_crc32c_from_slots = _pure_copy_from_slots
+    copy_crc32c_to_slots = _pure_copy_to_slots
     crc32c_many = _pure_crc32c_many
 else:
     crc32c = _native.crc32c
     copy_crc32c = _native.copy_crc32c
+    copy_crc32c_from_slots = _native.copy_crc32c_from_slots
+    copy_crc32c_to_slots = _native.copy_crc32c_to_slots
     crc32c_many = _native.crc32c_many
