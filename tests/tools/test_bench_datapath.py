@@ -50,3 +50,25 @@ def test_bench_odirect_path_must_be_a_block_device(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as ex:
         run(["--odirect-path", str(tmp_path), "--workdir", str(tmp_path / "w")])
     assert ex.value.code == 2
+
+
+def test_bench_dram_only_runs_the_dram_rows_without_a_flash_tier(tmp_path: Path) -> None:
+    """``--dram-only``: an unencrypted service with no flash tier (nothing demoted in the
+    background while puts are timed); the put, get and Lookup rows, no flash rows."""
+    out = tmp_path / "bench.json"
+    assert run(["--quick", "--rounds", "1", "--batch-mib", "8", "--dram-only", "--workdir",
+                str(tmp_path / "work"), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["params"]["dram_only"] is True
+    names = {r["name"] for r in doc["results"]}
+    assert {"dram_put_2MiB", "dram_get_2MiB_verify", "dram_put_64KiB", "dram_get_64KiB",
+            "lookup_10k_p99"} <= names
+    assert not {n for n in names if n.startswith(("flash_", "dram_")) and "_xts" in n}
+    assert not {n for n in names if n.startswith("flash_")}
+    assert not (tmp_path / "work" / "plain" / "flash0.img").exists()
+
+
+def test_bench_dram_only_refuses_a_flash_option(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run(["--dram-only", "--peer", "lmcache", "--workdir", str(tmp_path)])
+    assert exc.value.code == 2

@@ -242,10 +242,11 @@ def _pct(samples: list[float], q: float) -> float:
 def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, rounds: int,
                   tag: str, limits: dict[str, float], results: list[Result],
                   with_lookup: bool, bar: Progress | None = None,
-                  peer_round: PeerRound | None = None) -> None:
+                  peer_round: PeerRound | None = None, flash: bool = True) -> None:
     """Put/get/cold-get of ``batch`` blocks of ``block`` bytes, ``rounds`` times; with
     ``peer_round``, a peer's round on the same buffers beside each (``--peer``) and the
-    ``put_durable`` row (put plus demotion, per round) it is compared with."""
+    ``put_durable`` row (put plus demotion, per round) it is compared with. Without
+    ``flash`` (a DRAM-only service) only the put and get rows."""
     layout = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=block // 2,
                       tokens_per_block=1)
     assert layout.block_nbytes == block
@@ -280,15 +281,16 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
                 n = ns.get(keys, outs)
                 get_t.append(time.perf_counter() - t)
             assert n == batch and all(np.array_equal(a, b) for a, b in zip(bufs, outs, strict=True))
-            with meter.phase(demote_n, nbytes):
-                t = time.perf_counter()
-                ns.evict(keys)
-                demote_t.append(time.perf_counter() - t)
-            with meter.phase(cold_n, nbytes):
-                t = time.perf_counter()
-                n = ns.get(keys, outs)
-                cold_t.append(time.perf_counter() - t)
-            assert n == batch, f"cold get served {n} of {batch}"
+            if flash:
+                with meter.phase(demote_n, nbytes):
+                    t = time.perf_counter()
+                    ns.evict(keys)
+                    demote_t.append(time.perf_counter() - t)
+                with meter.phase(cold_n, nbytes):
+                    t = time.perf_counter()
+                    n = ns.get(keys, outs)
+                    cold_t.append(time.perf_counter() - t)
+                assert n == batch, f"cold get served {n} of {batch}"
             ns.delete(keys)
             if peer_round is not None and not r % 2:
                 peer_round(r, bufs, outs)
@@ -296,7 +298,9 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
                 bar.update()
         if tag == "plain":
             bench_verify(svc, transport, layout, size, bufs, outs, rounds, limits, results)
-        cases = [(put_n, put_t), (get_n, get_t), (demote_n, demote_t), (cold_n, cold_t)]
+        cases = [(put_n, put_t), (get_n, get_t)]
+        if flash:
+            cases += [(demote_n, demote_t), (cold_n, cold_t)]
         if peer_round is not None:  # what the peer's durable put is held against
             durable_n = f"put_durable_{size}{crypt}"
             cases.append((durable_n, [p + d for p, d in zip(put_t, demote_t, strict=True)]))
@@ -370,7 +374,12 @@ def run(argv: list[str] | None = None) -> int:
                    help="also run LMCache's own storage manager (its CPU and O_DIRECT local "
                         "disk backends) on the same buffers, a round beside each ctxmem round "
                         "of the encrypted service, and print both row by row")
+    p.add_argument("--dram-only", action="store_true",
+                   help="a service with no flash tier, unencrypted: only the DRAM put and "
+                        "get rows, with no write-back demotion competing for the CPUs")
     args = p.parse_args(argv)
+    if args.dram_only and (args.peer or args.flash_device):
+        p.error("--dram-only has no flash tier: it takes neither --peer nor --flash-device")
     peer_info: dict[str, object] | None = None
     if args.peer:
         from ctxmem_tools.bench import peer_lmcache
@@ -410,14 +419,17 @@ def run(argv: list[str] | None = None) -> int:
     count = batch_bytes // (2 * MiB)
     limits = measure_limits(scratch, 2 * MiB, count, repeat=5, offset=offset)
     # On a terminal: a bar with an ETA (the limits twice, then every round of each case).
-    bar = progress(2 + 4 * rounds, "ctxmem bench", "steps")
+    bar = progress(2 + (2 if args.dram_only else 4) * rounds, "ctxmem bench", "steps")
     bar.update()
     for name, value in limits.items():
         results.append(Result(f"limit_{name}", value, "GB/s", value, 1.0))
     flash_size = f"{max(1024, 6 * args.batch_mib)}MiB"
-    for tag, enc in (("xts", True), ("plain", False)):
+    flash = not args.dram_only
+    services = (("plain", False),) if args.dram_only else (("xts", True), ("plain", False))
+    for tag, enc in services:
         cfg = local_config(base / tag, encryption=enc, dram_size=f"{4 * args.batch_mib}MiB",
-                           dram_slab="32MiB", flash_size=flash_size, flash_slab="64MiB",
+                           dram_slab="32MiB", flash_size=flash_size if flash else None,
+                           flash_slab="64MiB",
                            transports=[args.transport], service={"rdma_listen": os.environ.get(
                                "CTXMEM_RDMA_LISTEN", "0.0.0.0")})  # rdma: any RoCE v2 GID
         if device_entry is not None:
@@ -431,7 +443,8 @@ def run(argv: list[str] | None = None) -> int:
                         if args.peer and tag == "xts" else None)
                     bench_service(svc, args.transport, block, batch_bytes // block, rounds,
                                   tag, limits, results,
-                                  with_lookup=(tag == "xts" and block == 2 * MiB), bar=bar,
+                                  with_lookup=(block == 2 * MiB and (tag == "xts" or not flash)),
+                                  bar=bar, flash=flash,
                                   peer_round=peer.round if peer is not None else None)
                     if peer is not None:
                         results.extend(peer.results(limits))
@@ -471,7 +484,8 @@ def run(argv: list[str] | None = None) -> int:
                         "crc32c": CRC32C_IMPLEMENTATION, "aes_xts": XTS_IMPLEMENTATION},
             "params": {"transport": args.transport, "batch_mib": args.batch_mib,
                        "rounds": rounds, "flash_device": device_entry,
-                       "odirect_path": str(scratch), "peer": args.peer},
+                       "odirect_path": str(scratch), "peer": args.peer,
+                       "dram_only": args.dram_only},
         }
         if peer_info is not None:
             doc["peer"] = peer_info
