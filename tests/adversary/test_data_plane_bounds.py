@@ -26,6 +26,7 @@ from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import OP_READ, OP_WRITE, TCP_HELLO, TCP_REQ, TCP_RESP, Status
 from ctxmem_tools.launcher import local_config
 from tests.adversary.raw import RawSession
+from tests.adversary.sockets import recv_exact
 from tests.conftest import ServiceHandle
 
 BLOCK = 16 << 10
@@ -62,19 +63,11 @@ def _connect(r: RawSession, hello: bool = True) -> socket.socket:
     sock = socket.create_connection((host, port), timeout=10)
     if hello:
         sock.sendall(TCP_HELLO.pack(b"CXT1", r.session_id, r.token))
-        magic, status, _ = TCP_RESP.unpack(_recv(sock, TCP_RESP.size))
+        magic, status, _ = TCP_RESP.unpack(recv_exact(sock, TCP_RESP.size))
         assert (magic, status) == (b"CXTA", Status.OK)
     return sock
 
 
-def _recv(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            raise ConnectionResetError(f"closed after {len(buf)} of {n} bytes")
-        buf += got
-    return buf
 
 
 def _status_then_closed(sock: socket.socket, within_s: float) -> int | None:
@@ -263,9 +256,9 @@ def test_commit_or_abort_while_a_write_is_in_flight_is_refused(svc: ServiceHandl
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "still in flight" in (err.value.details() or "")
         sock.sendall(payload[4096:])
-        assert TCP_RESP.unpack(_recv(sock, TCP_RESP.size))[1] == Status.OK
+        assert TCP_RESP.unpack(recv_exact(sock, TCP_RESP.size))[1] == Status.OK
         sock.sendall(TCP_REQ.pack(b"CXTR", OP_WRITE, a.id, 1, BLOCK) + payload)
-        assert TCP_RESP.unpack(_recv(sock, TCP_RESP.size))[1] == Status.OK
+        assert TCP_RESP.unpack(recv_exact(sock, TCP_RESP.size))[1] == Status.OK
         sock.close()
         done = r.call("Commit", pb.CommitRequest(session_id=r.session_id, allocation_id=a.id,
                                                  crc32c=[crc32c(payload)] * 2))

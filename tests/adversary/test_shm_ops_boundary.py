@@ -47,6 +47,7 @@ from ctxmem_common.wire import (
 )
 from tests.adversary.raw import RawSession
 from tests.adversary.shm_raw import shm_connect
+from tests.adversary.sockets import recv_exact
 from tests.conftest import ServiceHandle
 
 LAYOUT = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=32 << 10,
@@ -61,20 +62,12 @@ def svc(service_factory: Callable[..., ServiceHandle]) -> ServiceHandle:
                            service={"shm_reply_deadline_s": 1.0})
 
 
-def _recv(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionResetError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return buf
 
 
 def _reply(sock: socket.socket) -> tuple[int, int, bytes]:
-    magic, status, op, length = SHM_OP_REPLY.unpack(_recv(sock, SHM_OP_REPLY.size))
+    magic, status, op, length = SHM_OP_REPLY.unpack(recv_exact(sock, SHM_OP_REPLY.size))
     assert magic == b"CXSP"
-    return status, op, _recv(sock, length)
+    return status, op, recv_exact(sock, length)
 
 
 def _closed(sock: socket.socket, within_s: float = 5.0) -> bool:
@@ -138,7 +131,7 @@ def test_a_bad_magic_is_refused_and_the_connection_closed(svc: ServiceHandle) ->
     with RawSession(svc.endpoint, LAYOUT) as r:
         sock = _raw_conn(r)
         sock.sendall(SHM_MAP.pack(b"XXXX", 0, 0))
-        _m, status, _g, _size = SHM_MAP_REPLY.unpack(_recv(sock, SHM_MAP_REPLY.size))
+        _m, status, _g, _size = SHM_MAP_REPLY.unpack(recv_exact(sock, SHM_MAP_REPLY.size))
         assert status == Status.BAD_REQUEST
         assert _closed(sock)
         sock.close()

@@ -3,7 +3,7 @@ little-endian tweak, plaintext, ciphertext).
 
 * IEEE Std 1619-2007 (P1619/D16) annex B, vectors 10-14: the same 512-byte plaintext
   (bytes 00..ff twice) and key, data unit sequence numbers 0xff, 0xffff, 0xffffff,
-  0xffffffff, 0xffffffffff. Vector 10 is also in ``test_codecs.py``.
+  0xffffffff, 0xffffffffff. ``test_codecs.py`` takes vector 10 from here.
 * Brian Gladman's XTS vectors (``modes/testvals/xts.6``, vectors 30 and 31, also used by
   BoringSSL's and AWS-LC's XTS tests): one block (16 bytes), and one block plus a byte
   (17 bytes: ciphertext stealing), with a 64-byte key.
