@@ -264,3 +264,27 @@ def test_a_no_reply_release_keeps_the_replies_in_order(svc: ServiceHandle) -> No
         assert status == Status.ERROR
         assert isinstance(decode_error(body), UnknownNamespace)
         sock.close()
+
+
+def test_duplicate_keys_in_a_fast_acquire_are_refused_as_over_grpc(svc: ServiceHandle
+                                                                   ) -> None:
+    """The fast path's Acquire checks its keys once (in the frame's decoding, not again in
+    the store): a batch with a repeated key is still refused, with gRPC's error, and
+    nothing is leased."""
+    with RawSession(svc.endpoint, LAYOUT) as r:
+        assert isinstance(r.data, ShmChannel)
+        data = np.full(LAYOUT.block_nbytes, 5, np.uint8)
+        from ctxmem_common.codecs import crc32c
+
+        alloc = r.allocate(KEYS[:2])
+        r.write(alloc, [data.tobytes()] * 2)
+        r.commit(alloc, [crc32c(data)] * 2)
+        dup = [KEYS[0], KEYS[1], KEYS[0]]
+        code, got = _fast_code(r.data, SHM_OP_ACQUIRE,
+                               encode_keys_request(r.handle, b"".join(dup), 32))
+        assert got is InvalidArgument and code == ErrorCode.INVALID_ARGUMENT.value
+        assert code == _grpc_code(lambda: r.call("Acquire", pb.AcquireRequest(
+            session_id=r.session_id, namespace_handle=r.handle, keys=dup)))
+        lease = r.acquire(KEYS[:2])  # the blocks are intact and leasable
+        assert r.read(lease) == [data.tobytes()] * 2
+        assert r.release(lease) == [True]

@@ -46,11 +46,11 @@ def lookup(store: BlockStore, ns: Namespace, keys: Sequence[bytes] | np.ndarray,
     return n, tier_codes(found)
 
 
-async def acquire(store: BlockStore, s: Session, ns: Namespace, keys: Sequence[bytes]
-                  ) -> tuple[Lease, list[pb.Tier]]:
+async def acquire(store: BlockStore, s: Session, ns: Namespace, keys: Sequence[bytes],
+                  keys_checked: bool = False) -> tuple[Lease, list[pb.Tier]]:
     """Lease the stored leading run of ``keys``: the lease and each block's source tier
-    (pb.Tier codes)."""
-    lease, sources = await store.acquire(s, ns, keys)
+    (pb.Tier codes). ``keys_checked``: see :meth:`BlockStore.acquire`."""
+    lease, sources = await store.acquire(s, ns, keys, keys_checked=keys_checked)
     return lease, [tier_to_pb(t) for t in sources]
 
 

@@ -359,14 +359,16 @@ class BlockStore:
         return await self._puts.commit(s, allocation_id, client_crcs, abort)
 
     # -- get -------------------------------------------------------------------------
-    async def acquire(self, s: Session, ns: Namespace, keys: Sequence[bytes]) -> tuple[
-        Lease, list[str]
-    ]:
+    async def acquire(self, s: Session, ns: Namespace, keys: Sequence[bytes],
+                      keys_checked: bool = False) -> tuple[Lease, list[str]]:
         """Lease the longest stored leading run of ``keys``, promoting flash blocks into
         DRAM; returns the lease and each leased block's source tier. The run is cut where
         a block fails its check or DRAM could stage no more (the shim continues with
-        another Acquire from there)."""
-        validate_keys(keys)
+        another Acquire from there). ``keys_checked``: the caller already refused bad and
+        duplicate keys (the shm fast path's ``packed_key_array``), so the batch is not
+        checked a second time (≈ 10% of a 64 KiB Acquire's service time)."""
+        if not keys_checked:
+            validate_keys(keys)
         self._quotas.check_grants(s, "leases")
         per_ns = self._index.get(ns.digest)
         # One lease holds at most half the DRAM tier, so the rest can be evicted to stage

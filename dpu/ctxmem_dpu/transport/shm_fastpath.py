@@ -87,7 +87,8 @@ async def _keys_op(store: BlockStore, session_id: bytes, op: int, body: Body
         return Status.OK, wire_ops.encode_lookup_reply(n, codes)
     keys: list[bytes] = req.keys.tolist()
     if op == SHM_OP_ACQUIRE:
-        lease, sources = await block_ops.acquire(store, s, ns, keys)
+        # decode_keys_request refused bad and duplicate keys (as validate_keys would)
+        lease, sources = await block_ops.acquire(store, s, ns, keys, keys_checked=True)
         regions, gens, offsets, lengths, crcs = block_ops.lease_slots(store, lease)
         return Status.OK, wire_ops.encode_acquire_reply(
             lease.id, regions, gens, offsets, lengths, crcs, sources)
