@@ -25,17 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from ctxmem_common.codecs import XTS_IMPLEMENTATION, XtsCipher
+from ctxmem_tools.bench.profile import parse_block
 
 IMPLS = ("openssl", "cryptography")
 MiB = 1 << 20
 
-
-def _parse_size(text: str) -> int:
-    t = text.strip().lower()
-    for suffix, mult in (("kib", 1024), ("mib", MiB), ("k", 1024), ("m", MiB)):
-        if t.endswith(suffix):
-            return int(t[: -len(suffix)]) * mult
-    return int(t)
 
 
 def one_round(cipher: XtsCipher, size: int, threads: int, records: int
@@ -80,7 +74,7 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results as JSON here")
     args = p.parse_args(argv)
     rounds, mib = (2, 4) if args.quick else (args.rounds, args.mib)
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_block(s) for s in args.sizes.split(",")]
     counts = [int(t) for t in args.threads.split(",")]
     if any(s < 16 or s > 16 * MiB for s in sizes) or any(t < 1 for t in counts):
         p.error("sizes must be 16 B..16 MiB and thread counts at least 1")
