@@ -138,3 +138,44 @@ def test_a_restart_reconnects_and_retries_over_the_fast_path(
         assert _channel(c).ops
     assert _fast_counts(svc)["shm_ops_acquire"] >= 1
 
+
+
+def test_a_verified_get_holds_no_lease_once_the_client_closes(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """A verified get's Release goes flagged no-reply (the get does not wait for it); the
+    client's close waits until the service has served it, so nothing the client did is
+    still held when close returns. Without that wait `ctxmem status` scraped right after a
+    client exited could show its lease (CI caught it)."""
+    svc = service_factory(encryption=False, flash_size=None, dram_size="256MiB")
+    keys = _keys("close", 4)
+    data = _data(SMALL, 4, 3)
+    with ctxmem.Client(svc.endpoint, transport="shm") as c:
+        c.open_namespace(SMALL, model_id="fast").put(keys, data)
+    for round_ in range(20):
+        with ctxmem.Client(svc.endpoint, transport="shm") as c:
+            ns = c.open_namespace(SMALL, model_id="fast")
+            out = [np.zeros(SMALL.block_nbytes, np.uint8) for _ in keys]
+            assert ns.get(keys, out) == len(keys)
+            assert _channel(c).ops, "the fast path was not negotiated"
+        leases = svc.stats()["leases"]
+        assert leases == 0, f"round {round_}: {leases} lease(s) still held after close"
+
+
+def test_flush_waits_for_no_reply_releases(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """`ShmChannel.flush` is the barrier close uses: after it, the releases sent without
+    an answer have been served, with the channel still open."""
+    svc = service_factory(encryption=False, flash_size=None, dram_size="256MiB")
+    keys = _keys("flush", 8)
+    with ctxmem.Client(svc.endpoint, transport="shm") as c:
+        ns = c.open_namespace(SMALL, model_id="fast")
+        ns.put(keys, _data(SMALL, 8, 4))
+        before = svc.stats()["shm_ops_release"]
+        for _ in range(10):
+            assert ns.get(keys, [np.zeros(SMALL.block_nbytes, np.uint8) for _ in keys]) == 8
+        _channel(c).flush()
+        stats = svc.stats()
+        assert stats["leases"] == 0
+        assert stats["shm_ops_release"] - before == 11, "ten releases and the barrier"
+        _channel(c).flush()  # nothing unanswered since: no frame sent
+        assert svc.stats()["shm_ops_release"] - before == 11
