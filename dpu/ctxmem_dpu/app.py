@@ -178,6 +178,8 @@ class Service:
             servicer.pod = self.pod
             if self.shm is not None:  # Lookup/Acquire need the cluster: over gRPC
                 self.shm.pod = True
+            if self.tcp is not None:
+                self.tcp.pod = True
         listen = cfg.service.listen
         if self.tls is not None:
             self.grpc_port = self.server.add_secure_port(listen, self.tls.grpc_credentials())

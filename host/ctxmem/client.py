@@ -33,7 +33,7 @@ import grpc
 
 from ctxmem.namespace import LookupResult, Namespace, PutResult
 from ctxmem.tls import TlsConfig
-from ctxmem.transport.base import DataChannel
+from ctxmem.transport.base import DataChannel, fast_ops_wanted
 from ctxmem_common.errors import (
     ERROR_METADATA_KEY,
     CtxmemError,
@@ -222,10 +222,10 @@ class Client:
     def _open_channel(self, name: str, health: pb.HealthResponse, session_id: bytes,
                       token: bytes) -> DataChannel:
         if name == "shm":
-            from ctxmem.transport.shm import ShmChannel, shm_ops_wanted
+            from ctxmem.transport.shm import ShmChannel
 
             return ShmChannel(health.shm_socket, session_id, token, self.timeout_s,
-                              ops=health.shm_ops and shm_ops_wanted(),
+                              ops=health.shm_ops and fast_ops_wanted(),
                               copy_threads=self.copy_threads)
         if name == "tcp":
             from ctxmem.transport.tcp import TcpChannel
@@ -234,7 +234,8 @@ class Client:
                                         default_host="")
             if host in ("", "0.0.0.0", "::"):  # the service listens on every address
                 host = self.endpoint.rpartition(":")[0].strip("[]") or "127.0.0.1"
-            return TcpChannel(host, port, session_id, token, self.timeout_s, tls=self.tls)
+            return TcpChannel(host, port, session_id, token, self.timeout_s, tls=self.tls,
+                              ops=health.tcp_ops and fast_ops_wanted())
         if name == "rdma":  # RDMA (issue 3): QPs connected over this gRPC channel
             from ctxmem.transport.rdma import RdmaChannel
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ctxmem.buffers import Staged
-from ctxmem.transport.base import TransportError
-from ctxmem.transport.shm import FastPathUnsupported, ShmChannel
+from ctxmem.transport.base import DataChannel, FastPathUnsupported, TransportError
+from ctxmem.transport.shm import ShmChannel
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.errors import (
     CtxmemError,
@@ -91,11 +91,11 @@ def _lookup_request(session_id: bytes, handle: int, keys: Sequence[bytes], prefi
                             prefix=prefix, want_tier_codes=True)
 
 
-def _fast(s: _Session, keys: Sequence[bytes]) -> tuple[ShmChannel, bytes, int] | None:
-    """(channel, packed keys, key length) when this call can take the shared-memory
-    fast path: the service offers it, and the keys are of one length (packed)."""
+def _fast(s: _Session, keys: Sequence[bytes]) -> tuple[DataChannel, bytes, int] | None:
+    """(channel, packed keys, key length) when this call can take the control fast path
+    (shared memory or TCP): the channel carries it, and the keys are of one length."""
     ch = s.channel
-    if not isinstance(ch, ShmChannel) or not ch.ops:
+    if not ch.ops:
         return None
     packed = pack_keys(keys)
     return None if packed is None else (ch, packed[0], packed[1])
@@ -155,7 +155,7 @@ class Namespace:
 
     def _lookup_fast(self, s: _Session, keys: Sequence[bytes], prefix: bool
                      ) -> tuple[int, bytes] | None:
-        """(hits, tier codes) over the shared-memory fast path; None: ask over gRPC."""
+        """(hits, tier codes) over the control fast path; None: ask over gRPC."""
         fast = _fast(s, keys)
         if fast is None:
             return None
@@ -249,11 +249,11 @@ class Namespace:
 
         return self._retrying(op)
 
-    def _put_fast(self, ch: ShmChannel, packed: bytes, key_len: int, keys: list[bytes],
+    def _put_fast(self, ch: DataChannel, packed: bytes, key_len: int, keys: list[bytes],
                   views: list[memoryview]) -> tuple[int, int]:
-        """:meth:`_put_batch` over the shared-memory fast path: ALLOCATE, the fused
-        copy+CRC into the slots, COMMIT (or an abort when nothing is new or the copy
-        failed)."""
+        """:meth:`_put_batch` over the control fast path: ALLOCATE, the write (on shared
+        memory the fused copy+CRC into the slots; on TCP each block and its CRC32C),
+        COMMIT (or an abort when nothing is new or the write failed)."""
         a = decode_allocate_reply(
             ch.call(SHM_OP_ALLOCATE, encode_keys_request(self.handle, packed, key_len)),
             len(keys), self.block_nbytes)
@@ -262,7 +262,9 @@ class Namespace:
             ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, [], abort=True)])
             return 0, len(keys)
         try:
-            crcs = ch.write_packed(a.slots, [views[i] for i in new])
+            sel = [views[i] for i in new]
+            crcs = (ch.write_packed(a.slots, sel) if isinstance(ch, ShmChannel)
+                    else ch.write_crc(a.allocation_id, (), sel))  # TCP: slots by index
         except TransportError:
             with contextlib.suppress(CtxmemError):
                 ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, [], abort=True)])
@@ -353,6 +355,11 @@ class Namespace:
                                             progress)
                 elif n and a is not None:
                     s.channel.read(lease_id, a.slots[:n], dst)
+                elif n and rep is not None:  # TCP's fast ACQUIRE: READ names blocks by index
+                    if verify:
+                        ch.read_verified(lease_id, (), dst, rep.slots.crcs, progress)
+                    else:
+                        ch.read(lease_id, (), dst)
             finally:
                 if verify:
                     done = base + progress.done  # checked bytes are right, whatever follows
@@ -385,7 +392,6 @@ class Namespace:
         flagged no-reply and the get returns without a round trip (answers True)."""
         if fast:
             ch = s.channel
-            assert isinstance(ch, ShmChannel)
             body = ch.call(SHM_OP_RELEASE, [encode_release([lease_id], no_reply=not wait)],
                            reply=wait)
             return decode_release_reply(body, 1)[0] if wait else True

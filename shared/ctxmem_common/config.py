@@ -84,11 +84,12 @@ class ServiceConfig:
     # block the service.
     shm_reply_queue: int = 64
     shm_reply_deadline_s: float = 5.0
-    # The control fast path on the shared-memory socket (ACQUIRE/RELEASE, LOOKUP,
-    # ALLOCATE/COMMIT without gRPC; ctxmem_common.shm_ops): the largest request body it
-    # reads. The default fits the largest legal Lookup or Allocate (262,144 keys of 64
-    # bytes = 16 MiB) plus its header; a larger one is refused and the connection closed.
-    # 0 turns the fast path off (clients then use gRPC).
+    # The control fast path on the shared-memory socket and the TCP data channel
+    # (ACQUIRE/RELEASE, LOOKUP, ALLOCATE/COMMIT without gRPC; ctxmem_common.shm_ops): the
+    # largest request body it reads. The default fits the largest legal Lookup or
+    # Allocate (262,144 keys of 64 bytes = 16 MiB) plus its header; a larger one is
+    # refused and the connection closed. 0 turns the fast path off on both (clients then
+    # use gRPC).
     shm_op_max_bytes: int = (16 << 20) + 4096
     # Peer credentials (SO_PEERCRED) allowed on the shared-memory socket: a peer whose uid
     # is in shm_allowed_uids or whose gid is in shm_allowed_gids. Both empty: any process

@@ -29,6 +29,17 @@ TCP::
 ``id`` is an allocation id (WRITE into its ``index``-th slot) or a lease id (READ its
 ``index``-th block). Requests are answered in order, so a client pipelines a whole batch.
 
+The TCP channel carries the same control fast path as the shared-memory socket (the
+bodies of :mod:`ctxmem_common.shm_ops`), offered when Health says ``tcp_ops``::
+
+    C->S  OP     "CXTO" op u8 id 16B=0 index u32=0 length u64 + body   (TCP_REQ's layout)
+    S->C  OPREP  "CXTP" status u8 op u8 length u64 + body              (TCP_RESP's size)
+
+An OP is answered in order with the READ and WRITE around it (a RELEASE flagged
+no-reply has no answer); ``status`` as on the shared-memory socket (OK, ERROR,
+UNSUPPORTED, or BAD_REQUEST and the connection closed). An older service answers an OP
+BAD_REQUEST (``CXTA``) and closes: a client only sends one when Health offered it.
+
 Session, allocation and lease ids are 16 random bytes (:data:`ID_BYTES`), as in the
 protobuf messages (they were u64 counters before: a session one id away was found by
 guessing).
@@ -65,6 +76,9 @@ SHM_OP_NAMES = {SHM_OP_ACQUIRE: "acquire", SHM_OP_RELEASE: "release",
 TCP_HELLO = struct.Struct("<4s16s16s")
 TCP_REQ = struct.Struct("<4sBxxx16sIQ")
 TCP_RESP = struct.Struct("<4sBxxxQ")
+TCP_OP = TCP_REQ  # magic b"CXTO", op (SHM_OP_*), id and index zero, body length
+TCP_OP_REPLY = struct.Struct("<4sBBxxQ")  # b"CXTP", status, op, body length
+TCP_NO_ID = bytes(ID_BYTES)
 
 OP_WRITE = 1
 OP_READ = 2
@@ -80,8 +94,8 @@ class Status(enum.IntEnum):
     WRONG_LENGTH = 6
     PEER_NOT_ALLOWED = 7
     TOO_MANY_CONNECTIONS = 8
-    ERROR = 9  # shm fast path: the body carries an ErrorCode and the message
-    UNSUPPORTED = 10  # shm fast path: this op is not served here; use gRPC
+    ERROR = 9  # fast path: the body carries an ErrorCode and the message
+    UNSUPPORTED = 10  # fast path: this op is not served here; use gRPC
 
 
 STATUS_TEXT = {
@@ -97,5 +111,5 @@ STATUS_TEXT = {
                                  "data_plane.max_connections caps); close idle clients or "
                                  "raise the cap",
     Status.ERROR: "the operation failed (the reply names the error)",
-    Status.UNSUPPORTED: "this operation is not served on the shared-memory fast path here",
+    Status.UNSUPPORTED: "this operation is not served on the control fast path here",
 }

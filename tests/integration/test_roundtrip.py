@@ -149,7 +149,8 @@ def test_per_key_tiers_follow_evict_and_delete(service: ServiceHandle) -> None:
         assert asyncio.run(via_async()) == ["flash", "flash"]
 
 
-def test_channel_options_reach_the_grpc_channel(service: ServiceHandle) -> None:
+def test_channel_options_reach_the_grpc_channel(service: ServiceHandle,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """``Client(channel_options=...)``: gRPC channel arguments merged over the defaults."""
     opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 1 << 20)]
     with ctxmem.Client(service.endpoint, channel_options=opts) as client:
@@ -165,7 +166,8 @@ def test_channel_options_reach_the_grpc_channel(service: ServiceHandle) -> None:
     with pytest.raises(ctxmem.CtxmemError):  # the 1 MiB send limit is in force
         big = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 19,
                               tokens_per_block=1)
-        # TCP: over shared memory the Lookup would take the fast path, not gRPC
+        # The Lookup must go over gRPC, not the control fast path (shm or TCP)
+        monkeypatch.setenv("CTXMEM_FAST_OPS", "0")
         with ctxmem.Client(service.endpoint, channel_options=opts, transport="tcp") as client:
             ns = client.open_namespace(big, model_id="opts-big")
             ns.lookup([bytes([i % 256]) * 32 + i.to_bytes(4, "big") for i in range(40_000)])

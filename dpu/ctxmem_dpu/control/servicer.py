@@ -156,6 +156,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
             # The fast path answers from this node's index only: not in a pod.
             shm_ops=bool(self.shm_socket) and cfg.service.shm_op_max_bytes > 0
             and self.pod is None,
+            tcp_ops=bool(self.data_endpoint) and cfg.service.shm_op_max_bytes > 0
+            and self.pod is None,
         )
 
     @_rpc

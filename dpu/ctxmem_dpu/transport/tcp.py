@@ -11,17 +11,37 @@ Every header is checked against the allocation or lease it names (the slot index
 block length) before a byte of payload is read or a buffer allocated; a bad one is
 answered with its status and the connection closed. Deadlines and caps:
 :class:`~ctxmem_dpu.transport.socket_server.SocketDataServer`.
+
+The same connection carries the control fast path (OP frames, :mod:`ctxmem_common.wire`):
+Lookup, Acquire/Release and Allocate/Commit as the shared-memory socket's binary bodies,
+served by :func:`~ctxmem_dpu.transport.shm_fastpath.serve_op` (the gRPC path's checks),
+so a TCP session's control calls skip gRPC as a shared-memory one's do. The same bounds
+hold: a body over ``service.shm_op_max_bytes``, an unknown op or one that does not decode
+is answered BAD_REQUEST, counted (``tcp_ops_refused``) and the connection closed; a body
+that stalls is dropped after ``data_plane.read_timeout_s``; an answer the client does not
+read within it ends the connection. Each op served is counted (``tcp_ops_<op>``).
 """
 
 from __future__ import annotations
 
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from ctxmem_common.config import DataPlaneConfig
 from ctxmem_common.errors import CtxmemError
-from ctxmem_common.wire import OP_READ, OP_WRITE, TCP_HELLO, TCP_REQ, TCP_RESP, Status
+from ctxmem_common.wire import (
+    OP_READ,
+    OP_WRITE,
+    SHM_OP_NAMES,
+    TCP_HELLO,
+    TCP_NO_ID,
+    TCP_OP_REPLY,
+    TCP_REQ,
+    TCP_RESP,
+    Status,
+)
+from ctxmem_dpu.transport.shm_fastpath import Malformed, serve_op
 from ctxmem_dpu.transport.socket_server import SocketDataServer, recv_exact, recv_into
 
 if TYPE_CHECKING:
@@ -30,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TcpDataServer"]
 
-
+_OP_COUNTERS = (*(f"tcp_ops_{name}" for name in SHM_OP_NAMES.values()), "tcp_ops_refused")
 
 _recv_exact = recv_exact  # the names this module's code has always used
 _recv_into = recv_into
@@ -48,6 +68,11 @@ class TcpDataServer(SocketDataServer):
         super().__init__(store, limits)
         self.host = host
         self.port = port
+        # Pod mode (set by the app): Lookup and Acquire need the cluster's view, so the
+        # fast path answers them UNSUPPORTED (the client asks over gRPC).
+        self.pod = False
+        for name in _OP_COUNTERS:  # reported from the start, like the store's own
+            store.counters.setdefault(name, 0)
 
     @property
     def address(self) -> str:
@@ -84,6 +109,9 @@ class TcpDataServer(SocketDataServer):
             if raw is None:
                 return
             magic, op, ident, index, length = TCP_REQ.unpack(raw)
+            if magic == b"CXTO":  # a fast-path op (the op answers an ended session)
+                await self._op(conn, s, op, ident, index, length)
+                continue
             if magic != b"CXTR" or op not in (OP_READ, OP_WRITE):
                 await self._fail(conn, _resp(Status.BAD_REQUEST),
                                  f"bad request header (magic {magic!r}, op {op})")
@@ -95,6 +123,41 @@ class TcpDataServer(SocketDataServer):
                 await self._write(conn, s, ident, index, length)
             else:
                 await self._read(conn, s, ident, index, length)
+
+    async def _op(self, conn: socket.socket, s: Session, op: int, ident: bytes, index: int,
+                  length: int) -> None:
+        """Read one fast-path op's body (within ``read_timeout_s``), run it and send its
+        answer. A malformed frame is answered BAD_REQUEST, and the connection closed."""
+        cap = self.store.cfg.service.shm_op_max_bytes
+        if op not in SHM_OP_NAMES:
+            await self._refuse_op(conn, s, op, f"unknown op {op}")
+        name = SHM_OP_NAMES[op]
+        if ident != TCP_NO_ID or index:
+            await self._refuse_op(conn, s, op, f"{name} frame with a nonzero id or index")
+        if length > cap:
+            await self._refuse_op(conn, s, op, f"{name} body of {length} bytes over "
+                                  f"service.shm_op_max_bytes={cap}"
+                                  + (" (the fast path is off)" if cap == 0 else ""))
+        body = bytearray(length)
+        await self._recv_into(conn, memoryview(body), f"receiving a {name} body")
+        try:
+            out = await serve_op(self.store, s.id, op, body, self.pod)  # not copied
+        except Malformed as exc:
+            await self._refuse_op(conn, s, op, f"malformed {name}: {exc}")
+        del body
+        self.store.counters[f"tcp_ops_{name}"] += 1
+        if out is not None:
+            status, reply = out
+            await self._sendmany(conn, [TCP_OP_REPLY.pack(b"CXTP", status, op, len(reply)),
+                                        reply], f"answering a {name}")
+
+    async def _refuse_op(self, conn: socket.socket, s: Session, op: int, reason: str
+                         ) -> NoReturn:
+        """Answer a malformed op BAD_REQUEST and close the connection."""
+        self.store.counters["tcp_ops_refused"] += 1
+        await self._fail(conn, TCP_OP_REPLY.pack(b"CXTP", Status.BAD_REQUEST, op, 0),
+                         f"session {s.id.hex()} (tenant {s.tenant!r}): {reason}; a client "
+                         f"must send well-formed requests (ctxmem_common.wire, shm_ops)")
 
     async def _write(self, conn: socket.socket, s: Session, ident: bytes, index: int,
                      length: int) -> None:

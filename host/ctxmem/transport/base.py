@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Sequence
 
 from ctxmem.transport.verified import ReadProgress, check_landed
@@ -10,9 +11,23 @@ from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
 
+#: ``CTXMEM_FAST_OPS=0`` keeps every control call on gRPC, on every channel (A/B runs, an
+#: escape hatch); ``CTXMEM_SHM_OPS=0``, its older name, does the same.
+FAST_OPS_ENV = "CTXMEM_FAST_OPS"
+_FAST_OPS_ENVS = (FAST_OPS_ENV, "CTXMEM_SHM_OPS")
+
+
+def fast_ops_wanted() -> bool:
+    """Whether this process may use the control fast path (neither variable is 0)."""
+    return all(os.environ.get(name, "1").strip() != "0" for name in _FAST_OPS_ENVS)
+
 
 class TransportError(Unavailable):
     """The data channel failed (peer gone, refused, expired); the request can be retried."""
+
+
+class FastPathUnsupported(Exception):
+    """The service does not serve this op on the fast path (pod mode): use gRPC."""
 
 
 class DataChannel(abc.ABC):
@@ -20,6 +35,17 @@ class DataChannel(abc.ABC):
     worker thread. ``views`` are flat byte views, one per slot, each ``slot.length`` long."""
 
     name: str
+    ops = False
+    """Whether :meth:`call` carries the control fast path on this channel (shared memory
+    and TCP, when the service offers it: Health ``shm_ops`` / ``tcp_ops``)."""
+
+    def call(self, op: int, parts: Sequence[bytes], reply: bool = True) -> bytes:
+        """Send fast-path op ``op`` (``ctxmem_common.wire.SHM_OP_*``) with body ``parts``
+        and return its answer's body (b"" with ``reply`` False: nothing is read). Raises
+        the service's error as the same CtxmemError class as over gRPC,
+        :class:`FastPathUnsupported`, or Unavailable when the channel fails (it is then
+        broken). Only called when :attr:`ops` is true."""
+        raise FastPathUnsupported(f"the {self.name} channel carries no control fast path")
 
     @abc.abstractmethod
     def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],

@@ -9,7 +9,7 @@ CRC32C in one pass; a read whose CRC differs from the committed one scrubs the b
 stops (:mod:`ctxmem.transport.verified`): another client that still maps the slab cannot
 make a get return bytes that were not committed.
 
-With ``ops`` (the service's Health says ``shm_ops``, and ``CTXMEM_SHM_OPS`` is not 0)
+With ``ops`` (the service's Health says ``shm_ops``, and ``CTXMEM_FAST_OPS`` is not 0)
 the same socket also carries the control fast path (:meth:`ShmChannel.call`: Acquire,
 Release, Lookup, Allocate, Commit as binary frames, :mod:`ctxmem_common.shm_ops`), one
 request and its reply under the channel's lock. A MAP is only ever sent inside a read or
@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import mmap
-import os
 import socket
 import threading
 import time
@@ -36,7 +35,7 @@ from itertools import groupby
 from operator import add
 from typing import TypeVar
 
-from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem.transport.base import DataChannel, FastPathUnsupported, TransportError
 from ctxmem.transport.verified import ReadProgress, copy_checked, scrub
 from ctxmem_common.codecs import (
     CRC32C_FUSED,
@@ -61,23 +60,12 @@ from ctxmem_common.wire import (
     Status,
 )
 
-#: ``CTXMEM_SHM_OPS=0`` keeps every control call on gRPC (A/B runs, an escape hatch).
-SHM_OPS_ENV = "CTXMEM_SHM_OPS"
 _MAX_REPLY_BYTES = 256 << 20  # far above any legal answer: a larger one is a broken peer
 #: A batch's copy is split across ``copy_threads`` only from this many bytes: below it the
 #: hand-off to a pool thread costs more than the second thread gains (docs/benchmarks.md).
 COPY_THREADS_MIN_BYTES = 16 << 20
 T = TypeVar("T")
 _Run = tuple[int, int, memoryview]  # (first slot, end, the region the slots lie in)
-
-
-def shm_ops_wanted() -> bool:
-    """Whether this process may use the fast path (``CTXMEM_SHM_OPS`` unset or not 0)."""
-    return os.environ.get(SHM_OPS_ENV, "1").strip() != "0"
-
-
-class FastPathUnsupported(Exception):
-    """The service does not serve this op on the fast path (pod mode): use gRPC."""
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -8,21 +8,46 @@ Reads receive straight into the caller's buffers; a
 verified read (the default get) CRCs each received piece as it lands, while it is in
 cache, and a block whose CRC differs from the committed one is scrubbed (zeroed) and ends
 the run (:mod:`ctxmem.transport.verified`).
+
+With ``ops`` (the service's Health says ``tcp_ops``, and ``CTXMEM_FAST_OPS`` is not 0)
+the connection also carries the control fast path (:meth:`TcpChannel.call`: Lookup,
+Acquire/Release, Allocate/Commit as the binary bodies of :mod:`ctxmem_common.shm_ops`),
+one request and its answer under the channel's lock, as on the shared-memory socket. The
+service answers in request order, and every read and write waits for its own answers
+under the same lock, so the next answer after an op is the op's (a RELEASE flagged
+no-reply has none). A socket error or an answer that does not match its request breaks
+the channel: this call and every later one raise Unavailable, which reconnects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem.transport.base import DataChannel, FastPathUnsupported, TransportError
 from ctxmem.transport.verified import ReadProgress, check_landed, scrub
 from ctxmem_common.codecs import crc32c
+from ctxmem_common.errors import CtxmemError, InvalidArgument, Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.wire import OP_READ, OP_WRITE, STATUS_TEXT, TCP_HELLO, TCP_REQ, TCP_RESP, Status
+from ctxmem_common.shm_ops import decode_error, decode_release_reply, encode_release
+from ctxmem_common.wire import (
+    OP_READ,
+    OP_WRITE,
+    SHM_OP_NAMES,
+    SHM_OP_RELEASE,
+    STATUS_TEXT,
+    TCP_HELLO,
+    TCP_NO_ID,
+    TCP_OP,
+    TCP_OP_REPLY,
+    TCP_REQ,
+    TCP_RESP,
+    Status,
+)
 
 if TYPE_CHECKING:
     from ctxmem.tls import TlsConfig
@@ -42,6 +67,7 @@ def _recv_into(sock: socket.socket, view: memoryview, crc: bool = False) -> int:
     return value
 
 
+_MAX_REPLY_BYTES = 256 << 20  # far above any legal answer: a larger one is a broken peer
 _IOV_MAX = 1024
 """Buffers per ``sendmsg`` (Linux's IOV_MAX): 512 blocks' headers and payloads."""
 
@@ -77,9 +103,16 @@ class TcpChannel(DataChannel):
     name = "tcp"
 
     def __init__(self, host: str, port: int, session_id: bytes, token: bytes,
-                 timeout_s: float, tls: TlsConfig | None = None) -> None:
+                 timeout_s: float, tls: TlsConfig | None = None, ops: bool = False) -> None:
         """Connect, (with ``tls``) complete a TLS 1.3 handshake checking the service's
-        certificate and presenting this client's, and authenticate the session."""
+        certificate and presenting this client's, and authenticate the session. ``ops``:
+        the control fast path may be used (:meth:`call`)."""
+        self.ops = ops
+        self.address = f"{host}:{port}"
+        self._broken = ""  # why the channel is unusable for ops ("" while it is fine)
+        # Frames sent flagged no-reply since the last answered op: close() waits for one
+        # answered op first, so what they did (a verified get's Release) has happened.
+        self._unanswered = False
         self._lock = threading.Lock()
         raw: socket.socket | None = None
         try:
@@ -110,6 +143,59 @@ class TcpChannel(DataChannel):
         if status != Status.OK:
             self._sock.close()
             raise TransportError(f"TCP data channel refused: {STATUS_TEXT[Status(status)]}")
+
+    def _send_parts(self, parts: Sequence[bytes]) -> None:
+        """``parts`` in order: one ``sendmsg`` where the socket has it, else (TLS) a
+        ``sendall`` each; nothing is joined (a Lookup body is up to 16 MiB)."""
+        if isinstance(self._sock, ssl.SSLSocket):
+            for part in parts:
+                self._sock.sendall(part)
+        else:
+            _send_all(self._sock, [memoryview(p) for p in parts])
+
+    def call(self, op: int, parts: Sequence[bytes], reply: bool = True) -> bytes:
+        """Send fast-path op ``op`` with body ``parts`` and return its answer's body (see
+        :meth:`DataChannel.call`)."""
+        name = SHM_OP_NAMES[op]
+        with self._lock:
+            if self._broken:
+                raise Unavailable(f"TCP data channel {self.address} is broken "
+                                  f"({self._broken}); reconnecting")
+            try:
+                self._send_parts([TCP_OP.pack(b"CXTO", op, TCP_NO_ID, 0,
+                                              sum(map(len, parts))), *parts])
+                if not reply:
+                    self._unanswered = True
+                    return b""
+                self._unanswered = False
+                head = bytearray(TCP_OP_REPLY.size)
+                _recv_into(self._sock, memoryview(head))
+                magic, status, got_op, length = TCP_OP_REPLY.unpack(head)
+                if magic != b"CXTP" or got_op != op or length > _MAX_REPLY_BYTES:
+                    raise TransportError(f"answer {magic!r} op {got_op} of {length} bytes "
+                                         f"does not answer {name}")
+                body = bytearray(length)
+                _recv_into(self._sock, memoryview(body))
+                if status == Status.BAD_REQUEST:  # the service closes the connection
+                    raise TransportError(f"the service refused {name} as malformed")
+            except (OSError, TransportError) as exc:
+                self._broken = f"{name}: {exc}"
+                raise Unavailable(f"TCP fast path {name} on {self.address} failed: {exc}; "
+                                  f"reconnecting") from None
+        if status == Status.OK:
+            return bytes(body)
+        if status == Status.ERROR:
+            raise decode_error(bytes(body))
+        if status == Status.UNSUPPORTED:
+            raise FastPathUnsupported(name)
+        raise InvalidArgument(f"TCP fast path {name}: unexpected status {status}")
+
+    def flush(self) -> None:
+        """Wait until the service has served every frame sent flagged no-reply: one
+        answered RELEASE of no leases behind them (frames are served in order). Raises
+        Unavailable if the channel fails meanwhile."""
+        if self._unanswered:
+            decode_release_reply(self.call(SHM_OP_RELEASE, [encode_release([], False)]), 0)
 
     def _check(self, status: int, what: str) -> None:
         if status != Status.OK:
@@ -185,4 +271,9 @@ class TcpChannel(DataChannel):
                 raise TransportError(f"TCP read failed: {exc}") from None
 
     def close(self) -> None:
+        if self._unanswered and not self._broken:
+            # Bounded by the socket's timeout: a service that does not answer leaves the
+            # releases to the lease timeout, as a crashed client would.
+            with contextlib.suppress(CtxmemError):
+                self.flush()
         self._sock.close()

@@ -72,7 +72,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "instance_id", "version", "transports", "shm_socket", "data_endpoint", "mode", "shm_ops")
+    __slots__ = ("status", "instance_id", "version", "transports", "shm_socket", "data_endpoint", "mode", "shm_ops", "tcp_ops")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class HealthResponse(_message.Message):
     DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SHM_OPS_FIELD_NUMBER: _ClassVar[int]
+    TCP_OPS_FIELD_NUMBER: _ClassVar[int]
     status: str
     instance_id: str
     version: str
@@ -89,7 +90,8 @@ class HealthResponse(_message.Message):
     data_endpoint: str
     mode: str
     shm_ops: bool
-    def __init__(self, status: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_socket: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., mode: _Optional[str] = ..., shm_ops: _Optional[bool] = ...) -> None: ...
+    tcp_ops: bool
+    def __init__(self, status: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_socket: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., mode: _Optional[str] = ..., shm_ops: _Optional[bool] = ..., tcp_ops: _Optional[bool] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("client_name", "transport", "tenant", "tenant_token")
