@@ -124,6 +124,14 @@ def test_over_tls_exact_bytes_and_the_same_answers(
         slow = _exercise(svc, SMALL, 16, "tls-slow", tls=tls)
         assert not slow.pop("ops") and _counts(svc, tls=tls) == before
     assert fast == slow and fast["got"] == 16
+    # A 3.2 MB LOOKUP body and its 100 KB answer, both through the TLS stream's chunks
+    with ctxmem.Client(svc.endpoint, transport="tcp", tls=tls) as c:
+        ns = c.open_namespace(SMALL, model_id="fast")
+        before = _counts(svc, tls=tls)["tcp_ops_lookup"]
+        many = _keys("tls", 100_000)  # a chain: its first 16 keys are the ones put
+        assert ns.lookup(many).num_hits == 16
+        assert ns.tiers(many) == ["dram"] * 16 + [""] * (100_000 - 16)
+        assert _counts(svc, tls=tls)["tcp_ops_lookup"] == before + 2
 
 
 def test_a_service_without_the_fast_path_serves_a_new_client(
