@@ -21,13 +21,22 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from ctxmem_common.shm_ops import encode_commit, encode_keys_request, encode_release
 from ctxmem_common.wire import (
     OP_READ,
     OP_WRITE,
     SHM_HELLO,
     SHM_MAP,
+    SHM_OP_ACQUIRE,
+    SHM_OP_ALLOCATE,
+    SHM_OP_COMMIT,
+    SHM_OP_LOOKUP,
+    SHM_OP_NAMES,
+    SHM_OP_RELEASE,
     SHM_STATUS,
     TCP_HELLO,
+    TCP_NO_ID,
+    TCP_OP,
     TCP_REQ,
     TCP_RESP,
     Status,
@@ -148,8 +157,11 @@ class FrameTarget:
         return self.fuzzer.an_id(self._me())[:16].ljust(16, b"\0")
 
     def tcp_request(self) -> bytes:
-        """A TCP REQ frame: valid-looking, or mutated (op, length, magic, bytes)."""
+        """A TCP REQ frame: valid-looking, or mutated (op, length, magic, bytes); a quarter
+        are control fast-path OP frames (:meth:`tcp_op`)."""
         r = self.rng
+        if r.random() < 0.25:
+            return self.tcp_op()
         op = r.choice((OP_READ, OP_WRITE))
         index = r.choice((0, 0, 1, 2, 7, (1 << 32) - 1, r.randrange(1 << 32)))
         length = r.choice((8192, 8192, 0, 1, 8191, 8193, 65536, 1 << 32, 1 << 40, U64_MAX))
@@ -165,6 +177,40 @@ class FrameTarget:
             if r.random() < 0.3:
                 payload = payload[:r.randrange(length + 1)]
             frame += payload
+        if r.random() < 0.15:
+            frame = mutate_bytes(r, frame)
+        return frame
+
+    def tcp_op(self) -> bytes:
+        """A TCP OP frame (the control fast path): a well-formed body of a random op with
+        random handles, keys and ids, or mutated (op, id/index, length, bytes)."""
+        r = self.rng
+        op = r.choice(sorted(SHM_OP_NAMES))
+        handle = r.choice((0, 1, 2, (1 << 32) - 1, r.randrange(1 << 32)))
+        key_len = r.choice((32, 32, 16, 0, 1, 64, 65))
+        keys = r.randbytes(r.choice((0, 1, 2, 16, 300)) * key_len)
+        body: bytes
+        if op in (SHM_OP_ACQUIRE, SHM_OP_ALLOCATE):
+            body = b"".join(encode_keys_request(handle, keys, key_len))
+        elif op == SHM_OP_LOOKUP:
+            body = b"".join(encode_keys_request(handle, keys, key_len, r.random() < 0.5))
+        elif op == SHM_OP_RELEASE:
+            body = encode_release([self._an_id() for _ in range(r.randrange(4))],
+                                  r.random() < 0.5)
+        else:
+            assert op == SHM_OP_COMMIT
+            body = encode_commit(self._an_id(), [r.randrange(1 << 32)
+                                                 for _ in range(r.randrange(4))],
+                                 r.random() < 0.2)
+        ident, index, length = TCP_NO_ID, 0, len(body)
+        pick = r.random()
+        if pick < 0.1:
+            op = r.choice((0, 6, 99, 255))
+        elif pick < 0.2:
+            length = r.choice((1 << 40, U64_MAX, (16 << 20) + 8192, max(0, length - 1)))
+        elif pick < 0.25:
+            ident, index = self._an_id(), r.choice((0, 1, (1 << 32) - 1))
+        frame = TCP_OP.pack(b"CXTO", op, ident, index, length) + body
         if r.random() < 0.15:
             frame = mutate_bytes(r, frame)
         return frame
