@@ -1,6 +1,7 @@
-"""The service's side of the shared-memory control fast path: one decoded op in, one
-reply body out (frames in :mod:`ctxmem_common.wire`, bodies in
-:mod:`ctxmem_common.shm_ops`).
+"""The service's side of the control fast path: one decoded op in, one reply body out
+(frames in :mod:`ctxmem_common.wire`, bodies in :mod:`ctxmem_common.shm_ops`). Both the
+shared-memory socket (:mod:`.shm`) and the TCP data channel (:mod:`.tcp`) serve their OP
+frames through :func:`serve_op`, so the two refuse and answer alike.
 
 The connection's session was authenticated by its HELLO; each op looks it up again
 (``block_ops`` take the session id), so an op on a connection whose session ended or
