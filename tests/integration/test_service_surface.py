@@ -137,10 +137,12 @@ def test_sync_client_survives_fork(service: ServiceHandle) -> None:
             try:
                 out = [np.zeros(LAYOUT.block_nbytes, np.uint8) for _ in keys]
                 n = ns.get(keys, out)
-                ok = n == 2 and all((o == 3).all() for o in out)
+                exact = all((o == 3).all() for o in out)
                 more = ctxmem.chain_hashes(range(100, 132), 16)
-                ok = ok and ns.put(more, data).stored == 2
-                os.write(w, b"1" if ok else b"0")
+                stored = ns.put(more, data).stored
+                ok = n == 2 and exact and stored == 2
+                # On failure say which step fell short (it failed once under load).
+                os.write(w, b"1" if ok else f"got {n} exact {exact} stored {stored}".encode())
             except BaseException as exc:
                 os.write(w, repr(exc).encode()[:200])
             finally:

@@ -1,5 +1,6 @@
-"""The block operations both control paths serve: gRPC (:mod:`.servicer`) and the
-shared-memory fast path (:mod:`ctxmem_dpu.transport.shm_ops`).
+"""The block operations both control paths serve: gRPC (:mod:`.servicer`) and the binary
+fast path on the shared-memory socket and the TCP data channel
+(:mod:`ctxmem_dpu.transport.shm_fastpath`).
 
 Why one place: the fast path must refuse exactly what gRPC refuses (an unknown session,
 a namespace, lease or allocation of another session, a Commit without one CRC per slot,
