@@ -12,7 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ctxmem_tools.bench.concurrency import COPY_METHODS, REUSED_METHODS
+from ctxmem_tools.bench.concurrency import (
+    COPY_METHODS,
+    LIMIT_ROUND_FACTOR,
+    REUSED_METHODS,
+    plan,
+)
 from ctxmem_tools.bench.copylimit import (
     ASSUMED_CACHE,
     copier,
@@ -30,6 +35,7 @@ def test_quick_concurrency_bench_reports_every_row(tmp_path: Path) -> None:
                           "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["params"]["clients"] == [1, 2]
+    assert doc["params"]["limit_rounds"] == 2 * LIMIT_ROUND_FACTOR
     assert set(doc["limits"]) == {"1", "2"}
     for lim in doc["limits"].values():
         assert all(lim[m] > 0 for m in COPY_METHODS)
@@ -119,3 +125,13 @@ def test_limit_copy_rotates_over_its_pairs(method: str) -> None:
         assert np.array_equal(*pairs[0])
     finally:
         close()
+
+
+def test_limit_copies_run_more_rounds_than_ops() -> None:
+    """A copy round is milliseconds: the limit's best round is taken over more of them
+    (one where every process had a core), the ops keep the rounds asked for."""
+    phases = plan([2 * MiB, 64 << 10])
+    assert {p.name for p in phases if p.kind == "copy"} == {*COPY_METHODS, *REUSED_METHODS}
+    assert LIMIT_ROUND_FACTOR > 1
+    for p in phases:
+        assert p.rounds(8) == (8 * LIMIT_ROUND_FACTOR if p.kind == "copy" else 8)
