@@ -41,6 +41,7 @@ def test_quick_concurrency_bench_reports_every_row(tmp_path: Path) -> None:
         assert all(lim[m] > 0 for m in COPY_METHODS)
         assert lim["best"] == max(lim[m] for m in COPY_METHODS)
         assert lim["best_reused"] == max(lim[m] for m in REUSED_METHODS) > 0
+        assert all(lim[f"{m}_cpu_s_per_gb"] > 0 for m in COPY_METHODS)
     sizing = doc["limit_sizing"]
     assert sizing["batch"] == 8 << 20
     assert sizing["per_process_bytes"] == 2 * sizing["batch"] * sizing["pairs"]

@@ -324,7 +324,12 @@ def measure(endpoint: str, transports: list[str], counts: list[int], batch: int,
             ) -> tuple[list[Row], dict[int, dict[str, float]]]:
     """Every (transport, client count): rows, and the copy limits per client count
     (per method, ``best``: the best round of any :data:`COPY_METHODS` method over both
-    transports, and ``best_reused``: the same over :data:`REUSED_METHODS`, for show)."""
+    transports, and ``best_reused``: the same over :data:`REUSED_METHODS`, for show), and
+    ``<method>_cpu_s_per_gb``: the copy's CPU seconds per GB (summed over the processes
+    and their threads; the lower of both transports). Wall-clock GB/s of N processes
+    needs N free cores, which a shared machine does not always have; the CPU a copy costs
+    per GB hardly moves with the neighbours, so a client's CPU per GB can be held against
+    it.)"""
     phases = plan(blocks)
     limits: dict[int, dict[str, float]] = {}
     raw: list[tuple[str, int, Phase, list[float], list[float], float, float]] = []
@@ -338,6 +343,10 @@ def measure(endpoint: str, transports: list[str], counts: list[int], batch: int,
                 agg = _aggregates(samples, p_idx, phase.rounds(rounds), batch)
                 if phase.kind == "copy":
                     lim[phase.name] = max(lim.get(phase.name, 0.0), max(agg))
+                    cpu = samples.client_cpu.get(p_idx, 0.0) / (
+                        n * batch * phase.rounds(rounds) / GB)
+                    key = f"{phase.name}_cpu_s_per_gb"
+                    lim[key] = min(lim.get(key, cpu), cpu)
                     continue
                 moved = n * batch * rounds / GB
                 raw.append((transport, n, phase, agg, _latencies(samples, p_idx, rounds),
@@ -368,8 +377,9 @@ def _print(rows: list[Row], limits: dict[int, dict[str, float]], sizing: LimitSi
     print(f"  {sizing.describe()}")
     for n, lim in sorted(limits.items()):
         parts = "  ".join(f"{m} {lim[m]:7.3f}" for m in (*COPY_METHODS, "best"))
-        print(f"  N={n}: {parts}   [{n * sizing.per_process_bytes / MiB:g} MiB in all; "
-              f"old same-buffer copy, not the limit: {lim['best_reused']:7.3f}]")
+        cpu = " ".join(f"{lim[f'{m}_cpu_s_per_gb']:.4f}" for m in COPY_METHODS)
+        print(f"  N={n}: {parts}   CPU s/GB {cpu}   [{n * sizing.per_process_bytes / MiB:g} "
+              f"MiB in all; old same-buffer copy, not the limit: {lim['best_reused']:7.3f}]")
     print(f"\n{'name':28} {'GB/s':>8} {'limit':>8} {'frac':>5} {'>=0.8':>5} {'p50 ms':>8} "
           f"{'p99 ms':>8} {'p99/p99(1)':>10} {'<=N':>4} {'svc s/GB':>9} {'cli s/GB':>9}")
     for r in rows:
