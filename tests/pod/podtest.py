@@ -63,6 +63,20 @@ class Clients:
     def stats(self, endpoint: str) -> dict[str, float]:
         return self.client(endpoint).stats()
 
+    def stats_when(self, endpoint: str, done: Callable[[dict[str, float]], bool],
+                   timeout_s: float = 10.0) -> dict[str, float]:
+        """The node's Stats once ``done`` holds for them, or the last Stats read when
+        ``timeout_s`` passes: the caller asserts on what comes back, so a timeout fails
+        with the values seen. For counts a node updates after the answer that ended the
+        call went out (a holder counts RDMA-served blocks when the fetcher's done
+        arrives, and the fetcher's get returns without waiting for that)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.stats(endpoint)
+            if done(st) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.05)
+
     def drop(self, endpoint: str) -> None:
         c = self._c.pop(endpoint, None)
         if c is not None:

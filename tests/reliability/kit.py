@@ -137,11 +137,17 @@ class FaultyService(ServiceProcess):
         return self.client.stats()
 
     def wait_stat(self, name: str, value: float, timeout: float = 10.0) -> dict[str, float]:
+        """Stats once ``name`` equals ``value`` (what the service does in the background,
+        e.g. a device's health probe, lands after the call that started it returned).
+        Fails, naming the last value seen, when ``timeout`` passes first."""
         deadline = time.monotonic() + timeout
         while True:
             st = self.stats()
-            if st[name] == value or time.monotonic() > deadline:
+            if st[name] == value:
                 return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"stat {name} is {st[name]} after {timeout} s, "
+                                     f"want {value}")
             time.sleep(0.02)
 
     def check(self, repair: bool = False) -> Report:

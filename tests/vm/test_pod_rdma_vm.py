@@ -203,7 +203,9 @@ def test_put_on_node1_is_an_rdma_hit_on_node2_and_tcp_on_node3(pod: Pod,
     assert s2["pod_peer_rdma_blocks"] == 8 and s2["pod_fetch_blocks_peer"] == 8, s2
     assert s2["pod_peer_rdma_fallbacks"] == 0 and s2["pod_rdma_setup_errors"] == 0
     assert s2["pod_fetch_bad"] == 0
-    s1 = clients.stats(n1.endpoint)
+    # The holder counts RDMA-served blocks when the fetcher's done arrives; the fetcher
+    # sends it without waiting, so node 2's get can return before node 1 has counted.
+    s1 = clients.stats_when(n1.endpoint, lambda s: s["pod_served_rdma_blocks"] >= 8, 60.0)
     assert s1["pod_served_rdma_blocks"] == 8 == s1["pod_served_blocks"], s1
     # Node 3 has no RDMA: the same blocks over TCP from the same holder.
     _publish(clients, n3.endpoint, keys)

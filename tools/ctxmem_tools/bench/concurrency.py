@@ -11,20 +11,25 @@ batch. Every round starts on a barrier, so the N batches really run together:
   samples: with one client and 8 rounds the p99 is the slowest batch), and the ratio
   p99(N) / p99(1) beside N (target: it grows no faster than the client count);
 * the limit, measured by the same N processes in the same run and with the same
-  barrier: each copies its own buffers (numpy's one-thread copy, and a copy split over
-  ``cpu_count // N`` threads, numpy releasing the GIL); the best of both, best round
-  (target: aggregate >= 0.8 of it at every client count);
+  barrier: each copies one batch per round (numpy's one-thread copy, and a copy split
+  over ``cpu_count // N`` threads, numpy releasing the GIL), rotating over buffers that
+  together exceed the last-level cache (bench/copylimit.py: a batch copied into the same
+  buffer every round ran partly from cache and the limit swung from run to run); the
+  best of both, best of ``LIMIT_ROUND_FACTOR`` x rounds (target: aggregate >= 0.8 of it
+  at every client count). The
+  old cache-resident copy (``*_reused``: the client's own batch, same buffers each round)
+  is measured beside it and printed for comparison, never used as the limit;
 * each phase starts with one warm-up round, not counted (first page faults, slabs);
 * CPU seconds per GB moved: the service's (its Stats, read by this process around each
   round while the clients wait on the barrier) and the clients' (each its own rusage).
 
-``--json`` writes ``{"results": [...], "limits": {...}, "params": {...}}``.
+``--json`` writes ``{"results": [...], "limits": {...}, "limit_sizing": {...},
+"params": {...}}``.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -35,7 +40,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
@@ -43,12 +47,24 @@ from typing import Any
 
 import numpy as np
 
+from ctxmem_tools.bench.copylimit import (
+    LimitSizing,
+    copier,
+    last_level_cache_bytes,
+    make_pairs,
+    size_limit,
+)
 from ctxmem_tools.bench.cpu import GB, CpuMeter, own_cpu_seconds
 
 MiB = 1 << 20
 WAIT_S = 300.0  # any barrier wait or result read: a stuck client fails the run, not hangs it
 TARGET_FRACTION = 0.8
-COPY_METHODS = ("numpy", "threads")
+# A copy round takes milliseconds, so copies run this many times the op rounds: their best
+# round is one where every process had a core (on a shared machine a neighbour's burst
+# serialises the processes of the others, and the limit would swing with the neighbours).
+LIMIT_ROUND_FACTOR = 4
+COPY_METHODS = ("numpy", "threads")  # the limit: buffers past the cache, rotated
+REUSED_METHODS = ("numpy_reused", "threads_reused")  # the old, cache-resident copy: shown
 
 
 @dataclass(frozen=True)
@@ -59,9 +75,13 @@ class Phase:
     name: str  # copy method, or "put" / "get"
     block: int  # block bytes (0 for copies)
 
+    def rounds(self, op_rounds: int) -> int:
+        """Timed rounds of this phase (:data:`LIMIT_ROUND_FACTOR` for copies)."""
+        return op_rounds * LIMIT_ROUND_FACTOR if self.kind == "copy" else op_rounds
+
 
 def plan(blocks: list[int]) -> list[Phase]:
-    phases = [Phase("copy", m, 0) for m in COPY_METHODS]
+    phases = [Phase("copy", m, 0) for m in COPY_METHODS + REUSED_METHODS]
     for block in blocks:
         phases += [Phase("op", "put", block), Phase("op", "get", block)]
     return phases
@@ -96,23 +116,6 @@ class Row:
 # -- the client processes ---------------------------------------------------------------
 
 
-def _copier(method: str, src: np.ndarray, dst: np.ndarray, threads: int
-            ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(copy, close): one copy of ``src`` into ``dst`` by ``method``."""
-    if method == "numpy":
-        return (lambda: np.copyto(dst, src)), (lambda: None)
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-copy")
-    bounds = np.linspace(0, src.nbytes, threads + 1, dtype=np.int64) // 4096 * 4096
-    bounds[-1] = src.nbytes
-    parts = [(dst[a:b], src[a:b]) for a, b in itertools.pairwise(bounds.tolist())]
-
-    def copy() -> None:
-        for f in [pool.submit(np.copyto, d, s) for d, s in parts]:
-            f.result(timeout=WAIT_S)
-
-    return copy, (lambda: pool.shutdown(wait=True))
-
-
 def _keys(clients: int, idx: int, block: int, rnd: int, count: int) -> list[bytes]:
     """Keys of one client's batch, new for every client count, client, block and round
     (a put of keys already stored would store nothing)."""
@@ -122,8 +125,17 @@ def _keys(clients: int, idx: int, block: int, rnd: int, count: int) -> list[byte
     return chain_hashes(np.arange(count), 1, salt=salt)
 
 
+def _no_copy(_round: int) -> None:
+    """The copy of a phase that is not a copy."""
+
+
+def _nothing() -> None:
+    """The close of a phase with nothing to close."""
+
+
 def _client_main(idx: int, clients: int, endpoint: str, transport: str, batch: int,
-                 blocks: list[int], rounds: int, barrier: Barrier, out: Any) -> None:
+                 blocks: list[int], rounds: int, sizing: LimitSizing, barrier: Barrier,
+                 out: Any) -> None:
     """One client process: walks :func:`plan`, three barrier waits per round (prepare,
     start, end), and sends ``(phase index, round, t0, t1, cpu s)`` per round, then
     ``("done", idx)``. Any failure aborts the barrier so no one waits for it."""
@@ -138,12 +150,16 @@ def _client_main(idx: int, clients: int, endpoint: str, transport: str, batch: i
         with Client(endpoint, transport=transport) as client:  # type: ignore[arg-type]
             pending: list[tuple[Any, list[bytes]]] = []  # keys to delete before next round
             for p_idx, phase in enumerate(plan(blocks)):
-                copy, close = (lambda: None), (lambda: None)
+                copy: Callable[[int], None] = _no_copy
+                close: Callable[[], None] = _nothing
                 ns: Any = None
                 bufs: list[np.ndarray] = []
                 outs: list[np.ndarray] = []
+                pairs: list[tuple[np.ndarray, np.ndarray]] = []  # freed phase by phase
                 if phase.kind == "copy":
-                    copy, close = _copier(phase.name, src, dst, threads)
+                    pairs = ([(src, dst)] if phase.name in REUSED_METHODS
+                             else make_pairs(sizing, seed=idx))
+                    copy, close = copier(phase.name, pairs, threads)
                 else:
                     count = batch // phase.block
                     layout = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1,
@@ -151,7 +167,8 @@ def _client_main(idx: int, clients: int, endpoint: str, transport: str, batch: i
                     ns = client.open_namespace(layout, model_id=f"bench-cc-{phase.block}")
                     bufs = [src[i * phase.block:(i + 1) * phase.block] for i in range(count)]
                     outs = [dst[i * phase.block:(i + 1) * phase.block] for i in range(count)]
-                for r in range(rounds + 1):  # round 0 warms up (page faults, first slabs)
+                # Round 0 warms up (page faults, first slabs).
+                for r in range(phase.rounds(rounds) + 1):
                     for old_ns, old_keys in pending:  # untimed, before the round's barrier
                         old_ns.delete(old_keys)
                     pending = []
@@ -169,7 +186,7 @@ def _client_main(idx: int, clients: int, endpoint: str, transport: str, batch: i
                     c0 = own_cpu_seconds()
                     t0 = time.perf_counter()
                     if phase.kind == "copy":
-                        copy()
+                        copy(r)
                     elif phase.name == "put":
                         res = ns.put(keys, bufs)
                     else:
@@ -229,7 +246,7 @@ def _drain(out: Any, samples: Samples, errors: list[str], done: set[int]) -> Non
 
 
 def run_clients(endpoint: str, transport: str, clients: int, batch: int, blocks: list[int],
-                rounds: int, service_cpu: Callable[[], float]
+                rounds: int, sizing: LimitSizing, service_cpu: Callable[[], float]
                 ) -> tuple[Samples, dict[int, float]]:
     """Start ``clients`` processes, walk the plan with them, return their samples and
     the service CPU seconds per phase (the empty-phase baseline taken off)."""
@@ -238,7 +255,7 @@ def run_clients(endpoint: str, transport: str, clients: int, batch: int, blocks:
     out = ctx.Queue()
     procs = [ctx.Process(target=_client_main, name=f"bench-client-{i}", daemon=True,
                          args=(i, clients, endpoint, transport, batch, blocks, rounds,
-                               barrier, out)) for i in range(clients)]
+                               sizing, barrier, out)) for i in range(clients)]
     meter = CpuMeter(service_cpu)
     meter.calibrate()
     samples = Samples({}, {})
@@ -248,8 +265,8 @@ def run_clients(endpoint: str, transport: str, clients: int, batch: int, blocks:
     for p in procs:
         p.start()
     try:
-        for p_idx, _phase in enumerate(plan(blocks)):
-            for r in range(rounds + 1):
+        for p_idx, phase in enumerate(plan(blocks)):
+            for r in range(phase.rounds(rounds) + 1):
                 barrier.wait(WAIT_S)
                 s0 = service_cpu()
                 barrier.wait(WAIT_S)
@@ -301,11 +318,18 @@ def _latencies(samples: Samples, p_idx: int, rounds: int) -> list[float]:
 
 
 def measure(endpoint: str, transports: list[str], counts: list[int], batch: int,
-            blocks: list[int], rounds: int, service_cpu: Callable[[], float],
+            blocks: list[int], rounds: int, sizing: LimitSizing,
+            service_cpu: Callable[[], float],
             on_step: Callable[[str], None] = lambda _: None
             ) -> tuple[list[Row], dict[int, dict[str, float]]]:
     """Every (transport, client count): rows, and the copy limits per client count
-    (per method, and ``best``: the best round of any method over both transports)."""
+    (per method, ``best``: the best round of any :data:`COPY_METHODS` method over both
+    transports, and ``best_reused``: the same over :data:`REUSED_METHODS`, for show), and
+    ``<method>_cpu_s_per_gb``: the copy's CPU seconds per GB (summed over the processes
+    and their threads; the lower of both transports). Wall-clock GB/s of N processes
+    needs N free cores, which a shared machine does not always have; the CPU a copy costs
+    per GB hardly moves with the neighbours, so a client's CPU per GB can be held against
+    it.)"""
     phases = plan(blocks)
     limits: dict[int, dict[str, float]] = {}
     raw: list[tuple[str, int, Phase, list[float], list[float], float, float]] = []
@@ -313,12 +337,16 @@ def measure(endpoint: str, transports: list[str], counts: list[int], batch: int,
         for n in counts:
             on_step(f"{n} client(s) over {transport}")
             samples, service_s = run_clients(endpoint, transport, n, batch, blocks, rounds,
-                                             service_cpu)
+                                             sizing, service_cpu)
             lim = limits.setdefault(n, {})
             for p_idx, phase in enumerate(phases):
-                agg = _aggregates(samples, p_idx, rounds, batch)
+                agg = _aggregates(samples, p_idx, phase.rounds(rounds), batch)
                 if phase.kind == "copy":
                     lim[phase.name] = max(lim.get(phase.name, 0.0), max(agg))
+                    cpu = samples.client_cpu.get(p_idx, 0.0) / (
+                        n * batch * phase.rounds(rounds) / GB)
+                    key = f"{phase.name}_cpu_s_per_gb"
+                    lim[key] = min(lim.get(key, cpu), cpu)
                     continue
                 moved = n * batch * rounds / GB
                 raw.append((transport, n, phase, agg, _latencies(samples, p_idx, rounds),
@@ -326,6 +354,7 @@ def measure(endpoint: str, transports: list[str], counts: list[int], batch: int,
                             samples.client_cpu.get(p_idx, 0.0) / moved))
     for lim in limits.values():
         lim["best"] = max(lim[m] for m in COPY_METHODS)
+        lim["best_reused"] = max(lim[m] for m in REUSED_METHODS)
     p99_one = {(t, ph.name, ph.block): _pct(lat, 0.99) for t, n, ph, _, lat, _, _ in raw
                if n == 1}
     rows = []
@@ -342,11 +371,15 @@ def measure(endpoint: str, transports: list[str], counts: list[int], batch: int,
     return rows, limits
 
 
-def _print(rows: list[Row], limits: dict[int, dict[str, float]]) -> None:
+def _print(rows: list[Row], limits: dict[int, dict[str, float]], sizing: LimitSizing
+           ) -> None:
     print("\naggregate copy limit (GB/s), N processes at once, each its own buffers:")
+    print(f"  {sizing.describe()}")
     for n, lim in sorted(limits.items()):
-        parts = "  ".join(f"{m} {v:7.3f}" for m, v in lim.items())
-        print(f"  N={n}: {parts}")
+        parts = "  ".join(f"{m} {lim[m]:7.3f}" for m in (*COPY_METHODS, "best"))
+        cpu = " ".join(f"{lim[f'{m}_cpu_s_per_gb']:.4f}" for m in COPY_METHODS)
+        print(f"  N={n}: {parts}   CPU s/GB {cpu}   [{n * sizing.per_process_bytes / MiB:g} "
+              f"MiB in all; old same-buffer copy, not the limit: {lim['best_reused']:7.3f}]")
     print(f"\n{'name':28} {'GB/s':>8} {'limit':>8} {'frac':>5} {'>=0.8':>5} {'p50 ms':>8} "
           f"{'p99 ms':>8} {'p99/p99(1)':>10} {'<=N':>4} {'svc s/GB':>9} {'cli s/GB':>9}")
     for r in rows:
@@ -389,21 +422,27 @@ def run(argv: list[str] | None = None) -> int:
     # DRAM for the largest count's batches twice over (a put round's and the blocks left
     # from the other size), no flash: every get is a DRAM hit and nothing is demoted.
     dram = max(counts) * batch_mib * 2 + 64
+    sizing = size_limit(batch, last_level_cache_bytes())
+    print(f"copy limit: {sizing.describe()}")
     cfg = local_config(base / "svc", dram_size=f"{dram}MiB", dram_slab="32MiB",
                        flash_size=None, transports=transports)
     with ServiceProcess(base / "svc", cfg) as svc, Client(svc.endpoint) as ctl:
         rows, limits = measure(svc.endpoint, transports, counts, batch, blocks, rounds,
-                               lambda: ctl.stats()["process_cpu_seconds"],
+                               sizing, lambda: ctl.stats()["process_cpu_seconds"],
                                on_step=lambda s: print(f"  ... {s}", flush=True))
-    _print(rows, limits)
+    _print(rows, limits, sizing)
     if args.json:
         doc = {"results": [asdict(r) for r in rows],
                "limits": {str(n): lim for n, lim in limits.items()},
+               "limit_sizing": {**asdict(sizing),
+                                "per_process_bytes": sizing.per_process_bytes,
+                                "reuse_distance_bytes": sizing.reuse_distance_bytes},
                "targets": {"fraction_of_limit": TARGET_FRACTION, "p99_ratio": "<= clients"},
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                            "python": platform.python_version()},
                "params": {"transports": transports, "clients": counts, "batch_mib": batch_mib,
-                          "rounds": rounds, "blocks": blocks}}
+                          "rounds": rounds, "limit_rounds": rounds * LIMIT_ROUND_FACTOR,
+                          "blocks": blocks}}
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
     return 0
