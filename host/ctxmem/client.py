@@ -191,6 +191,14 @@ class Client:
         session_id = getattr(request, "session_id", b"")
         metadata = ((SESSION_TOKEN_METADATA_KEY, self._tokens.get(session_id, b"")),) \
             if session_id else None
+        if session_id:
+            # A verified get's Release went on the data channel without an answer; a gRPC
+            # call after it (an Evict, a Delete: leased blocks are kept) must
+            # not overtake it, so wait for the channel to catch up first (one round trip,
+            # only when such a frame is outstanding).
+            for s in list(self._sessions.values()):
+                if s.id == session_id and s.channel.unanswered:
+                    s.channel.flush()
         try:
             return fn(request, timeout=self.timeout_s, metadata=metadata)
         except grpc.RpcError as exc:

@@ -179,3 +179,25 @@ def test_flush_waits_for_no_reply_releases(
         assert stats["shm_ops_release"] - before == 11, "ten releases and the barrier"
         _channel(c).flush()  # nothing unanswered since: no frame sent
         assert svc.stats()["shm_ops_release"] - before == 11
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_grpc_call_does_not_overtake_a_no_reply_release(
+        service_factory: Callable[..., ServiceHandle], transport: str) -> None:
+    """Evict and Delete go over gRPC, a verified get's Release went on the data channel
+    without an answer: the client waits for the channel before the gRPC call, so the
+    blocks are no longer leased when the Evict arrives and every one is evicted."""
+    svc = service_factory(encryption=False, dram_size="256MiB")
+    keys = _keys("overtake", 16)
+    with ctxmem.Client(svc.endpoint, transport=transport) as c:
+        ns = c.open_namespace(SMALL, model_id="fast")
+        ns.put(keys, _data(SMALL, 16, 5))
+        ch = c._sessions["default"].channel
+        assert ch.ops, "the fast path was not negotiated"
+        for round_ in range(5):
+            assert ns.get(keys, [np.zeros(SMALL.block_nbytes, np.uint8) for _ in keys]) == 16
+            assert ch.unanswered, "a verified get's Release should go without an answer"
+            assert ns.evict(keys[:1]) == 1, f"round {round_}: the leased block was kept"
+            assert not ch.unanswered, "the gRPC call did not wait for the channel"
+            ns.put(keys[:1], _data(SMALL, 1, 5))  # back in DRAM for the next round
+        assert ns.delete(keys) == 16

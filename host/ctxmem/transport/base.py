@@ -10,6 +10,8 @@ from ctxmem.transport.verified import ReadProgress, check_landed
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.shm_ops import decode_release_reply, encode_release
+from ctxmem_common.wire import SHM_OP_RELEASE
 
 #: ``CTXMEM_FAST_OPS=0`` keeps every control call on gRPC, on every channel (A/B runs, an
 #: escape hatch); ``CTXMEM_SHM_OPS=0``, its older name, does the same.
@@ -46,6 +48,18 @@ class DataChannel(abc.ABC):
         :class:`FastPathUnsupported`, or Unavailable when the channel fails (it is then
         broken). Only called when :attr:`ops` is true."""
         raise FastPathUnsupported(f"the {self.name} channel carries no control fast path")
+
+    unanswered = False
+    """Whether fast-path frames flagged no-reply (a verified get's RELEASE) were sent since
+    the last answered call: what they do may not have happened yet."""
+
+    def flush(self) -> None:
+        """Wait until the service has served every frame sent flagged no-reply: one
+        answered RELEASE of no leases behind them (a connection's frames are served in
+        order). The client calls it before a gRPC call of the same session and at close,
+        so nothing overtakes a release. Raises Unavailable if the channel fails."""
+        if self.unanswered:
+            decode_release_reply(self.call(SHM_OP_RELEASE, [encode_release([], False)]), 0)
 
     @abc.abstractmethod
     def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],

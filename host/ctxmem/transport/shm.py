@@ -46,14 +46,13 @@ from ctxmem_common.codecs import (
 from ctxmem_common.errors import CtxmemError, InvalidArgument, Unavailable
 from ctxmem_common.packed_slots import PackedSlots
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.shm_ops import decode_error, decode_release_reply, encode_release
+from ctxmem_common.shm_ops import decode_error
 from ctxmem_common.wire import (
     SHM_HELLO,
     SHM_MAP,
     SHM_MAP_REPLY,
     SHM_OP,
     SHM_OP_NAMES,
-    SHM_OP_RELEASE,
     SHM_OP_REPLY,
     SHM_STATUS,
     STATUS_TEXT,
@@ -106,7 +105,7 @@ class ShmChannel(DataChannel):
         # Frames sent flagged no-reply since the last answered call: close() waits for one
         # answered call first, so what they did (a verified get's Release) has happened
         # when close returns (the service serves a connection's frames in order).
-        self._unanswered = False
+        self.unanswered = False
         self._lock = threading.Lock()
         self._maps: dict[int, tuple[int, mmap.mmap, memoryview]] = {}
         try:
@@ -139,9 +138,9 @@ class ShmChannel(DataChannel):
                 for part in parts:
                     self._sock.sendall(part)
                 if not reply:
-                    self._unanswered = True
+                    self.unanswered = True
                     return b""
-                self._unanswered = False
+                self.unanswered = False
                 magic, status, got_op, length = SHM_OP_REPLY.unpack(
                     _recv_exact(self._sock, SHM_OP_REPLY.size))
                 if magic != b"CXSP" or got_op != op or length > _MAX_REPLY_BYTES:
@@ -379,17 +378,11 @@ class ShmChannel(DataChannel):
                     f"reconnect") from None
         return out
 
-    def flush(self) -> None:
-        """Wait until the service has served every frame sent flagged no-reply: one
-        answered RELEASE of no leases behind them (frames are served in order). Raises
-        Unavailable if the channel fails meanwhile."""
-        if self._unanswered:
-            decode_release_reply(self.call(SHM_OP_RELEASE, [encode_release([], False)]), 0)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._unanswered and not self._broken:
+        if self.unanswered and not self._broken:
             # Bounded: a service that does not answer within the channel's timeout
             # leaves the releases to the lease timeout, as a crashed client would.
             with contextlib.suppress(CtxmemError):

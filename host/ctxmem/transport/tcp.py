@@ -33,12 +33,11 @@ from ctxmem.transport.verified import ReadProgress, check_landed, scrub
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import CtxmemError, InvalidArgument, Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.shm_ops import decode_error, decode_release_reply, encode_release
+from ctxmem_common.shm_ops import decode_error
 from ctxmem_common.wire import (
     OP_READ,
     OP_WRITE,
     SHM_OP_NAMES,
-    SHM_OP_RELEASE,
     STATUS_TEXT,
     TCP_HELLO,
     TCP_NO_ID,
@@ -112,7 +111,7 @@ class TcpChannel(DataChannel):
         self._broken = ""  # why the channel is unusable for ops ("" while it is fine)
         # Frames sent flagged no-reply since the last answered op: close() waits for one
         # answered op first, so what they did (a verified get's Release) has happened.
-        self._unanswered = False
+        self.unanswered = False
         self._lock = threading.Lock()
         raw: socket.socket | None = None
         try:
@@ -165,9 +164,9 @@ class TcpChannel(DataChannel):
                 self._send_parts([TCP_OP.pack(b"CXTO", op, TCP_NO_ID, 0,
                                               sum(map(len, parts))), *parts])
                 if not reply:
-                    self._unanswered = True
+                    self.unanswered = True
                     return b""
-                self._unanswered = False
+                self.unanswered = False
                 head = bytearray(TCP_OP_REPLY.size)
                 _recv_into(self._sock, memoryview(head))
                 magic, status, got_op, length = TCP_OP_REPLY.unpack(head)
@@ -190,12 +189,6 @@ class TcpChannel(DataChannel):
             raise FastPathUnsupported(name)
         raise InvalidArgument(f"TCP fast path {name}: unexpected status {status}")
 
-    def flush(self) -> None:
-        """Wait until the service has served every frame sent flagged no-reply: one
-        answered RELEASE of no leases behind them (frames are served in order). Raises
-        Unavailable if the channel fails meanwhile."""
-        if self._unanswered:
-            decode_release_reply(self.call(SHM_OP_RELEASE, [encode_release([], False)]), 0)
 
     def _check(self, status: int, what: str) -> None:
         if status != Status.OK:
@@ -271,7 +264,7 @@ class TcpChannel(DataChannel):
                 raise TransportError(f"TCP read failed: {exc}") from None
 
     def close(self) -> None:
-        if self._unanswered and not self._broken:
+        if self.unanswered and not self._broken:
             # Bounded by the socket's timeout: a service that does not answer leaves the
             # releases to the lease timeout, as a crashed client would.
             with contextlib.suppress(CtxmemError):
