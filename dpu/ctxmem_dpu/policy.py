@@ -16,7 +16,7 @@ deterministic, which the tests assert block by block.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
@@ -70,9 +70,22 @@ class SegmentedLRU(Generic[T]):
         leaving exactly the order that one :meth:`touch` per item leaves. One call per
         lease instead of one per block: the segments, the threshold and protected's cap
         are looked up once (moves between segments do not change the total, so the cap
-        holds for the whole batch), and the rebalance is inlined."""
+        holds for the whole batch), and the rebalance is inlined. A batch that moves no
+        item between segments runs without Python per item."""
         prot, prob = self._protected, self._probation
         threshold = self.protect_after_hits
+        items, hits = list(items), list(hits)
+        if len(items) != len(hits):
+            raise ValueError(f"touch_many: {len(items)} items and {len(hits)} hit counts")
+        # Common batches in one C-level pass each: every item in protected (a reused
+        # prefix), or every one in probation and staying there (a first reuse). Moving
+        # each to its segment's end in order is then exactly what the loop below does.
+        if all(map(prot.__contains__, items)):
+            deque(map(prot.move_to_end, items), maxlen=0)
+            return
+        if (not hits or max(hits) < threshold) and all(map(prob.__contains__, items)):
+            deque(map(prob.move_to_end, items), maxlen=0)
+            return
         cap = math.ceil(self.protected_fraction * len(self))
         for item, h in zip(items, hits, strict=True):
             if item in prot:

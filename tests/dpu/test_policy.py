@@ -92,6 +92,34 @@ def test_touch_many_leaves_the_order_of_one_touch_per_item() -> None:
             assert _touched(many, batch, True) == _touched(one, batch, False), (seed, batch)
 
 
+def test_touch_many_within_one_segment_leaves_the_order_of_one_touch_per_item() -> None:
+    """The batches a get makes most (every item in protected, or every one in probation
+    with hits below the threshold: touch_many's one-pass cases), with repeats: the same
+    two segments, item for item, as one touch each."""
+    import random
+
+    for seed in range(300):
+        rng = random.Random(seed)
+        threshold = rng.randint(1, 3)
+        kw = {"protect_after_hits": threshold,
+              "protected_fraction": rng.choice([0.2, 0.5, 0.8, 1.0])}
+        one: SegmentedLRU[int] = SegmentedLRU(**kw)  # type: ignore[arg-type]
+        many: SegmentedLRU[int] = SegmentedLRU(**kw)  # type: ignore[arg-type]
+        for k in range(rng.randint(2, 40)):
+            h = rng.randint(0, 3)
+            one.add(k, h)
+            many.add(k, h)
+        for _ in range(5):
+            protected = rng.random() < 0.5
+            members = list(one._protected if protected else one._probation)
+            if not members:
+                continue
+            batch = [(rng.choice(members),
+                      rng.randint(0, 4) if protected else rng.randint(0, threshold - 1))
+                     for _ in range(rng.randint(1, 30))]
+            assert _touched(many, batch, True) == _touched(one, batch, False), (seed, batch)
+
+
 def test_touch_many_promotes_and_demotes_like_touch() -> None:
     p: SegmentedLRU[str] = SegmentedLRU(protect_after_hits=1, protected_fraction=0.5)
     for k in "abcd":

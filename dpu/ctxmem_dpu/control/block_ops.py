@@ -12,16 +12,17 @@ at once) and decoded arguments, and returns plain values; the callers only encod
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.protoconv import tier_to_pb
+from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH, tier_to_pb
 from ctxmem_dpu.control.lookup_wire import tier_codes
 
 if TYPE_CHECKING:
+    from ctxmem_dpu.alloc import SlotRef
     from ctxmem_dpu.blocks import Allocation, Lease, Namespace, Session
     from ctxmem_dpu.store import BlockStore
 
@@ -30,6 +31,8 @@ __all__ = ["SlotArrays", "acquire", "allocate", "commit", "lease_slots", "lookup
 
 # Per slot: region, generation, offset, length (and for a lease the committed CRC32C).
 SlotArrays = tuple[list[int], list[int], list[int], list[int], list[int]]
+# A leased block's source tier as pb.Tier (a dict lookup per block, not a call).
+_SOURCE_PB = {t: tier_to_pb(t) for t in (TIER_DRAM, TIER_FLASH)}
 
 
 def open_namespace(store: BlockStore, session_id: bytes, handle: int
@@ -52,19 +55,16 @@ async def acquire(store: BlockStore, s: Session, ns: Namespace, keys: Sequence[b
     """Lease the stored leading run of ``keys``: the lease and each block's source tier
     (pb.Tier codes). ``keys_checked``: see :meth:`BlockStore.acquire`."""
     lease, sources = await store.acquire(s, ns, keys, keys_checked=keys_checked)
-    return lease, [tier_to_pb(t) for t in sources]
+    return lease, [_SOURCE_PB[t] for t in sources]
 
 
 def lease_slots(store: BlockStore, lease: Lease) -> SlotArrays:
     """Where each leased block lies in DRAM, with its committed CRC32C."""
-    dram = store.dram
-    refs = []
-    for b in lease.blocks:
-        assert b.dram is not None
-        refs.append(b.dram)
-    return ([r.slab for r in refs], [dram.generation(r.slab) for r in refs],
-            [dram.offset(r) for r in refs], [b.length for b in lease.blocks],
-            [b.crc for b in lease.blocks])
+    blocks = lease.blocks
+    refs = [b.dram for b in blocks]
+    assert all(refs), f"lease {lease.id.hex()} holds a block not in DRAM"
+    slabs, gens, offsets = store.dram.slot_arrays(cast("list[SlotRef]", refs))
+    return slabs, gens, offsets, [b.length for b in blocks], [b.crc for b in blocks]
 
 
 async def allocate(store: BlockStore, s: Session, ns: Namespace, keys: Sequence[bytes]
@@ -72,10 +72,8 @@ async def allocate(store: BlockStore, s: Session, ns: Namespace, keys: Sequence[
     """Reserve a slot per key not stored: the allocation, per key whether it exists, and
     the slots (CRCs empty)."""
     a, exists = await store.allocate(s, ns, keys)
-    dram = store.dram
-    n = ns.block_nbytes
-    return a, exists, ([r.slab for r in a.slots], [dram.generation(r.slab) for r in a.slots],
-                       [dram.offset(r) for r in a.slots], [n] * len(a.slots), [])
+    slabs, gens, offsets = store.dram.slot_arrays(a.slots)
+    return a, exists, (slabs, gens, offsets, [ns.block_nbytes] * len(a.slots), [])
 
 
 async def commit(store: BlockStore, session_id: bytes, allocation_id: bytes,
