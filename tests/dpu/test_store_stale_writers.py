@@ -209,7 +209,8 @@ async def test_write_through_drops_a_block_changed_in_dram(
     store = await _write_through(tmp_path)
     try:
         s, ns = session(store)
-        monkeypatch.setattr("ctxmem_dpu.store.demotion.crc32c", lambda _v: 0xDEAD)
+        monkeypatch.setattr("ctxmem_dpu.store.demotion.crc32c_many",
+                            lambda _buf, offsets, _lengths: [0xDEAD] * len(offsets))
         assert await put(store, s, ns, {K[0]: payload(1)}) == 0  # dropped, not an error
         assert store.counters["dram_crc_mismatch"] == 1
         assert store.counters["write_through_failures"] == 0

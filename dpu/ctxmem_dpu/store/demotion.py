@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ctxmem_common.codecs import crc32c
+from ctxmem_common.codecs import crc32c_many
 from ctxmem_common.flash_format import RecordHeader
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
@@ -116,7 +116,11 @@ class Demotion:
             b.pins += 1
             b.io = fut
         plan: list[tuple[Block, Extent]] = []
-        jobs: list[tuple[FlashDevice, SlotRef, RecordHeader, memoryview, Any]] = []
+        # (device, flash slot, header, the DRAM slot's view, cipher, (the DRAM slab's
+        # mapping, the slot's offset in it)): the offsets are computed here, on the loop,
+        # which owns the DRAM tier's bookkeeping; the I/O threads only move bytes.
+        jobs: list[tuple[FlashDevice, SlotRef, RecordHeader, memoryview, Any,
+                         tuple[memoryview, int]]] = []
         results: list[BaseException | None] = []
         ok = False
         try:
@@ -132,6 +136,7 @@ class Demotion:
                     continue
                 plan.extend(zip(group, exts, strict=True))
                 self._invalidator.begin(exts)
+            dram = ctx.dram
             for b, ext in plan:
                 assert b.dram is not None
                 dev = ctx.flash.devices[ext.device]
@@ -140,7 +145,12 @@ class Demotion:
                                       time.time_ns(),
                                       cipher.check_value if cipher is not None else 0,
                                       self._keyring.device_encrypts(dev.name))
-                jobs.append((dev, ext.slot, header, ctx.dram.slot_view(b.dram), cipher))
+                # ctx.dram.slot_view, keeping the slot's place in its slab's mapping.
+                region = dram.regions[b.dram.slab].view
+                size = dram.alloc.slabs[b.dram.slab].slot_size
+                at = b.dram.index * size
+                jobs.append((dev, ext.slot, header, region[at : at + size], cipher,
+                             (region, at)))
             if jobs:
                 faults.point("demote.before_write")
                 results = await self._write_records(jobs)
@@ -256,7 +266,7 @@ class Demotion:
             # Shared devices: is each slab's lease still this node's (clock and the slab
             # header's epoch on the device)? Once per slab per batch.
             slabs: dict[FlashDevice, set[int]] = {}
-            for dev, slot, _h, _v, _c in jobs:
+            for dev, slot, _h, _v, _c, _at in jobs:
                 if dev.fence is not None:
                     slabs.setdefault(dev, set()).add(slot.slab)
             fenced = {(dev, slab): exc for dev, ss in slabs.items()
@@ -267,7 +277,7 @@ class Demotion:
             # Per device and cipher, adjacent extents by one write (write_payloads).
             out: list[BaseException | None] = [err for _job, err in part]
             groups: dict[tuple[FlashDevice, Any], list[int]] = {}
-            for i, ((dev, _slot, _header, _view, cipher), err) in enumerate(part):
+            for i, ((dev, _slot, _header, _view, cipher, _at), err) in enumerate(part):
                 if err is None:
                     groups.setdefault((dev, cipher), []).append(i)
             for (dev, cipher), group in groups.items():
@@ -275,26 +285,35 @@ class Demotion:
                                          cipher)
                 for i, err in zip(group, got, strict=True):
                     out[i] = err
-            for i, ((_dev, _slot, header, view, _cipher), _err) in enumerate(part):
-                if out[i] is not None:
-                    continue
-                # After the write, while the slot is in cache: what was written is what
-                # was committed, or the block is dropped (see the module doc).
-                with view[: header.length] as block:
-                    got_crc = crc32c(block)
-                if got_crc != header.crc:
-                    out[i] = DramChanged(
-                        f"block {header.key.hex()[:16]} of namespace "
-                        f"{header.namespace.hex()[:16]}: DRAM bytes changed after commit "
-                        f"(CRC32C {got_crc:08x}, committed {header.crc:08x}; a shared-memory "
-                        f"client wrote a slot it no longer holds)")
+            # After the writes, while the slots are in cache: what was written is what was
+            # committed, or the block is dropped (see the module doc). One native call per
+            # DRAM slab (the GIL released once, not once per block).
+            checks: dict[int, tuple[memoryview, list[int], list[int], list[int]]] = {}
+            for i, ((_dev, _slot, header, _view, _cipher, (region, at)), _err) in \
+                    enumerate(part):
+                if out[i] is None:
+                    c = checks.get(id(region))
+                    if c is None:
+                        c = checks[id(region)] = (region, [], [], [])
+                    c[1].append(i)
+                    c[2].append(at)
+                    c[3].append(header.length)
+            for region, idx, offsets, lengths in checks.values():
+                for i, got_crc in zip(idx, crc32c_many(region, offsets, lengths), strict=True):
+                    header = part[i][0][2]
+                    if got_crc != header.crc:
+                        out[i] = DramChanged(
+                            f"block {header.key.hex()[:16]} of namespace "
+                            f"{header.namespace.hex()[:16]}: DRAM bytes changed after commit "
+                            f"(CRC32C {got_crc:08x}, committed {header.crc:08x}; a "
+                            f"shared-memory client wrote a slot it no longer holds)")
             return out
 
         def headers(part: list[Any]) -> list[BaseException | None]:
             # Per device, the headers of adjacent extents by one write (write_headers).
             out: list[BaseException | None] = [err for _job, err in part]
             groups: dict[FlashDevice, list[int]] = {}
-            for i, ((dev, _slot, _header, _view, _cipher), err) in enumerate(part):
+            for i, ((dev, _slot, _header, _view, _cipher, _at), err) in enumerate(part):
                 if err is None:
                     groups.setdefault(dev, []).append(i)
             for dev, group in groups.items():

@@ -147,6 +147,7 @@ class FlashDevice(FormattedDevice):
             try:
                 if self.fence is not None:
                     self.fence.check(first.slab)
+                self.headers_written(first.slab, (slots[i].index for i in run))
                 table = memoryview(staging.table_buf(len(run)))[: len(run) * SECTOR]
                 try:
                     for k, i in enumerate(run):
@@ -163,6 +164,7 @@ class FlashDevice(FormattedDevice):
     def write_header(self, slot: SlotRef, header: RecordHeader) -> None:
         if self.fence is not None:
             self.fence.check(slot.slab)
+        self.headers_written(slot.slab, (slot.index,))
         hdr = staging.header
         hdr[:] = header.pack()
         self._pwrite(hdr, self.header_offset(slot))
@@ -354,6 +356,7 @@ class FlashDevice(FormattedDevice):
         hdr = staging.header
         hdr[:] = bytes(SECTOR)
         self._pwrite(hdr, self.header_offset(slot))
+        self.headers_zeroed(slot.slab, (slot.index,))
 
     def invalidate_many(self, slots: list[SlotRef]) -> None:
         """:meth:`invalidate` of many records, the headers of adjacent slots zeroed by one
@@ -366,4 +369,5 @@ class FlashDevice(FormattedDevice):
                 self.fence.check(first.slab)
             with memoryview(ZEROS)[: len(run) * SECTOR] as zeros:
                 self._pwrite(zeros, self.header_offset(first))
+            self.headers_zeroed(first.slab, (live[i].index for i in run))
 
