@@ -60,7 +60,7 @@ class ServiceConfig:
     io_threads: int = 2
     # Threads that check a Commit's batch (the CRC32C of every slot the client wrote) in
     # parallel: the client waits on the Commit, so its core is idle meanwhile. 0: min(4,
-    # CPUs); 1: the whole batch in one call on one thread.
+    # CPUs the service may run on); 1: the whole batch in one call on one thread.
     commit_crc_threads: int = 0
     # RDMA transport: an IP address of the RDMA device (the BlueField SF's, the RNIC's,
     # rxe0's netdev); it picks the device and its RoCE v2 GID. No port: queue pairs are

@@ -89,3 +89,17 @@ def test_config_check_refuses_cpus_outside_the_allowed_set(tmp_path: Path) -> No
     ok = subprocess.run([sys.executable, "-m", "ctxmem_common.cli", "config", "check",
                          "--quiet", str(path)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_client_copy_threads_default_follows_the_cpus_it_may_run_on() -> None:
+    """An engine pinned to one core gets one copy thread (nothing is connected: the
+    Client connects on first use). sched_setaffinity(0) changes this thread only."""
+    import ctxmem
+
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        assert ctxmem.Client("127.0.0.1:1").copy_threads == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert ctxmem.Client("127.0.0.1:1").copy_threads == min(2, len(before))
