@@ -20,6 +20,7 @@ import grpc
 from ctxmem_common import safepaths
 from ctxmem_common.codecs import CRC32C_IMPLEMENTATION, XTS_IMPLEMENTATION
 from ctxmem_common.config import Config
+from ctxmem_common.cpuset import format_cpulist, pin_process
 from ctxmem_common.errors import ConfigError
 from ctxmem_common.identity import check_identity_mode, is_local_listen, network_listens
 from ctxmem_common.keyfile import load_master_key
@@ -250,7 +251,23 @@ class Service:
                 log.exception("detaching flash device %s failed", backend.spec.name)
 
 
+def apply_cpu_affinity(cfg: Config) -> None:
+    """Pin the whole process to ``service.cpu_affinity`` (every thread now; threads
+    started later, the gRPC, executor and I/O threads, inherit it). Called by
+    :func:`serve`, the process's entry, before the service starts any thread; not by
+    :class:`Service`, which tests also run inside their own process."""
+    cpus = cfg.service.cpu_affinity
+    if not cpus:
+        log.info("CPU affinity: not pinned (service.cpu_affinity empty); may run on CPUs %s",
+                 format_cpulist(os.sched_getaffinity(0)))
+        return
+    tids = pin_process(cpus)
+    log.info("CPU affinity: pinned to CPUs %s (service.cpu_affinity; %d thread(s) now, "
+             "later ones inherit it)", format_cpulist(cpus), len(tids))
+
+
 async def serve(cfg: Config, ready_file: str | None = None) -> None:
+    apply_cpu_affinity(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

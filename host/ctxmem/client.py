@@ -97,9 +97,10 @@ class Client:
     untouched guarantee.
 
     ``copy_threads`` (shared memory): how many threads copy one batch of a get or a put
-    between the service's slabs and the caller's buffers (default ``min(2, cpu_count)``;
-    1 copies on the calling thread only). Only a batch of at least 16 MiB is split
-    (``ctxmem.transport.shm.COPY_THREADS_MIN_BYTES``), into contiguous parts; the
+    between the service's slabs and the caller's buffers (default ``min(2, the CPUs this
+    process may run on)``; 1 copies on the calling thread only). Only a batch of at least
+    16 MiB is split (``ctxmem.transport.shm.COPY_THREADS_MIN_BYTES``), into contiguous
+    parts; the
     ``copy_threads - 1`` helper threads are made on first use, per channel. A verified get
     split this way still ends at the first block that fails its check, but a buffer
     after it that another thread had already filled is zeroed, not left untouched.
@@ -138,8 +139,10 @@ class Client:
         if copy_threads is not None and copy_threads < 1:
             raise InvalidArgument(f"copy_threads={copy_threads}: pass 1 or more (1: copy on "
                                   f"the calling thread only), or None for the default")
+        # The CPUs this process may run on, not the machine's: an engine pinned to one
+        # core gains nothing from a second copy thread time-sliced on the same core.
         self.copy_threads = copy_threads if copy_threads is not None else min(
-            2, os.cpu_count() or 1)
+            2, len(os.sched_getaffinity(0)))
         self.client_name = client_name or f"{socket.gethostname()}:{os.getpid()}"
         # One entry per name (the caller's replaces ours): gRPC's own rule for a repeated
         # argument is not one to rely on.

@@ -33,6 +33,7 @@ from ctxmem_common.config_defaults import (
 )
 from ctxmem_common.config_pod import PodConfig, check_pod
 from ctxmem_common.config_schema import Size, build, reference_rows
+from ctxmem_common.cpuset import CpuList, check_cpus
 from ctxmem_common.device_settings import (
     DeviceSpec,
     KernelOptions,
@@ -59,7 +60,7 @@ class ServiceConfig:
     io_threads: int = 2
     # Threads that check a Commit's batch (the CRC32C of every slot the client wrote) in
     # parallel: the client waits on the Commit, so its core is idle meanwhile. 0: min(4,
-    # CPUs); 1: the whole batch in one call on one thread.
+    # CPUs the service may run on); 1: the whole batch in one call on one thread.
     commit_crc_threads: int = 0
     # RDMA transport: an IP address of the RDMA device (the BlueField SF's, the RNIC's,
     # rxe0's netdev); it picks the device and its RoCE v2 GID. No port: queue pairs are
@@ -100,6 +101,12 @@ class ServiceConfig:
     # connection open) for this long is closed with its allocations and leases, so a
     # client that vanished cannot hold slots, pins or a session slot forever (issue 12).
     session_idle_s: float = 600.0
+    # The CPUs the whole service process (every thread) runs on, set with
+    # sched_setaffinity at start: a list of CPU ids or a cpulist string ("1", "2-3,6").
+    # In the fallback mode it keeps the service off the engine's cores (as SPDK's core
+    # mask does); CPUs that do not exist or are outside the process's allowed set are
+    # refused at load. Empty: no pinning (the scheduler's choice).
+    cpu_affinity: CpuList = field(default_factory=lambda: CpuList([]))
 
 
 @dataclass(frozen=True)
@@ -327,6 +334,7 @@ def _check(cfg: Config) -> None:
         raise ConfigError("service.shm_reply_deadline_s: must be > 0")
     if cfg.service.session_idle_s <= 0:
         raise ConfigError("service.session_idle_s: must be > 0")
+    check_cpus(cfg.service.cpu_affinity, "service.cpu_affinity")
     for name, q in [("default", cfg.quotas.default), *(
             (f"tenants.{t}", q) for t, q in cfg.quotas.tenants.items())]:
         _check_quota(f"quotas.{name}", q)

@@ -12,6 +12,7 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
+from ctxmem_common.cpuset import CpuList, parse_cpulist
 from ctxmem_common.device_settings import (
     KernelOptions,
     SpdkOptions,
@@ -37,6 +38,7 @@ def _type_name(tp: Any) -> str:
 _PARSERS: dict[Any, Any] = {
     KernelOptions: parse_kernel_options,
     SpdkOptions: parse_spdk_options,
+    CpuList: parse_cpulist,
 }
 
 
@@ -124,6 +126,8 @@ def build(cls: type[Any], raw: Any, where: str) -> Any:
 def _type_label(tp: Any) -> str:
     if tp is Size:
         return "size"
+    if tp is CpuList:
+        return "CPU list ([1, 3] or '2-3,6')"
     typed = [t for t in _PARSERS if t in get_args(tp)]
     if typed:
         return f"mapping ({typed[0].__name__}, see docs/storage.md)"

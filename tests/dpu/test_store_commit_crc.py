@@ -4,6 +4,7 @@ client CRC in the middle of a batch drops exactly that block, as the one-thread 
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -72,3 +73,15 @@ def test_thread_count_from_config() -> None:
     assert 1 <= crc_threads(0) <= 4
     with pytest.raises(ConfigError, match="commit_crc_threads"):
         store_config(service={"commit_crc_threads": -1})
+
+
+def test_default_thread_count_follows_the_cpus_the_service_may_run_on() -> None:
+    """A service pinned to one core (service.cpu_affinity) checks on one thread.
+    sched_setaffinity(0) changes this test's own thread only, restored after."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        assert crc_threads(0) == 1 and crc_threads(3) == 3
+    finally:
+        os.sched_setaffinity(0, before)
+    assert crc_threads(0) == min(4, len(before))

@@ -6,6 +6,9 @@ back; this checks that the service really used the given device."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,4 +74,32 @@ def test_bench_dram_only_runs_the_dram_rows_without_a_flash_tier(tmp_path: Path)
 def test_bench_dram_only_refuses_a_flash_option(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         run(["--dram-only", "--peer", "lmcache", "--workdir", str(tmp_path)])
+    assert exc.value.code == 2
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two allowed CPUs")
+def test_bench_pins_the_service_and_itself(tmp_path: Path) -> None:
+    """``--service-cpus`` / ``--client-cpus`` (run as a subprocess: it pins the process
+    it runs in): the service gets cpu_affinity (its log says so), the bench pins itself
+    and measures its limits there, and the header and JSON say both."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "ctxmem_common.cli", "bench", "--quick", "--rounds", "1",
+         "--batch-mib", "8", "--dram-only", "--workdir", str(tmp_path / "work"),
+         "--service-cpus", str(second), "--client-cpus", str(first), "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert (f"pinning: service CPUs {second}, client (this process) CPUs {first}; limits "
+            f"measured on the client's CPUs {first} ") in r.stdout
+    params = json.loads(out.read_text())["params"]
+    assert (params["service_cpus"], params["client_cpus"], params["limit_cpus"]) == (
+        [second], [first], [first])
+    log = (tmp_path / "work" / "plain" / "service.log").read_text()
+    assert f"pinned to CPUs {second} (service.cpu_affinity" in log
+
+
+def test_bench_refuses_cpus_it_may_not_use(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run(["--client-cpus", "4096", "--workdir", str(tmp_path)])
     assert exc.value.code == 2

@@ -28,8 +28,10 @@ MIN_PART_BYTES = 4 << 20
 
 
 def crc_threads(configured: int) -> int:
-    """``service.commit_crc_threads`` resolved: 0 means min(4, CPUs)."""
-    return configured if configured > 0 else min(4, os.cpu_count() or 1)
+    """``service.commit_crc_threads`` resolved: 0 means min(4, the CPUs this process may
+    run on): a service pinned to one core (``service.cpu_affinity``) checks on one thread,
+    not on several time-sliced on that core."""
+    return configured if configured > 0 else min(4, len(os.sched_getaffinity(0)))
 
 
 class SlotCrcs:

@@ -59,6 +59,7 @@ from ctxmem_common.keys import chain_hashes
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.progress import Progress, progress
 from ctxmem_tools.bench.cpu import CpuMeter
+from ctxmem_tools.bench.pinning import Pinning, add_pinning_args
 from ctxmem_tools.launcher import ServiceProcess, local_config
 
 MiB = 1 << 20
@@ -104,9 +105,10 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
         for s, d in zip(src, dst, strict=True):
             np.copyto(d, s)
 
-    # The same copy split over every CPU (numpy releases the GIL while it copies): the
-    # limit is the best the machine offers, and one thread is not always that (issue 17).
-    threads = max(1, os.cpu_count() or 1)
+    # The same copy split over every CPU this process may use (numpy releases the GIL
+    # while it copies): the limit is the best the machine offers, and one thread is not
+    # always that (issue 17). Under --client-cpus: the best the client's own CPUs offer.
+    threads = max(1, len(os.sched_getaffinity(0)))
     pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-memcpy")
     shares = [list(zip(src[i::threads], dst[i::threads], strict=True)) for i in range(threads)]
 
@@ -377,7 +379,9 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--dram-only", action="store_true",
                    help="a service with no flash tier, unencrypted: only the DRAM put and "
                         "get rows, with no write-back demotion competing for the CPUs")
+    add_pinning_args(p)
     args = p.parse_args(argv)
+    pinning = Pinning.from_args(p, args)
     if args.dram_only and (args.peer or args.flash_device):
         p.error("--dram-only has no flash tier: it takes neither --peer nor --flash-device")
     peer_info: dict[str, object] | None = None
@@ -393,6 +397,7 @@ def run(argv: list[str] | None = None) -> int:
             p.error("--from-json draws a figure: give --png FILE")
         return _draw(Path(args.from_json), args.png)
     rounds = 3 if args.quick else args.rounds
+    pinning.pin_client()  # before the limits: they are measured where the client runs
     base = Path(args.workdir or tempfile.mkdtemp(prefix="ctxmem-bench-", dir="/var/tmp"))
     base.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
@@ -400,6 +405,7 @@ def run(argv: list[str] | None = None) -> int:
     print(f"ctxmem bench: transport={args.transport}, {args.batch_mib} MiB per batch, "
           f"{rounds} rounds, workdir {base}, CRC32C {CRC32C_IMPLEMENTATION}, "
           f"AES-XTS {XTS_IMPLEMENTATION}")
+    print(pinning.describe())
     device_entry = json.loads(Path(args.flash_device).read_text()) if args.flash_device else None
     if device_entry is not None:
         print(f"flash tier: {device_entry.get('backend')} device {device_entry.get('name')}")
@@ -431,11 +437,14 @@ def run(argv: list[str] | None = None) -> int:
                            dram_slab="32MiB", flash_size=flash_size if flash else None,
                            flash_slab="64MiB",
                            transports=[args.transport], service={"rdma_listen": os.environ.get(
-                               "CTXMEM_RDMA_LISTEN", "0.0.0.0")})  # rdma: any RoCE v2 GID
+                               "CTXMEM_RDMA_LISTEN", "0.0.0.0"),  # rdma: any RoCE v2 GID
+                               **pinning.service_section()})
         if device_entry is not None:
             cfg["flash"]["devices"] = [device_entry]
             cfg["flash"]["o_direct"] = True
-        with ServiceProcess(base / tag, cfg) as svc:
+        with pinning.spawning_service():
+            svc = ServiceProcess(base / tag, cfg)
+        with svc:
             for block in (2 * MiB, 64 * 1024):
                 with ExitStack() as stack:
                     peer = (stack.enter_context(peer_lmcache.lmcache_peer(
@@ -485,7 +494,7 @@ def run(argv: list[str] | None = None) -> int:
             "params": {"transport": args.transport, "batch_mib": args.batch_mib,
                        "rounds": rounds, "flash_device": device_entry,
                        "odirect_path": str(scratch), "peer": args.peer,
-                       "dram_only": args.dram_only},
+                       "dram_only": args.dram_only, **pinning.as_json()},
         }
         if peer_info is not None:
             doc["peer"] = peer_info
