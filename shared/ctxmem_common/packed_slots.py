@@ -51,10 +51,13 @@ class PackedSlots:
                 zip(self.regions, self.generations, self.offsets, self.lengths, strict=True)]
 
 
-def pack_acquire(resp: pb.AcquireResponse, regions: Sequence[int],
-                 generations: Sequence[int], offsets: Sequence[int],
-                 lengths: Sequence[int], crcs: Sequence[int]) -> None:
-    """Fill ``resp``'s packed fields (one array conversion per field)."""
+_Ints = Sequence[int] | np.ndarray
+
+
+def pack_acquire(resp: pb.AcquireResponse, regions: _Ints, generations: _Ints,
+                 offsets: _Ints, lengths: _Ints, crcs: _Ints) -> None:
+    """Fill ``resp``'s packed fields (one array conversion per field; none for numpy
+    arrays of the field's dtype)."""
     resp.slot_regions = np.asarray(regions, dtype=_U32).tobytes()
     resp.slot_generations = np.asarray(generations, dtype=_U32).tobytes()
     resp.slot_offsets = np.asarray(offsets, dtype=_U64).tobytes()

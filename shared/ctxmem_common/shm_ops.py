@@ -138,9 +138,12 @@ def decode_keys_request(body: Body, lookup: bool) -> KeysRequest:
 
 
 # -- ACQUIRE --------------------------------------------------------------------------
-def encode_acquire_reply(lease_id: bytes, regions: Sequence[int], generations: Sequence[int],
-                         offsets: Sequence[int], lengths: Sequence[int], crcs: Sequence[int],
-                         tier_codes: Sequence[int]) -> bytes:
+def encode_acquire_reply(lease_id: bytes, regions: Sequence[int] | np.ndarray,
+                         generations: Sequence[int] | np.ndarray,
+                         offsets: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray,
+                         crcs: Sequence[int] | np.ndarray, tier_codes: Sequence[int]) -> bytes:
+    """The answer's body; numpy arrays of the wire's dtypes (what the service's
+    ``lease_slots`` returns) are written as they are, with no conversion."""
     n = len(regions)
     return b"".join((
         _ACQ_REP.pack(lease_id, n), np.asarray(regions, _U32).tobytes(),
