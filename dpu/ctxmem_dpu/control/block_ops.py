@@ -68,8 +68,10 @@ def lease_slots(store: BlockStore, lease: Lease) -> LeaseSlots:
     them with no further conversion)."""
     blocks = lease.blocks
     refs = [b.dram for b in blocks]
-    assert None not in refs, f"lease {lease.id.hex()} holds a block not in DRAM"
-    slabs, gens, offsets = store.dram.slot_ndarrays(cast("list[SlotRef]", refs))
+    try:
+        slabs, gens, offsets = store.dram.slot_ndarrays(cast("list[SlotRef]", refs))
+    except TypeError:  # a None among the refs (not checked apart: 9 µs per 1,024)
+        raise AssertionError(f"lease {lease.id.hex()} holds a block not in DRAM") from None
     return (slabs, gens, offsets, int_array([b.length for b in blocks], wide=True),
             int_array([b.crc for b in blocks], wide=False))
 

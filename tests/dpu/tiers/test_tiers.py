@@ -53,7 +53,7 @@ class TestDramTier(TierTests):
             small = dram.allocate(64 << 10, 20, "bob") or []  # a slab and a bit of another
             big = dram.allocate(256 << 10, 5, "carol") or []
             refs = [r for pair in zip(small, big + small[5:], strict=False) for r in pair]
-            refs += small[len(big) + 5:] + [big[0], small[0]]
+            refs += [*small[len(big) + 5:], big[0], small[0]]
             assert len({r.slab for r in refs}) >= 3
             assert len({dram.generation(r.slab) for r in refs}) == 2
             slabs, gens, offsets = dram.slot_ndarrays(refs)
