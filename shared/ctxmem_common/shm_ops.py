@@ -179,7 +179,8 @@ def decode_acquire_reply(body: bytes, requested: int, block_nbytes: int) -> Acqu
         raise ValueError(f"ACQUIRE answer for lease {lease_id.hex()}: slot lengths differ "
                          f"from the block size {block_nbytes}")
     r, g, o, ln, c = (a.tolist() for a in out)
-    return AcquireReply(lease_id, PackedSlots(r, g, o, ln, c), body[off:])
+    return AcquireReply(lease_id, PackedSlots(r, g, o, ln, c, arrays=(
+        out[0], out[1], out[2], out[3])), body[off:])
 
 
 # -- RELEASE --------------------------------------------------------------------------
@@ -265,7 +266,8 @@ def decode_allocate_reply(body: bytes, requested: int, block_nbytes: int) -> All
         raise ValueError(f"ALLOCATE answer for allocation {aid.hex()}: slot lengths differ "
                          f"from the block size {block_nbytes}")
     r, g, o, ln = (a.tolist() for a in out)
-    return AllocateReply(aid, (exists != 0).tolist(), PackedSlots(r, g, o, ln, []))
+    return AllocateReply(aid, (exists != 0).tolist(), PackedSlots(r, g, o, ln, [], arrays=(
+        out[0], out[1], out[2], out[3])))
 
 
 # -- COMMIT ---------------------------------------------------------------------------
