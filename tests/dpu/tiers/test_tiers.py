@@ -12,7 +12,7 @@ import pytest
 from ctxmem_common.flash_format import DATA_START, slots_per_slab
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.tiers.base import Tier
-from ctxmem_dpu.tiers.dram import DramTier
+from ctxmem_dpu.tiers.dram import SLOT_NDARRAYS_MIN, DramTier
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashTier
 
 from .tier_conformance import TierTests
@@ -56,13 +56,16 @@ class TestDramTier(TierTests):
             refs += [*small[len(big) + 5:], big[0], small[0]]
             assert len({r.slab for r in refs}) >= 3
             assert len({dram.generation(r.slab) for r in refs}) == 2
-            slabs, gens, offsets = dram.slot_ndarrays(refs)
-            assert (slabs.dtype, gens.dtype, offsets.dtype) == ("uint32", "uint32", "uint64")
-            assert slabs.tolist() == [r.slab for r in refs]
-            assert gens.tolist() == [dram.generation(r.slab) for r in refs]
-            assert offsets.tolist() == [dram.offset(r) for r in refs]
-            assert [a.tolist() for a in (slabs, gens, offsets)] == list(
-                dram.slot_arrays(refs))
+            assert len(refs) < SLOT_NDARRAYS_MIN <= 4 * len(refs)
+            for batch in (refs, refs[::-1] * 4):  # through lists, and through numpy
+                slabs, gens, offsets = dram.slot_ndarrays(batch)
+                assert (slabs.dtype, gens.dtype, offsets.dtype) == ("uint32", "uint32",
+                                                                    "uint64")
+                assert slabs.tolist() == [r.slab for r in batch]
+                assert gens.tolist() == [dram.generation(r.slab) for r in batch]
+                assert offsets.tolist() == [dram.offset(r) for r in batch]
+                assert [a.tolist() for a in (slabs, gens, offsets)] == list(
+                    dram.slot_arrays(batch))
             assert [len(a) for a in dram.slot_ndarrays([])] == [0, 0, 0]
 
 
