@@ -9,6 +9,7 @@ host buffer (one device-to-host or host-to-device copy, the one the transport ne
 from __future__ import annotations
 
 import sys
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,27 @@ def _flat_uint8(buf: Any, nbytes: int, writable: bool) -> memoryview | None:
     return view
 
 
+_DATA, _FORMAT, _NDIM, _CONTIGUOUS, _READONLY = map(
+    attrgetter, ("data", "format", "ndim", "c_contiguous", "readonly"))
+
+
+def _flat_uint8_batch(buffers: list[Any], nbytes: int, writable: bool
+                      ) -> list[memoryview] | None:
+    """:func:`_flat_uint8` for a whole batch at once: the views when every buffer is a
+    flat, C-contiguous uint8 numpy array of ``nbytes`` (writable when asked), else
+    ``None`` (then each buffer is viewed on its own). The same checks as one ``map``
+    pass per field in C, not a Python call per buffer (1,024 buffers: about 270 -> 190
+    µs in docs/benchmarks.md's micro-timing)."""
+    if set(map(type, buffers)) != {np.ndarray}:
+        return None
+    views: list[memoryview] = list(map(_DATA, buffers))
+    if set(map(_FORMAT, views)) != {"B"} or set(map(_NDIM, views)) != {1} \
+            or set(map(len, views)) != {nbytes} or not all(map(_CONTIGUOUS, views)) \
+            or (writable and any(map(_READONLY, views))):
+        return None
+    return views
+
+
 class Staged:
     """Byte views for a batch of buffers, staging CUDA tensors through pinned memory.
 
@@ -90,8 +112,9 @@ class Staged:
     def __init__(self, buffers: list[Any], nbytes: int, writable: bool) -> None:
         self._cuda: list[tuple[Any, Any]] = []
         self._cuda_index: list[int] = []
-        self.views: list[memoryview] = []
-        for i, buf in enumerate(buffers):
+        batch = _flat_uint8_batch(buffers, nbytes, writable) if buffers else None
+        self.views: list[memoryview] = [] if batch is None else batch
+        for i, buf in enumerate(() if batch is not None else buffers):
             view = _flat_uint8(buf, nbytes, writable)
             if view is not None:  # the common case, without the checks' Python per block
                 self.views.append(view)

@@ -91,12 +91,18 @@ def _lookup_request(session_id: bytes, handle: int, keys: Sequence[bytes], prefi
                             prefix=prefix, want_tier_codes=True)
 
 
-def _fast(s: _Session, keys: Sequence[bytes]) -> tuple[DataChannel, bytes, int] | None:
+def _fast(s: _Session, keys: Sequence[bytes], key_len: int | None = None
+          ) -> tuple[DataChannel, bytes, int] | None:
     """(channel, packed keys, key length) when this call can take the control fast path
-    (shared memory or TCP): the channel carries it, and the keys are of one length."""
+    (shared memory or TCP): the channel carries it, and the keys are of one length.
+    ``key_len``: the keys' common length as :func:`validate_keys` returned it, so they
+    are not measured again; None: measured here (also where it returned 0: keys of
+    several lengths, or not all ``bytes``, which ``pack_keys`` still packs)."""
     ch = s.channel
     if not ch.ops:
         return None
+    if key_len:
+        return ch, b"".join(keys), key_len
     packed = pack_keys(keys)
     return None if packed is None else (ch, packed[0], packed[1])
 
@@ -285,7 +291,7 @@ class Namespace:
         the check count whatever happens after: a retry after a reconnect goes on from the
         first block not yet delivered.
         """
-        validate_keys(keys)
+        key_len = validate_keys(keys)  # once per get: every batch reuses its key length
         if len(keys) != len(buffers):
             raise InvalidArgument(f"get got {len(keys)} keys and {len(buffers)} buffers; "
                                   f"pass one buffer per key")
@@ -296,16 +302,18 @@ class Namespace:
             # service could only stage part of it in DRAM; asking again from where it
             # stopped tells the two apart (a miss answers 0).
             sl = self._batch(total, len(keys))
-            n, go_on = self._get_batch(list(keys[sl]), staged.views[sl])
+            n, go_on = self._get_batch(list(keys[sl]), staged.views[sl], key_len)
             total += n
             if n == 0 or not go_on:
                 break
         staged.finish_get(total)
         return total
 
-    def _get_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, bool]:
+    def _get_batch(self, keys: list[bytes], views: list[memoryview], key_len: int | None = None
+                   ) -> tuple[int, bool]:
         """Get one batch into ``views``; returns (leading blocks delivered, whether the get
         may go on after them: ``False`` after a failed check or an unavailable service).
+        ``key_len``: :func:`validate_keys`' answer for the get's keys.
 
         With verification, ``done`` advances block by block as blocks pass their CRC, so
         a read that raises midway (service gone, lease refused) is retried, after a
@@ -323,7 +331,7 @@ class Namespace:
             ch = s.channel
             shm = isinstance(ch, ShmChannel)
             base = done
-            fast = _fast(s, keys[base:])
+            fast = _fast(s, keys[base:], key_len or None)  # 0: pack_keys decides
             rep = None
             if fast is not None:
                 with contextlib.suppress(FastPathUnsupported):

@@ -53,20 +53,24 @@ def _field(data: bytes) -> bytes:
     return len(data).to_bytes(4, "little") + data
 
 
-def validate_keys(keys: Sequence[bytes]) -> None:
+def validate_keys(keys: Sequence[bytes]) -> int:
     """Reject a batch with an empty, oversized or duplicate key, naming the index.
+    Returns the keys' common length when they are all ``bytes`` of one length (what the
+    binary fast path packs, so a get need not measure them again in :func:`pack_keys`),
+    else 0.
 
     The common case (all valid) runs as C-level passes (``map``/``set``/``min``/``max``):
     a 10,000-key Lookup spends well under a millisecond here. Only a bad batch takes the
     slow path that finds and names the culprit.
     """
     if not keys:
-        return
+        return 0
     if set(map(type, keys)) <= {bytes}:
-        lens = list(map(len, keys))
+        lens = set(map(len, keys))
         if min(lens) >= 1 and max(lens) <= MAX_KEY_BYTES and len(set(keys)) == len(keys):
-            return
+            return lens.pop() if len(lens) == 1 else 0
     _explain_bad_keys(keys)
+    return 0  # valid, but not all bytes (bytearray keys)
 
 
 def _explain_bad_keys(keys: Sequence[bytes]) -> None:

@@ -19,7 +19,7 @@ checks each ``offset + length`` against the region it mapped before any copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,9 +41,21 @@ class PackedSlots:
     offsets: list[int]
     lengths: list[int]
     crcs: list[int]
+    #: The same regions, generations, offsets and lengths as numpy arrays (uint32, uint32,
+    #: uint64, uint64) where the decoder had them (a fast-path answer), so the channel's
+    #: run and bounds check is numpy over them, not Python over the lists.
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(
+        default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.regions)
+
+    def ndarrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:attr:`arrays`, or the lists converted (a gRPC answer, a test's slots)."""
+        if self.arrays is not None:
+            return self.arrays
+        return (np.asarray(self.regions, np.uint32), np.asarray(self.generations, np.uint32),
+                np.asarray(self.offsets, np.uint64), np.asarray(self.lengths, np.uint64))
 
     def slots(self) -> list[pb.Slot]:
         """The same slots as protobuf messages, for channels that take those."""
@@ -51,10 +63,13 @@ class PackedSlots:
                 zip(self.regions, self.generations, self.offsets, self.lengths, strict=True)]
 
 
-def pack_acquire(resp: pb.AcquireResponse, regions: Sequence[int],
-                 generations: Sequence[int], offsets: Sequence[int],
-                 lengths: Sequence[int], crcs: Sequence[int]) -> None:
-    """Fill ``resp``'s packed fields (one array conversion per field)."""
+_Ints = Sequence[int] | np.ndarray
+
+
+def pack_acquire(resp: pb.AcquireResponse, regions: _Ints, generations: _Ints,
+                 offsets: _Ints, lengths: _Ints, crcs: _Ints) -> None:
+    """Fill ``resp``'s packed fields (one array conversion per field; none for numpy
+    arrays of the field's dtype)."""
     resp.slot_regions = np.asarray(regions, dtype=_U32).tobytes()
     resp.slot_generations = np.asarray(generations, dtype=_U32).tobytes()
     resp.slot_offsets = np.asarray(offsets, dtype=_U64).tobytes()

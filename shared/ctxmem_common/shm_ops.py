@@ -138,9 +138,12 @@ def decode_keys_request(body: Body, lookup: bool) -> KeysRequest:
 
 
 # -- ACQUIRE --------------------------------------------------------------------------
-def encode_acquire_reply(lease_id: bytes, regions: Sequence[int], generations: Sequence[int],
-                         offsets: Sequence[int], lengths: Sequence[int], crcs: Sequence[int],
-                         tier_codes: Sequence[int]) -> bytes:
+def encode_acquire_reply(lease_id: bytes, regions: Sequence[int] | np.ndarray,
+                         generations: Sequence[int] | np.ndarray,
+                         offsets: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray,
+                         crcs: Sequence[int] | np.ndarray, tier_codes: Sequence[int]) -> bytes:
+    """The answer's body; numpy arrays of the wire's dtypes (what the service's
+    ``lease_slots`` returns) are written as they are, with no conversion."""
     n = len(regions)
     return b"".join((
         _ACQ_REP.pack(lease_id, n), np.asarray(regions, _U32).tobytes(),
@@ -176,7 +179,8 @@ def decode_acquire_reply(body: bytes, requested: int, block_nbytes: int) -> Acqu
         raise ValueError(f"ACQUIRE answer for lease {lease_id.hex()}: slot lengths differ "
                          f"from the block size {block_nbytes}")
     r, g, o, ln, c = (a.tolist() for a in out)
-    return AcquireReply(lease_id, PackedSlots(r, g, o, ln, c), body[off:])
+    return AcquireReply(lease_id, PackedSlots(r, g, o, ln, c, arrays=(
+        out[0], out[1], out[2], out[3])), body[off:])
 
 
 # -- RELEASE --------------------------------------------------------------------------
@@ -262,7 +266,8 @@ def decode_allocate_reply(body: bytes, requested: int, block_nbytes: int) -> All
         raise ValueError(f"ALLOCATE answer for allocation {aid.hex()}: slot lengths differ "
                          f"from the block size {block_nbytes}")
     r, g, o, ln = (a.tolist() for a in out)
-    return AllocateReply(aid, (exists != 0).tolist(), PackedSlots(r, g, o, ln, []))
+    return AllocateReply(aid, (exists != 0).tolist(), PackedSlots(r, g, o, ln, [], arrays=(
+        out[0], out[1], out[2], out[3])))
 
 
 # -- COMMIT ---------------------------------------------------------------------------

@@ -71,6 +71,16 @@ def test_validate_keys_errors_name_the_index() -> None:
         validate_keys(["str"])  # type: ignore[list-item]
 
 
+def test_validate_keys_returns_the_common_length_a_get_packs_with() -> None:
+    """A get packs its keys with this length (no second pass in pack_keys): it must be
+    the length of every key, and 0 whenever pack_keys has to decide instead."""
+    assert validate_keys([b"ab", b"cd", b"ef"]) == 2
+    assert validate_keys([b"k" * 64]) == 64
+    assert validate_keys([b"a", b"bc"]) == 0  # several lengths
+    assert validate_keys([b"ab", bytearray(b"cd")]) == 0  # not all bytes: valid all the same
+    assert validate_keys([]) == 0
+
+
 def test_packed_keys_round_trip_and_errors() -> None:
     from ctxmem_common.keys import pack_keys, unpack_keys
 

@@ -251,14 +251,15 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
             return resp
         refs = [b.dram for b in lease.blocks]
         slots = [pb.Slot(region=r, generation=g, offset=o, length=n)
-                 for r, g, o, n in zip(regions, gens, offsets, lengths, strict=True)]
+                 for r, g, o, n in zip(regions.tolist(), gens.tolist(), offsets.tolist(),
+                                       lengths.tolist(), strict=True)]
         try:
             await self._grant_rdma(s, lease.id, refs, slots, write=False)
         except BaseException:
             self.store.release(s, [lease.id])
             raise
         resp.slots.extend(slots)
-        resp.crc32c.extend(crcs)
+        resp.crc32c.extend(crcs.tolist())
         return resp
 
     @_rpc

@@ -21,7 +21,10 @@ import contextlib
 import fcntl
 import mmap
 import os
+from array import array
 from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
 
 from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
 from ctxmem_dpu.tiers.base import Tier
@@ -31,6 +34,19 @@ PAGE = 4096
 # The seals every slab carries before its fd is handed out: no shrink, no grow, no
 # removing them.
 SLAB_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+assert array("I").itemsize == 4 and array("Q").itemsize == 8
+
+
+#: From this many refs :meth:`DramTier.slot_ndarrays` spreads the per-slab values with
+#: numpy; below it, through lists (32 refs: lease_slots + encoding 16 -> 10 µs, as before).
+SLOT_NDARRAYS_MIN = 64
+
+
+def int_array(values: Sequence[int], wide: bool) -> np.ndarray:
+    """``values`` as a native uint32 (or with ``wide`` uint64) numpy array. Through
+    ``array.array``: about 3x faster than ``np.array`` from a list of ints (1,024: 4.5 vs
+    13 µs), which is most of what turning a lease's slots into arrays costs."""
+    return np.frombuffer(array("Q" if wide else "I", values), np.uint64 if wide else np.uint32)
 
 # Who a slab belongs to: a tenant name (tests, tools) or (tenant, namespace digest).
 Owner = str | tuple[str, bytes] | None
@@ -171,6 +187,25 @@ class DramTier(Tier[SlotRef]):
         gen = {i: self._generations[i] for i in used}
         slot = {i: self.alloc.slabs[i].slot_size for i in used}
         return slabs, [gen[i] for i in slabs], [r[1] * slot[r[0]] for r in refs]
+
+    def slot_ndarrays(self, refs: Sequence[SlotRef]) -> tuple[np.ndarray, np.ndarray,
+                                                              np.ndarray]:
+        """:meth:`slot_arrays` as numpy arrays (uint32 slab, uint32 generation, uint64
+        offset), what an Acquire's answer is encoded from: the per-slab values looked up
+        once per slab and spread with one ``unique`` (a 64 KiB get's Acquire: the lists
+        and their conversion to arrays cost about 100 µs)."""
+        if len(refs) < SLOT_NDARRAYS_MIN:  # a few refs: numpy's fixed costs would dominate
+            slabs_l, gens_l, offsets_l = self.slot_arrays(refs)
+            return (int_array(slabs_l, wide=False), int_array(gens_l, wide=False),
+                    int_array(offsets_l, wide=True))
+        slab_ids, indexes = zip(*refs, strict=True)  # both fields in one pass
+        slabs = int_array(slab_ids, wide=False)
+        index = int_array(indexes, wide=True)
+        used, where = np.unique(slabs, return_inverse=True)
+        ids: list[int] = used.tolist()
+        gens = int_array([self._generations[i] for i in ids], wide=False)[where]
+        sizes = int_array([self.alloc.slabs[i].slot_size for i in ids], wide=True)[where]
+        return slabs, gens, index * sizes
 
     def region_owner(self, slab_id: int) -> object:
         """The slab's owner now (None when unassigned): what a MAP is checked against."""

@@ -94,7 +94,7 @@ async def _keys_op(store: BlockStore, session_id: bytes, op: int, body: Body
         return Status.OK, wire_ops.encode_acquire_reply(
             lease.id, regions, gens, offsets, lengths, crcs, sources)
     assert op == SHM_OP_ALLOCATE
-    a, exists, (regions, gens, offsets, lengths, _) = await block_ops.allocate(
+    a, exists, (a_regions, a_gens, a_offsets, a_lengths, _) = await block_ops.allocate(
         store, s, ns, keys)
-    return Status.OK, wire_ops.encode_allocate_reply(a.id, exists, regions, gens, offsets,
-                                                     lengths)
+    return Status.OK, wire_ops.encode_allocate_reply(a.id, exists, a_regions, a_gens,
+                                                     a_offsets, a_lengths)

@@ -31,9 +31,9 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from itertools import groupby
-from operator import add
 from typing import TypeVar
+
+import numpy as np
 
 from ctxmem.transport.base import DataChannel, FastPathUnsupported, TransportError
 from ctxmem.transport.verified import ReadProgress, copy_checked, scrub
@@ -194,21 +194,33 @@ class ShmChannel(DataChannel):
         if n > len(slots):
             raise TransportError(f"{n} buffers for {len(slots)} slots{lease}; the service's "
                                  f"answer is malformed: report it")
+        if n == 0:
+            return []
+        regions, gens, offsets, lengths = (a[:n] for a in slots.ndarrays())
+        # Runs: where (region, generation) changes, in one numpy pass; each run's highest
+        # end against its region's size, and no end that wrapped past 2**64 (it would
+        # end below its offset; the lists' Python ints never wrapped).
+        key = (regions.astype(np.uint64) << np.uint64(32)) | gens
+        starts = np.flatnonzero(key[1:] != key[:-1]) + 1
+        starts = np.concatenate(([0], starts))
+        ends = offsets + lengths
+        wrapped = ends < offsets
+        any_wrapped = bool(wrapped.any())
+        top_end = np.maximum.reduceat(ends, starts).tolist()
+        cut: list[int] = starts.tolist()
         runs: list[_Run] = []
-        start = 0
-        for key, group in groupby(zip(slots.regions[:n], slots.generations[:n],
-                                          strict=True)):
-            end = start + len(list(group))
-            region = self._region(*key)
-            ends = list(map(add, slots.offsets[start:end], slots.lengths[start:end]))
-            if ends and max(ends) > region.nbytes:
-                i = next(j for j, e in enumerate(ends) if e > region.nbytes)
+        for j, (start, end) in enumerate(zip(cut, [*cut[1:], n], strict=True)):
+            region = self._region(int(regions[start]), int(gens[start]))
+            size = region.nbytes
+            if top_end[j] > size or (
+                    any_wrapped and wrapped[start:end].any()):
+                i = start + int(np.flatnonzero((ends[start:end] > size)
+                                               | wrapped[start:end])[0])
                 raise TransportError(
-                    f"slot {start + i} [{slots.offsets[start + i]}, {ends[i]}){lease} lies "
-                    f"outside region {key[0]} ({region.nbytes} bytes); the service's answer "
-                    f"is malformed: report it")
+                    f"slot {i} [{int(offsets[i])}, {int(offsets[i]) + int(lengths[i])})"
+                    f"{lease} lies outside region {int(regions[i])} ({size} bytes); the "
+                    f"service's answer is malformed: report it")
             runs.append((start, end, region))
-            start = end
         return runs
 
     def _region(self, region: int, generation: int) -> memoryview:

@@ -12,7 +12,7 @@ import pytest
 from ctxmem_common.flash_format import DATA_START, slots_per_slab
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.tiers.base import Tier
-from ctxmem_dpu.tiers.dram import DramTier
+from ctxmem_dpu.tiers.dram import SLOT_NDARRAYS_MIN, DramTier
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashTier
 
 from .tier_conformance import TierTests
@@ -41,6 +41,32 @@ class TestDramTier(TierTests):
             assert dram.region_tenant(b.slab) == "bob"
             dram.view(a, 4)[:] = b"abcd"  # the slot is real, mapped memory
             assert bytes(dram.slot_view(a)[:4]) == b"abcd"
+
+    def test_slot_ndarrays_match_each_slot(self) -> None:
+        """An Acquire's answer is encoded from :meth:`DramTier.slot_ndarrays`: every ref
+        must get its own slab's generation and slot size, whatever order the refs come
+        in (slabs interleaved, of different slot sizes and generations)."""
+        with DramTier(4 * MiB, MiB) as dram:
+            old = dram.allocate(64 << 10, 16, "alice") or []
+            for ref in old:  # the slab goes back, then to another owner: generation 2
+                dram.free(ref)
+            small = dram.allocate(64 << 10, 20, "bob") or []  # a slab and a bit of another
+            big = dram.allocate(256 << 10, 5, "carol") or []
+            refs = [r for pair in zip(small, big + small[5:], strict=False) for r in pair]
+            refs += [*small[len(big) + 5:], big[0], small[0]]
+            assert len({r.slab for r in refs}) >= 3
+            assert len({dram.generation(r.slab) for r in refs}) == 2
+            assert len(refs) < SLOT_NDARRAYS_MIN <= 4 * len(refs)
+            for batch in (refs, refs[::-1] * 4):  # through lists, and through numpy
+                slabs, gens, offsets = dram.slot_ndarrays(batch)
+                assert (slabs.dtype, gens.dtype, offsets.dtype) == ("uint32", "uint32",
+                                                                    "uint64")
+                assert slabs.tolist() == [r.slab for r in batch]
+                assert gens.tolist() == [dram.generation(r.slab) for r in batch]
+                assert offsets.tolist() == [dram.offset(r) for r in batch]
+                assert [a.tolist() for a in (slabs, gens, offsets)] == list(
+                    dram.slot_arrays(batch))
+            assert [len(a) for a in dram.slot_ndarrays([])] == [0, 0, 0]
 
 
 class TestFlashTier(TierTests):
