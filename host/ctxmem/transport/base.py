@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 from ctxmem.transport.verified import ReadProgress, check_landed
 from ctxmem_common.codecs import crc32c
-from ctxmem_common.errors import Unavailable
+from ctxmem_common.errors import InvalidArgument, Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.shm_ops import decode_release_reply, encode_release
-from ctxmem_common.wire import SHM_OP_RELEASE
+from ctxmem_common.shm_ops import decode_error, decode_release_reply, encode_release
+from ctxmem_common.wire import SHM_OP_RELEASE, Status
 
 #: ``CTXMEM_FAST_OPS=0`` keeps every control call on gRPC, on every channel (A/B runs, an
 #: escape hatch); ``CTXMEM_SHM_OPS=0``, its older name, does the same.
@@ -30,6 +30,20 @@ class TransportError(Unavailable):
 
 class FastPathUnsupported(Exception):
     """The service does not serve this op on the fast path (pod mode): use gRPC."""
+
+
+def op_answer(where: str, name: str, status: int, body: bytes) -> bytes:
+    """The body of a fast-path answer with ``status``, or the error it carries: the
+    service's CtxmemError (same class as over gRPC), :class:`FastPathUnsupported`, or
+    InvalidArgument for a status this client does not know. ``where`` names the channel
+    ("TCP", "shared-memory") in that last error."""
+    if status == Status.OK:
+        return body
+    if status == Status.ERROR:
+        raise decode_error(body)
+    if status == Status.UNSUPPORTED:
+        raise FastPathUnsupported(name)
+    raise InvalidArgument(f"{where} fast path {name}: unexpected status {status}")
 
 
 class DataChannel(abc.ABC):

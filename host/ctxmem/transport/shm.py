@@ -35,7 +35,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from ctxmem.transport.base import DataChannel, FastPathUnsupported, TransportError
+from ctxmem.transport.base import DataChannel, TransportError, op_answer
+from ctxmem.transport.base import FastPathUnsupported as FastPathUnsupported  # its old home
 from ctxmem.transport.verified import ReadProgress, copy_checked, scrub
 from ctxmem_common.codecs import (
     CRC32C_FUSED,
@@ -43,10 +44,9 @@ from ctxmem_common.codecs import (
     copy_crc32c_from_slots,
     copy_crc32c_to_slots,
 )
-from ctxmem_common.errors import CtxmemError, InvalidArgument, Unavailable
+from ctxmem_common.errors import CtxmemError, Unavailable
 from ctxmem_common.packed_slots import PackedSlots
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.shm_ops import decode_error
 from ctxmem_common.wire import (
     SHM_HELLO,
     SHM_MAP,
@@ -153,13 +153,7 @@ class ShmChannel(DataChannel):
                 self._broken = f"{name}: {exc}"
                 raise Unavailable(f"shared-memory fast path {name} on {self.path} failed: "
                                   f"{exc}; reconnecting") from None
-        if status == Status.OK:
-            return body
-        if status == Status.ERROR:
-            raise decode_error(body)
-        if status == Status.UNSUPPORTED:
-            raise FastPathUnsupported(name)
-        raise InvalidArgument(f"shared-memory fast path {name}: unexpected status {status}")
+        return op_answer("shared-memory", name, status, body)
 
     def write_packed(self, slots: PackedSlots, views: Sequence[memoryview]) -> list[int]:
         """:meth:`write_crc` for a fast-path Allocate's slots (plain int lists): every

@@ -28,12 +28,11 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ctxmem.transport.base import DataChannel, FastPathUnsupported, TransportError
+from ctxmem.transport.base import DataChannel, TransportError, op_answer
 from ctxmem.transport.verified import ReadProgress, check_landed, scrub
 from ctxmem_common.codecs import crc32c
-from ctxmem_common.errors import CtxmemError, InvalidArgument, Unavailable
+from ctxmem_common.errors import CtxmemError, Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.shm_ops import decode_error
 from ctxmem_common.wire import (
     OP_READ,
     OP_WRITE,
@@ -181,13 +180,7 @@ class TcpChannel(DataChannel):
                 self._broken = f"{name}: {exc}"
                 raise Unavailable(f"TCP fast path {name} on {self.address} failed: {exc}; "
                                   f"reconnecting") from None
-        if status == Status.OK:
-            return bytes(body)
-        if status == Status.ERROR:
-            raise decode_error(bytes(body))
-        if status == Status.UNSUPPORTED:
-            raise FastPathUnsupported(name)
-        raise InvalidArgument(f"TCP fast path {name}: unexpected status {status}")
+        return op_answer("TCP", name, status, bytes(body))
 
 
     def _check(self, status: int, what: str) -> None:
