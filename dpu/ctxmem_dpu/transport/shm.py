@@ -32,7 +32,7 @@ import os
 import socket
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from ctxmem_common import safepaths
@@ -46,7 +46,6 @@ from ctxmem_common.wire import (
     Status,
 )
 from ctxmem_dpu.store.placement import slab_owner
-from ctxmem_dpu.transport.shm_fastpath import Malformed, serve_op
 from ctxmem_dpu.transport.socket_server import Dropped, SocketDataServer, recv_exact
 
 if TYPE_CHECKING:
@@ -190,9 +189,6 @@ class ShmServer(SocketDataServer):
     def __init__(self, store: BlockStore, path: str) -> None:
         super().__init__(store)
         self.path = path
-        # Pod mode (set by the app): Lookup and Acquire need the cluster's view, so the
-        # fast path answers them UNSUPPORTED (the client asks over gRPC).
-        self.pod = False
         for name in _OP_COUNTERS:  # reported from the start, like the store's own
             store.counters.setdefault(name, 0)
 
@@ -276,21 +272,10 @@ class ShmServer(SocketDataServer):
                   length: int) -> None:
         """Read one fast-path op's body (within ``read_timeout_s``), run it and queue its
         reply. A malformed frame is answered BAD_REQUEST, and the connection closed."""
-        cap = self.store.cfg.service.shm_op_max_bytes
-        if op not in SHM_OP_NAMES:
-            await self._refuse_op(s, replies, op, f"unknown op {op}")
-        if length > cap:
-            await self._refuse_op(s, replies, op, f"{SHM_OP_NAMES[op]} body of {length} "
-                                  f"bytes over service.shm_op_max_bytes={cap}"
-                                  + (" (the fast path is off)" if cap == 0 else ""))
-        body = bytearray(length)
-        await self._recv_into(conn, memoryview(body), f"receiving a {SHM_OP_NAMES[op]} body")
-        try:
-            out = await serve_op(self.store, s.id, op, body, self.pod)  # not copied
-        except Malformed as exc:
-            await self._refuse_op(s, replies, op, f"malformed {SHM_OP_NAMES[op]}: {exc}")
-        del body
-        self.store.counters[f"shm_ops_{SHM_OP_NAMES[op]}"] += 1
+        def refuse(reason: str) -> Awaitable[NoReturn]:
+            return self._refuse_op(s, replies, op, reason)
+
+        out = await self._run_op(conn, s, op, length, "shm_ops", refuse)
         if out is not None:
             replies.push_op(out[0], op, out[1])
 

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 from ctxmem_common.config import DataPlaneConfig
-from ctxmem_common.wire import Status
+from ctxmem_common.wire import SHM_OP_NAMES, Status
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.transport.base import DataServer
+from ctxmem_dpu.transport.shm_fastpath import Malformed, serve_op
 from ctxmem_dpu.transport.tls_stream import TlsStream
 
 if TYPE_CHECKING:
@@ -126,6 +127,9 @@ class SocketDataServer(DataServer):
         # connection's stream once its handshake is done.
         self.tls: ServerTls | None = None
         self._streams: dict[socket.socket, TlsStream] = {}
+        # Pod mode (set by the app before start): Lookup and Acquire need the cluster's
+        # view, so the fast path answers them UNSUPPORTED (the client asks over gRPC).
+        self.pod = False
 
     @abstractmethod
     def _listen(self) -> socket.socket:
@@ -289,6 +293,32 @@ class SocketDataServer(DataServer):
         if k < len(view):
             await self._within(self._recv_all(conn, view[k:]), self.limits.read_timeout_s,
                                f"{what} (data_plane.read_timeout_s)")
+
+    async def _run_op(self, conn: socket.socket, s: Session, op: int, length: int,
+                      counter: str, refuse: Callable[[str], Awaitable[NoReturn]]
+                      ) -> tuple[Status, bytes] | None:
+        """One control fast-path op, as both sockets carry it: ``op`` known and its body
+        within ``service.shm_op_max_bytes``, the body read within ``read_timeout_s``, run
+        by :func:`~ctxmem_dpu.transport.shm_fastpath.serve_op` and counted as
+        ``{counter}_{name}``. Returns the (status, body) to answer, or None (a no-reply
+        RELEASE). A malformed frame goes to ``refuse(reason)``, which answers
+        BAD_REQUEST and closes the connection (the caller's framing)."""
+        cap = self.store.cfg.service.shm_op_max_bytes
+        name = SHM_OP_NAMES.get(op)
+        if name is None:
+            await refuse(f"unknown op {op}")
+        if length > cap:
+            await refuse(f"{name} body of {length} bytes over service.shm_op_max_bytes="
+                         f"{cap}" + (" (the fast path is off)" if cap == 0 else ""))
+        body = bytearray(length)
+        await self._recv_into(conn, memoryview(body), f"receiving a {name} body")
+        try:
+            out = await serve_op(self.store, s.id, op, body, self.pod)  # not copied
+        except Malformed as exc:
+            await refuse(f"malformed {name}: {exc}")
+        del body
+        self.store.counters[f"{counter}_{name}"] += 1
+        return out
 
     def _send_now(self, conn: socket.socket, parts: list[bytes | memoryview]) -> int:
         """Bytes of ``parts`` the kernel takes at once, in one ``sendmsg`` (no join, no

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, NoReturn
 
 from ctxmem_common.config import DataPlaneConfig
@@ -41,7 +42,6 @@ from ctxmem_common.wire import (
     TCP_RESP,
     Status,
 )
-from ctxmem_dpu.transport.shm_fastpath import Malformed, serve_op
 from ctxmem_dpu.transport.socket_server import SocketDataServer, recv_exact, recv_into
 
 if TYPE_CHECKING:
@@ -68,9 +68,6 @@ class TcpDataServer(SocketDataServer):
         super().__init__(store, limits)
         self.host = host
         self.port = port
-        # Pod mode (set by the app): Lookup and Acquire need the cluster's view, so the
-        # fast path answers them UNSUPPORTED (the client asks over gRPC).
-        self.pod = False
         for name in _OP_COUNTERS:  # reported from the start, like the store's own
             store.counters.setdefault(name, 0)
 
@@ -128,24 +125,13 @@ class TcpDataServer(SocketDataServer):
                   length: int) -> None:
         """Read one fast-path op's body (within ``read_timeout_s``), run it and send its
         answer. A malformed frame is answered BAD_REQUEST, and the connection closed."""
-        cap = self.store.cfg.service.shm_op_max_bytes
-        if op not in SHM_OP_NAMES:
-            await self._refuse_op(conn, s, op, f"unknown op {op}")
+        def refuse(reason: str) -> Awaitable[NoReturn]:
+            return self._refuse_op(conn, s, op, reason)
+
+        if op in SHM_OP_NAMES and (ident != TCP_NO_ID or index):
+            await refuse(f"{SHM_OP_NAMES[op]} frame with a nonzero id or index")
+        out = await self._run_op(conn, s, op, length, "tcp_ops", refuse)
         name = SHM_OP_NAMES[op]
-        if ident != TCP_NO_ID or index:
-            await self._refuse_op(conn, s, op, f"{name} frame with a nonzero id or index")
-        if length > cap:
-            await self._refuse_op(conn, s, op, f"{name} body of {length} bytes over "
-                                  f"service.shm_op_max_bytes={cap}"
-                                  + (" (the fast path is off)" if cap == 0 else ""))
-        body = bytearray(length)
-        await self._recv_into(conn, memoryview(body), f"receiving a {name} body")
-        try:
-            out = await serve_op(self.store, s.id, op, body, self.pod)  # not copied
-        except Malformed as exc:
-            await self._refuse_op(conn, s, op, f"malformed {name}: {exc}")
-        del body
-        self.store.counters[f"tcp_ops_{name}"] += 1
         if out is not None:
             status, reply = out
             await self._sendmany(conn, [TCP_OP_REPLY.pack(b"CXTP", status, op, len(reply)),
