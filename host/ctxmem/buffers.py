@@ -138,3 +138,51 @@ class Staged:
                 dev.view(-1).view(host.dtype).copy_(host, non_blocking=True)
         if self._cuda:
             sys.modules["torch"].cuda.synchronize()
+
+
+class DeferredStaged:
+    """A put's or get's :class:`Staged`, built while the service answers its first
+    Allocate or Acquire.
+
+    Viewing 1,024 buffers costs the client ≈ 0.2 ms (a buffer export and its checks per
+    buffer; a CUDA tensor's copy to pinned memory for a put), as long as a quarter of the
+    service's Acquire, and nothing in it depends on the answer. The request goes first,
+    :meth:`prepare` runs while the service works (``DataChannel.call``'s ``meanwhile``),
+    then the data path takes :attr:`views`. A bad buffer is still refused with the same
+    :class:`InvalidArgument`: :attr:`views` raises it, and the caller first ends the lease
+    or aborts the allocation it would have filled (or :meth:`check` raises it for a call
+    that needed no view), so nothing is written, stored or left leased."""
+
+    def __init__(self, buffers: list[Any], nbytes: int, writable: bool) -> None:
+        self._buffers = buffers
+        self._nbytes = nbytes
+        self._writable = writable
+        self._staged: Staged | None = None
+        self._error: Exception | None = None
+
+    def prepare(self) -> None:
+        """Build the views now if not built yet; never raises (:attr:`views` will)."""
+        if self._staged is None and self._error is None:
+            try:
+                self._staged = Staged(self._buffers, self._nbytes, self._writable)
+            except Exception as exc:  # kept for views: prepare runs mid-request
+                self._error = exc
+
+    @property
+    def views(self) -> list[memoryview]:
+        """The buffers' byte views (:class:`Staged`); raises what viewing them raised."""
+        self.prepare()
+        if self._error is not None:
+            raise self._error
+        assert self._staged is not None
+        return self._staged.views
+
+    def check(self) -> None:
+        """Raise what viewing the buffers raises (a call that leased or allocated nothing
+        still refuses bad buffers)."""
+        self.views  # noqa: B018 - evaluated for its check
+
+    def finish_get(self, n: int) -> None:
+        """:meth:`Staged.finish_get` (nothing to do when the views were never built)."""
+        if self._staged is not None:
+            self._staged.finish_get(n)

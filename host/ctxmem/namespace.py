@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ctxmem.buffers import Staged
+from ctxmem.buffers import DeferredStaged
 from ctxmem.transport.base import DataChannel, FastPathUnsupported, TransportError
 from ctxmem.transport.shm import ShmChannel
 from ctxmem.transport.verified import ReadProgress
@@ -214,24 +214,33 @@ class Namespace:
         if len(keys) != len(buffers):
             raise InvalidArgument(f"put got {len(keys)} keys and {len(buffers)} buffers; "
                                   f"pass one buffer per key")
-        staged = Staged(list(buffers), self.block_nbytes, writable=False)
+        # The buffers are viewed while the service answers the first Allocate (a bad one
+        # is still refused, its allocation aborted, before any byte is written).
+        staged = DeferredStaged(list(buffers), self.block_nbytes, writable=False)
         stored = existing = 0
         start = 0
         while start < len(keys):
             sl = self._batch(start, len(keys))
-            st, ex = self._put_batch(list(keys[sl]), staged.views[sl])
+            st, ex = self._put_batch(list(keys[sl]), staged, sl.start)
             stored += st
             existing += ex
             start = sl.stop
+        staged.check()  # bad buffers are refused even when every block existed
         return PutResult(stored, existing)
 
-    def _put_batch(self, keys: list[bytes], views: list[memoryview]) -> tuple[int, int]:
+    def _put_batch(self, keys: list[bytes], staged: DeferredStaged, start: int
+                   ) -> tuple[int, int]:
         rpc = self.client._rpc
+
+        def views(new: list[int]) -> list[memoryview]:
+            every = staged.views
+            return [every[start + i] for i in new]
 
         def op(s: _Session) -> tuple[int, int]:
             fast = _fast(s, keys)
             if fast is not None:
-                return self._put_fast(fast[0], fast[1], fast[2], keys, views)
+                return self._put_fast(fast[0], fast[1], fast[2], keys, staged, views)
+            staged.prepare()
             a = rpc("Allocate", pb.AllocateRequest(
                 session_id=s.id, namespace_handle=self.handle, keys=keys))
             new = [i for i, e in enumerate(a.exists) if not e]
@@ -242,8 +251,8 @@ class Namespace:
             try:
                 # Commit requires the CRCs (end-to-end integrity); the channel computes
                 # them in the same pass as its copy where it can (shared memory).
-                crcs = s.channel.write_crc(a.allocation_id, a.slots, [views[i] for i in new])
-            except TransportError:
+                crcs = s.channel.write_crc(a.allocation_id, a.slots, views(new))
+            except (TransportError, InvalidArgument):  # a bad buffer: nothing written
                 with contextlib.suppress(CtxmemError):
                     rpc("Commit", pb.CommitRequest(session_id=s.id,
                                                    allocation_id=a.allocation_id, abort=True))
@@ -256,22 +265,25 @@ class Namespace:
         return self._retrying(op)
 
     def _put_fast(self, ch: DataChannel, packed: bytes, key_len: int, keys: list[bytes],
-                  views: list[memoryview]) -> tuple[int, int]:
-        """:meth:`_put_batch` over the control fast path: ALLOCATE, the write (on shared
-        memory the fused copy+CRC into the slots; on TCP each block and its CRC32C),
-        COMMIT (or an abort when nothing is new or the write failed)."""
+                  staged: DeferredStaged, views: Callable[[list[int]], list[memoryview]]
+                  ) -> tuple[int, int]:
+        """:meth:`_put_batch` over the control fast path: ALLOCATE (the buffers viewed
+        meanwhile), the write (on shared memory the fused copy+CRC into the slots; on TCP
+        each block and its CRC32C), COMMIT (or an abort when nothing is new, a buffer is
+        bad or the write failed). ``views``: the buffers of the batch's new blocks."""
         a = decode_allocate_reply(
-            ch.call(SHM_OP_ALLOCATE, encode_keys_request(self.handle, packed, key_len)),
+            ch.call(SHM_OP_ALLOCATE, encode_keys_request(self.handle, packed, key_len),
+                    meanwhile=staged.prepare),
             len(keys), self.block_nbytes)
         new = [i for i, e in enumerate(a.exists) if not e]
         if not new:
             ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, [], abort=True)])
             return 0, len(keys)
         try:
-            sel = [views[i] for i in new]
+            sel = views(new)
             crcs = (ch.write_packed(a.slots, sel) if isinstance(ch, ShmChannel)
                     else ch.write_crc(a.allocation_id, (), sel))  # TCP: slots by index
-        except TransportError:
+        except (TransportError, InvalidArgument):  # a bad buffer: nothing written
             with contextlib.suppress(CtxmemError):
                 ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, [], abort=True)])
             raise
@@ -295,25 +307,29 @@ class Namespace:
         if len(keys) != len(buffers):
             raise InvalidArgument(f"get got {len(keys)} keys and {len(buffers)} buffers; "
                                   f"pass one buffer per key")
-        staged = Staged(list(buffers), self.block_nbytes, writable=True)
+        # The buffers are viewed while the service answers the first Acquire (they are
+        # still checked, and a bad one refused, before any byte is written).
+        staged = DeferredStaged(list(buffers), self.block_nbytes, writable=True)
         total = 0
         while total < len(keys):
             # A batch may come back short because the run hit a miss, or because the
             # service could only stage part of it in DRAM; asking again from where it
             # stopped tells the two apart (a miss answers 0).
             sl = self._batch(total, len(keys))
-            n, go_on = self._get_batch(list(keys[sl]), staged.views[sl], key_len)
+            n, go_on = self._get_batch(list(keys[sl]), staged, sl.start, key_len)
             total += n
             if n == 0 or not go_on:
                 break
+        staged.check()  # bad buffers are refused even when nothing was leased
         staged.finish_get(total)
         return total
 
-    def _get_batch(self, keys: list[bytes], views: list[memoryview], key_len: int | None = None
-                   ) -> tuple[int, bool]:
-        """Get one batch into ``views``; returns (leading blocks delivered, whether the get
-        may go on after them: ``False`` after a failed check or an unavailable service).
-        ``key_len``: :func:`validate_keys`' answer for the get's keys.
+    def _get_batch(self, keys: list[bytes], staged: DeferredStaged, start: int,
+                   key_len: int | None = None) -> tuple[int, bool]:
+        """Get one batch into ``staged``'s views from ``start`` on; returns (leading blocks
+        delivered, whether the get may go on after them: ``False`` after a failed check or
+        an unavailable service). ``key_len``: :func:`validate_keys`' answer for the get's
+        keys.
 
         With verification, ``done`` advances block by block as blocks pass their CRC, so
         a read that raises midway (service gone, lease refused) is retried, after a
@@ -337,19 +353,21 @@ class Namespace:
                 with contextlib.suppress(FastPathUnsupported):
                     rep = decode_acquire_reply(
                         fast[0].call(SHM_OP_ACQUIRE, encode_keys_request(
-                            self.handle, fast[1], fast[2])),
+                            self.handle, fast[1], fast[2]), meanwhile=staged.prepare),
                         len(keys) - base, self.block_nbytes)
             a: pb.AcquireResponse | None = None
             if rep is not None:
                 lease_id, n = rep.lease_id, len(rep.slots)
             else:
+                staged.prepare()
                 a = rpc("Acquire", pb.AcquireRequest(
                     session_id=s.id, namespace_handle=self.handle, keys=keys[base:],
                     want_packed=shm))
                 lease_id, n = a.lease_id, a.num_acquired
-            dst = views[base : base + n]
             progress = ReadProgress()
             try:
+                # A bad buffer raises here, and the lease is released below.
+                dst = staged.views[start + base : start + base + n] if n else []
                 if n and isinstance(ch, ShmChannel):
                     packed: PackedSlots
                     if rep is not None:

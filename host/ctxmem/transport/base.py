@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ctxmem.transport.verified import ReadProgress, check_landed
 from ctxmem_common.codecs import crc32c
@@ -55,13 +55,30 @@ class DataChannel(abc.ABC):
     """Whether :meth:`call` carries the control fast path on this channel (shared memory
     and TCP, when the service offers it: Health ``shm_ops`` / ``tcp_ops``)."""
 
-    def call(self, op: int, parts: Sequence[bytes], reply: bool = True) -> bytes:
+    def call(self, op: int, parts: Sequence[bytes], reply: bool = True,
+             meanwhile: Callable[[], None] | None = None) -> bytes:
         """Send fast-path op ``op`` (``ctxmem_common.wire.SHM_OP_*``) with body ``parts``
         and return its answer's body (b"" with ``reply`` False: nothing is read). Raises
         the service's error as the same CtxmemError class as over gRPC,
         :class:`FastPathUnsupported`, or Unavailable when the channel fails (it is then
-        broken). Only called when :attr:`ops` is true."""
+        broken). Only called when :attr:`ops` is true. ``meanwhile`` runs once the
+        request is sent and before its answer is read: client work that does not depend
+        on the answer, overlapped with the service's (it must not raise; if it does, the
+        answer is never read and the channel is broken)."""
         raise FastPathUnsupported(f"the {self.name} channel carries no control fast path")
+
+    _broken = ""
+    """Why the channel is unusable ("" while it is fine; the channels with a fast path
+    set it when a call fails midway)."""
+
+    def _meanwhile(self, name: str, meanwhile: Callable[[], None]) -> None:
+        """Run a :meth:`call`'s ``meanwhile`` (its request sent, its answer not read). If
+        it raises, the answer stays unread in the stream, so the channel is broken."""
+        try:
+            meanwhile()
+        except BaseException:
+            self._broken = f"{name}: interrupted before its answer was read"
+            raise
 
     unanswered = False
     """Whether fast-path frames flagged no-reply (a verified get's RELEASE) were sent since

@@ -28,7 +28,7 @@ import mmap
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
@@ -123,7 +123,8 @@ class ShmChannel(DataChannel):
             self._sock.close()
             raise TransportError(f"shared-memory channel refused: {STATUS_TEXT[Status(status)]}")
 
-    def call(self, op: int, parts: Sequence[bytes], reply: bool = True) -> bytes:
+    def call(self, op: int, parts: Sequence[bytes], reply: bool = True,
+             meanwhile: Callable[[], None] | None = None) -> bytes:
         """Send fast-path op ``op`` with body ``parts`` and return its reply body (b""
         with ``reply`` False: nothing is read). Raises the service's error as the same
         CtxmemError class as over gRPC, FastPathUnsupported, or Unavailable when the
@@ -137,6 +138,8 @@ class ShmChannel(DataChannel):
                 self._sock.sendall(SHM_OP.pack(b"CXSO", op, sum(map(len, parts))))
                 for part in parts:
                     self._sock.sendall(part)
+                if meanwhile is not None:
+                    self._meanwhile(name, meanwhile)
                 if not reply:
                     self.unanswered = True
                     return b""

@@ -25,7 +25,7 @@ import contextlib
 import socket
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ctxmem.transport.base import DataChannel, TransportError, op_answer
@@ -151,7 +151,8 @@ class TcpChannel(DataChannel):
         else:
             _send_all(self._sock, [memoryview(p) for p in parts])
 
-    def call(self, op: int, parts: Sequence[bytes], reply: bool = True) -> bytes:
+    def call(self, op: int, parts: Sequence[bytes], reply: bool = True,
+             meanwhile: Callable[[], None] | None = None) -> bytes:
         """Send fast-path op ``op`` with body ``parts`` and return its answer's body (see
         :meth:`DataChannel.call`)."""
         name = SHM_OP_NAMES[op]
@@ -162,6 +163,8 @@ class TcpChannel(DataChannel):
             try:
                 self._send_parts([TCP_OP.pack(b"CXTO", op, TCP_NO_ID, 0,
                                               sum(map(len, parts))), *parts])
+                if meanwhile is not None:
+                    self._meanwhile(name, meanwhile)
                 if not reply:
                     self.unanswered = True
                     return b""
