@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -61,7 +61,12 @@ _HITS = attrgetter("hits")
 _LENGTH = attrgetter("length")
 _SLOT_SIZE = attrgetter("slot_size")
 _DEVICE = attrgetter("device")
-_SLOT, _BLOCK, _RECORD = itemgetter(1), itemgetter(2), itemgetter(4)
+_SLOT, _BLOCK, _VIEW, _RECORD, _AT = (itemgetter(1), itemgetter(2), itemgetter(3),
+                                      itemgetter(4), itemgetter(6))
+_DEV = itemgetter(0)
+_DEV_RECORD = itemgetter(0, 4)
+_CRC = attrgetter("crc")
+_REGION_ID: Callable[[Job], Hashable] = lambda job: id(job[5])  # noqa: E731
 _FLAGS, _KEY_CHECK = itemgetter(1), itemgetter(2)
 
 log = logging.getLogger("ctxmem_dpu.store")
@@ -373,32 +378,28 @@ class Demotion:
 
         def payloads(part: list[tuple[Job, BaseException | None]]
                      ) -> list[BaseException | None]:
-            # Per device and cipher, adjacent extents by one write (write_payloads).
+            # Per device and record kind (cipher), adjacent extents by one write
+            # (write_payloads). Columns pulled out by C-level maps: no Python step per
+            # block on the common batch (one device, one namespace, one DRAM slab).
             out: list[BaseException | None] = [err for _job, err in part]
-            groups: dict[tuple[FlashDevice, Any], list[int]] = {}
-            for i, ((dev, _slot, _b, _view, rec, _region, _at), err) in enumerate(part):
-                if err is None:
-                    groups.setdefault((dev, rec[0]), []).append(i)
-            for (dev, cipher), group in groups.items():
-                got = dev.write_payloads([(part[i][0][1], part[i][0][3]) for i in group],
-                                         cipher)
+            for (dev, rec), group in _grouped(part, out, _DEV_RECORD).items():
+                todo = [part[i][0] for i in group]
+                got = dev.write_payloads(list(zip(map(_SLOT, todo), map(_VIEW, todo),
+                                                  strict=True)),
+                                         rec[0])
                 for i, err in zip(group, got, strict=True):
                     out[i] = err
             # After the writes, while the slots are in cache: what was written is what was
             # committed, or the block is dropped (see the module doc). One native call per
             # DRAM slab (the GIL released once, not once per block).
-            checks: dict[int, tuple[memoryview, list[int], list[int], list[int]]] = {}
-            for i, ((_dev, _slot, b, _view, _rec, region, at), _err) in enumerate(part):
-                if out[i] is None:
-                    c = checks.get(id(region))
-                    if c is None:
-                        c = checks[id(region)] = (region, [], [], [])
-                    c[1].append(i)
-                    c[2].append(at)
-                    c[3].append(b.length)
-            for region, idx, offsets, lengths in checks.values():
-                for i, got_crc in zip(idx, crc32c_many(region, offsets, lengths), strict=True):
-                    b = part[i][0][2]
+            for _region, group in _grouped(part, out, _REGION_ID).items():
+                todo = [part[i][0] for i in group]
+                blocks = list(map(_BLOCK, todo))
+                got_crcs = crc32c_many(todo[0][5], list(map(_AT, todo)),
+                                       list(map(_LENGTH, blocks)))
+                if got_crcs == list(map(_CRC, blocks)):
+                    continue
+                for i, b, got_crc in zip(group, blocks, got_crcs, strict=True):
                     if got_crc != b.crc:
                         out[i] = DramChanged(
                             f"block {b.key.hex()[:16]} of namespace {b.ns.hex()[:16]}: DRAM "
@@ -412,11 +413,7 @@ class Demotion:
             # Per device, the batch's headers packed column-wise in one pass, those of
             # adjacent extents written by one write (write_header_rows).
             out: list[BaseException | None] = [err for _job, err in part]
-            groups: dict[FlashDevice, list[int]] = {}
-            for i, ((dev, *_rest), err) in enumerate(part):
-                if err is None:
-                    groups.setdefault(dev, []).append(i)
-            for dev, group in groups.items():
+            for dev, group in _grouped(part, out, _DEV).items():
                 todo = [part[i][0] for i in group]
                 namespaces, keys, lengths, crcs, seqs = zip(
                     *map(_HEADER_FIELDS, map(_BLOCK, todo)), strict=True)
@@ -461,3 +458,21 @@ class Demotion:
         results = await synced(results)
         faults.point("demote.after_sync")
         return results
+
+
+def _grouped(part: list[tuple[Job, BaseException | None]], out: list[BaseException | None],
+             key: Callable[[Job], Hashable]) -> dict[Any, list[int]]:
+    """The indexes of ``part`` whose ``out`` is still None, by ``key`` of their job (in
+    order): one C-level pass when they share one key (the common batch)."""
+    todo = [i for i, err in enumerate(out) if err is None]
+    if not todo:
+        return {}
+    jobs = [part[i][0] for i in todo]
+    keys = list(map(key, jobs))
+    if keys.count(keys[0]) == len(keys):
+        return {keys[0]: todo}
+    groups: dict[Any, list[int]] = {}
+    for i, k in zip(todo, keys, strict=True):
+        groups.setdefault(k, []).append(i)
+    return groups
+

@@ -9,6 +9,8 @@ the index.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import numpy as np
 
 from ctxmem_common.codecs import XtsCipher, crc32c, xts_tweak
@@ -55,10 +57,24 @@ PAYLOAD_RUN = 1 << 20
 WRITE_RUN = 2 << 20
 
 
+_SLAB_OF, _INDEX_OF = itemgetter(0), itemgetter(1)
+
+
 def adjacent_runs(slots: list[SlotRef], sizes: list[int], limit: int) -> list[list[int]]:
     """Indexes of ``slots`` grouped into runs of consecutive slots of one slab (in slab,
     index order), each run's ``sizes`` summing to at most ``limit`` (a run holds one item
-    at least); the device reads or writes each run by one I/O."""
+    at least); the device reads or writes each run by one I/O.
+
+    The common batch (one slab's consecutive slots, in order, of one size: what
+    ``reserve_flash`` hands a demotion) is recognised by C-level passes and cut into runs
+    without a Python step per slot."""
+    n = len(slots)
+    if n > 1 and sizes.count(sizes[0]) == n:
+        first = slots[0]
+        if (list(map(_SLAB_OF, slots)).count(first.slab) == n
+                and list(map(_INDEX_OF, slots)) == list(range(first.index, first.index + n))):
+            per = max(1, limit // max(1, sizes[0]))
+            return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
     order = sorted(range(len(slots)), key=lambda i: (slots[i].slab, slots[i].index))
     runs: list[list[int]] = []
     run: list[int] = []
