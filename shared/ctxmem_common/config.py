@@ -181,8 +181,14 @@ class FlashConfig:
     slab_size: Size = Size(256 << 20)
     o_direct: bool = True
     devices: list[FlashDeviceConfig] = field(default_factory=list)
-    # Background demotion: how many committed DRAM blocks to batch per flash write round.
+    # Background demotion: how many committed DRAM blocks to batch per flash write round
+    # (at least; see demote_batch_bytes).
     demote_batch: int = 32
+    # ...and a batch also fills up to this many bytes (slot sizes), whichever bound
+    # takes more blocks: every batch costs two fdatasyncs and four I/O-thread hand-offs,
+    # which 32 blocks of 2 MiB amortise and 32 of 64 KiB (2 MiB) do not. 0: by count
+    # only (as before this key existed).
+    demote_batch_bytes: Size = Size(64 << 20)
 
 
 @dataclass(frozen=True)
@@ -300,6 +306,12 @@ def _check(cfg: Config) -> None:
         )
     if cfg.flash.slab_size < (1 << 20) or cfg.flash.slab_size % 4096:
         raise ConfigError("flash.slab_size: must be a multiple of 4 KiB and at least 1 MiB")
+    if cfg.flash.demote_batch < 1:
+        raise ConfigError(f"flash.demote_batch: must be >= 1 (blocks per background "
+                          f"demotion batch), got {cfg.flash.demote_batch}")
+    if cfg.flash.demote_batch_bytes > 1 << 30:
+        raise ConfigError(f"flash.demote_batch_bytes: must be at most 1 GiB (0: batches by "
+                          f"flash.demote_batch blocks only), got {cfg.flash.demote_batch_bytes}")
     names = [d.name for d in cfg.flash.devices]
     for i, name in enumerate(names):
         if not name:

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from ctxmem_dpu.alloc import SlabAllocator, SlotRef
 
 
@@ -87,3 +91,44 @@ def test_batched_take_hands_out_the_slots_one_pop_each_would() -> None:
                 assert got[:len(want)] == want, seed
             assert all(type(r) is SlotRef for r in got)
             held += got
+
+
+def _state(a: SlabAllocator) -> object:
+    return ([(s.klass, s.slot_size, s.capacity, list(s.free), s.used) for s in a.slabs],
+            list(a._free_slabs), {k: set(v) for k, v in a._partial.items() if v})
+
+
+def test_free_many_leaves_the_state_one_free_each_leaves() -> None:
+    """Batched frees (dropping a demotion's DRAM copies) end exactly as one free per ref,
+    in order: free lists (the next allocation's order), counts, partial sets, slabs
+    returned to the pool, quarantined slots kept out."""
+    rng = random.Random(5)
+    for trial in range(30):
+        one, many = make(6, 1 << 20), make(6, 1 << 20)
+        held: list[SlotRef] = []
+        for _step in range(6):
+            size = rng.choice([64 << 10, 128 << 10])
+            n = rng.randint(1, 20)
+            got_one = one.allocate(size, size, n)
+            assert got_one == many.allocate(size, size, n)
+            held += got_one or []
+            if trial % 3 == 0 and held:
+                q = rng.choice(held)
+                one.quarantine(q)
+                many.quarantine(q)
+            rng.shuffle(held)
+            k = rng.randint(0, len(held))
+            drop, held = held[:k], held[k:]
+            for r in drop:
+                one.free(r)
+            many.free_many(drop)
+            assert _state(one) == _state(many)
+
+
+def test_free_many_refuses_a_double_free() -> None:
+    a = make(2)
+    got = a.allocate("x", 512 << 10, 2)
+    assert got is not None
+    a.free_many(got)
+    with pytest.raises(AssertionError, match="double free"):
+        a.free_many(got)

@@ -12,16 +12,21 @@ import numpy as np
 import pytest
 
 from ctxmem_common.flash_format import (
+    FLAG_DEVICE_ENCRYPTED,
+    FLAG_ENCRYPTED,
     REC_OFF_CRC,
+    REC_SIZE,
     SB_BACKUP_OFFSET,
     SECTOR,
     FlashReader,
+    RecordHeader,
     SlabHeader,
     Superblock,
     fit_records,
     header_offset,
     max_table_slots,
     pack_header_table,
+    pack_record_headers,
     slab_base,
     slots_per_slab,
 )
@@ -171,3 +176,36 @@ def test_slab_header_pod_extension_round_trips_and_old_readers_ignore_it() -> No
     damaged[len(plain.pack().rstrip(b"\0")) + 10] ^= 1  # a bit of the pod extension
     assert SlabHeader.unpack(bytes(damaged)) == plain  # no owner: never mistaken
     assert SlabHeader.unpack(plain.pack()) == plain
+
+
+def test_pack_record_headers_matches_record_header_pack() -> None:
+    """The column-wise packer (demotion's headers) writes byte for byte what
+    RecordHeader.pack writes, for every key length, flag and field, and unpacks back."""
+    rng = np.random.default_rng(3)
+    hs = [RecordHeader(os.urandom(16), os.urandom(int(rng.integers(1, 65))),
+                       int(rng.integers(0, 1 << 40)), int(rng.integers(0, 1 << 32)),
+                       int(rng.integers(0, 1 << 62)), bool(i & 1), int(rng.integers(0, 1 << 62)),
+                       int(rng.integers(0, 1 << 32)), bool(i & 2)) for i in range(200)]
+    rows = pack_record_headers(
+        [h.namespace for h in hs], [h.key for h in hs], [h.length for h in hs],
+        [h.crc for h in hs], [h.seq for h in hs],
+        [(FLAG_ENCRYPTED if h.encrypted else 0)
+         | (FLAG_DEVICE_ENCRYPTED if h.device_encrypted else 0) for h in hs],
+        [h.key_check for h in hs], [h.committed_ns for h in hs])
+    assert rows.shape == (len(hs), REC_SIZE)
+    for h, row in zip(hs, rows, strict=True):
+        assert row.tobytes() == h.pack()[:REC_SIZE]
+        assert RecordHeader.unpack(row.tobytes().ljust(SECTOR, b"\0")) == h
+    # One value for every record (what a demotion batch passes for flags and time).
+    one = pack_record_headers([hs[0].namespace], [hs[0].key], [hs[0].length], [hs[0].crc],
+                              [hs[0].seq], 0, 0, 7)
+    assert RecordHeader.unpack(one[0].tobytes().ljust(SECTOR, b"\0")) == RecordHeader(
+        hs[0].namespace, hs[0].key, hs[0].length, hs[0].crc, hs[0].seq, False, 7)
+    assert pack_record_headers([], [], [], [], []).shape == (0, REC_SIZE)
+
+
+@pytest.mark.parametrize(("ns", "key"), [(b"n" * 16, b""), (b"n" * 16, b"k" * 65),
+                                         (b"n" * 17, b"k")])
+def test_pack_record_headers_refuses_what_struct_would_cut(ns: bytes, key: bytes) -> None:
+    with pytest.raises(ValueError, match="pack_record_headers"):
+        pack_record_headers([ns], [key], [1], [0], [1])

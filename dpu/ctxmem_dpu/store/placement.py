@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from operator import attrgetter
 
 from ctxmem_common.errors import ResourceExhausted
 from ctxmem_common.flash_format import slots_per_slab
@@ -30,6 +31,8 @@ from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.tiers.flash import Extent
 
 Demote = Callable[[list[Block]], Awaitable[object]]
+_PINS = attrgetter("pins")
+_NS = attrgetter("ns")
 
 
 def slab_owner(ns: Namespace) -> tuple[str, bytes]:
@@ -107,9 +110,8 @@ class Placement:
             if not need_demote:
                 break
             await demote(need_demote)
-            for b in need_demote:
-                if b.dram is not None and b.flash is not None and b.pins == 0 and b.io is None:
-                    self.drop_dram(b)
+            self.drop_dram_many([b for b in need_demote if b.dram is not None
+                                 and b.flash is not None and b.pins == 0 and b.io is None])
             refs = self._allocate(ns, n)
             if refs is not None:
                 return refs
@@ -145,6 +147,31 @@ class Placement:
         self._quotas.count(self._quotas.tenant_of(b), "evictions_dram")
         if b.flash is None:
             self._index.forget(b)
+
+    def drop_dram_many(self, blocks: list[Block]) -> None:
+        """:meth:`drop_dram` of each of ``blocks`` (each with a DRAM copy, unpinned), as
+        one batch: the slots freed per run in one slab, the counters added once per
+        namespace, not once per block (an evict of 512 blocks of 64 KiB spent ≈ 0.5 ms
+        in one :meth:`drop_dram` each; issue 17 item 3)."""
+        if not blocks:
+            return
+        assert max(map(_PINS, blocks)) == 0, "drop_dram_many: a block is pinned"
+        index, quotas = self._index, self._quotas
+        self._ctx.dram.free_many([b.dram for b in blocks])  # type: ignore[misc]
+        remove, dirty_pop = index.dram_lru.remove, index.dirty.pop
+        gone: list[Block] = []
+        for b in blocks:
+            b.dram = None
+            remove(b)
+            dirty_pop(b, None)
+            if b.flash is None:
+                gone.append(b)
+        self._ctx.counters["evictions_dram"] += len(blocks)
+        first = dict(zip(map(_NS, blocks), blocks, strict=True))
+        for digest, n in Counter(map(_NS, blocks)).items():
+            quotas.count(quotas.tenant_of(first[digest]), "evictions_dram", n)
+        for b in gone:
+            index.forget(b)
 
     async def reserve_flash(self, slot_size: int, n: int, tenant: str | None = None
                             ) -> list[Extent] | None:

@@ -158,6 +158,10 @@ class DramTier(Tier[SlotRef]):
     def free(self, slot: SlotRef) -> None:
         self.alloc.free(slot)
 
+    def free_many(self, slots: Sequence[SlotRef]) -> None:
+        """:meth:`free` of each of ``slots`` (in order), one step per run in one slab."""
+        self.alloc.free_many(slots)
+
     def capacity_bytes(self) -> int:
         return self.num_slabs * self.slab_size
 

@@ -10,6 +10,7 @@ import from here are re-exported.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import NamedTuple
 
 from ctxmem_common.flash_format import slots_per_slab
@@ -89,7 +90,9 @@ class FlashTier(Tier[Extent]):
             if take:
                 got = dev.alloc.allocate(slot_size, slot_size, take)
                 assert got is not None
-                out.extend(Extent(dev.index, s) for s in got)
+                # Made in C (as SlabAllocator.allocate makes its SlotRefs): no Python
+                # call per extent.
+                out += map(tuple.__new__, repeat(Extent), zip(repeat(dev.index), got))
                 remaining -= take
             if not remaining:
                 return out

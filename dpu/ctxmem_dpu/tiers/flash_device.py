@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ctxmem_common.flash_format import (
@@ -99,6 +99,12 @@ class FlashSlabAllocator(SlabAllocator):
         super().free(ref)
         if ref.slab in self.revoked:
             self.revoke_slab(ref.slab)
+
+    def free_many(self, refs: Sequence[SlotRef]) -> None:
+        super().free_many(refs)
+        if self.revoked:
+            for slab_id in self.revoked.intersection(r.slab for r in refs):
+                self.revoke_slab(slab_id)
 
     def free_slab_ids(self) -> list[int]:
         """The slabs not assigned to any slot size (leased ones, on a shared device)."""

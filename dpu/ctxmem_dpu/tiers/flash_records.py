@@ -9,8 +9,19 @@ the index.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
+import numpy as np
+
 from ctxmem_common.codecs import XtsCipher, crc32c, xts_tweak
-from ctxmem_common.flash_format import SECTOR, RecordHeader
+from ctxmem_common.flash_format import (
+    FLAG_DEVICE_ENCRYPTED,
+    FLAG_ENCRYPTED,
+    REC_SIZE,
+    SECTOR,
+    RecordHeader,
+    pack_record_headers,
+)
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.tiers.flash_device import FormattedDevice
 from ctxmem_dpu.tiers.flash_io import ZEROS, FlashIOError, staging
@@ -46,10 +57,24 @@ PAYLOAD_RUN = 1 << 20
 WRITE_RUN = 2 << 20
 
 
+_SLAB_OF, _INDEX_OF = itemgetter(0), itemgetter(1)
+
+
 def adjacent_runs(slots: list[SlotRef], sizes: list[int], limit: int) -> list[list[int]]:
     """Indexes of ``slots`` grouped into runs of consecutive slots of one slab (in slab,
     index order), each run's ``sizes`` summing to at most ``limit`` (a run holds one item
-    at least); the device reads or writes each run by one I/O."""
+    at least); the device reads or writes each run by one I/O.
+
+    The common batch (one slab's consecutive slots, in order, of one size: what
+    ``reserve_flash`` hands a demotion) is recognised by C-level passes and cut into runs
+    without a Python step per slot."""
+    n = len(slots)
+    if n > 1 and sizes.count(sizes[0]) == n:
+        first = slots[0]
+        if (list(map(_SLAB_OF, slots)).count(first.slab) == n
+                and list(map(_INDEX_OF, slots)) == list(range(first.index, first.index + n))):
+            per = max(1, limit // max(1, sizes[0]))
+            return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
     order = sorted(range(len(slots)), key=lambda i: (slots[i].slab, slots[i].index))
     runs: list[list[int]] = []
     run: list[int] = []
@@ -137,24 +162,39 @@ class FlashDevice(FormattedDevice):
 
     def write_headers(self, items: list[tuple[SlotRef, RecordHeader]]
                       ) -> list[BaseException | None]:
-        """:meth:`write_header` of many records, the headers of adjacent slots (adjacent
-        sectors of a slab's header table) by one device write; per item ``None`` or the
-        error of the write that covered it."""
-        out: list[BaseException | None] = [None] * len(items)
-        slots = [slot for slot, _h in items]
-        for run in adjacent_runs(slots, [SECTOR] * len(items), HEADER_RUN * SECTOR):
+        """:meth:`write_header` of many records: :meth:`write_header_rows` of their
+        headers packed in one pass."""
+        hs = [h for _slot, h in items]
+        rows = pack_record_headers(
+            [h.namespace for h in hs], [h.key for h in hs], [h.length for h in hs],
+            [h.crc for h in hs], [h.seq for h in hs],
+            [(FLAG_ENCRYPTED if h.encrypted else 0)
+             | (FLAG_DEVICE_ENCRYPTED if h.device_encrypted else 0) for h in hs],
+            [h.key_check for h in hs], [h.committed_ns for h in hs])
+        return self.write_header_rows([slot for slot, _h in items], rows)
+
+    def write_header_rows(self, slots: list[SlotRef], rows: np.ndarray
+                          ) -> list[BaseException | None]:
+        """Write record headers (``rows``: one packed header per slot, as
+        :func:`~ctxmem_common.flash_format.pack_record_headers` builds them), the headers
+        of adjacent slots (adjacent sectors of a slab's header table) by one device write;
+        per slot ``None`` or the error of the write that covered it. Each run's 4 KiB
+        entries are filled by two numpy assignments (the rows, then zeroes), not a
+        Python step per header."""
+        out: list[BaseException | None] = [None] * len(slots)
+        for run in adjacent_runs(slots, [SECTOR] * len(slots), HEADER_RUN * SECTOR):
             first = slots[run[0]]
             try:
                 if self.fence is not None:
                     self.fence.check(first.slab)
                 self.headers_written(first.slab, (slots[i].index for i in run))
-                table = memoryview(staging.table_buf(len(run)))[: len(run) * SECTOR]
-                try:
-                    for k, i in enumerate(run):
-                        table[k * SECTOR : (k + 1) * SECTOR] = items[i][1].pack()
-                    self._pwrite(table, self.header_offset(first))
-                finally:
-                    table.release()
+                k = len(run)
+                flat = np.frombuffer(staging.table_buf(k), dtype=np.uint8, count=k * SECTOR)
+                table = flat.reshape(k, SECTOR)
+                table[:, :REC_SIZE] = rows[run]
+                table[:, REC_SIZE:] = 0
+                self._pwrite(flat.data, self.header_offset(first))
+                del flat, table
             except (FlashIOError, ValueError) as exc:
                 exc.__traceback__ = None
                 for i in run:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import struct
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
 
 import crc32c as _crc32c
 import numpy as np
 
-from ctxmem_common.codecs import crc32c
+from ctxmem_common.codecs import crc32c, crc32c_many
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -292,6 +294,67 @@ _REC_DTYPE = np.dtype({
                 REC_OFF_CRC, REC_OFF_SEQ, 117, REC_BODY],
     "itemsize": SECTOR,
 })
+
+
+# The same record as the first REC_SIZE bytes of its entry, key check included: what
+# pack_record_headers builds a batch of headers in, one row per record.
+_REC_ROW_DTYPE = np.dtype({
+    "names": ["magic", "version", "flags", "kcv", "ns", "klen", "key", "length", "crc",
+              "seq", "ts", "hcrc"],
+    "formats": ["<u8", "<u2", "<u2", "<u4", "V16", "u1", "V64", "<u8", "<u4", "<u8", "<u8",
+                "<u4"],
+    "offsets": [0, 8, 10, 12, REC_OFF_NAMESPACE, REC_OFF_KEYLEN, REC_OFF_KEY, REC_OFF_LENGTH,
+                REC_OFF_CRC, REC_OFF_SEQ, 117, REC_BODY],
+    "itemsize": REC_SIZE,
+})
+
+
+def _padded(values: Sequence[bytes], width: int, what: str) -> np.ndarray:
+    """``values`` zero-padded to ``width`` bytes each, as one (n,) ``V<width>`` array
+    (one C-level pass: ``bytes.ljust`` mapped, then joined); ValueError when one is
+    longer (``struct`` would cut it silently)."""
+    joined = b"".join(map(bytes.ljust, values, repeat(width), repeat(b"\0")))
+    if len(joined) != width * len(values):
+        raise ValueError(f"pack_record_headers: a {what} is longer than {width} bytes")
+    return np.frombuffer(joined, dtype=f"V{width}")
+
+
+def pack_record_headers(namespaces: Sequence[bytes], keys: Sequence[bytes],
+                        lengths: Sequence[int], crcs: Sequence[int], seqs: Sequence[int],
+                        flags: int | Sequence[int] = 0, key_checks: int | Sequence[int] = 0,
+                        time_ns: int | Sequence[int] = 0) -> np.ndarray:
+    """Record headers built column-wise: a (n, REC_SIZE) uint8 array whose row i is the
+    first REC_SIZE bytes of ``RecordHeader(namespaces[i], keys[i], ...).pack()`` (the rest
+    of each 4 KiB entry is zero), header CRC32C included.
+
+    Why: a demotion of 512 blocks of 64 KiB writes 512 headers; packing each with
+    ``struct`` and its own CRC call was ≈ 2 µs of Python per record, held under the GIL
+    by an I/O thread. Here every field is one numpy assignment, the keys and namespaces
+    one join, and the CRCs one native call (:func:`crc32c_many`). ``flags``: the record
+    flags (``FLAG_ENCRYPTED`` | ``FLAG_DEVICE_ENCRYPTED``), ``key_checks`` and
+    ``time_ns``: one value for all or one per record. ValueError for a key of 0 or more
+    than 64 bytes, or a namespace longer than 16."""
+    n = len(keys)
+    rows = np.zeros(n, dtype=_REC_ROW_DTYPE)
+    if not n:
+        return rows.view(np.uint8).reshape(0, REC_SIZE)
+    klen = np.fromiter(map(len, keys), dtype=np.int64, count=n)
+    if int(klen.min()) < 1 or int(klen.max()) > 64:
+        raise ValueError("pack_record_headers: a key is empty or longer than 64 bytes")
+    rows["magic"] = _REC_MAGIC_U64
+    rows["version"] = FORMAT_VERSION
+    rows["flags"] = flags
+    rows["kcv"] = key_checks
+    rows["ns"] = _padded(namespaces, 16, "namespace")
+    rows["klen"] = klen
+    rows["key"] = _padded(keys, 64, "key")
+    rows["length"] = lengths
+    rows["crc"] = crcs
+    rows["seq"] = seqs
+    rows["ts"] = time_ns
+    raw = rows.view(np.uint8).reshape(n, REC_SIZE)
+    rows["hcrc"] = crc32c_many(raw.data, range(0, n * REC_SIZE, REC_SIZE), REC_BODY)
+    return raw
 
 
 class TableColumns(NamedTuple):

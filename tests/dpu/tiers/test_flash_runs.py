@@ -95,6 +95,10 @@ def test_run_writes_leave_the_image_one_record_at_a_time_leaves(
         got = many.write_payloads([(slots_many[i], memoryview(records[i][1])) for i in order],
                                   cipher)
         assert got == [None] * n
+        # The header staging buffer holds junk (a previous read): every entry's bytes
+        # past the header must still be written as zeroes.
+        junk = flash_records.staging.table_buf(n)
+        junk[:] = b"\xff" * len(junk)
         assert many.write_headers([(slots_many[i], records[i][0]) for i in order]) \
             == [None] * n
         many.sync()
@@ -176,3 +180,39 @@ def test_adjacent_runs_split_by_slab_gap_and_limit() -> None:
     ]
     adjacent = [SlotRef(0, 0), SlotRef(0, 1), SlotRef(0, 2), SlotRef(0, 3)]
     assert flash_records.adjacent_runs(adjacent, [10, 50, 10, 10], 30) == [[0], [1], [2, 3]]
+
+
+def _runs_one_by_one(slots: list[SlotRef], sizes: list[int], limit: int) -> list[list[int]]:
+    order = sorted(range(len(slots)), key=lambda i: (slots[i].slab, slots[i].index))
+    runs: list[list[int]] = []
+    for i in order:
+        if runs:
+            prev = slots[runs[-1][-1]]
+            if (slots[i].slab == prev.slab and slots[i].index == prev.index + 1
+                    and sum(sizes[j] for j in runs[-1]) + sizes[i] <= limit):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+def test_adjacent_runs_fast_path_cuts_as_the_slot_by_slot_walk() -> None:
+    """One slab's consecutive slots in order (a demotion's batch) take a C-level path;
+    every batch, that one or not, is cut into the runs a slot-by-slot walk finds."""
+    rng = random.Random(11)
+    for _ in range(2000):
+        n = rng.randint(0, 70)
+        slab, start = rng.randint(0, 2), rng.randint(0, 5)
+        slots = [SlotRef(slab, start + i) for i in range(n)]
+        sizes = [rng.choice([SECTOR, SLOT, 2 << 20])] * n
+        if n > 2 and rng.random() < 0.3:
+            k = rng.randrange(n)
+            slots[k] = SlotRef(slots[k].slab + rng.choice([0, 1]),
+                               slots[k].index + rng.choice([0, 5]))
+        if n > 2 and rng.random() < 0.2:
+            rng.shuffle(slots)
+        if n > 2 and rng.random() < 0.1:
+            sizes[rng.randrange(n)] = SECTOR
+        limit = rng.choice([flash_records.WRITE_RUN, 1 << 20, 100])
+        assert flash_records.adjacent_runs(slots, sizes, limit) == \
+            _runs_one_by_one(slots, sizes, limit)

@@ -78,7 +78,10 @@ class ServiceDriver:
         cfg["flash"]["devices"].append({"name": "flash1", "backend": "local",
                                         "path": str(flash["flash1"]), "size": "64MiB",
                                         "create": True})
+        # Small batches (16 blocks, not filled to flash.demote_batch_bytes): more batch
+        # boundaries for the crash points to land between.
         cfg["flash"]["demote_batch"] = 16
+        cfg["flash"]["demote_batch_bytes"] = 0
         cfg["metrics"]["listen"] = ""
         self.config = cfg
         self._write_ctl()
