@@ -226,7 +226,8 @@ def test_read_payloads_merge_adjacent_slots(tmp_path: Path, encrypted: bool,
     cipher = XtsCipher(bytes(range(64))) if encrypted else None
     try:
         recs = _store(dev, 40, cipher)
-        monkeypatch.setattr(flash_mod, "PAYLOAD_RUN", 4 * SLOT)
+        monkeypatch.setattr(flash_mod, "XTS_PAYLOAD_RUN" if encrypted else "PAYLOAD_RUN",
+                            4 * SLOT)
         # A damaged payload in the middle of a run fails its own CRC check only.
         _patch(dev.path, dev.payload_offset(recs[5][0]) + 3 * SECTOR, bytes(SECTOR))
         pick = [0, 1, 2, 3, 4, 5, 6, 9, 10, 30, 12]  # runs (device order): 0-3, 4-6, 9-10, 12, 30
