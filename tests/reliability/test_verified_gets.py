@@ -63,12 +63,13 @@ def on_calls(c: ctxmem.Client, monkeypatch: pytest.MonkeyPatch,
         hook(method, len(getattr(request, "keys", ())))
         return rpc(method, request)
 
-    def via_fast(self: ShmChannel, op: int, parts: Any, reply: bool = True) -> bytes:
+    def via_fast(self: ShmChannel, op: int, parts: Any, reply: bool = True,
+                 meanwhile: Callable[[], None] | None = None) -> bytes:
         if op in _FAST_NAMES:
             n = len(parts[1]) // int.from_bytes(parts[0][4:8], "little") \
                 if op == SHM_OP_ACQUIRE else 0
             hook(_FAST_NAMES[op], n)
-        return call(self, op, parts, reply)
+        return call(self, op, parts, reply, meanwhile)
 
     monkeypatch.setattr(c, "_rpc", via_rpc)
     monkeypatch.setattr(ShmChannel, "call", via_fast)

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ctxmem_common.config import Config
 from ctxmem_dpu.tiers.dram import DramTier
 from ctxmem_dpu.tiers.flash import FlashTier
 
 T = TypeVar("T")
+log = logging.getLogger("ctxmem_dpu.store")
 
 
 class IOPool:
@@ -53,16 +55,40 @@ class IOPool:
 
         The parts are submitted to the threads now, in the call, before the caller
         awaits: work submitted after it (a get's read-ahead, see ``promotion``) queues
-        behind it."""
+        behind it.
+
+        If a part raises, the awaitable raises that error only once every part has
+        ended: the callers free or reuse the slots and extents the parts write into as
+        soon as it raises, so no thread may still be writing then."""
         n = max(1, min(self.threads, len(jobs)))
         size = -(-len(jobs) // n)
         futs = [self.submit(fn, jobs[i:i + size]) for i in range(0, len(jobs), size)]
 
         async def collect() -> list[T]:
-            done = await asyncio.gather(*futs)
-            return [r for part in done for r in part]
+            done = await asyncio.gather(*futs, return_exceptions=True)
+            for part in done:
+                if isinstance(part, BaseException):
+                    raise part
+            return [r for part in done for r in cast("list[T]", part)]
 
         return collect()
+
+    async def uncancellable(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` run as a task of its own, which goes on to its end even if the
+        awaiting request is cancelled (a gRPC deadline passing, a client going away):
+        store operations that hand slots and extents to the I/O threads and then update
+        the index (promotion, demotion) must never stop halfway. The caller still sees
+        the cancellation at once; the task is then kept with the background tasks (so
+        ``close`` awaits it) and an error it ends with is logged, as nobody awaits it."""
+        task = asyncio.ensure_future(coro)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                self.tasks = [t for t in self.tasks if not t.done()]
+                self.tasks.append(task)
+                task.add_done_callback(_log_orphan)
+            raise
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run ``coro`` in the background; ``close`` awaits it."""
@@ -71,6 +97,15 @@ class IOPool:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _log_orphan(task: asyncio.Future[Any]) -> None:
+    """Done callback of an :meth:`IOPool.uncancellable` task whose request was cancelled:
+    its error (retrieved, so asyncio does not warn) is logged, since nobody awaits it."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("store work finished after its request was cancelled failed: %r", exc)
+    else:
+        log.info("store work finished after its request was cancelled")
 
 
 @dataclass

@@ -152,7 +152,14 @@ class Demotion:
         64 KiB spent ≈ 1 ms before the first write and ≈ 0.9 ms after the last sync):
         the cipher and header flags once per namespace and device, the DRAM slab's
         mapping once per slab, no header object per record (the I/O threads pack the
-        batch's headers column-wise), the durable blocks' index updates in bulk."""
+        batch's headers column-wise), the durable blocks' index updates in bulk.
+
+        The demotion runs to its end even if the request that asked for it (an Evict, a
+        put making room) is cancelled (``IOPool.uncancellable``): cut short, its extents
+        would be given up while the I/O threads may still be writing into them."""
+        return await self._ctx.io.uncancellable(self._demote_now(blocks))
+
+    async def _demote_now(self, blocks: list[Block]) -> dict[Block, BaseException]:
         ctx = self._ctx
         blocks = [b for b in blocks
                   if b.dram is not None and b.flash is None and not b.deleted and b.io is None]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from ctxmem_common.codecs import XtsCipher
 from ctxmem_common.errors import ResourceExhausted
 from ctxmem_common.flash_format import RecordHeader
 from ctxmem_dpu import faults
+from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.store.ciphers import Keyring
 from ctxmem_dpu.store.context import StoreContext
@@ -137,7 +138,17 @@ class Promotion:
 
         Callers pin ``blocks`` beforehand. Raises ResourceExhausted when DRAM cannot take
         them all. ``on_io`` is called once the reads are queued on the I/O threads (a
-        get's read-ahead then queues behind them)."""
+        get's read-ahead then queues behind them).
+
+        The promotion runs to its end even if the request that asked for it is cancelled
+        (a gRPC deadline, a client gone: ``IOPool.uncancellable``). Cut short, it would
+        leave its blocks marked in flight (``b.io``: never promoted again, every later
+        get a miss) and their DRAM slots reserved for nobody, with the I/O threads still
+        writing into them."""
+        return await self._ctx.io.uncancellable(self._promote_now(ns, blocks, on_io))
+
+    async def _promote_now(self, ns: Namespace, blocks: list[Block],
+                           on_io: Callable[[], None] | None) -> PromoteResult:
         ctx = self._ctx
         result = PromoteResult()
         await wait_io(blocks)
@@ -164,15 +175,31 @@ class Promotion:
             dev = ctx.flash.devices[b.flash.device]
             jobs.append((dev, b.flash.slot, ctx.dram.slot_view(ref), b,
                          self._keyring.for_device(b.ns, dev.name)))
+        reads = ctx.io.parallel(_reader(ns.block_nbytes), jobs)
+        if on_io is not None:
+            try:  # never leave the reads un-awaited: they write into the DRAM slots
+                on_io()
+            except Exception:
+                log.exception("starting a get's read-ahead failed")
+        return await self._finish(jobs, refs, reads, fut, result)
+
+    async def _finish(self, jobs: list[Any], refs: list[SlotRef],
+                      reads: Awaitable[list[BaseException | None]],
+                      fut: asyncio.Future[None], result: PromoteResult) -> PromoteResult:
+        """The rest of :meth:`promote` once its reads are queued: await them (every part:
+        ``IOPool.parallel`` returns only when no thread still writes into a slot), then
+        index each verified block in DRAM, or free its slot and quarantine what failed.
+        If the reads raise (a fault in the reader itself), every slot is freed and every
+        block left on flash, as it was, before the error goes on."""
+        ctx = self._ctx
         try:
-            reads = ctx.io.parallel(_reader(ns.block_nbytes), jobs)
-            if on_io is not None:
-                try:  # never leave the reads un-awaited: they write into the DRAM slots
-                    on_io()
-                except Exception:
-                    log.exception("starting a get's read-ahead failed")
             results = await reads
             faults.point("promote.after_read")
+        except BaseException:
+            for job, ref in zip(jobs, refs, strict=True):
+                job[3].io = None
+                ctx.dram.free(ref)
+            raise
         finally:
             for job in jobs:
                 job[2].release()

@@ -1,0 +1,165 @@
+"""A request cancelled while the store moves its blocks (a gRPC deadline passing, a client
+going away) leaves nothing half done: the promotion or demotion it started runs to its
+end (``IOPool.uncancellable``), so its blocks stay servable with their exact bytes, no
+DRAM slot stays reserved for nobody, and no I/O thread writes into a slot or an extent
+after it was given up (``IOPool.parallel`` raises only once every part has ended).
+
+Before this, one cold Acquire cut by its client's deadline left its blocks marked in
+flight for ever: every later get of them was a miss, and their DRAM slots were lost until
+a restart (a client could do it on purpose)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_dpu import faults
+from ctxmem_dpu.store.context import IOPool
+from ctxmem_dpu.store.demotion import Demotion
+from ctxmem_tools.rawclient import RawSession
+
+from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
+from .kit import BLOCK, LAYOUT, FaultyService, keys, served, settled_audit, tiers
+from .kit import put as put_live
+
+K = [bytes([i]) * 8 for i in range(1, 40)]
+
+
+@pytest.fixture(autouse=True)
+def _no_faults() -> Iterator[None]:
+    faults.reset()
+    yield
+    faults.reset()
+
+
+async def test_parallel_raises_only_once_every_part_has_ended() -> None:
+    """One part fails at once while the other is still working on its jobs: the error
+    reaches the caller only after that part returned (the callers free the slots the
+    parts write into as soon as it raises)."""
+    pool = IOPool(2)
+    ended = threading.Event()
+
+    def work(part: list[int]) -> list[int]:
+        if part[0] == 0:
+            raise OSError(5, "the first part fails at once")
+        time.sleep(0.3)
+        ended.set()
+        return part
+
+    try:
+        with pytest.raises(OSError, match="fails at once"):
+            await pool.parallel(work, [0, 1])
+        assert ended.is_set(), "the error was raised while a part was still running"
+    finally:
+        pool.shutdown()
+
+
+async def test_a_cancelled_cold_acquire_still_promotes_its_blocks(tmp_path: Path) -> None:
+    """In process: cancel an Acquire of flash-only blocks while its device reads stall.
+    The promotion completes in the background; the blocks are then served from DRAM with
+    their bytes, nothing is leased or left in flight, and the flash allocators are sound."""
+    store = await open_store(store_config(dram_size="8MiB"), make_flash(tmp_path / "f.img"))
+    try:
+        s, ns = session(store)
+        blocks = {K[i]: payload(i + 1) for i in range(16)}
+        await put(store, s, ns, blocks)
+        assert await store.evict(ns, list(blocks), "dram") == 16
+        faults.configure(devices={"*": {"delay_s": 0.05}})  # every device read stalls
+        task = asyncio.ensure_future(store.acquire(s, ns, list(blocks)))
+        await asyncio.sleep(0.02)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        faults.configure(devices={})
+        per_ns = store._index.get(ns.digest)
+        deadline = time.monotonic() + 10
+        while any(per_ns[k].io is not None for k in blocks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert all(per_ns[k].io is None for k in blocks), "blocks left marked in flight"
+        assert all(per_ns[k].dram is not None for k in blocks), "the promotion was cut short"
+        assert all(per_ns[k].pins == 0 for k in blocks)
+        assert store.stats()["leases"] == 0
+        assert await get(store, s, ns, list(blocks)) == list(blocks.values())
+        assert await settled_audit(store) == []
+    finally:
+        await store.close()
+
+
+async def test_a_cancelled_evict_still_makes_its_blocks_durable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process: cancel an Evict while its device writes stall (the background demoter
+    kept idle, so the Evict's own demotion is the one cut). The demotion completes: the
+    blocks are on flash and durable, still served with their bytes, and the flash
+    allocators are sound (no extent given up while a write into it was in flight)."""
+    async def no_background_demoter(self: Demotion) -> None:
+        return None
+
+    monkeypatch.setattr(Demotion, "run", no_background_demoter)
+    store = await open_store(store_config(dram_size="8MiB"), make_flash(tmp_path / "f.img"))
+    try:
+        s, ns = session(store)
+        blocks = {K[20 + i]: payload(40 + i) for i in range(8)}
+        await put(store, s, ns, blocks)
+        per_ns = store._index.get(ns.digest)
+        assert all(per_ns[k].flash is None for k in blocks)  # dirty: only in DRAM
+        faults.configure(devices={"*": {"delay_s": 0.05}})  # every device write stalls
+        task = asyncio.ensure_future(store.evict(ns, list(blocks), "dram"))
+        await asyncio.sleep(0.02)
+        assert any(per_ns[k].io is not None for k in blocks), "no demotion in flight"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        faults.configure(devices={})
+        deadline = time.monotonic() + 10
+        while any(per_ns[k].io is not None for k in blocks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert all(per_ns[k].flash is not None and per_ns[k].durable for k in blocks), \
+            "the cancelled Evict's demotion was cut short"
+        assert await get(store, s, ns, list(blocks)) == list(blocks.values())
+        assert await settled_audit(store) == []
+    finally:
+        await store.close()
+
+
+def test_a_client_deadline_on_a_cold_acquire_leaves_the_blocks_servable(
+        tmp_path: Path) -> None:
+    """End to end: a raw client's Acquire of flash-only blocks hits its gRPC deadline
+    while the device reads stall (the service's handler is cancelled). Afterwards every
+    block is served with its exact bytes, no lease is held, and the DRAM in use is the
+    blocks the promotion brought in, none reserved for nobody."""
+    svc = FaultyService(tmp_path / "svc", dram_size="8MiB")
+    svc.start()
+    try:
+        ns = svc.ns()
+        ks = keys("cancelled", 24)
+        put_live(ns, ks)
+        assert ns.evict(ks) == 24
+        assert set(tiers(ns, ks)) == {"flash"}
+        svc.faults(devices={"*": {"delay_s": 0.05}})
+        with RawSession(svc.endpoint, LAYOUT, tenant="t", model_id="rel") as raw:
+            md = ((SESSION_TOKEN_METADATA_KEY, raw.token),)
+            with pytest.raises(grpc.RpcError) as exc:
+                raw.stub.Acquire(pb.AcquireRequest(session_id=raw.session_id,
+                                                   namespace_handle=raw.handle, keys=ks),
+                                 timeout=0.05, metadata=md)
+            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        svc.faults()
+        deadline = time.monotonic() + 10
+        while set(tiers(ns, ks)) != {"dram"} and time.monotonic() < deadline:
+            time.sleep(0.02)  # the cancelled request's promotion ends in the background
+        assert all(served(ns, ks).values()), "blocks of the cancelled Acquire are misses"
+        st = svc.stats()
+        assert st["leases"] == 0
+        assert st["dram_used_bytes"] == st["blocks_dram"] * BLOCK, \
+            "DRAM slots stayed reserved for blocks that are not in DRAM"
+    finally:
+        svc.close()
