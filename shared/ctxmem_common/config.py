@@ -185,9 +185,10 @@ class FlashConfig:
     # (at least; see demote_batch_bytes).
     demote_batch: int = 32
     # ...and a batch also fills up to this many bytes (slot sizes), whichever bound
-    # takes more blocks: every batch costs two fdatasyncs and four I/O-thread hand-offs,
-    # which 32 blocks of 2 MiB amortise and 32 of 64 KiB (2 MiB) do not. 0: by count
-    # only (as before this key existed).
+    # takes more blocks, up to 256 blocks (the demoter's per-block event-loop work):
+    # every batch costs two fdatasyncs and four I/O-thread hand-offs, which 32 blocks of
+    # 2 MiB amortise and 32 of 64 KiB (2 MiB) do not. 0: by count only (as before this
+    # key existed).
     demote_batch_bytes: Size = Size(64 << 20)
 
 

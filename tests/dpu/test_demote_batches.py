@@ -1,6 +1,7 @@
 """The background demoter's batches (``flash.demote_batch`` blocks at least, filled up to
-``flash.demote_batch_bytes``): small blocks are demoted in batches of many blocks, large
-ones as before, and ``demote_batch_bytes: 0`` batches by count alone."""
+``flash.demote_batch_bytes`` or ``DEMOTE_BATCH_MAX_BLOCKS``): small blocks are demoted in
+batches of many blocks, but never so many that the event loop stalls, large ones as
+before, and ``demote_batch_bytes: 0`` batches by count alone."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ def _blocks(sizes: list[int]) -> list[Block]:
 
 
 @pytest.mark.parametrize(("sizes", "batch", "batch_bytes", "want"), [
-    ([64 * KiB] * 3000, 32, 64 * MiB, 1024),  # 64 KiB blocks: filled to 64 MiB
+    ([64 * KiB] * 3000, 32, 64 * MiB, 256),  # 64 KiB blocks: up to the block cap
+    ([4 * KiB] * 5000, 32, 64 * MiB, 256),  # 4 KiB blocks: the cap, not 20 MiB's 5,000
+    ([64 * KiB] * 3000, 32, 8 * MiB, 128),  # filled to the bytes below the cap
+    ([64 * KiB] * 3000, 400, 64 * MiB, 400),  # the count is never capped
     ([2 * MiB] * 100, 32, 64 * MiB, 32),  # 2 MiB blocks: 32, as before the key
     ([64 * KiB] * 3000, 32, 0, 32),  # 0: by count only
     ([64 * KiB] * 100, 32, 64 * MiB, 100),  # fewer dirty than the bytes ask for
