@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 from ctxmem_common.flash_format import (
-    FLAG_DEVICE_ENCRYPTED,
-    FLAG_ENCRYPTED,
     REC_OFF_CRC,
     REC_SIZE,
     SB_BACKUP_OFFSET,
@@ -27,6 +25,7 @@ from ctxmem_common.flash_format import (
     max_table_slots,
     pack_header_table,
     pack_record_headers,
+    record_header_rows,
     slab_base,
     slots_per_slab,
 )
@@ -186,12 +185,7 @@ def test_pack_record_headers_matches_record_header_pack() -> None:
                        int(rng.integers(0, 1 << 40)), int(rng.integers(0, 1 << 32)),
                        int(rng.integers(0, 1 << 62)), bool(i & 1), int(rng.integers(0, 1 << 62)),
                        int(rng.integers(0, 1 << 32)), bool(i & 2)) for i in range(200)]
-    rows = pack_record_headers(
-        [h.namespace for h in hs], [h.key for h in hs], [h.length for h in hs],
-        [h.crc for h in hs], [h.seq for h in hs],
-        [(FLAG_ENCRYPTED if h.encrypted else 0)
-         | (FLAG_DEVICE_ENCRYPTED if h.device_encrypted else 0) for h in hs],
-        [h.key_check for h in hs], [h.committed_ns for h in hs])
+    rows = record_header_rows(hs)  # pack_record_headers, the flags from each header
     assert rows.shape == (len(hs), REC_SIZE)
     for h, row in zip(hs, rows, strict=True):
         assert row.tobytes() == h.pack()[:REC_SIZE]

@@ -15,12 +15,10 @@ import numpy as np
 
 from ctxmem_common.codecs import XtsCipher, crc32c, xts_tweak
 from ctxmem_common.flash_format import (
-    FLAG_DEVICE_ENCRYPTED,
-    FLAG_ENCRYPTED,
     REC_SIZE,
     SECTOR,
     RecordHeader,
-    pack_record_headers,
+    record_header_rows,
 )
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.tiers.flash_device import FormattedDevice
@@ -172,13 +170,7 @@ class FlashDevice(FormattedDevice):
                       ) -> list[BaseException | None]:
         """:meth:`write_header` of many records: :meth:`write_header_rows` of their
         headers packed in one pass."""
-        hs = [h for _slot, h in items]
-        rows = pack_record_headers(
-            [h.namespace for h in hs], [h.key for h in hs], [h.length for h in hs],
-            [h.crc for h in hs], [h.seq for h in hs],
-            [(FLAG_ENCRYPTED if h.encrypted else 0)
-             | (FLAG_DEVICE_ENCRYPTED if h.device_encrypted else 0) for h in hs],
-            [h.key_check for h in hs], [h.committed_ns for h in hs])
+        rows = record_header_rows([h for _slot, h in items])
         return self.write_header_rows([slot for slot, _h in items], rows)
 
     def write_header_rows(self, slots: list[SlotRef], rows: np.ndarray

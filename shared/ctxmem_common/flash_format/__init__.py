@@ -102,6 +102,7 @@ from ctxmem_common.flash_format.records import (
     parse_header_columns,
     parse_header_table,
     payload_offset,
+    record_header_rows,
     slab_base,
     slots_per_slab,
 )
@@ -152,6 +153,7 @@ __all__ = [
     "parse_header_columns",
     "parse_header_table",
     "payload_offset",
+    "record_header_rows",
     "slab_base",
     "slots_per_slab",
 ]

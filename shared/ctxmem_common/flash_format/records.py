@@ -357,6 +357,18 @@ def pack_record_headers(namespaces: Sequence[bytes], keys: Sequence[bytes],
     return raw
 
 
+def record_header_rows(headers: Sequence[RecordHeader]) -> np.ndarray:
+    """:func:`pack_record_headers` of ``headers``: row i is ``headers[i].pack()``'s first
+    REC_SIZE bytes (the flags from each header's two encryption fields)."""
+    hs = headers
+    return pack_record_headers(
+        [h.namespace for h in hs], [h.key for h in hs], [h.length for h in hs],
+        [h.crc for h in hs], [h.seq for h in hs],
+        [(FLAG_ENCRYPTED if h.encrypted else 0)
+         | (FLAG_DEVICE_ENCRYPTED if h.device_encrypted else 0) for h in hs],
+        [h.key_check for h in hs], [h.committed_ns for h in hs])
+
+
 class TableColumns(NamedTuple):
     """The valid records of a header table, column-wise (one list per field)."""
 
