@@ -504,17 +504,24 @@ class BlockStore:
             self._index.dram_lru.remove(b)
             self._index.flash_lru.remove(b)
             self._index.dirty.pop(b, None)
-        try:
-            faults.point("delete.after_index")
-            await wait_io(gone)  # a demotion in flight finishes (and sets b.flash)
-            dead = [b.flash for b in gone if b.flash is not None]
-            for b in gone:
-                b.flash = None
-            if dead:
-                await self._invalidator.invalidate(dead, stage="delete")
-        finally:
-            for b in gone:
-                self.unpin(b)
+
+        async def invalidate() -> None:
+            try:
+                faults.point("delete.after_index")
+                await wait_io(gone)  # a demotion in flight finishes (and sets b.flash)
+                dead = [b.flash for b in gone if b.flash is not None]
+                for b in gone:
+                    b.flash = None
+                if dead:
+                    await self._invalidator.invalidate(dead, stage="delete")
+            finally:
+                for b in gone:
+                    self.unpin(b)
+
+        # Out of the index now: the rest runs to its end even if this request is
+        # cancelled, or the extents would be neither freed nor parked (leaked, their
+        # headers still valid).
+        await self._ctx.io.uncancellable(invalidate())
         self.counters["deleted_blocks"] += len(gone)
         return len(gone)
 
