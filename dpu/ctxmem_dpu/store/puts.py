@@ -106,6 +106,13 @@ class PutPath:
         # The allocation stays registered while its CRCs are computed so the reaper
         # cannot recycle its slots underneath; then it is retired.
         a.done = True
+        # From here the commit runs to its end even if the request is cancelled (its
+        # client gone, a deadline passed): cut short, the allocation would stay ``done``
+        # and registered, and a write-through commit's extents durable but never indexed
+        # (leaked). The client, not answered, may find its blocks stored.
+        return await self._ctx.io.uncancellable(self._commit_now(a, client_crcs))
+
+    async def _commit_now(self, a: Allocation, client_crcs: Sequence[int]) -> int:
         dram = self._ctx.dram
         counters = self._ctx.counters
         crcs = await self._crcs.of_slots(dram, a.slots, a.ns.block_nbytes)
