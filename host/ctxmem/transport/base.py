@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import os
+import threading
 from collections.abc import Callable, Sequence
 
 from ctxmem.transport.verified import ReadProgress, check_landed
@@ -11,7 +12,7 @@ from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import InvalidArgument, Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.shm_ops import decode_error, decode_release_reply, encode_release
-from ctxmem_common.wire import SHM_OP_RELEASE, Status
+from ctxmem_common.wire import SHM_OP_NAMES, SHM_OP_RELEASE, Status
 
 #: ``CTXMEM_FAST_OPS=0`` keeps every control call on gRPC, on every channel (A/B runs, an
 #: escape hatch); ``CTXMEM_SHM_OPS=0``, its older name, does the same.
@@ -70,6 +71,50 @@ class DataChannel(abc.ABC):
     _broken = ""
     """Why the channel is unusable ("" while it is fine; the channels with a fast path
     set it when a call fails midway)."""
+
+    # -- the control fast path's call, for the channels that carry one (shm, TCP) -------
+    _lock: threading.Lock
+    where = ""
+    """The channel's kind in error messages ("shared-memory", "TCP")."""
+    endpoint = ""
+    """Where the channel goes, in error messages (a socket path, host:port)."""
+
+    def _fast_call(self, op: int, parts: Sequence[bytes], reply: bool,
+                   meanwhile: Callable[[], None] | None) -> bytes:
+        """:meth:`call` on a channel with a fast path: under the channel's lock, refuse a
+        broken channel, send the frame (:meth:`_send_op`), run ``meanwhile``, read and
+        check the answer (:meth:`_read_answer`); a socket or framing failure breaks the
+        channel and raises Unavailable (the client reconnects)."""
+        name = SHM_OP_NAMES[op]
+        with self._lock:
+            if self._broken:
+                raise Unavailable(f"{self.where} data channel {self.endpoint} is broken "
+                                  f"({self._broken}); reconnecting")
+            try:
+                self._send_op(op, parts)
+                if meanwhile is not None:
+                    self._meanwhile(name, meanwhile)
+                if not reply:
+                    self.unanswered = True
+                    return b""
+                self.unanswered = False
+                status, body = self._read_answer(op, name)
+                if status == Status.BAD_REQUEST:  # the service closes the connection
+                    raise TransportError(f"the service refused {name} as malformed")
+            except (OSError, TransportError) as exc:
+                self._broken = f"{name}: {exc}"
+                raise Unavailable(f"{self.where} fast path {name} on {self.endpoint} "
+                                  f"failed: {exc}; reconnecting") from None
+        return op_answer(self.where, name, status, body)
+
+    def _send_op(self, op: int, parts: Sequence[bytes]) -> None:
+        """Send one fast-path frame (header, then ``parts``)."""
+        raise FastPathUnsupported(f"the {self.name} channel carries no control fast path")
+
+    def _read_answer(self, op: int, name: str) -> tuple[int, bytes]:
+        """Read the answer to ``op`` (its status and body); TransportError when it does
+        not answer ``op`` or is too long."""
+        raise FastPathUnsupported(f"the {self.name} channel carries no control fast path")
 
     def _meanwhile(self, name: str, meanwhile: Callable[[], None]) -> None:
         """Run a :meth:`call`'s ``meanwhile`` (its request sent, its answer not read). If

@@ -35,7 +35,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ctxmem.transport.base import DataChannel, TransportError, op_answer
+from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem.transport.base import FastPathUnsupported as FastPathUnsupported  # its old home
 from ctxmem.transport.verified import ReadProgress, copy_checked, scrub
 from ctxmem_common.codecs import (
@@ -44,7 +44,7 @@ from ctxmem_common.codecs import (
     copy_crc32c_from_slots,
     copy_crc32c_to_slots,
 )
-from ctxmem_common.errors import CtxmemError, Unavailable
+from ctxmem_common.errors import CtxmemError
 from ctxmem_common.packed_slots import PackedSlots
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import (
@@ -52,7 +52,6 @@ from ctxmem_common.wire import (
     SHM_MAP,
     SHM_MAP_REPLY,
     SHM_OP,
-    SHM_OP_NAMES,
     SHM_OP_REPLY,
     SHM_STATUS,
     STATUS_TEXT,
@@ -93,10 +92,11 @@ def _recv_body(sock: socket.socket, n: int) -> bytes:
 
 class ShmChannel(DataChannel):
     name = "shm"
+    where = "shared-memory"
 
     def __init__(self, path: str, session_id: bytes, token: bytes, timeout_s: float,
                  ops: bool = False, copy_threads: int = 1) -> None:
-        self.path = path
+        self.path = self.endpoint = path
         self.ops = ops  # the control fast path may be used (call)
         self.copy_threads = max(1, copy_threads)
         self._timeout_s = timeout_s
@@ -129,34 +129,20 @@ class ShmChannel(DataChannel):
         with ``reply`` False: nothing is read). Raises the service's error as the same
         CtxmemError class as over gRPC, FastPathUnsupported, or Unavailable when the
         socket fails or the reply does not match (the channel is then broken)."""
-        name = SHM_OP_NAMES[op]
-        with self._lock:
-            if self._broken:
-                raise Unavailable(f"shared-memory channel {self.path} is broken "
-                                  f"({self._broken}); reconnecting")
-            try:
-                self._sock.sendall(SHM_OP.pack(b"CXSO", op, sum(map(len, parts))))
-                for part in parts:
-                    self._sock.sendall(part)
-                if meanwhile is not None:
-                    self._meanwhile(name, meanwhile)
-                if not reply:
-                    self.unanswered = True
-                    return b""
-                self.unanswered = False
-                magic, status, got_op, length = SHM_OP_REPLY.unpack(
-                    _recv_exact(self._sock, SHM_OP_REPLY.size))
-                if magic != b"CXSP" or got_op != op or length > _MAX_REPLY_BYTES:
-                    raise TransportError(f"reply {magic!r} op {got_op} of {length} bytes "
-                                         f"does not answer {name}")
-                body = _recv_body(self._sock, length)
-                if status == Status.BAD_REQUEST:  # the service closes the connection
-                    raise TransportError(f"the service refused {name} as malformed")
-            except (OSError, TransportError) as exc:
-                self._broken = f"{name}: {exc}"
-                raise Unavailable(f"shared-memory fast path {name} on {self.path} failed: "
-                                  f"{exc}; reconnecting") from None
-        return op_answer("shared-memory", name, status, body)
+        return self._fast_call(op, parts, reply, meanwhile)
+
+    def _send_op(self, op: int, parts: Sequence[bytes]) -> None:
+        self._sock.sendall(SHM_OP.pack(b"CXSO", op, sum(map(len, parts))))
+        for part in parts:
+            self._sock.sendall(part)
+
+    def _read_answer(self, op: int, name: str) -> tuple[int, bytes]:
+        magic, status, got_op, length = SHM_OP_REPLY.unpack(
+            _recv_exact(self._sock, SHM_OP_REPLY.size))
+        if magic != b"CXSP" or got_op != op or length > _MAX_REPLY_BYTES:
+            raise TransportError(f"reply {magic!r} op {got_op} of {length} bytes "
+                                 f"does not answer {name}")
+        return status, _recv_body(self._sock, length)
 
     def write_packed(self, slots: PackedSlots, views: Sequence[memoryview]) -> list[int]:
         """:meth:`write_crc` for a fast-path Allocate's slots (plain int lists): every

@@ -28,15 +28,14 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ctxmem.transport.base import DataChannel, TransportError, op_answer
+from ctxmem.transport.base import DataChannel, TransportError
 from ctxmem.transport.verified import ReadProgress, check_landed, scrub
 from ctxmem_common.codecs import crc32c
-from ctxmem_common.errors import CtxmemError, Unavailable
+from ctxmem_common.errors import CtxmemError
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import (
     OP_READ,
     OP_WRITE,
-    SHM_OP_NAMES,
     STATUS_TEXT,
     TCP_HELLO,
     TCP_NO_ID,
@@ -99,6 +98,7 @@ def _recv_resp(sock: socket.socket) -> tuple[int, int]:
 
 class TcpChannel(DataChannel):
     name = "tcp"
+    where = "TCP"
 
     def __init__(self, host: str, port: int, session_id: bytes, token: bytes,
                  timeout_s: float, tls: TlsConfig | None = None, ops: bool = False) -> None:
@@ -106,7 +106,7 @@ class TcpChannel(DataChannel):
         certificate and presenting this client's, and authenticate the session. ``ops``:
         the control fast path may be used (:meth:`call`)."""
         self.ops = ops
-        self.address = f"{host}:{port}"
+        self.address = self.endpoint = f"{host}:{port}"
         self._broken = ""  # why the channel is unusable for ops ("" while it is fine)
         # Frames sent flagged no-reply since the last answered op: close() waits for one
         # answered op first, so what they did (a verified get's Release) has happened.
@@ -155,35 +155,22 @@ class TcpChannel(DataChannel):
              meanwhile: Callable[[], None] | None = None) -> bytes:
         """Send fast-path op ``op`` with body ``parts`` and return its answer's body (see
         :meth:`DataChannel.call`)."""
-        name = SHM_OP_NAMES[op]
-        with self._lock:
-            if self._broken:
-                raise Unavailable(f"TCP data channel {self.address} is broken "
-                                  f"({self._broken}); reconnecting")
-            try:
-                self._send_parts([TCP_OP.pack(b"CXTO", op, TCP_NO_ID, 0,
-                                              sum(map(len, parts))), *parts])
-                if meanwhile is not None:
-                    self._meanwhile(name, meanwhile)
-                if not reply:
-                    self.unanswered = True
-                    return b""
-                self.unanswered = False
-                head = bytearray(TCP_OP_REPLY.size)
-                _recv_into(self._sock, memoryview(head))
-                magic, status, got_op, length = TCP_OP_REPLY.unpack(head)
-                if magic != b"CXTP" or got_op != op or length > _MAX_REPLY_BYTES:
-                    raise TransportError(f"answer {magic!r} op {got_op} of {length} bytes "
-                                         f"does not answer {name}")
-                body = bytearray(length)
-                _recv_into(self._sock, memoryview(body))
-                if status == Status.BAD_REQUEST:  # the service closes the connection
-                    raise TransportError(f"the service refused {name} as malformed")
-            except (OSError, TransportError) as exc:
-                self._broken = f"{name}: {exc}"
-                raise Unavailable(f"TCP fast path {name} on {self.address} failed: {exc}; "
-                                  f"reconnecting") from None
-        return op_answer("TCP", name, status, bytes(body))
+        return self._fast_call(op, parts, reply, meanwhile)
+
+    def _send_op(self, op: int, parts: Sequence[bytes]) -> None:
+        self._send_parts([TCP_OP.pack(b"CXTO", op, TCP_NO_ID, 0, sum(map(len, parts))),
+                          *parts])
+
+    def _read_answer(self, op: int, name: str) -> tuple[int, bytes]:
+        head = bytearray(TCP_OP_REPLY.size)
+        _recv_into(self._sock, memoryview(head))
+        magic, status, got_op, length = TCP_OP_REPLY.unpack(head)
+        if magic != b"CXTP" or got_op != op or length > _MAX_REPLY_BYTES:
+            raise TransportError(f"answer {magic!r} op {got_op} of {length} bytes "
+                                 f"does not answer {name}")
+        body = bytearray(length)
+        _recv_into(self._sock, memoryview(body))
+        return status, bytes(body)
 
 
     def _check(self, status: int, what: str) -> None:
