@@ -68,6 +68,31 @@ class TestDramTier(TierTests):
                     dram.slot_arrays(batch))
             assert [len(a) for a in dram.slot_ndarrays([])] == [0, 0, 0]
 
+    def test_slot_ndarrays_far_apart_slabs(self) -> None:
+        """Slots in slabs whose ids span more than the batch (the table of the ids' range
+        would be larger than the batch: the ``np.unique`` path) still each get their own
+        slab's generation and offset; so do slots in a narrow range with unassigned slabs
+        between them (the table path)."""
+        slab = 64 << 10
+        with DramTier(100 * slab, slab) as dram:
+            refs = []
+            for i in range(100):  # owners differ, so do slabs; slot sizes differ too
+                refs += (dram.allocate(4096 * (1 + i % 4), 2, f"t{i}") or [])[1:]
+            for i in (9, 99):  # these two slabs go to another owner: generation 2
+                dram.free(refs[i])
+                dram.free(type(refs[i])(refs[i].slab, 0))
+                refs[i] = (dram.allocate(4096 * (1 + i % 4), 2, f"u{i}") or [])[1]
+            assert len({r.slab for r in refs}) == 100
+            assert {dram.generation(r.slab) for r in refs} == {1, 2}
+            assert len({dram.offset(r) for r in refs}) == 4
+            far = [refs[0], refs[99]] * (SLOT_NDARRAYS_MIN // 2)  # range 100 > 64 refs
+            near = [refs[3], refs[9]] * (SLOT_NDARRAYS_MIN // 2)  # range 7, 3 unused ids
+            for batch in (far, near):
+                slabs, gens, offsets = dram.slot_ndarrays(batch)
+                assert slabs.tolist() == [r.slab for r in batch]
+                assert gens.tolist() == [dram.generation(r.slab) for r in batch]
+                assert offsets.tolist() == [dram.offset(r) for r in batch]
+
 
 class TestFlashTier(TierTests):
     slab = MiB
