@@ -32,6 +32,14 @@ def test_bench_uses_the_configured_flash_device(tmp_path: Path) -> None:
     # The memcpy limit is the best the machine offers: one thread or every CPU.
     lim = {r["name"]: r["value"] for r in doc["results"]}
     assert lim["limit_memcpy"] == max(lim["limit_memcpy_numpy"], lim["limit_memcpy_threads"]) > 0
+    # Each put row again against the two passes a verified put makes (fused copy + CRC,
+    # then the service's CRC), measured in one process: same figure, that limit.
+    rows = {r["name"]: r for r in doc["results"]}
+    for size in ("2MiB", "64KiB"):
+        put, again = rows[f"dram_put_{size}_xts"], rows[f"dram_put_{size}_xts_of_two_pass"]
+        assert again["value"] == put["value"] > 0
+        assert again["limit"] == max(lim["limit_put_two_pass"], lim["limit_put_two_pass_after"])
+        assert again["fraction_of_limit"] == pytest.approx(put["value"] / again["limit"])
     # AES-XTS: the active implementation, and each one by name (both load here).
     assert lim["limit_aes_xts"] > 0 and doc["machine"]["aes_xts"]
     assert lim["limit_aes_xts_openssl"] > 0 and lim["limit_aes_xts_cryptography"] > 0

@@ -208,6 +208,8 @@ class DramTier(Tier[SlotRef]):
         slabs = int_array(slab_ids, wide=False)
         index = int_array(indexes, wide=True)
         lo, hi = int(slabs.min()), int(slabs.max())
+        ids: Sequence[int]
+        where: np.ndarray
         if hi - lo < n:
             ids = range(lo, hi + 1)
             where = slabs - np.uint32(lo)

@@ -4,7 +4,11 @@ In one run, on the same buffers and the same flash file, it measures:
 
 * the limits: memcpy (the same 2 MiB buffers; the better of numpy's one-thread copy and
   the copy split over every CPU, both also reported), O_DIRECT read and
-  write of the flash file, CRC32C and AES-256-XTS throughput;
+  write of the flash file, CRC32C and AES-256-XTS throughput, and ``put_two_pass``: the
+  two passes over memory a put verified by the service makes (the fused copy + CRC32C,
+  then a CRC32C of what was copied, each on every CPU) with no call between, the
+  ceiling of that design here; each put row is printed again against it
+  (``dram_put_*_of_two_pass``);
 * through a real service and the shim: DRAM-hit get and put, cold flash get (each batch
   evicted to flash first, so every byte is read from the device, decrypted and
   CRC-checked), demotion to flash, for 2 MiB and 64 KiB blocks, encryption on and off;
@@ -120,6 +124,22 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
         for f in [pool.submit(copy_share, share) for share in shares]:
             f.result(timeout=60)
 
+    def fused_share(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for s, d in pairs:
+            copy_crc32c(s.data, d.data)
+
+    def check_share(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for _s, d in pairs:
+            crc32c(d.data)
+
+    def put_two_pass() -> None:
+        # What a put verified by the service does to memory, with no call between:
+        # the client's copy fused with its CRC32C, then the service's CRC32C of what
+        # landed, each split over every CPU. A put's ceiling under that design.
+        for work in (fused_share, check_share):
+            for f in [pool.submit(work, share) for share in shares]:
+                f.result(timeout=60)
+
     def crc() -> None:
         for s in src:
             crc32c(s.data)
@@ -147,6 +167,7 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
     with pool:
         numpy_rate = _best_rate(memcpy, total, repeat) / GB
         threads_rate = _best_rate(memcpy_threads, total, repeat) / GB
+        two_pass_rate = _best_rate(put_two_pass, total, repeat) / GB
     limits = {
         "memcpy": max(numpy_rate, threads_rate),
         "memcpy_numpy": numpy_rate,
@@ -154,6 +175,8 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
         "crc32c": _best_rate(crc, total, repeat) / GB,
         "copy_crc": _best_rate(copy_crc, total, repeat) / GB,
         "copy_crc_native": _best_rate(copy_crc_native, total, repeat) / GB,
+        # Reported beside the put rows, not their target's basis (that stays memcpy).
+        "put_two_pass": two_pass_rate,
         # The active AES-XTS implementation (XTS_IMPLEMENTATION), the one the service runs
         # when started from this environment, and each one that loads here (the default
         # is chosen by OpenSSL release, not measured: these say which is faster here).
@@ -203,6 +226,21 @@ def limit_for(name: str, limits: dict[str, float]) -> float:
         return limits["memcpy"]
     device = limits["odirect_read" if name.startswith("flash_get") else "odirect_write"]
     return min(device, limits["aes_xts"]) if "_xts" in name else device
+
+
+def of_two_pass(results: list[Result], limits: dict[str, float]) -> list[Result]:
+    """Each put row (``dram_put_<size>[_xts]``, GB/s) again as ``..._of_two_pass``: held
+    against ``put_two_pass``, the two passes a put verified by the service makes (the
+    client's fused copy and CRC32C, then the service's CRC32C) run in one process with
+    no call between. Its target stays a fraction of memcpy; this row says how much of
+    the gap is the design's second pass and how much the rest of the put (docs/
+    benchmarks.md)."""
+    limit = limits["put_two_pass"]
+    return [Result(f"{r.name}_of_two_pass", r.value, "GB/s", limit, r.value / limit,
+                   r.service_cpu_s_per_gb, r.client_cpu_s_per_gb)
+            for r in results
+            if r.unit == "GB/s" and r.name.startswith("dram_put_")
+            and not r.name.endswith("_of_two_pass")]
 
 
 def bench_verify(svc: ServiceProcess, transport: str, layout: KVLayout, size: str,
@@ -475,6 +513,7 @@ def run(argv: list[str] | None = None) -> int:
             ideal_ms = batch_bytes / (limit_for(r.name.rsplit("_", 1)[0], limits) * GB) * 1e3
             r.limit = ideal_ms
             r.fraction_of_limit = ideal_ms / r.value
+    results.extend(of_two_pass(results, limits))
     print(f"\n{'name':34} {'value':>10} {'unit':9} {'limit':>10} {'fraction':>9} "
           f"{'svc cpu s/GB':>12} {'cli cpu s/GB':>12}")
     for r in results:
