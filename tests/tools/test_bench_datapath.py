@@ -16,6 +16,10 @@ import pytest
 from ctxmem_tools.bench.datapath import run
 
 
+def rows_of(doc: dict) -> dict[str, dict]:
+    return {r["name"]: r for r in doc["results"]}
+
+
 def test_bench_uses_the_configured_flash_device(tmp_path: Path) -> None:
     device = tmp_path / "dev.img"
     entry = {"name": "benchdev", "backend": "local", "path": str(device), "size": "1GiB",
@@ -32,6 +36,15 @@ def test_bench_uses_the_configured_flash_device(tmp_path: Path) -> None:
     # The memcpy limit is the best the machine offers: one thread or every CPU.
     lim = {r["name"]: r["value"] for r in doc["results"]}
     assert lim["limit_memcpy"] == max(lim["limit_memcpy_numpy"], lim["limit_memcpy_threads"]) > 0
+    # The device limits are the better of one and two threads; every flash row is also
+    # held against a probe of the device beside each of its rounds (*_paired).
+    assert lim["limit_odirect_read"] == max(lim["limit_odirect_read_threads"],
+                                            lim["limit_odirect_read"]) > 0
+    for name in ("flash_get_2MiB_xts", "flash_demote_64KiB_xts", "flash_get_64KiB"):
+        main, paired = rows_of(doc)[name], rows_of(doc)[f"{name}_paired"]
+        assert paired["value"] == main["value"] > 0
+        assert paired["limit"] > 0 and paired["fraction_of_limit"] > 0
+        assert paired["service_cpu_s_per_gb"] == main["service_cpu_s_per_gb"]
     # Each put row again against the two passes a verified put makes (fused copy + CRC,
     # then the service's CRC), measured in one process: same figure, that limit.
     rows = {r["name"]: r for r in doc["results"]}

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
-import mmap
 import os
 import platform
 import statistics
@@ -63,11 +63,15 @@ from ctxmem_common.keys import chain_hashes
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.progress import Progress, progress
 from ctxmem_tools.bench.cpu import CpuMeter
+from ctxmem_tools.bench.device_probe import DeviceProbe, paired_fraction
 from ctxmem_tools.bench.pinning import Pinning, add_pinning_args
 from ctxmem_tools.launcher import ServiceProcess, local_config
 
 MiB = 1 << 20
 GB = 1e9
+#: Threads of the device probe beside each flash round, and of the O_DIRECT limit's
+#: second measure (the service's default ``service.io_threads`` is 2 as well).
+PROBE_THREADS = 2
 PeerRound = Callable[[int, list[np.ndarray], list[np.ndarray]], None]
 LOOKUP_10K_TARGET_MS = 2.0  # issue 17 item 5: p99 of a 10,000-key Lookup
 
@@ -85,7 +89,7 @@ class Result:
     client_cpu_s_per_gb: float | None = None
 
 
-def _best_rate(fn: Callable[[], None], nbytes: int, repeat: int) -> float:
+def _best_rate(fn: Callable[[], object], nbytes: int, repeat: int) -> float:
     """Bytes per second of the best of ``repeat`` runs (limits: what the machine can do)."""
     best = float("inf")
     for _ in range(repeat):
@@ -185,35 +189,14 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
     for impl in ("openssl", "cryptography"):
         with contextlib.suppress(ImportError):  # no system libcrypto: that row is left out
             limits[f"aes_xts_{impl}"] = _best_rate(xts_with(impl), total, repeat) / GB
-    device = scratch.is_block_device()
-    fd = os.open(scratch, os.O_RDWR | os.O_DIRECT | (0 if device else os.O_CREAT), 0o600)
-    try:
-        if not device:
-            os.ftruncate(fd, total)
-        bufs = [mmap.mmap(-1, block) for _ in range(count)]
-        for b in bufs:
-            b.write(os.urandom(64) * (block // 64))
-
-        def write() -> None:
-            for i, b in enumerate(bufs):
-                os.pwrite(fd, b, offset + i * block)
-            os.fdatasync(fd)
-
-        def read() -> None:
-            for i, b in enumerate(bufs):
-                os.preadv(fd, [b], offset + i * block)
-
-        limits["odirect_write"] = _best_rate(write, total, repeat) / GB
-        limits["odirect_read"] = _best_rate(read, total, repeat) / GB
-        if device:  # leave the device as blank as it was (a service formats blank ones)
-            zero = mmap.mmap(-1, block)
-            for i in range(count):
-                os.pwrite(fd, zero, offset + i * block)
-            os.fdatasync(fd)
-    finally:
-        os.close(fd)
-        if not device:
-            scratch.unlink(missing_ok=True)
+    # One thread and two (two I/Os in flight, as the service's I/O threads): the device's
+    # limit is the better of the two (issue 17: the best the machine offers).
+    with DeviceProbe(scratch, offset, block, count) as probe:
+        for op, fn in (("write", probe.write), ("read", probe.read)):
+            one = _best_rate(fn, total, repeat) / GB
+            two = _best_rate(functools.partial(fn, PROBE_THREADS), total, repeat) / GB
+            limits[f"odirect_{op}"] = max(one, two)
+            limits[f"odirect_{op}_threads"] = two
     return limits
 
 
@@ -282,11 +265,15 @@ def _pct(samples: list[float], q: float) -> float:
 def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, rounds: int,
                   tag: str, limits: dict[str, float], results: list[Result],
                   with_lookup: bool, bar: Progress | None = None,
-                  peer_round: PeerRound | None = None, flash: bool = True) -> None:
+                  peer_round: PeerRound | None = None, flash: bool = True,
+                  probe: DeviceProbe | None = None) -> None:
     """Put/get/cold-get of ``batch`` blocks of ``block`` bytes, ``rounds`` times; with
     ``peer_round``, a peer's round on the same buffers beside each (``--peer``) and the
     ``put_durable`` row (put plus demotion, per round) it is compared with. Without
-    ``flash`` (a DRAM-only service) only the put and get rows."""
+    ``flash`` (a DRAM-only service) only the put and get rows. With ``probe`` (a batch of
+    the same size), the device is written beside each evict and read beside each cold
+    get, before it in odd rounds and after it in even ones, and the ``*_paired`` rows
+    hold each round against its own probe (:mod:`~ctxmem_tools.bench.device_probe`)."""
     layout = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=block // 2,
                       tokens_per_block=1)
     assert layout.block_nbytes == block
@@ -304,6 +291,8 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
         meter = CpuMeter(lambda: client.stats()["process_cpu_seconds"])
         meter.calibrate()
         put_t, get_t, cold_t, demote_t = [], [], [], []
+        dev_w: list[float] = []  # the probe's write (and fdatasync) beside each evict
+        dev_r: list[float] = []  # its read beside each cold get
         for r in range(rounds):
             # The peer goes first in odd rounds: whichever side runs right after the other
             # is slowed (a ctxmem put right after an LMCache round: ~25%, not GC, not its
@@ -322,14 +311,24 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
                 get_t.append(time.perf_counter() - t)
             assert n == batch and all(np.array_equal(a, b) for a, b in zip(bufs, outs, strict=True))
             if flash:
+                probe_first = probe is not None and r % 2 == 1
+                if probe is not None and probe_first:
+                    dev_w.append(probe.write(PROBE_THREADS))
                 with meter.phase(demote_n, nbytes):
                     t = time.perf_counter()
                     ns.evict(keys)
                     demote_t.append(time.perf_counter() - t)
+                if probe is not None:
+                    if not probe_first:
+                        dev_w.append(probe.write(PROBE_THREADS))
+                    else:
+                        dev_r.append(probe.read(PROBE_THREADS))
                 with meter.phase(cold_n, nbytes):
                     t = time.perf_counter()
                     n = ns.get(keys, outs)
                     cold_t.append(time.perf_counter() - t)
+                if probe is not None and not probe_first:
+                    dev_r.append(probe.read(PROBE_THREADS))
                 assert n == batch, f"cold get served {n} of {batch}"
             ns.delete(keys)
             if peer_round is not None and not r % 2:
@@ -356,6 +355,15 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
             for q, label in ((0.5, "p50"), (0.99, "p99")):
                 ms = _pct(times, q) * 1e3
                 results.append(Result(f"{name}_{label}", ms, "ms/batch", ideal_ms, ideal_ms / ms))
+        if flash and probe is not None:
+            for name, times, dev in ((demote_n, demote_t, dev_w), (cold_n, cold_t, dev_r)):
+                # With AES-XTS the cipher may be the slower limit (as limit_for): its time
+                # for the batch is a floor under each round's device time.
+                cap = nbytes / (limits["aes_xts"] * GB) if crypt else 0.0
+                results.append(Result(
+                    f"{name}_paired", nbytes / statistics.median(times) / GB, "GB/s",
+                    nbytes / max(statistics.median(dev), cap) / GB,
+                    paired_fraction(times, dev, cap), *meter.per_gb(name)))
         if with_lookup:
             lk = chain_hashes(np.arange(10_000), 1, salt=b"lookup")
             stored = lk[:5000]
@@ -470,32 +478,41 @@ def run(argv: list[str] | None = None) -> int:
     flash_size = f"{max(1024, 6 * args.batch_mib)}MiB"
     flash = not args.dram_only
     services = (("plain", False),) if args.dram_only else (("xts", True), ("plain", False))
-    for tag, enc in services:
-        cfg = local_config(base / tag, encryption=enc, dram_size=f"{4 * args.batch_mib}MiB",
-                           dram_slab="32MiB", flash_size=flash_size if flash else None,
-                           flash_slab="64MiB",
-                           transports=[args.transport], service={"rdma_listen": os.environ.get(
-                               "CTXMEM_RDMA_LISTEN", "0.0.0.0"),  # rdma: any RoCE v2 GID
-                               **pinning.service_section()})
-        if device_entry is not None:
-            cfg["flash"]["devices"] = [device_entry]
-            cfg["flash"]["o_direct"] = True
-        with pinning.spawning_service():
-            svc = ServiceProcess(base / tag, cfg)
-        with svc:
-            for block in (2 * MiB, 64 * 1024):
-                with ExitStack() as stack:
-                    peer = (stack.enter_context(peer_lmcache.lmcache_peer(
-                        base / "lmcache-disk", block, batch_bytes // block, tag))
-                        if args.peer and tag == "xts" else None)
-                    bench_service(svc, args.transport, block, batch_bytes // block, rounds,
-                                  tag, limits, results,
-                                  with_lookup=(block == 2 * MiB and (tag == "xts" or not flash)),
-                                  bar=bar, flash=flash,
-                                  peer_round=peer.round if peer is not None else None)
-                    if peer is not None:
-                        results.extend(peer.results(limits))
-        (base / tag / "flash0.img").unlink(missing_ok=True)
+    # The device written and read beside every flash round (the *_paired rows), on the
+    # limit's scratch place; given back before the limits are measured again.
+    probe = DeviceProbe(scratch, offset, 2 * MiB, count) if flash else None
+    try:
+        for tag, enc in services:
+            cfg = local_config(base / tag, encryption=enc, dram_size=f"{4 * args.batch_mib}MiB",
+                               dram_slab="32MiB", flash_size=flash_size if flash else None,
+                               flash_slab="64MiB",
+                               transports=[args.transport], service={"rdma_listen": os.environ.get(
+                                   "CTXMEM_RDMA_LISTEN", "0.0.0.0"),  # rdma: any RoCE v2 GID
+                                   **pinning.service_section()})
+            if device_entry is not None:
+                cfg["flash"]["devices"] = [device_entry]
+                cfg["flash"]["o_direct"] = True
+            with pinning.spawning_service():
+                svc = ServiceProcess(base / tag, cfg)
+            with svc:
+                for block in (2 * MiB, 64 * 1024):
+                    with ExitStack() as stack:
+                        peer = (stack.enter_context(peer_lmcache.lmcache_peer(
+                            base / "lmcache-disk", block, batch_bytes // block, tag))
+                            if args.peer and tag == "xts" else None)
+                        bench_service(svc, args.transport, block, batch_bytes // block, rounds,
+                                      tag, limits, results,
+                                      with_lookup=(block == 2 * MiB
+                                                   and (tag == "xts" or not flash)),
+                                      bar=bar, flash=flash,
+                                      peer_round=peer.round if peer is not None else None,
+                                      probe=probe)
+                        if peer is not None:
+                            results.extend(peer.results(limits))
+            (base / tag / "flash0.img").unlink(missing_ok=True)
+    finally:
+        if probe is not None:
+            probe.close()
     # The flash file sits on a virtual disk whose speed drifts a lot from second to second
     # (host-side caching): measure the limits again after the runs and compare every
     # figure with the best the machine showed in this run, never with a lucky-low limit.
@@ -506,7 +523,8 @@ def run(argv: list[str] | None = None) -> int:
         results.append(Result(f"limit_{name}_after", value, "GB/s", value, 1.0))
         limits[name] = max(limits[name], value)
     for r in results:
-        if r.unit == "GB/s" and not r.name.startswith("limit_"):
+        if r.unit == "GB/s" and not r.name.startswith("limit_") \
+                and not r.name.endswith("_paired"):  # those carry their rounds' own limit
             r.limit = limit_for(r.name, limits)
             r.fraction_of_limit = r.value / r.limit
         elif r.unit == "ms/batch":
