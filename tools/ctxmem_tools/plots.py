@@ -3,7 +3,9 @@
 * :func:`plot_bench`: one horizontal bar chart, every throughput figure (median batch)
   and the Lookup as a fraction of its limit (memcpy for DRAM, the device's O_DIRECT rate
   for flash, and with encryption AES-XTS too; the 2 ms target for a 10,000-key Lookup), the limit
-  marked at 1.0. Per-batch p50/p99 rows restate the same fractions and stay in the JSON.
+  marked at 1.0. Per-batch p50/p99 rows restate the same fractions, and the twins of a
+  figure held against another limit (``*_paired``: the device beside each round;
+  ``*_of_two_pass``: a put's two passes), stay in the JSON: one bar per figure.
 * :func:`plot_chaos`: the campaign over time (faults injected, blocks committed and
   served, and wrong blocks / durable blocks lost, which must stay at 0) above the faults
   injected per kind. A report written before the timeline was recorded gets the totals
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 LIMIT_NAMES = {"dram": "memcpy", "flash_get": "O_DIRECT read", "flash_demote": "O_DIRECT write"}
+#: Rows that repeat a figure against another limit (``ctxmem bench``): not drawn again.
+TWIN_SUFFIXES = ("_paired", "_of_two_pass")
 
 
 @dataclass(frozen=True)
@@ -30,12 +34,14 @@ class Bar:
 
 
 def bench_bars(doc: Mapping[str, Any]) -> list[Bar]:
-    """The bars of :func:`plot_bench`: each non-limit result except per-batch p50/p99."""
+    """The bars of :func:`plot_bench`: each non-limit result except per-batch p50/p99
+    and a figure's twins against other limits (:data:`TWIN_SUFFIXES`)."""
     bars = []
     for r in doc["results"]:
         name, unit = str(r["name"]), str(r["unit"])
-        if name.startswith("limit_") or unit == "ms/batch" or r["limit"] != r["limit"]:
-            continue  # limits themselves, per-batch rows, figures with no target (NaN)
+        if name.startswith("limit_") or unit == "ms/batch" or r["limit"] != r["limit"] \
+                or name.endswith(TWIN_SUFFIXES):
+            continue  # limits, per-batch rows, no target (NaN), the same figure again
         if unit == "GB/s":
             kind = next((v for k, v in LIMIT_NAMES.items() if name.startswith(k)), "limit")
             if "_xts" in name and name.startswith("flash"):
