@@ -417,7 +417,9 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--odirect-path", default=None, metavar="PATH",
                    help="measure the O_DIRECT limit here: a block device (its last batch "
                         "of bytes, zeroed again afterwards; e.g. the same remote namespace "
-                        "through the kernel initiator) instead of a scratch file in workdir")
+                        "through the kernel initiator) instead of a scratch file in workdir; "
+                        "the *_paired rows are then left out (no probe while the service "
+                        "runs)")
     p.add_argument("--peer", choices=["lmcache"], default=None,
                    help="also run LMCache's own storage manager (its CPU and O_DIRECT local "
                         "disk backends) on the same buffers, a round beside each ctxmem round "
@@ -479,8 +481,12 @@ def run(argv: list[str] | None = None) -> int:
     flash = not args.dram_only
     services = (("plain", False),) if args.dram_only else (("xts", True), ("plain", False))
     # The device written and read beside every flash round (the *_paired rows), on the
-    # limit's scratch place; given back before the limits are measured again.
-    probe = DeviceProbe(scratch, offset, 2 * MiB, count) if flash else None
+    # limit's scratch file; given back before the limits are measured again. Not on an
+    # --odirect-path device: the service may be using that device meanwhile (its flash
+    # tier on the same namespace), and its last batch is only borrowed while no service
+    # runs.
+    probe = DeviceProbe(scratch, offset, 2 * MiB, count) if flash and not args.odirect_path \
+        else None
     try:
         for tag, enc in services:
             cfg = local_config(base / tag, encryption=enc, dram_size=f"{4 * args.batch_mib}MiB",
