@@ -45,6 +45,12 @@ def test_bench_uses_the_configured_flash_device(tmp_path: Path) -> None:
         assert paired["value"] == main["value"] > 0
         assert paired["limit"] > 0 and paired["fraction_of_limit"] > 0
         assert paired["service_cpu_s_per_gb"] == main["service_cpu_s_per_gb"]
+    # The 10k Lookup: its target figure taken once the write-back demotion of the
+    # blocks it finds is done; the calls made meanwhile reported apart, with no target.
+    assert rows_of(doc)["lookup_10k_p99"]["limit"] == 2.0
+    assert "lookup_10k_busy_p99" in rows_of(doc)
+    busy = rows_of(doc)["lookup_10k_busy_p99"]
+    assert busy["limit"] != busy["limit"]  # NaN: reported, no target
     # Each put row again against the two passes a verified put makes (fused copy + CRC,
     # then the service's CRC), measured in one process: same figure, that limit.
     rows = {r["name"]: r for r in doc["results"]}

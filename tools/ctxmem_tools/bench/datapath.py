@@ -12,8 +12,9 @@ In one run, on the same buffers and the same flash file, it measures:
 * through a real service and the shim: DRAM-hit get and put, cold flash get (each batch
   evicted to flash first, so every byte is read from the device, decrypted and
   CRC-checked), demotion to flash, for 2 MiB and 64 KiB blocks, encryption on and off;
-* a 10,000-key Lookup (p50/p99 of one call, target p99 < 2 ms) and a 100,000-key one
-  (reported, no target);
+* a 10,000-key Lookup (p50/p99 of one call over 1,000 calls, target p99 < 2 ms, once the
+  write-back demotion of the blocks it finds is done; ``lookup_10k_busy_*``: the calls made
+  while it ran, reported) and a 100,000-key one (reported, no target);
 * with ``--peer lmcache``, LMCache's own storage manager beside the encrypted service's
   rounds, on the same buffers (bench/peer_lmcache.py): ``lmcache_*`` rows, and a table
   (``"peer"`` in ``--json``) pairing each with ctxmem's;
@@ -372,8 +373,26 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
             lns = client.open_namespace(small, model_id="bench-lookup")
             for i in range(0, len(stored), 1000):
                 lns.put(stored[i:i + 1000], [np.zeros(4096, np.uint8)] * 1000)
+            # The service demotes the 5,000 blocks just put in the background (write-back)
+            # for a few hundred ms: Lookups timed meanwhile share two cores with that
+            # demotion and are reported apart (lookup_10k_busy_*, no target); the target's
+            # figure is taken once nothing is left to demote.
+            busy = []
+            settle_by = time.monotonic() + 30
+            while client.stats()["dirty_blocks"] > 0 and time.monotonic() < settle_by:
+                for _ in range(10):
+                    t = time.perf_counter()
+                    lns.lookup(lk)
+                    busy.append(time.perf_counter() - t)
+            for q, label in ((0.5, "p50"), (0.99, "p99")):
+                ms = _pct(busy, q) * 1e3 if busy else float("nan")
+                results.append(Result(f"lookup_10k_busy_{label}", ms, "ms", float("nan"),
+                                      float("nan")))
+            # Enough calls that p99 is a percentile, not the slowest call: with 50 (the
+            # count before session 9) it was the maximum, and swung 1.2-5 ms between runs
+            # where 3,500 back-to-back calls gave 1.2-1.5 ms.
             times = []
-            for _ in range(max(50, rounds * 5)):
+            for _ in range(max(200, rounds * 125)):
                 t = time.perf_counter()
                 hit = lns.lookup(lk)
                 times.append(time.perf_counter() - t)
@@ -385,7 +404,7 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
             # 100,000 keys (the first 10,000 the same chain): reported, no target (NaN).
             lk100 = chain_hashes(np.arange(100_000), 1, salt=b"lookup")
             times = []
-            for _ in range(max(20, rounds * 2)):
+            for _ in range(max(100, rounds * 25)):
                 t = time.perf_counter()
                 hit = lns.lookup(lk100)
                 times.append(time.perf_counter() - t)
