@@ -38,6 +38,7 @@ class DeviceProbe:
         self.nbytes = block * count
         self.device = scratch.is_block_device()
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_workers = 0
         self._fd = os.open(scratch, os.O_RDWR | os.O_DIRECT | (0 if self.device else os.O_CREAT),
                            0o600)
         try:
@@ -77,10 +78,11 @@ class DeviceProbe:
         if threads <= 1:
             part(0, 1)
             return
-        if self._pool is None or self._pool._max_workers < threads - 1:
+        if self._pool is None or self._pool_workers < threads - 1:
             if self._pool is not None:
                 self._pool.shutdown()
             self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="bench-probe")
+            self._pool_workers = threads - 1
         futures = [self._pool.submit(part, j, threads) for j in range(1, threads)]
         part(0, threads)
         for f in futures:
