@@ -35,6 +35,9 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
     command -v promtool >/dev/null || need+=(prometheus)
     # valgrind (callgrind): `ctxmem bench stable` counts instructions per block; its test runs it.
     command -v valgrind >/dev/null || need+=(valgrind)
+    # libibverbs1: Mooncake Store's master links it even for TCP (`ctxmem bench --peer
+    # mooncake` and its test start the master from the Mooncake wheel).
+    ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || need+=(libibverbs1)
     if [ ${#need[@]} -gt 0 ]; then
         log "apt-get install ${need[*]}"
         $SUDO apt-get update -qq
@@ -74,6 +77,9 @@ install_python() {
             fastapi==0.141.1 starlette==1.10.0 uvicorn==0.54.0 httpx==0.28.1 \
             httpcore==1.0.9 blake3==1.0.11
         "$VENV/bin/pip" install -q --no-deps lmcache==0.5.6
+        # Mooncake Store's CPU build, for `ctxmem bench --peer mooncake` (its wheel carries
+        # the mooncake_master binary; its own deps are aiohttp, requests and msgpack).
+        "$VENV/bin/pip" install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
         echo "$want" > "$stamp"
     fi
 }

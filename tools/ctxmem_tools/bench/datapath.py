@@ -15,7 +15,9 @@ In one run, on the same buffers and the same flash file, it measures:
 * a 10,000-key Lookup (p50/p99 of one call over 1,000 calls, target p99 < 2 ms, once the
   write-back demotion of the blocks it finds is done; ``lookup_10k_busy_*``: the calls made
   while it ran, reported) and a 100,000-key one (reported, no target);
-* with ``--peer lmcache``, LMCache's own storage manager beside the encrypted service's
+* with ``--peer lmcache`` (or ``mooncake``, or both: ``lmcache,mooncake``; Mooncake Store in
+  bench/peer_mooncake.py, ``mooncake_*`` rows, ``"peer_mooncake"`` in ``--json``),
+  LMCache's own storage manager beside the encrypted service's
   rounds, on the same buffers (bench/peer_lmcache.py): ``lmcache_*`` rows, and a table
   (``"peer"`` in ``--json``) pairing each with ctxmem's;
 * DRAM-hit get with CRC32C verification on (the default) and off (``verify_gets=False``),
@@ -49,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -204,8 +207,9 @@ def measure_limits(scratch: Path, block: int, count: int, repeat: int,
 def limit_for(name: str, limits: dict[str, float]) -> float:
     """The machine limit (GB/s) a throughput figure is compared with: memcpy for DRAM,
     the device's O_DIRECT rate for flash, and with encryption also AES-XTS (the slower).
-    A peer's row (``lmcache_...``) is held against the same limit as ctxmem's."""
-    name = name.removeprefix("lmcache_")
+    A peer's row (``lmcache_...``, ``mooncake_...``) is held against the same limit as
+    ctxmem's."""
+    name = name.removeprefix("lmcache_").removeprefix("mooncake_")
     if name.startswith("dram_"):
         return limits["memcpy"]
     device = limits["odirect_read" if name.startswith("flash_get") else "odirect_write"]
@@ -451,10 +455,12 @@ def run(argv: list[str] | None = None) -> int:
                         "through the kernel initiator) instead of a scratch file in workdir; "
                         "the *_paired rows are then left out (no probe while the service "
                         "runs)")
-    p.add_argument("--peer", choices=["lmcache"], default=None,
-                   help="also run LMCache's own storage manager (its CPU and O_DIRECT local "
-                        "disk backends) on the same buffers, a round beside each ctxmem round "
-                        "of the encrypted service, and print both row by row")
+    p.add_argument("--peer", choices=PEER_CHOICES, default=None,
+                   help="also run a peer on the same buffers, a round beside each ctxmem "
+                        "round of the encrypted service, and print both row by row: "
+                        "lmcache (LMCache's own storage manager: its CPU and O_DIRECT local "
+                        "disk backends), mooncake (Mooncake Store's CPU build: its master and "
+                        "one client, DRAM put and get), or both")
     p.add_argument("--dram-only", action="store_true",
                    help="a service with no flash tier, unencrypted: only the DRAM put and "
                         "get rows, with no write-back demotion competing for the CPUs")
@@ -464,11 +470,18 @@ def run(argv: list[str] | None = None) -> int:
     if args.dram_only and (args.peer or args.flash_device):
         p.error("--dram-only has no flash tier: it takes neither --peer nor --flash-device")
     peer_info: dict[str, object] | None = None
+    mooncake_info: dict[str, object] | None = None
+    use_lmcache = args.peer in ("lmcache", "lmcache,mooncake")
+    use_mooncake = args.peer in ("mooncake", "lmcache,mooncake")
     if args.peer:
-        from ctxmem_tools.bench import peer_lmcache
+        from ctxmem_tools.bench import peer_lmcache, peer_mooncake
 
         try:
-            peer_version = peer_lmcache.lmcache_version()
+            if use_lmcache:
+                peer_version = peer_lmcache.lmcache_version()
+            if use_mooncake:
+                mooncake_info = peer_mooncake.describe(peer_mooncake.mooncake_version())
+                peer_mooncake.master_binary()
         except peer_lmcache.PeerUnavailable as exc:
             p.error(str(exc))
     if args.from_json:
@@ -488,10 +501,13 @@ def run(argv: list[str] | None = None) -> int:
     device_entry = json.loads(Path(args.flash_device).read_text()) if args.flash_device else None
     if device_entry is not None:
         print(f"flash tier: {device_entry.get('backend')} device {device_entry.get('name')}")
-    if args.peer:
+    if use_lmcache:
         peer_info = peer_lmcache.describe(peer_version, base / "lmcache-disk", device_entry)
         print(f"peer: LMCache {peer_version} ({peer_info['lmcache_backends']}), "
               f"disk {peer_info['lmcache_disk']}")
+    if mooncake_info is not None:
+        print(f"peer: Mooncake Store {mooncake_info['version']} "
+              f"({mooncake_info['mooncake_setup']})")
     scratch, offset = base / "odirect-limit.bin", 0
     if args.odirect_path:
         scratch = Path(args.odirect_path)
@@ -534,17 +550,21 @@ def run(argv: list[str] | None = None) -> int:
             with svc:
                 for block in (2 * MiB, 64 * 1024):
                     with ExitStack() as stack:
-                        peer = (stack.enter_context(peer_lmcache.lmcache_peer(
-                            base / "lmcache-disk", block, batch_bytes // block, tag))
-                            if args.peer and tag == "xts" else None)
+                        peers: list[Any] = []
+                        if use_lmcache and tag == "xts":
+                            peers.append(stack.enter_context(peer_lmcache.lmcache_peer(
+                                base / "lmcache-disk", block, batch_bytes // block, tag)))
+                        if use_mooncake and tag == "xts":
+                            peers.append(stack.enter_context(peer_mooncake.mooncake_peer(
+                                base / "mooncake", block, batch_bytes // block, tag)))
                         bench_service(svc, args.transport, block, batch_bytes // block, rounds,
                                       tag, limits, results,
                                       with_lookup=(block == 2 * MiB
                                                    and (tag == "xts" or not flash)),
                                       bar=bar, flash=flash,
-                                      peer_round=peer.round if peer is not None else None,
+                                      peer_round=_peer_rounds(peers) if peers else None,
                                       probe=probe)
-                        if peer is not None:
+                        for peer in peers:
                             results.extend(peer.results(limits))
             (base / tag / "flash0.img").unlink(missing_ok=True)
     finally:
@@ -579,6 +599,9 @@ def run(argv: list[str] | None = None) -> int:
     if peer_info is not None:
         peer_info["pairs"] = peer_lmcache.pair_rows(results, ["2MiB", "64KiB"])
         peer_lmcache.print_pairs(peer_info)
+    if mooncake_info is not None:
+        mooncake_info["pairs"] = peer_mooncake.pair_rows(results, ["2MiB", "64KiB"])
+        peer_mooncake.print_pairs(mooncake_info)
     if args.json:
         doc = {
             "results": [asdict(r) for r in results],
@@ -592,6 +615,8 @@ def run(argv: list[str] | None = None) -> int:
         }
         if peer_info is not None:
             doc["peer"] = peer_info
+        if mooncake_info is not None:
+            doc["peer_mooncake"] = mooncake_info
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
     if args.png:
@@ -602,6 +627,17 @@ def run(argv: list[str] | None = None) -> int:
                                "rounds": rounds}}, args.png)
         print(f"wrote {args.png}")
     return 0
+
+
+PEER_CHOICES = ["lmcache", "mooncake", "lmcache,mooncake"]
+
+
+def _peer_rounds(peers: list[Any]) -> PeerRound:
+    """One ``peer_round`` hook running every peer's round, in the order given."""
+    def both(r: int, bufs: list[np.ndarray], outs: list[np.ndarray]) -> None:
+        for peer in peers:
+            peer.round(r, bufs, outs)
+    return both
 
 
 def _cpu_cell(v: float | None) -> str:
