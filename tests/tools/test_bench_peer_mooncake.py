@@ -99,3 +99,37 @@ def test_peer_without_mooncake_exits_naming_what_to_install(
     assert "Mooncake Store is not importable" in err
     assert "mooncake-transfer-engine-non-cuda==0.3.13.post1" in err
     assert not (tmp_path / "w").exists(), "nothing ran before the error"
+
+
+def test_bench_pod_pairs_the_cross_node_get_with_mooncakes(tmp_path: Path) -> None:
+    _mooncake()
+    from ctxmem_tools.bench.pod import run as run_pod
+
+    out = tmp_path / "pod.json"
+    assert run_pod(["--total-mib", "4", "--repeat", "1", "--lookups", "0",
+                    "--no-shared-flash", "--peer", "mooncake", "--json", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    sock = rows["TCP loopback socket, 1 stream"]["value"]
+    for size in ("2MiB", "64KiB"):
+        r = rows[f"cross-node get, Mooncake B <- A over TCP ({size})"]
+        assert r["value"] > 0 and r["limit"] == sock
+    ratio = rows["cross-node get 2 MiB, ctxmem plaintext / Mooncake (ratio)"]["value"]
+    assert ratio == pytest.approx(
+        rows["cross-node get, peer fetch (plaintext)"]["value"]
+        / rows["cross-node get, Mooncake B <- A over TCP (2MiB)"]["value"])
+
+
+def test_cross_client_get_compares_the_bytes(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _mooncake()
+    from ctxmem_tools.bench import peer_mooncake
+
+    times = peer_mooncake.cross_client_gets(tmp_path / "ok", 64 * 1024, 1 << 20, 2)
+    assert len(times) == 2 and min(times) > 0
+    real = peer_mooncake._blocks
+    # The holder (another process) puts the real blocks; this reader is made to expect
+    # other bytes, as if Mooncake had served wrong ones: the round must fail.
+    monkeypatch.setattr(peer_mooncake, "_blocks",
+                        lambda seed, block, count: real(seed + 1, block, count))
+    with pytest.raises(PeerMismatch, match="cross-client get round 0"):
+        peer_mooncake.cross_client_gets(tmp_path / "bad", 64 * 1024, 1 << 20, 1)

@@ -277,3 +277,111 @@ def print_pairs(info: dict[str, Any]) -> None:
               f"{r['mooncake_value']:13.3f} {r['ratio']:6.2f} {ahead:8} "
               f"{cell(r['ctxmem_cpu_s_per_gb'], 15)} {cell(r['mooncake_cpu_s_per_gb'], 8)} "
               f"{r['note']}")
+
+
+# --- cross-client get (``ctxmem bench pod --peer mooncake``) -------------------------------
+#
+# Mooncake's equivalent of ctxmem's cross-node get: client A (another process, its own
+# segment) puts the blocks; client B (this process) reads them with ``batch_get_into``
+# over Mooncake's TCP transport, from A's segment, into registered buffers.
+
+HOLDER_READY = "MOONCAKE-HOLDER-READY"
+
+
+def _blocks(seed: int, block: int, count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, block, dtype=np.uint8) for _ in range(count)]
+
+
+def _holder_main(argv: list[str]) -> int:
+    """``python -m ctxmem_tools.bench.peer_mooncake RPC METADATA BLOCK COUNT SEED``: put
+    COUNT blocks, print :data:`HOLDER_READY`, serve them until stdin closes."""
+    import sys
+
+    from mooncake.store import MooncakeDistributedStore
+
+    rpc, metadata, block, count, seed = argv[0], argv[1], *map(int, argv[2:5])
+    store = MooncakeDistributedStore()
+    if store.setup("127.0.0.1", metadata, block * count + (64 << 20), 16 << 20, "tcp", "",
+                   rpc) != 0:
+        print("mooncake holder: setup failed", file=sys.stderr)
+        return 1
+    data = _blocks(seed, block, count)
+    ptrs = []
+    for a in data:
+        store.register_buffer(a.ctypes.data, a.nbytes)
+        ptrs.append(a.ctypes.data)
+    keys = [f"xget-{seed}-{i}" for i in range(count)]
+    rcs = store.batch_put_from(keys, ptrs, [block] * count)
+    if any(rc != 0 for rc in rcs):
+        print(f"mooncake holder: put refused ({sorted(set(rcs))})", file=sys.stderr)
+        return 1
+    print(HOLDER_READY, flush=True)
+    sys.stdin.read()  # until the bench closes our stdin
+    store.close()
+    return 0
+
+
+def cross_client_gets(workdir: Path, block: int, total: int, repeat: int) -> list[float]:
+    """Seconds per ``batch_get_into`` of ``total`` bytes in ``block``-byte objects that
+    another client process holds, ``repeat`` times (bytes compared every time)."""
+    import sys
+
+    from mooncake.store import MooncakeDistributedStore
+
+    count = max(1, total // block)
+    seed = 11
+    workdir.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        master = stack.enter_context(mooncake_master(workdir / "mooncake_master.log"))
+        holder_log = stack.enter_context(open(workdir / "mooncake_holder.log", "ab"))
+        holder = subprocess.Popen(
+            [sys.executable, "-m", "ctxmem_tools.bench.peer_mooncake", master.rpc,
+             master.metadata, str(block), str(count), str(seed)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=holder_log, text=True)
+
+        def stop_holder() -> None:
+            assert holder.stdin is not None
+            holder.stdin.close()
+            try:
+                holder.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                holder.kill()
+                holder.wait(STOP_S)
+        stack.callback(stop_holder)
+        assert holder.stdout is not None
+        line = holder.stdout.readline()  # the holder's put of every block is done
+        if line.strip() != HOLDER_READY:
+            raise PeerUnavailable(f"the Mooncake holder process did not start "
+                                  f"(exit {holder.poll()}); its log: "
+                                  f"{workdir / 'mooncake_holder.log'}")
+        store: Any = MooncakeDistributedStore()
+        if store.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "",
+                       master.rpc) != 0:
+            raise PeerUnavailable("Mooncake Store setup of the reading client failed")
+        stack.callback(store.close)
+        want = _blocks(seed, block, count)
+        outs = [np.empty(block, np.uint8) for _ in range(count)]
+        ptrs = []
+        for a in outs:
+            store.register_buffer(a.ctypes.data, a.nbytes)
+            ptrs.append(a.ctypes.data)
+        keys = [f"xget-{seed}-{i}" for i in range(count)]
+        times = []
+        for r in range(repeat):
+            for a in outs:
+                a.fill(0)
+            t = time.perf_counter()
+            got = store.batch_get_into(keys, ptrs, [block] * count)
+            times.append(time.perf_counter() - t)
+            if any(n != block for n in got):
+                raise PeerMismatch(f"Mooncake cross-client get served "
+                                   f"{sum(n == block for n in got)} of {count} objects")
+            check_equal(want, outs, f"mooncake cross-client get round {r}")
+        return times
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_holder_main(sys.argv[1:]))

@@ -13,6 +13,12 @@
   the same gets between two nodes with ``pod.rdma_listen``: peer fetch by RDMA READ (the
   run fails if any block went over TCP).
 
+* with ``--peer mooncake``, Mooncake Store's cross-client get in the same run: its own
+  master, one client process holding the blocks in its segment, this process reading
+  them with ``batch_get_into`` over Mooncake's TCP transport (bytes compared), 2 MiB and
+  64 KiB objects, each beside the socket's limit, and ctxmem's plaintext cross-node get
+  over it (``ratio``: > 1, ctxmem faster).
+
 Shared flash (issue 14 part 3) fills its own row when registered (left as a slot here).
 ``--json PATH`` writes ``{"results": [{"name", "value", "unit"}]}``.
 """
@@ -177,9 +183,21 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--rdma-device", default="", help="the RDMA device (with --rdma-listen)")
     ap.add_argument("--no-shared-flash", action="store_true",
                     help="skip the shared-flash rows (no O_DIRECT filesystem at --workdir)")
+    ap.add_argument("--peer", choices=["mooncake"], default=None,
+                    help="also run Mooncake Store's cross-client get (its master and a "
+                         "holder process; bench/peer_mooncake.py) in the same run")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    out = [Result("TCP loopback socket, 1 stream", loopback_rate() / GB, "GB/s")]
+    if args.peer:
+        from ctxmem_tools.bench import peer_mooncake
+
+        try:
+            peer_mooncake.mooncake_version()
+            peer_mooncake.master_binary()
+        except peer_mooncake.PeerUnavailable as exc:
+            ap.error(str(exc))
+    socket_gbs = loopback_rate() / GB
+    out = [Result("TCP loopback socket, 1 stream", socket_gbs, "GB/s")]
     cfg: dict[str, Any] = {"dram_size": "512MiB", "dram_slab": "16MiB", "flash_size": None}
     with tempfile.TemporaryDirectory(prefix="ctxmem-bench-pod-") as tmp:
         root = Path(tmp)
@@ -197,6 +215,18 @@ def run(argv: list[str] | None = None) -> int:
             rdma = {"rdma_listen": args.rdma_listen, "rdma_device": args.rdma_device}
             with LocalPod(root / "rdma", 2, pod=rdma, **cfg) as pod:
                 _gets(pod, args.total_mib, args.repeat, "RDMA between nodes", out, rdma=True)
+        if args.peer:
+            for block, size in ((2 << 20, "2MiB"), (64 << 10, "64KiB")):
+                times = peer_mooncake.cross_client_gets(
+                    root / f"mooncake-{size}", block, args.total_mib << 20, args.repeat)
+                nbytes = max(1, (args.total_mib << 20) // block) * block
+                out.append(Result(f"cross-node get, Mooncake B <- A over TCP ({size})",
+                                  nbytes / min(times) / GB, "GB/s", socket_gbs))
+            mc = {r.name: r.value for r in out}
+            ours = mc["cross-node get, peer fetch (plaintext)"]
+            theirs = mc["cross-node get, Mooncake B <- A over TCP (2MiB)"]
+            out.append(Result("cross-node get 2 MiB, ctxmem plaintext / Mooncake (ratio)",
+                              ours / theirs, "x"))
     # Shared flash: a get straight from a device several nodes attach, next to the
     # device's own O_DIRECT read of the same extents (alternated in the same rounds).
     flash = [] if args.no_shared_flash else measure_shared_flash(
