@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from ctxmem_tools.bench.pod import run
 
 
@@ -28,3 +30,14 @@ def test_bench_pod_small(tmp_path: Path) -> None:
     assert flash, "no shared-flash rows"
     for r in flash:  # every shared-flash figure comes with its O_DIRECT limit
         assert r["value"] > 0 and r["limit"] > 0 and not math.isnan(r["limit"])
+
+
+def test_bench_pod_missing_workdir_is_a_usage_error_before_any_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(SystemExit) as ex:
+        run(["--workdir", str(missing), "--lookups", "0"])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--workdir {missing}: not an existing directory" in err
+    assert "Traceback" not in err

@@ -188,6 +188,9 @@ def run(argv: list[str] | None = None) -> int:
                          "holder process; bench/peer_mooncake.py) in the same run")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    if not args.no_shared_flash and not Path(args.workdir).is_dir():
+        ap.error(f"--workdir {args.workdir}: not an existing directory (the shared-flash "
+                 "rows put their device file there; create it, or give --no-shared-flash)")
     if args.peer:
         from ctxmem_tools.bench import peer_mooncake
 
