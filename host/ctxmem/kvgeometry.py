@@ -160,7 +160,10 @@ def geometry_from_config(
     num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
     head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // num_heads
     if dtype is None:
-        dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32"
+        # ``torch_dtype`` only where the config has no ``dtype`` (transformers < 4.56):
+        # reading it on a newer config logs a deprecation warning.
+        dtype = (getattr(text, "dtype", None) if hasattr(text, "dtype")
+                 else getattr(text, "torch_dtype", None)) or "float32"
     return KVGeometry(
         num_layers=int(text.num_hidden_layers),
         num_kv_heads=num_kv_heads,

@@ -81,6 +81,21 @@ def build_model(
     return model.to(device=device, dtype=torch_dtype(dtype)).eval()
 
 
+def _cache_kwarg(model: Any) -> str:
+    """The forward's name for the KV cache: ``cache`` since transformers 5.2x (where
+    ``past_key_values`` still works but warns), ``past_key_values`` before."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache of a forward's output, under either name (see :func:`_cache_kwarg`)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> Any:
     """``[1, num_tokens]`` token ids, deterministic in ``seed``."""
     import torch
@@ -121,10 +136,9 @@ def prefill(
         pos = start
         while pos < total:
             end = total if not chunk_size else min(total, (pos // chunk_size + 1) * chunk_size)
-            out = model(
-                input_ids[:, pos:end], past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
-            logits, cache, pos = out.logits[:, -1], out.past_key_values, end
+            out = model(input_ids[:, pos:end], **{_cache_kwarg(model): cache}, use_cache=True,
+                        logits_to_keep=1)
+            logits, cache, pos = out.logits[:, -1], _cache_of(out), end
     assert logits is not None
     return logits, cache
 
@@ -147,6 +161,6 @@ def greedy_decode(
             tokens.append(token)
             if step + 1 < steps:
                 ids = torch.tensor([[token]], device=logits.device)
-                out = model(ids, past_key_values=cache, use_cache=True)
-                logits, cache = out.logits[:, -1], out.past_key_values
+                out = model(ids, **{_cache_kwarg(model): cache}, use_cache=True)
+                logits, cache = out.logits[:, -1], _cache_of(out)
     return tokens, seen
