@@ -181,18 +181,6 @@ TLS_SECTION = {"cert_file": "/etc/ctxmem/tls/tls.crt", "key_file": "/etc/ctxmem/
                "client_ca_file": "/etc/ctxmem/tls/ca.crt", "reload_interval_s": 10}
 
 
-def _schema_has_tls() -> bool:
-    import dataclasses
-
-    from ctxmem_common.config import Config
-
-    return "tls" in {f.name for f in dataclasses.fields(Config)}
-
-
-NO_TLS_REASON = ("ctxmem_common.config.Config has no `tls` field yet (the TLS branch of "
-                 "issue 12 adds it); runs once both branches are merged")
-
-
 def test_render_config_is_values_config_plus_tls() -> None:
     cfg = _config_of(_render())
     assert cfg == {**_values()["config"], "tls": TLS_SECTION}
@@ -202,8 +190,6 @@ def test_render_config_is_values_config_plus_tls() -> None:
 def test_render_generated_config_passes_service_schema(tmp_path: Path) -> None:
     """The config the chart generates (tls: included) is what the service accepts and
     starts with: mutual TLS satisfies the non-loopback rule."""
-    if not _schema_has_tls():
-        pytest.skip(NO_TLS_REASON)
     from ctxmem_common.config import load_config
     from ctxmem_common.identity import check_identity_mode
 
@@ -211,7 +197,7 @@ def test_render_generated_config_passes_service_schema(tmp_path: Path) -> None:
         path = tmp_path / "ctxmem.yaml"
         path.write_text(yaml.safe_dump(_config_of(_render(values))))
         cfg = load_config(path)
-        assert cfg.tls.client_ca_file == "/etc/ctxmem/tls/ca.crt"  # type: ignore[attr-defined]
+        assert cfg.tls.client_ca_file == "/etc/ctxmem/tls/ca.crt"
         check_identity_mode(cfg)
 
 

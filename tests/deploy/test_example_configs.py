@@ -29,17 +29,6 @@ SCHEMA_SECTIONS = {
 TLS_DIR = "/etc/ctxmem/tls"
 
 
-def _schema_has_tls() -> bool:
-    from ctxmem_common.config import Config
-
-    return "tls" in {f.name for f in dataclasses.fields(Config)}
-
-
-NO_TLS_REASON = ("ctxmem_common.config.Config has no `tls` field yet (the TLS branch of "
-                 "issue 12 adds it): a config with tls: cannot go through the service's "
-                 "schema until both branches are merged")
-
-
 def _chart_tls(values: dict[str, Any]) -> dict[str, Any] | None:
     """The tls: section the chart generates for these values (templates/_helpers.tpl,
     ctxmem.configYaml), or None with TLS off."""
@@ -80,13 +69,10 @@ def _embedded_configs() -> dict[str, dict[str, Any]]:
     }
 
 
-def _all_configs(tmp_path: Path, with_tls: bool | None = None) -> list[Path]:
+def _all_configs(tmp_path: Path, with_tls: bool = True) -> list[Path]:
     """Every shipped config as a file: deploy/configs/*.yaml and the embedded ones (with
-    the chart's tls: section added). ``with_tls`` False: the tls: section removed (for
-    the service's schema before it has one); None: as shipped if the schema has `tls`,
-    else removed."""
-    if with_tls is None:
-        with_tls = _schema_has_tls()
+    the chart's tls: section added). ``with_tls`` False: the tls: section removed (the
+    loopback-only variants, checked in insecure mode)."""
     out_dir = tmp_path / ("tls" if with_tls else "notls")
     out_dir.mkdir(exist_ok=True)
     raw = {p.stem: yaml.safe_load(p.read_text()) for p in sorted(CONFIG_DIR.glob("*.yaml"))}
@@ -172,8 +158,6 @@ def test_no_config_listens_beyond_loopback_without_tls_or_tokens(tmp_path: Path)
 def test_dpu_configs_pass_identity_check_with_tls(tmp_path: Path) -> None:
     """With the TLS branch merged: the DPU configs' mutual TLS satisfies the service's
     start-up rule (check_identity_mode) on their non-loopback addresses."""
-    if not _schema_has_tls():
-        pytest.skip(NO_TLS_REASON)
     from ctxmem_common.config import load_config
     from ctxmem_common.identity import check_identity_mode, is_local_listen, network_listens
 
@@ -181,7 +165,7 @@ def test_dpu_configs_pass_identity_check_with_tls(tmp_path: Path) -> None:
         cfg = load_config(path)
         check_identity_mode(cfg)  # raises ConfigError if the service would refuse it
         if any(not is_local_listen(a) for _k, a in network_listens(cfg)):
-            assert cfg.tls.client_ca_file, path  # type: ignore[attr-defined]
+            assert cfg.tls.client_ca_file, path
 
 
 def test_loopback_configs_pass_identity_check(tmp_path: Path) -> None:
@@ -212,37 +196,29 @@ def test_tokens_mode_still_works_for_exposed_configs() -> None:
 
 
 def test_configs_load_with_service_validator(tmp_path: Path) -> None:
-    try:
-        from ctxmem_common.config import load_config
-    except ImportError as exc:  # the validator lands with the core issue
-        pytest.skip(f"ctxmem_common.config.load_config not importable yet: {exc}")
-    # Before the TLS branch lands, the tls: sections are left out here (and checked in
-    # full by test_configs_with_tls_load_with_service_validator once it has).
-    for path in _all_configs(tmp_path):
+    from ctxmem_common.config import load_config
+
+    for path in _all_configs(tmp_path, with_tls=False):
         cfg = load_config(path)
         assert cfg.mode in ("dpu", "fallback"), path
 
 
 def test_configs_with_tls_load_with_service_validator(tmp_path: Path) -> None:
-    if not _schema_has_tls():
-        pytest.skip(NO_TLS_REASON)
     from ctxmem_common.config import load_config
 
     for path in _all_configs(tmp_path, with_tls=True):
         cfg = yaml.safe_load(path.read_text())
         loaded = load_config(path)
         if "tls" in cfg:
-            tls = loaded.tls  # type: ignore[attr-defined]
+            tls = loaded.tls
             assert tls.cert_file == cfg["tls"]["cert_file"], path
             assert tls.client_ca_file == cfg["tls"].get("client_ca_file", ""), path
 
 
 def test_flash_devices_validate(tmp_path: Path) -> None:
     """Each flash device entry passes the storage layer's stricter per-backend check."""
-    try:
-        from ctxmem_dpu.storage.config import parse_device_spec
-    except ImportError as exc:
-        pytest.skip(f"ctxmem_dpu.storage.config not importable yet: {exc}")
+    from ctxmem_dpu.storage import parse_device_spec
+
     for path in _all_configs(tmp_path):
         cfg = yaml.safe_load(path.read_text())
         for i, dev in enumerate(cfg["flash"]["devices"]):

@@ -3,16 +3,26 @@ NVMe-oF initiator, and SPDK. See docs/storage.md.
 
 - :mod:`.base`: the contract (:class:`StorageBackend`, :class:`StorageError`);
 - :mod:`.registry`: backend name -> class, and the :func:`open_backend` factory;
-- :mod:`.spec` / :mod:`.config`: the typed device settings (their schema lives in
-  :mod:`ctxmem_common.device_settings`, validated when the config loads);
+- the typed device settings (:class:`DeviceSpec` and its options, :func:`parse_device_spec`)
+  live in :mod:`ctxmem_common.device_settings`, validated when the config loads; they are
+  re-exported here for the backends' callers;
 - :mod:`.local`, :mod:`.kernel`, :mod:`.spdk`: the backends.
 """
 
+from ctxmem_common.device_settings import (
+    ALIGNMENT_BYTES,
+    BackendKind,
+    CryptoOptions,
+    DeviceSpec,
+    ExportOptions,
+    KernelOptions,
+    SpdkOptions,
+    parse_device_spec,
+)
+from ctxmem_common.units import format_size, parse_size
+
 from .base import StorageBackend, StorageError
-from .config import ALIGNMENT_BYTES, parse_device_spec
 from .registry import backend_class, open_backend
-from .spec import BackendKind, CryptoOptions, DeviceSpec, ExportOptions, KernelOptions, SpdkOptions
-from .units import format_size, parse_size
 
 __all__ = [
     "ALIGNMENT_BYTES",

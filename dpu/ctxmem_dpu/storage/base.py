@@ -25,10 +25,8 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import TypeVar
 
-from ctxmem_common.device_settings import ALIGNMENT_BYTES
-
-from .spec import DeviceSpec
-from .units import format_size
+from ctxmem_common.device_settings import ALIGNMENT_BYTES, DeviceSpec
+from ctxmem_common.units import format_size
 
 __all__ = ["StorageBackend", "StorageError"]
 

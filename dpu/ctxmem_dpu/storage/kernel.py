@@ -27,9 +27,10 @@ import re
 import subprocess
 from pathlib import Path
 
+from ctxmem_common.device_settings import DeviceSpec, KernelOptions
+
 from .base import StorageBackend, StorageError
 from .devices import Deadline, probe_o_direct, wait_for
-from .spec import DeviceSpec, KernelOptions
 
 __all__ = ["KernelBackend"]
 

@@ -9,13 +9,13 @@ import stat
 import time
 
 from ctxmem_common import safepaths
+from ctxmem_common.device_settings import DeviceSpec
 from ctxmem_common.flash_format import FlashReader
+from ctxmem_common.units import format_size
 from ctxmem_dpu.tiers.flash_owner import describe, stale_reason
 
 from .base import StorageBackend, StorageError
 from .devices import probe_o_direct
-from .spec import DeviceSpec
-from .units import format_size
 
 __all__ = ["LocalBackend"]
 

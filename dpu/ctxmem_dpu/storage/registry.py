@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib
 
+from ctxmem_common.device_settings import DeviceSpec
+
 from .base import StorageBackend
-from .spec import DeviceSpec
 
 __all__ = ["BACKENDS", "backend_class", "open_backend"]
 

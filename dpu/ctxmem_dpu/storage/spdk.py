@@ -23,11 +23,12 @@ import stat
 import string
 from typing import Any
 
+from ctxmem_common.device_settings import DeviceSpec, SpdkOptions
+
 from . import spdk_requests as rq
 from .base import StorageBackend, StorageError
 from .devices import Deadline, probe_o_direct, wait_for
 from .spdk_rpc import SpdkRpcChannel, SpdkRpcError
-from .spec import DeviceSpec, SpdkOptions
 
 __all__ = ["SpdkBackend", "read_xts_key_file"]
 

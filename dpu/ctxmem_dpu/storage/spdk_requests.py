@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .spec import ExportOptions, SpdkOptions
+from ctxmem_common.device_settings import ExportOptions, SpdkOptions
 
 __all__ = ["REDACTED", "SENDABLE_METHODS", "RpcRequest", "SpdkNames"]
 

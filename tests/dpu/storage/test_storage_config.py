@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from ctxmem_common.units import format_size
 from ctxmem_dpu.storage import (
     CryptoOptions,
     DeviceSpec,
@@ -14,7 +15,6 @@ from ctxmem_dpu.storage import (
     parse_device_spec,
     parse_size,
 )
-from ctxmem_dpu.storage.units import format_size
 
 W = "flash.devices[0]"
 
