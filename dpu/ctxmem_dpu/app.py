@@ -30,6 +30,7 @@ from ctxmem_dpu import sdnotify
 from ctxmem_dpu.control.auth import SessionAuthInterceptor
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.gctune import tune_gc
+from ctxmem_dpu.kv_events import KvEventPublisher
 from ctxmem_dpu.metrics import HttpEndpoint
 from ctxmem_dpu.pod.node import PodNode
 from ctxmem_dpu.pod.sources import RemoteSource
@@ -67,6 +68,7 @@ class Service:
         self.http: HttpEndpoint | None = None
         self.tls: ServerTls | None = None
         self.pod: PodNode | None = None
+        self.events: KvEventPublisher | None = None
         self._lease_redis: Any = None  # redis.asyncio.Redis of the slab leases (shared flash)
         self.ready = False
         self.grpc_port = 0
@@ -181,6 +183,13 @@ class Service:
                 self.shm.pod = True
             if self.tcp is not None:
                 self.tcp.pod = True
+        if cfg.events.endpoint:  # KV events for routers (docs/operations.md, "Routers")
+            self.events = KvEventPublisher(cfg.events, cfg.pod.node_id if cfg.pod.enabled
+                                           else "", self.store.namespaces.get,
+                                           self.store.counters)
+            self.store.block_listeners.append(self.events.note)
+            self.events.start()
+            log.info("KV events on %s (topic %s@...)", self.events.endpoint, cfg.events.topic)
         listen = cfg.service.listen
         if self.tls is not None:
             self.grpc_port = self.server.add_secure_port(listen, self.tls.grpc_credentials())
@@ -234,6 +243,10 @@ class Service:
             await self.rdma.close()
         if self.pod is not None:  # leave the pod first: peers stop asking this node
             await self.pod.close()
+        if self.events is not None:
+            if self.store is not None:
+                self.store.block_listeners.remove(self.events.note)
+            await self.events.close()
         if self.server is not None:
             await self.server.stop(grace_s)
         for srv in (self.http, self.tcp, self.shm):

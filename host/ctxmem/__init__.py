@@ -21,7 +21,7 @@ _os.environ.setdefault("GRPC_POLL_STRATEGY", "poll")
 
 from ctxmem.aio import AsyncClient, AsyncNamespace
 from ctxmem.client import Client
-from ctxmem.namespace import LookupResult, Namespace, PutResult
+from ctxmem.namespace import LocateResult, LookupResult, Namespace, PutResult
 from ctxmem.tls import TlsConfig
 from ctxmem_common import __version__
 from ctxmem_common.errors import (
@@ -47,6 +47,7 @@ __all__ = [
     "Expired",
     "InvalidArgument",
     "KVLayout",
+    "LocateResult",
     "LookupResult",
     "Namespace",
     "PermissionDenied",

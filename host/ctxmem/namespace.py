@@ -70,6 +70,18 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
+class LocateResult:
+    num_hits: int
+    """How many leading keys are held by this node or another member of its pod."""
+    tiers: list[str] = field(default_factory=list)
+    """Per hit, its tier on the node that holds it: ``"dram"`` or ``"flash"``."""
+    nodes: list[str] = field(default_factory=list)
+    """Per hit, the holding node's ``pod.node_id`` (``""`` on a service without a pod)."""
+    node_id: str = ""
+    """The node that answered."""
+
+
+@dataclass(frozen=True)
 class PutResult:
     stored: int
     """Blocks newly committed by this call."""
@@ -185,6 +197,19 @@ class Namespace:
                 return LookupResult(fast[0], tiers_from_codes(fast[1]))
             r = self.client._rpc("Lookup", _lookup_request(s.id, self.handle, keys, True))
             return LookupResult(r.num_hits, _lookup_tiers(r))
+
+        return self._retrying(op)
+
+    def locate(self, keys: Sequence[bytes]) -> LocateResult:
+        """Where the leading ``keys`` are held across the pod, for KV-aware routers: per
+        hit, the holding node and its tier there (this node's index first, then the
+        cluster index, in one round trip; docs/operations.md, "Routers"). What the index
+        says now, not a lease: a block may leave a node right after. Side-effect free."""
+
+        def op(s: _Session) -> LocateResult:
+            r = self.client._rpc("Locate", _lookup_request(s.id, self.handle, keys, True))
+            return LocateResult(r.num_hits, [tier_from_pb(x.tier) for x in r.locations],
+                                [x.node_id for x in r.locations], r.node_id)
 
         return self._retrying(op)
 

@@ -18,6 +18,7 @@ service start, and the storage backends take the same objects.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import typing
@@ -266,6 +267,21 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    # KV events for routers (docs/operations.md, "Routers"): vLLM's BlockStored /
+    # BlockRemoved batches on a ZMQ PUB socket. "" off; "tcp://127.0.0.1:PORT" or
+    # "ipc:///PATH": loopback or a Unix socket only (the events name every tenant's block
+    # hashes, and ZMQ here has no authentication).
+    endpoint: str = ""
+    # Each batch goes out under "<topic>@<node>@<model id>" (llm-d's "kv@<pod>@<model>").
+    topic: str = "kv"
+    # Events are batched this long (ms) before a batch is sent.
+    batch_ms: int = 20
+    # Events held between batches; beyond it new ones are dropped (kv_events_dropped).
+    max_pending: int = 100_000
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -283,6 +299,7 @@ class Config:
     encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     pod: PodConfig = field(default_factory=PodConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def replace(self, **sections: Any) -> Config:
@@ -373,10 +390,30 @@ def _check(cfg: Config) -> None:
     if not tls.reload_interval_s > 0:
         raise ConfigError("tls.reload_interval_s: must be > 0 (seconds)")
     check_pod(cfg.pod)
+    _check_events(cfg.events)
     if not 0.0 <= cfg.eviction.protected_fraction <= 1.0:
         raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
     if cfg.eviction.protect_after_hits < 1:
         raise ConfigError("eviction.protect_after_hits: must be >= 1")
+
+
+def _check_events(ev: EventsConfig) -> None:
+    if ev.batch_ms < 1 or ev.max_pending < 1:
+        raise ConfigError("events.batch_ms and events.max_pending: must be >= 1")
+    if not ev.endpoint:
+        return
+    if ev.endpoint.startswith("ipc://") and len(ev.endpoint) > len("ipc://"):
+        return
+    host = ev.endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    loopback = host == "localhost"
+    with contextlib.suppress(ValueError):
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
+    if not ev.endpoint.startswith("tcp://") or not loopback:
+        raise ConfigError(
+            f"events.endpoint: {ev.endpoint!r} is not tcp://<loopback>:PORT or ipc:///PATH; "
+            f"KV events name every tenant's block hashes and are not authenticated, so "
+            f"they are served on this host only (a router elsewhere subscribes through a "
+            f"relay it secures)")
 
 
 def _check_quota(where: str, q: TenantQuota) -> None:

@@ -58,3 +58,28 @@ def test_prefetch_pulls_remote_blocks_ahead_of_need(pod: LocalPod, clients: Clie
     served = clients.stats(n1.endpoint)["pod_served_blocks"]
     assert clients.get(n2.endpoint, keys, data) == 8  # from node 2's own DRAM now
     assert clients.stats(n1.endpoint)["pod_served_blocks"] == served == 8
+
+
+def test_locate_names_the_holding_node_of_each_leading_block(pod: LocalPod) -> None:
+    """Issue 29 item 3: a router asks any node where a request's prefix is held."""
+    n1, n2, n3 = pod.nodes
+    keys = ctxmem.chain_hashes(range(16 * 8), 16)
+    data = blocks(len(keys), 5)
+    with ctxmem.Client(n1.endpoint) as c1, ctxmem.Client(n2.endpoint) as c2, \
+            ctxmem.Client(n3.endpoint) as c3:
+        assert c1.open_namespace(LAYOUT, model_id="m").put(keys[:4], data[:4]).stored == 4
+        assert c2.open_namespace(LAYOUT, model_id="m").put(keys[4:6], data[4:6]).stored == 2
+        ns3 = c3.open_namespace(LAYOUT, model_id="m")
+        wait_for(lambda: ns3.lookup(keys).num_hits == 6, what="publish")
+        id1 = c1.open_namespace(LAYOUT, model_id="m").locate(keys[:1]).node_id
+        id2 = c2.open_namespace(LAYOUT, model_id="m").locate(keys[:1]).node_id
+        assert id1 and id2 and id1 != id2
+        loc = ns3.locate(keys)
+        assert loc.num_hits == 6 and loc.node_id not in (id1, id2, "")
+        assert loc.nodes == [id1] * 4 + [id2] * 2
+        assert loc.tiers == ["dram"] * 6
+        assert ns3.lookup(keys).tiers == ["remote"] * 6, "Locate fetched nothing"
+        # node 3 holds the first two itself once it has read them
+        out = [np.zeros_like(d) for d in data[:2]]
+        assert ns3.get(keys[:2], out) == 2
+        assert ns3.locate(keys).nodes[:3] == [loc.node_id, loc.node_id, id1]

@@ -39,6 +39,7 @@ from ctxmem_common.protoconv import (
 from ctxmem_common.rdma_wire import QpInfo
 from ctxmem_dpu.control import block_ops
 from ctxmem_dpu.control.auth import connect_tenant
+from ctxmem_dpu.control.locate import locate_response
 from ctxmem_dpu.control.lookup_wire import key_list, lookup_response, request_keys
 from ctxmem_dpu.store import BlockStore
 
@@ -193,6 +194,18 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
                                            request.want_tier_codes)
         n, codes = block_ops.lookup(self.store, ns, keys, request.prefix, checked)
         return lookup_response(n, codes, request.want_tier_codes)
+
+    @_rpc
+    async def Locate(self, request: pb.LookupRequest, context: Any) -> pb.LocateResponse:
+        _s, ns = block_ops.open_namespace(self.store, request.session_id,
+                                          request.namespace_handle)
+        keys, checked = request_keys(request)  # validated by the index's lookup
+        if self.pod is None:
+            local = self.store.lookup_blocks(ns, keys, prefix=True, checked=checked)
+            return locate_response(key_list(keys[:len(local)]), local, [None] * len(local), "")
+        keys = key_list(keys)
+        local, remote = await self.pod.fetch.merged(ns, keys)
+        return locate_response(keys, local, remote, self.pod.pod.node_id)
 
     async def _pod_lookup(self, ns: Any, keys: list[bytes], prefix: bool, packed: bool
                           ) -> pb.LookupResponse:

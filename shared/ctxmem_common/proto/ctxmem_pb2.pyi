@@ -176,6 +176,24 @@ class LookupResponse(_message.Message):
     tier_codes: bytes
     def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., tier_codes: _Optional[bytes] = ...) -> None: ...
 
+class BlockLocation(_message.Message):
+    __slots__ = ("tier", "node_id")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    node_id: str
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("num_hits", "locations", "node_id")
+    NUM_HITS_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    num_hits: int
+    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    node_id: str
+    def __init__(self, num_hits: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., node_id: _Optional[str] = ...) -> None: ...
+
 class AllocateRequest(_message.Message):
     __slots__ = ("session_id", "namespace_handle", "keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

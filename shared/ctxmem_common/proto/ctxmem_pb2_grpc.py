@@ -54,6 +54,11 @@ class ContextMemoryStub:
                 request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.LookupRequest.SerializeToString,
                 response_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/ctxmem.v1.ContextMemory/Locate',
+                request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.LookupRequest.SerializeToString,
+                response_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.LocateResponse.FromString,
+                _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/ctxmem.v1.ContextMemory/Allocate',
                 request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.AllocateRequest.SerializeToString,
@@ -128,6 +133,12 @@ class ContextMemoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Locate(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -221,6 +232,11 @@ def add_ContextMemoryServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.LookupRequest.FromString,
                     response_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.LookupResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.LookupRequest.FromString,
+                    response_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.LocateResponse.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
@@ -381,6 +397,33 @@ class ContextMemory:
             '/ctxmem.v1.ContextMemory/Lookup',
             ctxmem__common_dot_proto_dot_ctxmem__pb2.LookupRequest.SerializeToString,
             ctxmem__common_dot_proto_dot_ctxmem__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ctxmem.v1.ContextMemory/Locate',
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.LookupRequest.SerializeToString,
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.LocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
