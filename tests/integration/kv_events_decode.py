@@ -10,7 +10,8 @@ import sys
 import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-frames = json.loads(open(sys.argv[1]).read())
+with open(sys.argv[1]) as f:
+    frames = json.load(f)
 decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 out = []
 for topic, seq, payload in frames:

@@ -143,7 +143,7 @@ def test_events_endpoint_beyond_loopback_is_refused(tmp_path: Path) -> None:
     from ctxmem_common.errors import ConfigError
 
     for bad in ("tcp://0.0.0.0:5557", "tcp://10.1.2.3:5557", "udp://127.0.0.1:1", "ipc://"):
-        with pytest.raises(ConfigError, match="events.endpoint"):
+        with pytest.raises(ConfigError, match=r"events\.endpoint"):
             config_from_dict({"events": {"endpoint": bad}})
     for good in ("tcp://127.0.0.1:5557", "tcp://[::1]:5557", "ipc:///run/ctxmem/kv.sock"):
         assert config_from_dict({"events": {"endpoint": good}}).events.endpoint == good
