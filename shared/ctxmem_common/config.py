@@ -223,6 +223,9 @@ class TenantQuota:
     dram_held_max: float = 0.0
     max_sessions: int = 64
     max_namespaces: int = 64
+    # The tenant's share of the I/O threads within a class (loads, stores) against other
+    # tenants with work waiting: 2.0 gets twice the jobs of a tenant at 1.0.
+    io_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -426,6 +429,9 @@ def _check_quota(where: str, q: TenantQuota) -> None:
     for key in ("max_leases", "max_allocations", "max_sessions", "max_namespaces"):
         if getattr(q, key) < 1:
             raise ConfigError(f"{where}.{key}: must be >= 1")
+    if not 0.01 <= q.io_weight <= 100.0:
+        raise ConfigError(f"{where}.io_weight: must be between 0.01 and 100 (a share of the "
+                          f"I/O threads against other tenants), got {q.io_weight}")
 
 
 def rdma_ip(listen: str) -> str:

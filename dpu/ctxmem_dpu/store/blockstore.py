@@ -94,7 +94,7 @@ class BlockStore:
         self._keeper: SlabLeaseKeeper | None = None
         self._ctx = StoreContext(
             cfg, DramTier(cfg.dram.size, cfg.dram.slab_size, cfg.dram.prefault),
-            FlashTier([]), new_counters(), IOPool(cfg.service.io_threads))
+            FlashTier([]), new_counters(), IOPool(cfg.service.io_threads, _io_weights(cfg)))
         #: Every counter of :data:`~ctxmem_dpu.store.COUNTERS` (Stats, /metrics, tests).
         self.counters = self._ctx.counters
         keyring = Keyring(master_key if cfg.encryption.enabled else None, software_crypto_off)
@@ -578,3 +578,9 @@ class BlockStore:
     def stats(self) -> dict[str, float]:
         """Every counter and gauge (the Stats RPC and /metrics)."""
         return snapshot(self._ctx, self._index, self._registry, self._quotas)
+
+
+def _io_weights(cfg: Config) -> Callable[[str], float]:
+    """Each tenant's ``io_weight`` (its own quota entry, else the default's)."""
+    tenants, default = cfg.quotas.tenants, cfg.quotas.default.io_weight
+    return lambda tenant: tenants[tenant].io_weight if tenant in tenants else default

@@ -9,7 +9,6 @@ index.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from ctxmem_common.config import Config
+from ctxmem_dpu.store.ioqueue import PriorityExecutor
 from ctxmem_dpu.tiers.dram import DramTier
 from ctxmem_dpu.tiers.flash import FlashTier
 
@@ -27,15 +27,18 @@ log = logging.getLogger("ctxmem_dpu.store")
 class IOPool:
     """The I/O threads, and the store's short background tasks (prefetch, invalidation).
 
+    The threads serve loads before stores and tenants by weight (:mod:`.ioqueue`): mark
+    a task's work with :func:`~ctxmem_dpu.store.ioqueue.work_as` before it submits.
+
     Background tasks are kept so ``close`` can await them: they are never cancelled
     mid-I/O, which would strand blocks with half-done bookkeeping.
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int,
+                 weight_of: Callable[[str], float] = lambda _tenant: 1.0) -> None:
         self.threads = max(1, threads)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.threads, thread_name_prefix="ctxmem-io"
-        )
+        # Loads before stores, weighted shares between tenants (store/ioqueue.py).
+        self._pool = PriorityExecutor(self.threads, weight_of)
         self.tasks: list[asyncio.Task[object]] = []
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -45,6 +45,7 @@ from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.store.ioqueue import IoClass, work_as
 from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError
 from ctxmem_dpu.tiers.flash_fence import SlabFenced
@@ -169,6 +170,7 @@ class Demotion:
 
     async def _demote_now(self, blocks: list[Block]) -> dict[Block, BaseException]:
         ctx = self._ctx
+        work_as(IoClass.STORE)  # behind gets' promotions (store/ioqueue.py)
         blocks = [b for b in blocks
                   if b.dram is not None and b.flash is None and not b.deleted and b.io is None]
         failures: dict[Block, BaseException] = {}

@@ -27,6 +27,7 @@ from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.store.ioqueue import IoClass, work_as
 from ctxmem_dpu.store.placement import Demote, Placement
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError, ReadFailure, ShortRead
 
@@ -150,6 +151,7 @@ class Promotion:
     async def _promote_now(self, ns: Namespace, blocks: list[Block],
                            on_io: Callable[[], None] | None) -> PromoteResult:
         ctx = self._ctx
+        work_as(IoClass.LOAD, ns.tenant)  # a get waits on it: before write-back
         result = PromoteResult()
         await wait_io(blocks)
         blocks = [b for b in blocks if b.dram is None and b.flash is not None and not b.deleted]

@@ -24,6 +24,7 @@ from ctxmem_dpu.blocks import Allocation, Block, Namespace, Session
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.index import BlockIndex
+from ctxmem_dpu.store.ioqueue import IoClass, work_as
 from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.store.sessions import SessionRegistry
@@ -113,6 +114,7 @@ class PutPath:
         return await self._ctx.io.uncancellable(self._commit_now(a, client_crcs))
 
     async def _commit_now(self, a: Allocation, client_crcs: Sequence[int]) -> int:
+        work_as(IoClass.STORE, a.ns.tenant)  # write-through I/O goes behind gets
         dram = self._ctx.dram
         counters = self._ctx.counters
         crcs = await self._crcs.of_slots(dram, a.slots, a.ns.block_nbytes)
