@@ -40,11 +40,28 @@ def _register_once(what: str, name: str, add: Callable[[str, str, str], None],
 
 
 def register() -> None:
-    """Register ctxmem's tier type and connector name with vLLM's factories."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    """Register ctxmem's tier type and connector name with vLLM's factories.
 
-    _register_once("secondary tier type", TIER_TYPE, SecondaryTierFactory.register_tier,
-                   TIER_MODULE, TIER_CLASS)
-    _register_once("KV connector", CONNECTOR_NAME, KVConnectorFactory.register_connector,
-                   CONNECTOR_MODULE, CONNECTOR_NAME)
+    vLLM calls this in every process without catching what it raises, so a vLLM without
+    one of the factories (an older release has no ``vllm.v1.kv_offload.tiering``) must
+    not stop the engine: that registration is skipped with a warning naming what is
+    missing, and the other still happens."""
+    try:
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    except ImportError as exc:
+        log.warning("ctxmem vLLM plugin: this vLLM has no secondary-tier factory (%s); "
+                    "the tier type %r is not registered (vLLM >= 0.32 has it)",
+                    exc, TIER_TYPE)
+    else:
+        _register_once("secondary tier type", TIER_TYPE, SecondaryTierFactory.register_tier,
+                       TIER_MODULE, TIER_CLASS)
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError as exc:
+        log.warning("ctxmem vLLM plugin: this vLLM has no KV connector factory (%s); the "
+                    "connector name %r is not registered (use kv_connector_module_path)",
+                    exc, CONNECTOR_NAME)
+    else:
+        _register_once("KV connector", CONNECTOR_NAME,
+                       KVConnectorFactory.register_connector, CONNECTOR_MODULE,
+                       CONNECTOR_NAME)
