@@ -72,7 +72,7 @@ install_python() {
         # runtime deps are named and lmcache goes in --no-deps. fastapi stays below 0.142
         # (later ones need opentelemetry-api >= 1.44; LMCache 0.5.6 wants <= 1.40).
         "$VENV/bin/pip" install -q "torch==2.13.0" numba==0.68.1 py-cpuinfo psutil aiohttp \
-            requests cachetools aiofile msgspec pyzmq opentelemetry-api==1.40.0 \
+            requests cachetools aiofile msgspec pyzmq sortedcontainers opentelemetry-api==1.40.0 \
             opentelemetry-sdk==1.40.0 opentelemetry-semantic-conventions==0.61b0 \
             fastapi==0.141.1 starlette==1.10.0 uvicorn==0.54.0 httpx==0.28.1 \
             httpcore==1.0.9 blake3==1.0.11

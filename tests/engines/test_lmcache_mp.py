@@ -16,6 +16,7 @@ import json
 import os
 import re
 import select
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,18 @@ def documented_l2_adapter() -> dict[str, Any]:
     found = re.findall(r"--l2-adapter '(\{.*?\})'", text, flags=re.S)
     assert len(found) == 1, "docs/deploy.md should give one --l2-adapter example"
     return dict(json.loads(found[0]))
+
+
+def documented_server_args() -> list[str]:
+    """The ``lmcache server`` command docs/deploy.md gives, split as the shell splits it
+    (continuation lines, quotes), without ``lmcache server`` itself."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    found = [b for b in re.findall(r"^```(?:bash|sh)\n(.*?)^```", text, flags=re.S | re.M)
+             if b.lstrip().startswith("lmcache server")]
+    assert len(found) == 1, "docs/deploy.md should give one `lmcache server` command"
+    words = shlex.split(found[0].replace("\\\n", " "), comments=True)
+    assert words[:2] == ["lmcache", "server"], words[:2]
+    return words[2:]
 
 
 def make_adapter(endpoint: str, **params: Any) -> Any:

@@ -1,8 +1,11 @@
 """A real ``lmcache server`` (LMCache 0.5.6's MP server) with ctxmem as its L2 adapter.
 
-The server is LMCache's own CLI process (``lmcache server``, CPU L1, docs/deploy.md's
-``--l2-adapter`` JSON pointing at a real ctxmem service). The client is LMCache's own MP
-client, the one vLLM's ``LMCacheMPConnector`` drives: ``LMCacheMPWorkerAdapter``
+The server is LMCache's own CLI process, started with docs/deploy.md's ``lmcache
+server`` command line as written (its flags and its ``--l2-adapter`` JSON, pointed at a
+real ctxmem service; a documented flag LMCache refuses, or a missing ``--disable-metrics``
+in this venv without OpenTelemetry's Prometheus exporter, fails here), plus the test's own
+loopback ports, a small CPU L1 and ``--supported-transfer-mode auto``. The client is
+LMCache's own MP client, the one vLLM's ``LMCacheMPConnector`` drives: ``LMCacheMPWorkerAdapter``
 (registers the worker's paged KV and stores/retrieves blocks over ZMQ) and
 ``LMCacheMPSchedulerAdapter`` (lookups, which prefetch from L2 into L1). The paged KV is
 a CPU tensor in vLLM's flash layout; LMCache's CPU transfer context moves it.
@@ -41,7 +44,10 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (  # noqa: E402
     ParallelStrategy,
 )
 
-from tests.engines.test_lmcache_mp import documented_l2_adapter  # noqa: E402
+from tests.engines.test_lmcache_mp import (  # noqa: E402
+    documented_l2_adapter,
+    documented_server_args,
+)
 
 CHUNK, BLOCK, LAYERS, HEADS, HEAD, BLOCKS = 16, 16, 2, 2, 8, 8
 MODEL = "tiny-llama-mp"
@@ -63,12 +69,17 @@ class LMCacheServer:
         spec = documented_l2_adapter()
         spec["adapter_params"] = {**spec["adapter_params"], "endpoint": endpoint,
                                   "timeout_s": 10.0}
-        self.args = [str(LMCACHE_BIN), "server", "--host", "127.0.0.1",
+        # docs/deploy.md's command as given (its flags, e.g. --disable-metrics, which this
+        # venv needs: it has no OpenTelemetry Prometheus exporter), the adapter's endpoint
+        # pointed at the test's service; then what a test needs on top (argparse keeps
+        # the last value): loopback ports of its own, a small L1 and chunk, and the CPU
+        # transfer mode docs/deploy.md names for CPU-only hosts.
+        doc = documented_server_args()
+        doc[doc.index("--l2-adapter") + 1] = json.dumps(spec)
+        self.args = [str(LMCACHE_BIN), "server", *doc, "--host", "127.0.0.1",
                      "--port", str(self.port), "--chunk-size", str(CHUNK),
-                     "--l1-size-gb", "0.05", "--eviction-policy", "LRU",
-                     "--disable-observability", "--supported-transfer-mode", "auto",
-                     "--http-host", "127.0.0.1",
-                     "--http-port", str(free_port()), "--l2-adapter", json.dumps(spec)]
+                     "--l1-size-gb", "0.05", "--supported-transfer-mode", "auto",
+                     "--http-host", "127.0.0.1", "--http-port", str(free_port())]
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 

