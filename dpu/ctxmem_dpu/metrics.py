@@ -169,6 +169,9 @@ class StoreCollector:
         full_ev.add_metric(["dram"], c["dram_full"])
         full_ev.add_metric(["flash"], c["flash_full"])
         yield full_ev
+        yield CounterMetricFamily("ctxmem_puts_shed", "Puts refused at once because write-"
+                                  "back was behind by more than flash.shed_backlog_bytes",
+                                  value=c["puts_shed"])
         yield CounterMetricFamily("ctxmem_lookup_keys", "Keys asked for by Lookup",
                                   value=c["lookup_keys"])
         yield CounterMetricFamily("ctxmem_lookup_hits", "Keys Lookup found stored",

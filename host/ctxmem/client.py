@@ -134,6 +134,9 @@ class Client:
         self.tls = tls
         self.timeout_s = timeout_s
         self.verify_puts = verify_puts
+        #: Puts the service shed (``Shed``: its stores backed up); engines' integrations
+        #: report it. Counted per put call, whatever its size.
+        self.puts_shed = 0
         self.verify_gets = verify_gets
         self.max_batch_bytes = max_batch_bytes
         if copy_threads is not None and copy_threads < 1:

@@ -21,6 +21,7 @@ from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.errors import (
     CtxmemError,
     InvalidArgument,
+    Shed,
     Unavailable,
     UnknownSession,
 )
@@ -246,7 +247,11 @@ class Namespace:
         start = 0
         while start < len(keys):
             sl = self._batch(start, len(keys))
-            st, ex = self._put_batch(list(keys[sl]), staged, sl.start)
+            try:
+                st, ex = self._put_batch(list(keys[sl]), staged, sl.start)
+            except Shed:
+                self.client.puts_shed += 1
+                raise
             stored += st
             existing += ex
             start = sl.stop

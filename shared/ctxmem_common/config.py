@@ -191,6 +191,10 @@ class FlashConfig:
     # 2 MiB amortise and 32 of 64 KiB (2 MiB) do not. 0: by count only (as before this
     # key existed).
     demote_batch_bytes: Size = Size(64 << 20)
+    # Shed puts (refuse them at once, ErrorCode SHED) instead of waiting for write-back
+    # when making room would mean demoting inline while more than this many bytes of
+    # committed blocks already wait for flash. 0: never shed (a put waits, as before).
+    shed_backlog_bytes: Size = Size(0)
 
 
 @dataclass(frozen=True)

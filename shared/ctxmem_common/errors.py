@@ -27,6 +27,7 @@ class ErrorCode(str, enum.Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
+    SHED = "SHED"
 
 
 class CtxmemError(Exception):
@@ -66,6 +67,14 @@ class ResourceExhausted(CtxmemError):
     code = ErrorCode.RESOURCE_EXHAUSTED
 
 
+class Shed(ResourceExhausted):
+    """A put refused at once because the service's stores are backed up (write-back to
+    flash behind by more than ``flash.shed_backlog_bytes``): nothing was stored, nothing
+    waited. The engine keeps running; the blocks are recomputed if needed again."""
+
+    code = ErrorCode.SHED
+
+
 class PermissionDenied(CtxmemError):
     code = ErrorCode.PERMISSION_DENIED
 
@@ -91,6 +100,7 @@ _BY_CODE: dict[ErrorCode, type[CtxmemError]] = {
     ErrorCode.PERMISSION_DENIED: PermissionDenied,
     ErrorCode.UNAVAILABLE: Unavailable,
     ErrorCode.INTERNAL: CtxmemError,
+    ErrorCode.SHED: Shed,
 }
 
 

@@ -75,10 +75,10 @@ def status_renderable(doc: dict[str, Any]) -> Group:
         tenants.add_row("(none yet)", *[""] * 8)
 
     grants = Table(title="Grants", title_justify="left")
-    for col in ("sessions", "allocations", "leases", "dirty blocks"):
+    for col in ("sessions", "allocations", "leases", "dirty blocks", "puts shed"):
         grants.add_column(col, justify="right")
     grants.add_row(*(f"{doc[k]:.0f}" for k in ("sessions", "allocations", "leases",
-                                                "dirty_blocks")))
+                                                "dirty_blocks", "puts_shed")))
 
     devices = Table(title="Flash devices", title_justify="left")
     devices.add_column("device")

@@ -139,6 +139,7 @@ def status_document(now: Scrape, prev: Scrape | None = None) -> dict[str, Any]:
         "allocations": now.value("ctxmem_allocations"),
         "leases": now.value("ctxmem_leases"),
         "dirty_blocks": now.value("ctxmem_dirty_blocks"),
+        "puts_shed": now.value("ctxmem_puts_shed_total"),
         "devices": [{"name": d, "state": s} for d, s in sorted(devices.items())],
         "device_events": {e: now.value("ctxmem_flash_device_events_total", event=e)
                           for e in ("failed", "recovered", "reattached")},

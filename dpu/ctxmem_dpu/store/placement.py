@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from operator import attrgetter
 
-from ctxmem_common.errors import ResourceExhausted
+from ctxmem_common.errors import ResourceExhausted, Shed
 from ctxmem_common.flash_format import slots_per_slab
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace
@@ -29,6 +29,8 @@ from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.tiers.flash import Extent
+
+_SLOT_SIZE = attrgetter("slot_size")
 
 Demote = Callable[[list[Block]], Awaitable[object]]
 _PINS = attrgetter("pins")
@@ -109,6 +111,7 @@ class Placement:
                     return refs
             if not need_demote:
                 break
+            self._shed_if_backed_up(ns, n)
             await demote(need_demote)
             self.drop_dram_many([b for b in need_demote if b.dram is not None
                                  and b.flash is not None and b.pins == 0 and b.io is None])
@@ -129,6 +132,25 @@ class Placement:
             f"guaranteed shares, or flash is full or failing); retry later or raise "
             f"dram.size"
         )
+
+    def _shed_if_backed_up(self, ns: Namespace, n: int) -> None:
+        """Raise :class:`Shed` when this put would wait for write-back that is already
+        behind by more than ``flash.shed_backlog_bytes`` (issue 29 item 2: a store is
+        never on a request's critical path, so it is dropped rather than queued)."""
+        bound = self._ctx.cfg.flash.shed_backlog_bytes
+        if not bound:
+            return
+        backlog = sum(map(_SLOT_SIZE, self._index.dirty))
+        if backlog <= bound:
+            return
+        self._ctx.counters["puts_shed"] += 1
+        self._ctx.counters["puts_shed_blocks"] += n
+        self._quotas.count(ns.tenant, "shed")
+        raise Shed(
+            f"put of {n} blocks shed: {backlog} bytes of committed blocks wait for "
+            f"write-back to flash (flash.shed_backlog_bytes {bound}) and this put would "
+            f"wait behind them; nothing was stored. The engine recomputes these blocks "
+            f"if needed; raise flash.shed_backlog_bytes (or 0: wait) to queue instead")
 
     def _allocate(self, ns: Namespace, n: int) -> list[SlotRef] | None:
         """``n`` slots for ``ns`` if free ones fit within its tenant's DRAM ceiling."""

@@ -28,6 +28,10 @@ COUNTERS = (
     "flash_device_reopened", "shm_slow_readers", "shm_peers_refused",
     "stale_allocations", "dram_crc_mismatch", "write_through_failures",
     "quota_refusals", "idle_sessions_closed",
+    # Puts shed while write-back is behind (flash.shed_backlog_bytes), calls and blocks.
+    "puts_shed", "puts_shed_blocks",
+    # KV events for routers (events.endpoint).
+    "kv_event_batches", "kv_events_dropped",
     # The pod tier (docs/pod.md); per source: local DRAM and flash are hits_dram/flash.
     "pod_lookup_keys", "pod_lookup_hits", "pod_index_errors", "pod_published",
     "pod_publish_batches", "pod_publish_dropped", "pod_resyncs", "pod_fetch_blocks_peer",
