@@ -365,3 +365,27 @@ def test_tp_shared_lookup_needs_every_head(service: Any) -> None:
     assert tp1.sched.num_new_matched_tokens("b", hashes, len(tokens), 0, None) == 0
     tp2.workers[1].save(meta)
     assert tp1.sched.num_new_matched_tokens("c", hashes, len(tokens), 0, None) == 2 * N
+
+
+def test_a_shed_save_is_counted_logged_and_leaves_the_engine_running(
+        service: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    """Issue 29 item 2: the service sheds a put (``ctxmem.Shed``) while its write-back is
+    behind; the connector drops the save, counts it (``shed_blocks``, exported as
+    ``vllm:ctxmem_shed_blocks``), logs why, and the next request just misses."""
+    tokens = list(range(500, 500 + 3 * N + 1))
+    a = Engine(service.endpoint)
+    assert a.admit("r1", tokens, [0, 1, 2, 3]) == 0
+    _fill(a.caches, [0, 1, 2, 3], seed=4)
+
+    def shed(self: Any, keys: Any, buffers: Any) -> Any:
+        raise ctxmem.Shed(f"put of {len(keys)} blocks shed: test")
+
+    monkeypatch.setattr(ctxmem.Namespace, "put", shed)
+    with caplog.at_level("WARNING"):
+        a.save()
+    assert a.worker.stats["shed_blocks"] == 3 and a.worker.stats["saved_blocks"] == 0
+    assert "shed a save" in caplog.text
+    monkeypatch.undo()
+    b = Engine(service.endpoint)
+    assert b.admit("r2", tokens, [4, 5, 6, 7]) == 0, "nothing was stored"

@@ -37,7 +37,7 @@ from ctxmem.integrations.vllm_types import (
     TransferSpec,
     block_keys,
 )
-from ctxmem_common.errors import CtxmemError
+from ctxmem_common.errors import CtxmemError, Shed
 from ctxmem_common.layout import KVLayout
 
 __all__ = ["CoreMetadata", "NamespaceSpec", "SchedulerCore", "TransferSpec", "WorkerCore",
@@ -275,7 +275,8 @@ class WorkerCore:
         self._async_done: set[str] = set()
         self._async_lock = threading.Lock()
         self._warn = RateLimitedLog(log)
-        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0}
+        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
+                      "shed_blocks": 0}
         self.stored: list[TransferSpec] = []
         """Saves the service accepted since :meth:`take_stored` (for KV events)."""
 
@@ -443,6 +444,9 @@ class WorkerCore:
                     len(keys) // max(1, len(spec.keys)))
                 if spec.token_ids:
                     self.stored.append(spec)
+            except Shed as exc:  # the service's stores are backed up: dropped, counted
+                self.stats["shed_blocks"] += len(spec.keys)
+                self._warn.warning("shed", "ctxmem shed a save (blocks not saved): %s", exc)
             except CtxmemError as exc:
                 self._warn.warning("put", "ctxmem put failed (blocks not saved): %s", exc)
 

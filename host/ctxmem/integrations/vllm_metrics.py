@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-COUNTERS = ("loaded_blocks", "failed_blocks", "saved_blocks")
+COUNTERS = ("loaded_blocks", "failed_blocks", "saved_blocks", "shed_blocks")
 
 
 @dataclass
@@ -58,7 +58,7 @@ def stats_delta(now: dict[str, int], last: dict[str, int]) -> CtxmemConnectorSta
 
 
 class CtxmemPromMetrics(KVConnectorPromMetrics):
-    """Prometheus counters ``vllm:ctxmem_{loaded,failed,saved}_blocks``."""
+    """Prometheus counters ``vllm:ctxmem_{loaded,failed,saved,shed}_blocks``."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
@@ -66,7 +66,9 @@ class CtxmemPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         docs = {"loaded_blocks": "KV blocks loaded from ctxmem",
                 "failed_blocks": "KV blocks whose ctxmem load failed (recomputed)",
-                "saved_blocks": "KV blocks saved to ctxmem"}
+                "saved_blocks": "KV blocks saved to ctxmem",
+                "shed_blocks": "KV blocks whose save ctxmem shed (its write-back was "
+                               "behind: flash.shed_backlog_bytes)"}
         self.counters: dict[str, dict[int, Any]] = {}
         for name in COUNTERS:
             metric = self._counter_cls(name=f"vllm:ctxmem_{name}", documentation=docs[name],
