@@ -33,6 +33,10 @@ def bench_command(argv: list[str]) -> int:
         from ctxmem_tools.bench.pod import run as run_pod
 
         return run_pod(argv[1:])
+    if argv and argv[0] == "qos":
+        from ctxmem_tools.bench.qos import run as run_qos
+
+        return run_qos(argv[1:])
     if argv and argv[0] == "concurrency":
         from ctxmem_tools.bench.concurrency import run as run_concurrency
 
