@@ -193,3 +193,40 @@ def test_bad_quota_config_names_the_key(quota: dict[str, object], words: str) ->
         config_from_dict({"quotas": {"default": quota}})
     with pytest.raises(ConfigError, match=re.escape("quotas.tenants.t")):
         config_from_dict({"quotas": {"tenants": {"t": quota}}})
+
+
+def test_recovered_blocks_count_for_their_tenant(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """Issue 25: blocks recovered from flash at a restart belong to their tenant from the
+    start (the namespace tenants file), not to nobody until it reconnects: its configured
+    flash guarantee protects them from another tenant's flood meanwhile, and once back its
+    usage counts them against its flash ceiling."""
+    svc = service_factory(encryption=False, **SMALL, write_policy="write_through",
+                          quotas={"tenants": {"a": {"flash_guaranteed": 0.4,
+                                                    "flash_max": 0.4}}})
+    a_keys, a_data = _keys(0, 100), _blocks(100, 7)
+    with ctxmem.Client(svc.endpoint, transport="tcp") as ca:
+        ca.open_namespace(LAYOUT, model_id="m", tenant="a").put(a_keys, a_data)
+    svc.restart()
+    stats = svc.stats()
+    assert stats.get("recovered_blocks") == 100
+    # a has no session yet: its recovered blocks are still its own.
+    assert stats.get("tenant.a.flash_bytes") == 100 * LAYOUT.block_nbytes, stats
+    assert "tenant._unknown.flash_bytes" not in stats
+    with ctxmem.Client(svc.endpoint, transport="tcp") as cx:
+        nx = cx.open_namespace(LAYOUT, model_id="m", tenant="x")
+        for i in range(20):  # ~1.3x flash: every block x can evict is evicted
+            nx.put(_keys(100_000 + 30 * i, 30), _blocks(30, 200 + i))
+        assert cx.stats().get("tenant.a.evictions_flash", 0) == 0
+        with ctxmem.Client(svc.endpoint, transport="tcp") as ca:
+            na = ca.open_namespace(LAYOUT, model_id="m", tenant="a")
+            assert _get_exact(na, a_keys, a_data) == 100, "x's flood evicted a's blocks"
+            capacity = ca.stats()["flash_capacity_bytes"]
+            ceiling = int(capacity * 0.4)
+            # a puts past its ceiling, on a full tier: its recovered blocks count, so it
+            # evicts its own blocks beyond the ceiling and x keeps what it holds.
+            for i in range(12):
+                na.put(_keys(300_000 + 10 * i, 10), _blocks(10, 400 + i))
+            stats = ca.stats()
+            assert stats["tenant.a.flash_bytes"] <= ceiling + 10 * LAYOUT.block_nbytes, stats
+            assert stats.get("tenant.a.evictions_flash", 0) > 0

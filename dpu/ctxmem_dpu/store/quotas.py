@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from ctxmem_common.config import TenantQuota
 from ctxmem_common.errors import ResourceExhausted
 from ctxmem_dpu.blocks import Block
+from ctxmem_dpu.store.ns_tenants import NamespaceTenants
 from ctxmem_dpu.tiers.dram import owner_tenant
 
 if TYPE_CHECKING:
@@ -47,7 +48,8 @@ log = logging.getLogger("ctxmem_dpu.store")
 #: Label under which tenants past ``quotas.stats_tenants`` are summed (bounded metrics).
 OTHER = "_other"
 #: Tenant of blocks whose namespace was not opened since the service started (found on
-#: flash at rebuild): it has no guarantee, so those blocks are the first victims.
+#: flash at rebuild) and whose tenant the namespace tenants file does not name
+#: (:mod:`.ns_tenants`): it has no guarantee, so those blocks are the first victims.
 UNKNOWN = ""
 
 
@@ -68,6 +70,9 @@ class Quotas:
         self.counters: Counter[tuple[str, str]] = Counter()
         # Flash bytes per tenant while a flash eviction walks (see flash_victims).
         self._flash_use: Counter[str] = Counter()
+        # The tenant of each namespace, kept across restarts: blocks recovered from flash
+        # are charged to their tenant before a session opens their namespace again.
+        self.ns_tenants = NamespaceTenants(None)
 
     # -- who is who ---------------------------------------------------------------------
     def quota(self, tenant: str) -> TenantQuota:
@@ -75,9 +80,17 @@ class Quotas:
         return self._qcfg.of(tenant)
 
     def tenant_of(self, b: Block) -> str:
-        """The tenant owning ``b`` (UNKNOWN when its namespace was not opened yet)."""
+        """The tenant owning ``b``: its namespace's, or the one the namespace tenants file
+        names for a namespace not opened since the start; UNKNOWN when neither knows."""
         ns = self._registry.namespaces.get(b.ns)
-        return ns.tenant if ns is not None else UNKNOWN
+        if ns is not None:
+            return ns.tenant
+        return self.ns_tenants.known.get(b.ns, UNKNOWN)
+
+    def namespace_opened(self, digest: bytes, tenant: str) -> None:
+        """A namespace was opened for the first time since the start: remember its tenant
+        across restarts (:mod:`.ns_tenants`)."""
+        self.ns_tenants.record(digest, tenant)
 
     def active_tenants(self) -> set[str]:
         """Tenants with an open session: the ones a fair share is divided among."""

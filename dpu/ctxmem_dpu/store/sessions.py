@@ -139,6 +139,8 @@ class SessionRegistry:
                            slot_size)
             self.namespaces[digest] = ns
             self._index.namespace(digest)
+            if self.quotas is not None:
+                self.quotas.namespace_opened(digest, s.tenant)
         for handle, existing in s.namespaces.items():
             if existing is ns:
                 return handle, ns
