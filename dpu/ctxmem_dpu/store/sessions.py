@@ -104,6 +104,7 @@ class SessionRegistry:
                 f"{self.cfg.service.transports} (service.transports)"
             )
         if self.quotas is not None:
+            self.quotas.check_tenants(tenant)
             self.quotas.check_session(tenant)
         s = Session(self.new_id(), tenant, transport, client_name)
         self.sessions[s.id] = s
