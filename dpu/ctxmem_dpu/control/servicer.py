@@ -179,7 +179,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
                             ) -> pb.OpenNamespaceResponse:
         s = self.store.session(request.session_id)
         layout = layout_from_pb(request.layout)
-        handle, ns = self.store.open_namespace(s, request.model_id, layout, dict(request.tags))
+        handle, ns = self.store.open_namespace(s, request.model_id, layout, dict(request.tags),
+                                               request.weights_revision)
         return pb.OpenNamespaceResponse(namespace_handle=handle, namespace_digest=ns.digest,
                                         block_nbytes=ns.block_nbytes)
 

@@ -290,11 +290,13 @@ class BlockStore:
         return self._registry.session(session_id)
 
     def open_namespace(
-        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str]
+        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str],
+        weights_revision: str = "",
     ) -> tuple[int, Namespace]:
-        """(handle in ``s``, namespace) for (tenant, model, layout, tags); the same
-        handle when ``s`` opened it before. Refuses layouts whose block exceeds a slab."""
-        return self._registry.open_namespace(s, model_id, layout, tags)
+        """(handle in ``s``, namespace) for (tenant, model, layout, tags, weights
+        revision); the same handle when ``s`` opened it before. Refuses layouts whose
+        block exceeds a slab."""
+        return self._registry.open_namespace(s, model_id, layout, tags, weights_revision)
 
     def namespace(self, s: Session, handle: int) -> Namespace:
         """The namespace open in ``s`` under ``handle``; UnknownNamespace otherwise."""

@@ -122,9 +122,10 @@ class SessionRegistry:
             ) from None
 
     def open_namespace(
-        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str]
+        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str],
+        weights_revision: str = "",
     ) -> tuple[int, Namespace]:
-        digest = namespace_digest(s.tenant, model_id, layout, tags)
+        digest = namespace_digest(s.tenant, model_id, layout, tags, weights_revision)
         if self.quotas is not None:
             self.quotas.check_namespace(s, digest)
         ns = self.namespaces.get(digest)
