@@ -8,6 +8,7 @@ Stop order is the reverse; the store flushes write-back blocks before closing de
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from ctxmem_common.keyfile import load_master_key
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu import sdnotify
-from ctxmem_dpu.control.auth import SessionAuthInterceptor
+from ctxmem_dpu.control.auth import SessionAuthInterceptor, end_untrusted_sessions
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.gctune import tune_gc
 from ctxmem_dpu.kv_events import KvEventPublisher
@@ -67,6 +68,7 @@ class Service:
         self.rdma: RdmaServer | None = None
         self.http: HttpEndpoint | None = None
         self.tls: ServerTls | None = None
+        self._tls_watch: asyncio.Task[None] | None = None
         self.pod: PodNode | None = None
         self.events: KvEventPublisher | None = None
         self._lease_redis: Any = None  # redis.asyncio.Redis of the slab leases (shared flash)
@@ -150,7 +152,11 @@ class Service:
             await self.rdma.start()
 
         interceptors = [SessionAuthInterceptor(self.store.sessions.get,
-                                               tls=self.tls is not None)]
+                                               tls=self.tls is not None, server_tls=self.tls)]
+        if self.tls is not None and self.tls.mutual:  # a rotated CA ends what it refuses
+            tls, store = self.tls, self.store
+            tls.on_ca_change.append(functools.partial(end_untrusted_sessions, store, tls))
+            self._tls_watch = asyncio.create_task(tls.watch(), name="ctxmem-tls-watch")
         if os.environ.get(BENCH_NO_AUTH_ENV) == "1" and mode == "insecure":
             # `ctxmem bench security` only: the cost of the per-call check, measured on
             # loopback in insecure mode (ignored in any other mode).
@@ -239,6 +245,8 @@ class Service:
             return
         self._stopped = True
         self.ready = False
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
         if self.rdma is not None:  # first, so its long-lived RdmaAttach calls end
             await self.rdma.close()
         if self.pod is not None:  # leave the pod first: peers stop asking this node

@@ -102,3 +102,6 @@ class Session:
     allocations: dict[bytes, Allocation] = field(default_factory=dict)
     leases: dict[bytes, Lease] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)
+    # Mutual TLS: the client certificate (PEM) of the Connect that opened it; the session
+    # ends when a rotated client CA no longer trusts it (ctxmem_dpu.tls).
+    peer_cert: bytes = b""

@@ -19,7 +19,13 @@ fixes what can be fixed without guessing — it never makes up data:
   from the slab headers, device UUID included (:mod:`.check_superblock`).
 
 It never invalidates what may only be unreadable to it: an encrypted record written with
-another key (a wrong master key) is reported, not touched. ``--format`` formats a device
+another key (a wrong master key) is reported, not touched.
+
+Paths are opened as carefully as the service opens them (:func:`open_device`, through
+:mod:`ctxmem_common.safepaths`): a symbolic link at a device's path, or a regular file
+owned by another non-root user, is refused before anything is read or written, for a
+read-only check as for ``--repair`` and ``--format`` (issue 25, item 5; docs/security.md,
+"Files and paths"). ``--format`` formats a device
 on purpose (the service formats only blank devices by itself).
 
 Space accounting: on this format a slot is in use exactly when it holds a valid record,
@@ -60,8 +66,8 @@ from ctxmem_common.flash_format import (
 )
 from ctxmem_common.keyfile import load_master_key
 from ctxmem_common.progress import progress
+from ctxmem_dpu.check_superblock import open_device, refuse_if_owned
 from ctxmem_dpu.check_superblock import rebuild as rebuild_superblock
-from ctxmem_dpu.check_superblock import refuse_if_owned
 from ctxmem_dpu.check_superblock import write_pair as write_superblock_pair
 
 # Problem kinds. "warning" kinds are reported but are not errors.
@@ -147,7 +153,7 @@ class _Device:
         self.name = name
         self.path = path
         self.repair = repair
-        self.fd = os.open(path, (os.O_RDWR if repair else os.O_RDONLY) | os.O_CLOEXEC)
+        self.fd = open_device(name, path, os.O_RDWR if repair else os.O_RDONLY)
         self.in_use = False
         try:
             fcntl.flock(self.fd, (fcntl.LOCK_EX if repair else fcntl.LOCK_SH) | fcntl.LOCK_NB)

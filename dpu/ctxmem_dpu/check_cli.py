@@ -71,7 +71,7 @@ def check_command(argv: list[str]) -> int:
         report = check_devices(devices, master, args.repair, not args.headers_only, lines,
                                cfg.flash.slab_size if cfg is not None else 0,
                                show_progress=not args.quiet)
-    except OSError as exc:
+    except (OSError, CtxmemError) as exc:  # CtxmemError: an unsafe path (safepaths)
         print(f"ctxmem check: {exc}", file=sys.stderr)
         return 8
     if not args.quiet:

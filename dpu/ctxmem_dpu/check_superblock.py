@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import Counter
 
+from ctxmem_common import safepaths
 from ctxmem_common.config import Config
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.flash_format import (
@@ -32,6 +33,21 @@ from ctxmem_common.flash_format import (
 )
 from ctxmem_common.units import parse_size
 from ctxmem_dpu.tiers.flash_owner import describe, stale_reason
+
+
+def open_device(name: str, path: str, flags: int) -> int:
+    """Open flash device ``name`` at ``path`` with ``flags`` the way the service does: a
+    symbolic link, or a regular file owned by another non-root user (whatever its mode),
+    is refused (:func:`ctxmem_common.safepaths.check_flash_path`, then ``O_NOFOLLOW`` and
+    an owner check on the open descriptor, so a file swapped in between is refused too).
+    Block devices are not owner-checked, as in the service.
+
+    Raises:
+        safepaths.UnsafePathError: naming the path, what was found and the fix.
+        OSError: any other failure of the open.
+    """
+    safepaths.check_flash_path(path, name)
+    return safepaths.open_nofollow(path, flags, f"flash device {name!r}:")
 
 
 def refuse_if_owned(fd: int, path: str, size: int) -> None:
@@ -75,12 +91,13 @@ def write_pair(fd: int, sb: Superblock) -> None:
 def format_device(name: str, path: str, slab_size: int) -> str:
     """Format ``path`` as a new, empty device of ``slab_size`` slabs: every slab header
     that can be found is zeroed (so no record comes back), then a new superblock pair is
-    written. Discards every record on it. Refused (OSError EBUSY) while a service has it.
+    written. Discards every record on it. Refused (OSError EBUSY) while a service has it, and
+    (UnsafePathError) for a link or another user's file (:func:`open_device`).
     Returns a line saying what was done."""
     if slab_size < 2 * SECTOR or slab_size % SECTOR:
         raise OSError(errno.EINVAL, f"{name}: slab size {slab_size} is not a multiple of "
                                     f"4096 of at least 8 KiB")
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    fd = open_device(name, path, os.O_RDWR)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -129,7 +146,7 @@ def format_command(devices: list[tuple[str, str]], slab_size: str | None,
     for name, path in devices:
         try:
             print(format_device(name, path, size))
-        except OSError as exc:
+        except (OSError, CtxmemError) as exc:
             print(f"ctxmem check: not formatted: {exc}", file=sys.stderr)
             return 8
     return 0

@@ -37,9 +37,11 @@ class AsyncClient:
         return await _in_thread(self.sync.stats)
 
     async def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
-                             tags: Mapping[str, str] | None = None) -> AsyncNamespace:
+                             tags: Mapping[str, str] | None = None,
+                             weights_revision: str = "") -> AsyncNamespace:
         ns = await _in_thread(functools.partial(self.sync.open_namespace, layout,
-                                                model_id=model_id, tenant=tenant, tags=tags))
+                                                model_id=model_id, tenant=tenant, tags=tags,
+                                                weights_revision=weights_revision))
         return AsyncNamespace(ns)
 
     async def close(self) -> None:

@@ -281,9 +281,17 @@ class Client:
             return s
 
     def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
-                       tags: Mapping[str, str] | None = None) -> Namespace:
-        """Open (model, layout, tags) for ``tenant``; blocks live in the returned namespace."""
-        ns = Namespace(self, layout, model_id, tenant, dict(tags or {}))
+                       tags: Mapping[str, str] | None = None,
+                       weights_revision: str = "") -> Namespace:
+        """Open (model, layout, tags) for ``tenant``; blocks live in the returned namespace.
+
+        ``weights_revision``: the revision or digest of the model's weights (at most 256
+        bytes), part of the namespace: KV stored under one revision is never returned
+        under another with the same ``model_id``. Empty (the default): no revision, the
+        namespace is the one earlier versions opened. With a revision, the shim checks
+        that the service's namespace digest includes it (a service too old to know the
+        field would silently ignore it) and raises CtxmemError if not."""
+        ns = Namespace(self, layout, model_id, tenant, dict(tags or {}), weights_revision)
         try:
             ns._open()
         except (UnknownSession, Unavailable):

@@ -25,7 +25,7 @@ from ctxmem_common.errors import (
     Unavailable,
     UnknownSession,
 )
-from ctxmem_common.keys import pack_keys, validate_keys
+from ctxmem_common.keys import namespace_digest, pack_keys, validate_keys
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.packed_slots import PackedSlots, unpack_acquire
 from ctxmem_common.proto import ctxmem_pb2 as pb
@@ -132,12 +132,16 @@ class Namespace:
     """Blocks of one (tenant, model, layout, tags). Created by :meth:`Client.open_namespace`."""
 
     def __init__(self, client: Client, layout: KVLayout, model_id: str, tenant: str,
-                 tags: dict[str, str]) -> None:
+                 tags: dict[str, str], weights_revision: str = "") -> None:
         self.client = client
         self.layout = layout
         self.model_id = model_id
         self.tenant = tenant
         self.tags = tags
+        self.weights_revision = weights_revision
+        # With a revision, the digest the service must answer (checked at open).
+        self._want_digest = (namespace_digest(tenant, model_id, layout, tags, weights_revision)
+                             if weights_revision else b"")
         self.block_nbytes = layout.block_nbytes
         self.handle = 0
         self.digest = b""
@@ -149,10 +153,16 @@ class Namespace:
             return s
         resp = self.client._rpc("OpenNamespace", pb.OpenNamespaceRequest(
             session_id=s.id, model_id=self.model_id, tags=self.tags,
-            layout=layout_to_pb(self.layout)))
+            layout=layout_to_pb(self.layout), weights_revision=self.weights_revision))
         if resp.block_nbytes != self.block_nbytes:
             raise CtxmemError(f"service computes {resp.block_nbytes} bytes per block for this "
                               f"layout, the shim {self.block_nbytes}: version mismatch")
+        if self._want_digest and resp.namespace_digest != self._want_digest:
+            raise CtxmemError(
+                f"model {self.model_id!r}: the service's namespace does not include "
+                f"weights_revision {self.weights_revision!r} (a service older than the "
+                f"shim ignores it, and would serve KV of other weights): upgrade the "
+                f"service, or open the namespace without weights_revision")
         self.handle = resp.namespace_handle
         self.digest = resp.namespace_digest
         self._session = s

@@ -80,6 +80,11 @@ class ServiceConfig:
     # address is loopback or a Unix socket). The service refuses to start with neither.
     tenant_tokens: dict[str, str] = field(default_factory=dict)
     insecure: bool = False
+    # Insecure mode only: tenant names with an open session at once. The names are not
+    # authenticated and every cap is per name, so without this one client could open
+    # sessions under thousands of names and shrink every tenant's fair share to nothing
+    # (issue 25); a Connect under a new name past it is refused (RESOURCE_EXHAUSTED).
+    insecure_max_tenants: int = 64
     # Shared-memory socket (issue 12). MAP replies (each carries a slab fd) queued per
     # connection while the client is not reading; a connection whose queue overflows, or
     # that reads none of it for shm_reply_deadline_s, is disconnected so it can never
@@ -371,6 +376,9 @@ def _check(cfg: Config) -> None:
         raise ConfigError("service.shm_reply_deadline_s: must be > 0")
     if cfg.service.session_idle_s <= 0:
         raise ConfigError("service.session_idle_s: must be > 0")
+    if cfg.service.insecure_max_tenants < 1:
+        raise ConfigError("service.insecure_max_tenants: must be >= 1 (tenant names with "
+                          "an open session at once, insecure mode)")
     check_cpus(cfg.service.cpu_affinity, "service.cpu_affinity")
     for name, q in [("default", cfg.quotas.default), *(
             (f"tenants.{t}", q) for t, q in cfg.quotas.tenants.items())]:

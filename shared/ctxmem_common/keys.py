@@ -1,9 +1,11 @@
 """Namespaces and block keys.
 
-* A **namespace** is ``(tenant, model id, layout digest, tags)``. Tenants never share one;
-  each has its own encryption key. Tags carry what else must separate caches (vLLM's
-  ``cache_salt``, LMCache's world size and worker id): two requests whose tags differ
-  never see each other's blocks.
+* A **namespace** is ``(tenant, model id, layout digest, tags[, weights revision])``.
+  Tenants never share one; each has its own encryption key. Tags carry what else must
+  separate caches (vLLM's ``cache_salt``, LMCache's world size and worker id): two
+  requests whose tags differ never see each other's blocks. The weights revision (a
+  digest or revision id of the model's weights, issue 25 item 6) keeps KV computed with
+  one set of weights from being served to another under the same model id.
 * A **block key** is the engine's own block hash: opaque bytes, 1 to 64 long. Engines
   hash token blocks as a chain (a block's hash covers every token before it), so
   "how many leading keys are stored" is the question Lookup answers.
@@ -28,12 +30,23 @@ MAX_LOOKUP_KEYS = 262_144
 
 
 def namespace_digest(
-    tenant: str, model_id: str, layout: KVLayout, tags: Mapping[str, str] | None = None
+    tenant: str, model_id: str, layout: KVLayout, tags: Mapping[str, str] | None = None,
+    weights_revision: str = "",
 ) -> bytes:
-    """16-byte identity of a namespace; what the flash records carry."""
+    """16-byte identity of a namespace; what the flash records carry.
+
+    ``weights_revision`` (optional, at most :data:`MAX_NAME_BYTES` bytes): which weights
+    the KV was computed with. Empty leaves the digest exactly as before it existed (blocks
+    stored by earlier versions stay readable); a non-empty one is hashed after the tags,
+    marked and length-prefixed. The tags' encoding is self-delimiting (a count, then
+    length-prefixed fields), so no namespace without a revision shares a digest with one
+    that has a revision."""
     for what, value in (("tenant", tenant), ("model_id", model_id)):
         if not value or len(value.encode()) > MAX_NAME_BYTES:
             raise InvalidArgument(f"{what} must be 1..{MAX_NAME_BYTES} bytes, got {value!r}")
+    if len(weights_revision.encode()) > MAX_NAME_BYTES:
+        raise InvalidArgument(f"weights_revision must be at most {MAX_NAME_BYTES} bytes, got "
+                              f"{len(weights_revision.encode())}")
     h = hashlib.sha256(b"ctxmem-ns-v2")
     for part in (tenant, model_id):
         h.update(_field(part.encode()))
@@ -44,6 +57,8 @@ def namespace_digest(
     h.update(len(items).to_bytes(4, "little"))
     for k, v in items:
         h.update(_field(k) + _field(v))
+    if weights_revision:
+        h.update(b"weights-revision" + _field(weights_revision.encode()))
     return h.digest()[:16]
 
 

@@ -11,6 +11,7 @@ sessions and namespaces, and the reclaim of idle sessions.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import pytest
 import ctxmem
 from ctxmem_common.errors import ERROR_METADATA_KEY, ResourceExhausted
 from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from tests.adversary.raw import RawSession
 from tests.conftest import ServiceHandle
 
@@ -193,3 +195,93 @@ def test_bad_quota_config_names_the_key(quota: dict[str, object], words: str) ->
         config_from_dict({"quotas": {"default": quota}})
     with pytest.raises(ConfigError, match=re.escape("quotas.tenants.t")):
         config_from_dict({"quotas": {"tenants": {"t": quota}}})
+
+
+def test_recovered_blocks_count_for_their_tenant(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """Issue 25: blocks recovered from flash at a restart belong to their tenant from the
+    start (the namespace tenants file), not to nobody until it reconnects: its configured
+    flash guarantee protects them from another tenant's flood meanwhile, and once back its
+    usage counts them against its flash ceiling."""
+    svc = service_factory(encryption=False, **SMALL, write_policy="write_through",
+                          quotas={"tenants": {"a": {"flash_guaranteed": 0.4,
+                                                    "flash_max": 0.4}}})
+    a_keys, a_data = _keys(0, 100), _blocks(100, 7)
+    with ctxmem.Client(svc.endpoint, transport="tcp") as ca:
+        ca.open_namespace(LAYOUT, model_id="m", tenant="a").put(a_keys, a_data)
+    svc.restart()
+    stats = svc.stats()
+    assert stats.get("recovered_blocks") == 100
+    # a has no session yet: its recovered blocks are still its own.
+    assert stats.get("tenant.a.flash_bytes") == 100 * LAYOUT.block_nbytes, stats
+    assert "tenant._unknown.flash_bytes" not in stats
+    with ctxmem.Client(svc.endpoint, transport="tcp") as cx:
+        nx = cx.open_namespace(LAYOUT, model_id="m", tenant="x")
+        for i in range(20):  # ~1.3x flash: every block x can evict is evicted
+            nx.put(_keys(100_000 + 30 * i, 30), _blocks(30, 200 + i))
+        assert cx.stats().get("tenant.a.evictions_flash", 0) == 0
+        with ctxmem.Client(svc.endpoint, transport="tcp") as ca:
+            na = ca.open_namespace(LAYOUT, model_id="m", tenant="a")
+            assert _get_exact(na, a_keys, a_data) == 100, "x's flood evicted a's blocks"
+            capacity = ca.stats()["flash_capacity_bytes"]
+            ceiling = int(capacity * 0.4)
+            # a puts past its ceiling, on a full tier: its recovered blocks count, so it
+            # evicts its own blocks beyond the ceiling and x keeps what it holds.
+            for i in range(12):
+                na.put(_keys(300_000 + 10 * i, 10), _blocks(10, 400 + i))
+            stats = ca.stats()
+            assert stats["tenant.a.flash_bytes"] <= ceiling + 10 * LAYOUT.block_nbytes, stats
+            assert stats.get("tenant.a.evictions_flash", 0) > 0
+
+
+def test_insecure_mode_caps_live_tenant_names(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """Issue 25: in insecure mode (tenant names trusted) one client opened sessions under
+    3,000 names, which shrank every fair share to nothing, and evicted a victim's blocks.
+    Live tenant names are capped (``service.insecure_max_tenants``): a Connect under a new
+    name past the cap is RESOURCE_EXHAUSTED saying why, names that have a session are still
+    served, and the victim keeps its share of the tier against the names that got in."""
+    from ctxmem_common.config import config_from_dict
+    from ctxmem_common.protoconv import transport_to_pb
+
+    assert config_from_dict({}).service.insecure_max_tenants == 64  # the default
+    svc = service_factory(encryption=False, transports=["tcp"], **SMALL,
+                          service={"insecure_max_tenants": 4})
+    with ctxmem.Client(svc.endpoint, transport="tcp") as cb:
+        nb = cb.open_namespace(LAYOUT, model_id="m", tenant="b")
+        b_keys, b_data = _keys(0, 48), _blocks(48, 1)
+        nb.put(b_keys, b_data)
+        channel = grpc.insecure_channel(svc.endpoint)
+        try:
+            stub = pb_grpc.ContextMemoryStub(channel)
+            admitted: list[str] = []
+            refusals: list[str] = []
+            for i in range(50):  # bounded: the attack used 3,000
+                try:
+                    stub.Connect(pb.ConnectRequest(
+                        client_name="x", transport=transport_to_pb("tcp"),
+                        tenant=f"x{i}"), timeout=10)
+                    admitted.append(f"x{i}")
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    refusals.append(exc.details() or "")
+            assert admitted == ["x0", "x1", "x2"], admitted
+            assert len(refusals) == 47
+            assert "insecure_max_tenants=4" in refusals[0] and "tenant 'x3'" in refusals[0]
+            assert "not authenticated" in refusals[0], refusals[0]
+            # A name that has a session may open more.
+            stub.Connect(pb.ConnectRequest(client_name="x", transport=transport_to_pb("tcp"),
+                                           tenant="x0"), timeout=10)
+            # The admitted names flood, 16 blocks per name in turn (what the attack did
+            # with 3,000: a fresh name has no blocks of its own to evict, so it takes
+            # those of tenants above their (tiny) shares): ~1.1x DRAM and flash together.
+            with ctxmem.Client(svc.endpoint, transport="tcp") as cx:
+                for i in range(50):
+                    name = admitted[i % len(admitted)]
+                    ns = cx.open_namespace(LAYOUT, model_id="m", tenant=name)
+                    with contextlib.suppress(ResourceExhausted):
+                        ns.put(_keys(10_000 + 16 * i, 16), _blocks(16, 100 + i))
+            assert _get_exact(nb, b_keys, b_data) == 48, "the flood evicted tenant b's blocks"
+            assert cb.stats().get("tenant.b.evictions_flash", 0) == 0
+        finally:
+            channel.close()

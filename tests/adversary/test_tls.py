@@ -282,3 +282,74 @@ def test_tcp_data_plane_refuses_tls_below_1_3(tls_service: Callable[..., Any], p
     with socket.create_connection((host, int(port)), timeout=5) as raw, \
             pytest.raises((ssl.SSLError, ConnectionResetError)):
         ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+
+
+def test_rotated_client_ca_ends_connections_it_no_longer_trusts(
+        service_factory: Callable[..., Any], pki: Pki, tmp_path: Path) -> None:
+    """Issue 25, item 5: after tls.client_ca_file is rotated to a CA that no longer trusts
+    a tenant's certificate, that tenant's open channel stops working (Connect included),
+    its sessions end and its TCP data connections are closed, within the reload interval;
+    a certificate of the new CA connects. Before, the old channel kept working for ever."""
+    import grpc
+
+    from ctxmem_common.protoconv import transport_to_pb
+    from ctxmem_tools.bench.security_pki import make_pki
+
+    client_ca = tmp_path / "client-ca.pem"
+    client_ca.write_bytes(pki.ca.read_bytes())
+    reload_s = 0.3
+    tls = {**tls_section(pki, reload_s=reload_s), "client_ca_file": str(client_ca)}
+    svc = service_factory(dram_size="8MiB", dram_slab="2MiB", flash_size=None,
+                          transports=["tcp"], tls=tls)
+    new_pki = make_pki(tmp_path / "pki2", tenants=("bob",))
+    alice = ctxmem.Client(svc.endpoint, transport="tcp", tls=client_tls(pki, "alice"))
+    try:
+        roundtrip(alice, "alice", "before")
+        ns = alice.open_namespace(LAYOUT, model_id="m", tenant="alice")
+        s = alice._sessions["alice"]
+        host, port = alice.health().data_endpoint.rsplit(":", 1)
+        data = TcpChannel(host, int(port), s.id, alice._tokens[s.id], 5.0,
+                          tls=client_tls(pki, "alice"))
+        assert alice.stats()["sessions"] == 1
+        # Rotate: the new client CA file holds only the new CA (new inode, new mtime).
+        tmp = tmp_path / "client-ca.new"
+        tmp.write_bytes(new_pki.ca.read_bytes())
+        os.replace(tmp, client_ca)
+        t0 = time.monotonic()
+        refused: Exception | None = None
+        while refused is None:
+            try:
+                ns.lookup(keys("before", 4))
+            except ctxmem.PermissionDenied as exc:
+                refused = exc
+            else:
+                assert time.monotonic() - t0 < reload_s + 5, "the old channel still works"
+                time.sleep(0.05)
+        assert time.monotonic() - t0 < reload_s + 5
+        assert "no longer trusted" in str(refused) and "client_ca_file" in str(refused)
+        # A new Connect on the old channel is refused too.
+        assert alice._stub is not None
+        with pytest.raises(grpc.RpcError) as info:
+            alice._stub.Connect(pb.ConnectRequest(
+                client_name="x", transport=transport_to_pb("tcp"), tenant="alice"), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The session it opened ended, and the TCP data connection was closed.
+        deadline = time.monotonic() + reload_s + 5
+        with ctxmem.Client(svc.endpoint, transport="tcp", tls=ctxmem.TlsConfig(
+                ca_file=str(pki.ca), cert_file=str(new_pki.client["bob"][0]),
+                key_file=str(new_pki.client["bob"][1]))) as bob:
+            while bob.stats()["sessions"] != 0:
+                assert time.monotonic() < deadline, "alice's session did not end"
+                time.sleep(0.05)
+            data._sock.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                got = data._sock.recv(1)
+            except (ConnectionResetError, ssl.SSLEOFError):
+                got = b""
+            assert got == b"", "the data connection is still open"
+            # The new CA's certificate is served.
+            roundtrip(bob, "bob", "after")
+        assert "closed 2 data connection(s)" in svc.log()  # the shim's and ``data``
+        assert "ended 1 session(s)" in svc.log()
+    finally:
+        alice.close()

@@ -83,7 +83,8 @@ def make_engine(service: Any) -> Iterator[EngineFactory]:
 
     def factory(*, endpoint: str | None = None, worker_id: int = 0, world_size: int = 1,
                 mla: bool = False, save_unfull_chunk: bool = False, local_cpu: bool = True,
-                timeout_s: float = 10.0, dtype: Any = None) -> Any:
+                timeout_s: float = 10.0, dtype: Any = None, weights_revision: str = ""
+                ) -> Any:
         name = f"ctxmem-test-{len(names)}-{os.getpid()}"
         names.append(name)
         cfg = LMCacheEngineConfig.from_dict({
@@ -97,6 +98,7 @@ def make_engine(service: Any) -> Iterator[EngineFactory]:
                 "storage_plugin.ctxmem.class_name": "CtxmemBackend",
                 "ctxmem.endpoint": endpoint or service.endpoint,
                 "ctxmem.timeout_s": timeout_s,
+                "ctxmem.weights_revision": weights_revision,
             },
         })
         kv_shape = (LAYERS, 1, CHUNK, 1, MLA_LATENT) if mla else (LAYERS, 2, CHUNK, HEADS, HEAD)
@@ -209,6 +211,21 @@ def test_cache_salt_tag_and_worker_id_separate_namespaces(make_engine: EngineFac
     assert ns.tags["cache_salt"] != "alice-secret", "the raw salt is never sent"
     assert ns.tags["lmcache_worker_id"] == "0" and ns.tags["lmcache_world_size"] == "1"
     assert ns.tags["lmcache_dtype"] == "bfloat16" and ns.model_id == "tiny-llama"
+
+
+def test_weights_revision_is_part_of_the_namespace(make_engine: EngineFactory) -> None:
+    """Issue 25, item 6: ``ctxmem.weights_revision`` separates KV of other weights."""
+    tokens = torch.arange(900, 900 + 2 * CHUNK)
+    kv = _kv(len(tokens), seed=8)
+    writer = make_engine(weights_revision="ckpt-1")
+    writer.store(tokens, kvcaches=kv)
+    _flush(writer)
+    assert make_engine(weights_revision="ckpt-2").lookup(tokens) == 0
+    assert make_engine().lookup(tokens) == 0
+    reader = make_engine(weights_revision="ckpt-1")
+    out = torch.zeros_like(kv)
+    assert int(reader.retrieve(tokens, kvcaches=out).sum()) == 2 * CHUNK
+    assert _same_bytes(out, kv)
 
 
 def test_dtype_is_part_of_the_namespace(make_engine: EngineFactory) -> None:

@@ -68,14 +68,15 @@ class HostPool:
 
 
 def _config(endpoint: str, *, tp_rank: int = 0, tp_size: int = 1, v1: bool = True,
-            model: str = "tiny-llama") -> HiCacheStorageConfig:
+            model: str = "tiny-llama", weights_revision: str = "") -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
         is_page_first_layout=True, model_name=model,
         extra_config={"backend_name": "ctxmem", "module_path": "ctxmem.integrations.sglang",
                       "class_name": "CtxmemHiCacheStorage", "interface_v1": int(v1),
-                      "ctxmem.endpoint": endpoint, "ctxmem.timeout_s": 5})
+                      "ctxmem.endpoint": endpoint, "ctxmem.timeout_s": 5,
+                      "ctxmem.weights_revision": weights_revision})
 
 
 def _backend(endpoint: str, pool: HostPool, **kw: Any) -> HiCacheStorage:
@@ -146,6 +147,9 @@ def test_tp_rank_and_model_separate_namespaces(service: Any) -> None:
     assert _backend(service.endpoint, HostPool(), tp_rank=0, tp_size=1).batch_exists(keys) == 0
     assert _backend(service.endpoint, HostPool(), tp_rank=0, tp_size=2,
                     model="other-model").batch_exists(keys) == 0
+    # Issue 25, item 6: the weights' revision is part of the namespace too.
+    assert _backend(service.endpoint, HostPool(), tp_rank=0, tp_size=2,
+                    weights_revision="ckpt-2").batch_exists(keys) == 0
 
 
 def test_survives_service_restart_and_degrades_when_down(service: Any) -> None:

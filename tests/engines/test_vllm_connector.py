@@ -92,12 +92,14 @@ def test_detect_rejects_unknown_shapes() -> None:
 
 # -- connector logic against the real service ------------------------------------------
 
-def _spec(tp_size: int = 1, fmt: PagedFormat | None = None) -> NamespaceSpec:
+def _spec(tp_size: int = 1, fmt: PagedFormat | None = None,
+          weights_revision: str = "") -> NamespaceSpec:
     fmt = fmt or PagedFormat("bhnc", B, N, H, 2 * D, torch.bfloat16)
     return NamespaceSpec(model_id="tiny-llama", tenant="default", tp_size=tp_size,
                          tags={"engine": "vllm", "vllm_kv_format": fmt.kind},
                          layout_for_rank=lambda r: ctxmem_layout(fmt, L, tp_rank=r,
-                                                                 tp_size=tp_size))
+                                                                 tp_size=tp_size),
+                         weights_revision=weights_revision)
 
 
 def _hashes(tokens: list[int], salt: bytes = b"") -> list[bytes]:
@@ -108,10 +110,11 @@ class Engine:
     """A minimal stand-in for vLLM's scheduler loop around the two cores."""
 
     def __init__(self, endpoint: str, tp_size: int = 1, tp_rank: int = 0,
-                 layerwise: bool = False) -> None:
+                 layerwise: bool = False, weights_revision: str = "") -> None:
         self.client = ctxmem.Client(endpoint)
-        self.sched = SchedulerCore(self.client, _spec(tp_size), N)
-        self.worker = WorkerCore(self.client, _spec(tp_size), tp_rank, layerwise=layerwise)
+        spec = _spec(tp_size, weights_revision=weights_revision)
+        self.sched = SchedulerCore(self.client, spec, N)
+        self.worker = WorkerCore(self.client, spec, tp_rank, layerwise=layerwise)
         self.caches = [torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
         self.worker.register({f"layer.{i}": c for i, c in enumerate(self.caches)})
 
@@ -191,6 +194,33 @@ def test_cache_salt_separates_and_is_not_sent_raw(service: Any) -> None:
     assert c.sched.num_new_matched_tokens("r3", hashes, len(tokens), 0, "bob") == 0
     ns = a.worker.namespaces.get(0, "alice")
     assert "alice" not in ns.tags.values() and ns.tags["cache_salt"]
+
+
+def test_weights_revision_separates_kv_of_other_weights(service: Any) -> None:
+    """Issue 25, item 6: KV saved by one weights revision is never loaded by another
+    under the same model id; the same revision hits; no revision is its own namespace."""
+    from ctxmem.integrations._common import weights_revision_of
+
+    tokens = list(range(7, 7 + 2 * N + 1))
+    a = Engine(service.endpoint, weights_revision="sha256:1111")
+    a.admit("r1", tokens, [0, 1, 2])
+    _fill(a.caches, [0, 1], seed=11)
+    a.save()
+    hashes = _hashes(tokens)
+    other = Engine(service.endpoint, weights_revision="sha256:2222")
+    assert other.sched.num_new_matched_tokens("r2", hashes, len(tokens), 0, None) == 0
+    assert Engine(service.endpoint).sched.num_new_matched_tokens(
+        "r3", hashes, len(tokens), 0, None) == 0
+    same = Engine(service.endpoint, weights_revision="sha256:1111")
+    assert same.admit("r4", tokens, [5, 6, 7]) == 2 * N
+    for src, dst in zip(a.caches, same.caches, strict=True):
+        assert torch.equal(src[0], dst[5]) and torch.equal(src[1], dst[6])
+    # Where the connector takes the revision from: its setting, else vLLM's --revision.
+    model_config = type("ModelConfig", (), {"revision": "v2.1"})()
+    assert weights_revision_of("sha256:1111", model_config) == "sha256:1111"
+    assert weights_revision_of(None, model_config) == "v2.1"
+    assert weights_revision_of(None, type("M", (), {"revision": None})()) == ""
+    assert len(weights_revision_of("x" * 300)) == 64  # hashed to fit 256 bytes
 
 
 def test_tp_ranks_have_own_namespaces_and_lookup_takes_the_minimum(service: Any) -> None:

@@ -171,3 +171,29 @@ def test_channel_options_reach_the_grpc_channel(service: ServiceHandle,
         with ctxmem.Client(service.endpoint, channel_options=opts, transport="tcp") as client:
             ns = client.open_namespace(big, model_id="opts-big")
             ns.lookup([bytes([i % 256]) * 32 + i.to_bytes(4, "big") for i in range(40_000)])
+
+
+def test_weights_revision_separates_namespaces(service: ServiceHandle) -> None:
+    """Issue 25, item 6: KV stored under one weights revision is never served to another
+    under the same model id; a namespace without a revision keeps its digest."""
+    from ctxmem_common.keys import namespace_digest
+
+    keys = ctxmem.chain_hashes(range(16 * 4), 16)
+    data = blocks(len(keys), 9)
+    with ctxmem.Client(service.endpoint) as client:
+        r1 = client.open_namespace(LAYOUT, model_id="m", weights_revision="sha256:aa")
+        r1.put(keys, data)
+        r2 = client.open_namespace(LAYOUT, model_id="m", weights_revision="sha256:bb")
+        plain = client.open_namespace(LAYOUT, model_id="m")
+        assert r2.lookup(keys).num_hits == 0
+        assert plain.lookup(keys).num_hits == 0
+        out = [np.zeros_like(d) for d in data]
+        assert r2.get(keys, out) == 0 and plain.get(keys, out) == 0
+        again = client.open_namespace(LAYOUT, model_id="m", weights_revision="sha256:aa")
+        assert again.get(keys, out) == 4
+        assert all(np.array_equal(a, b) for a, b in zip(data, out, strict=True))
+        assert plain.digest == namespace_digest("default", "m", LAYOUT)
+        assert r1.digest == namespace_digest("default", "m", LAYOUT, {}, "sha256:aa")
+        assert len({plain.digest, r1.digest, r2.digest}) == 3
+        with pytest.raises(ctxmem.InvalidArgument, match="weights_revision"):
+            client.open_namespace(LAYOUT, model_id="m", weights_revision="x" * 257)

@@ -29,9 +29,15 @@ def _fill(ns: ctxmem.Namespace, tag: str, batches: int
     return stored, None
 
 
+@pytest.mark.parametrize("path", ["fast", "grpc"])
 def test_puts_are_shed_while_write_back_is_stalled_and_taken_again_after(
-        tmp_path: object) -> None:
+        tmp_path: object, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the shared-memory fast path and over gRPC (``CTXMEM_FAST_OPS=0``): the SHED
+    code maps to its own status on both, and the shim raises ``ctxmem.Shed``."""
     from pathlib import Path
+
+    if path == "grpc":
+        monkeypatch.setenv("CTXMEM_FAST_OPS", "0")
 
     svc = FaultyService(Path(str(tmp_path)) / "svc", flash={"shed_backlog_bytes": "1MiB"})
     svc.start()

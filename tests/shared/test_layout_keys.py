@@ -50,6 +50,27 @@ def test_namespace_identity_separates_tenants_models_and_tags() -> None:
     assert namespace_digest("ab", "c", lay) != namespace_digest("a", "bc", lay)
 
 
+def test_weights_revision_is_part_of_the_namespace_and_none_keeps_old_digests() -> None:
+    """Issue 25, item 6. Fixed vectors: the digests of namespaces without a revision are
+    the ones every earlier version computed (blocks already stored stay readable)."""
+    lay = KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
+                   tokens_per_block=16)
+    plain = namespace_digest("t1", "m", lay)
+    salted = namespace_digest("t1", "m", lay, {"cache_salt": "a"})
+    assert plain.hex() == "68a841c2a74e5a3b3bdb78d4f4c8180d"
+    assert salted.hex() == "30d5c9c550167bdd6ecb7c4535b49564"
+    assert namespace_digest("t1", "m", lay, {}, "") == plain
+    r1 = namespace_digest("t1", "m", lay, {}, "sha256:aaaa")
+    r2 = namespace_digest("t1", "m", lay, {}, "sha256:bbbb")
+    assert len({plain, r1, r2}) == 3
+    assert namespace_digest("t1", "m", lay, {"cache_salt": "a"}, "sha256:aaaa") not in (
+        salted, r1)
+    # No tag can spell a revision: the tags' encoding is self-delimiting.
+    assert namespace_digest("t1", "m", lay, {"weights-revision": "sha256:aaaa"}) != r1
+    with pytest.raises(InvalidArgument, match="weights_revision"):
+        namespace_digest("t1", "m", lay, {}, "x" * 257)
+
+
 def test_chain_hashes_full_blocks_prefix_property_and_salt() -> None:
     toks = list(range(100))
     keys = chain_hashes(toks, 16)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -31,8 +31,11 @@ from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY, check_identity_mo
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.tlsident import tenant_of_pem
 from ctxmem_dpu.blocks import Session
+
+if TYPE_CHECKING:
+    from ctxmem_dpu.store.blockstore import BlockStore
 from ctxmem_dpu.logthrottle import throttled
-from ctxmem_dpu.tls import tls_version_ok
+from ctxmem_dpu.tls import ServerTls, tls_version_ok
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,20 @@ def connect_tenant(cfg: Config, request: pb.ConnectRequest, context: Any) -> str
     return tenant
 
 
+def end_untrusted_sessions(store: BlockStore, tls: ServerTls) -> None:
+    """Close every session opened with a client certificate that the current client CA
+    no longer trusts (after a rotation; ``ServerTls.on_ca_change``): its allocations,
+    leases and data-plane access end with it."""
+    gone = [s for s in list(store.sessions.values())
+            if s.peer_cert and not tls.peer_trusted(s.peer_cert)]
+    for s in gone:
+        store.close_session(s)
+    if gone:
+        log.warning("TLS client CA changed: ended %d session(s) opened with a client "
+                    "certificate it no longer trusts (tenants %s)", len(gone),
+                    sorted({s.tenant for s in gone}))
+
+
 class MalformedRequest:
     """Stands in for a request whose bytes are not a valid message of its type."""
 
@@ -108,17 +125,23 @@ async def _refuse_malformed(method: str, request: MalformedRequest, context: Any
                 f"{method}: the request is not a valid message: {request.error}")
 
 
-def peer_tenant(context: Any) -> str | None:
-    """The tenant the call's verified client certificate names, or None (no certificate,
-    or one naming no tenant)."""
+def peer_cert(context: Any) -> bytes | None:
+    """The PEM of the call's verified client certificate, or None (not a TLS call, or no
+    client certificate)."""
     try:
         pems = context.auth_context().get("x509_pem_cert") or []
     except Exception:  # no auth context: not a TLS call
         return None
     if not pems:
         return None
-    pem = pems[0] if isinstance(pems[0], bytes) else str(pems[0]).encode()
-    return tenant_of_pem(pem)
+    return pems[0] if isinstance(pems[0], bytes) else str(pems[0]).encode()
+
+
+def peer_tenant(context: Any) -> str | None:
+    """The tenant the call's verified client certificate names, or None (no certificate,
+    or one naming no tenant)."""
+    pem = peer_cert(context)
+    return tenant_of_pem(pem) if pem is not None else None
 
 
 class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -126,13 +149,17 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
 
     With ``tls`` (the listener is TLS), every call, Connect and Health included, is also
     refused unless its connection negotiated TLS 1.3 (gRPC's Python server API cannot set
-    the minimum version itself).
+    the minimum version itself). With ``server_tls`` in mutual mode, every call but Health
+    is refused UNAUTHENTICATED when its client certificate no longer verifies against the
+    current client CA (a rotation; :meth:`ctxmem_dpu.tls.ServerTls.peer_trusted`).
     """
 
-    def __init__(self, sessions: Callable[[bytes], Session | None], tls: bool = False
-                 ) -> None:
+    def __init__(self, sessions: Callable[[bytes], Session | None], tls: bool = False,
+                 server_tls: ServerTls | None = None) -> None:
         self._sessions = sessions
-        self._tls = tls
+        self._tls = tls or server_tls is not None
+        self._server_tls = server_tls if server_tls is not None and server_tls.mutual \
+            else None
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: Any,
@@ -198,6 +225,16 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
                         ErrorCode.PERMISSION_DENIED,
                         f"{method}: the connection negotiated less than TLS 1.3; the "
                         f"service requires TLS 1.3")
+        if self._server_tls is not None and method != "Health" \
+                and self._server_tls.ca_changed():
+            pem = peer_cert(context)
+            if pem is not None and not self._server_tls.peer_trusted(pem):
+                await _deny(context, grpc.StatusCode.UNAUTHENTICATED,
+                            ErrorCode.PERMISSION_DENIED,
+                            f"{method}: this connection's client certificate is no longer "
+                            f"trusted: tls.client_ca_file changed and does not verify it; "
+                            f"use a certificate issued by the current client CA (a new "
+                            f"connection)")
         if not needs_session:
             return
         if token is None:

@@ -38,7 +38,7 @@ from ctxmem_common.protoconv import (
 )
 from ctxmem_common.rdma_wire import QpInfo
 from ctxmem_dpu.control import block_ops
-from ctxmem_dpu.control.auth import connect_tenant
+from ctxmem_dpu.control.auth import connect_tenant, peer_cert
 from ctxmem_dpu.control.locate import locate_response
 from ctxmem_dpu.control.lookup_wire import key_list, lookup_response, request_keys
 from ctxmem_dpu.store import BlockStore
@@ -59,6 +59,7 @@ _STATUS = {
     ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.SHED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 Req = TypeVar("Req")
@@ -168,6 +169,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
             raise InvalidArgument("Connect.transport must be SHM, TCP or RDMA")
         tenant = connect_tenant(self.store.cfg, request, context)
         s = self.store.connect(tenant, request.tenant_token, transport, request.client_name)
+        if self.store.cfg.tls.mutual:  # ends if a rotated client CA no longer trusts it
+            s.peer_cert = peer_cert(context) or b""
         cfg = self.store.cfg.service
         return pb.ConnectResponse(
             session_id=s.id, session_token=s.token, instance_id=self.instance_id,
@@ -180,7 +183,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
                             ) -> pb.OpenNamespaceResponse:
         s = self.store.session(request.session_id)
         layout = layout_from_pb(request.layout)
-        handle, ns = self.store.open_namespace(s, request.model_id, layout, dict(request.tags))
+        handle, ns = self.store.open_namespace(s, request.model_id, layout, dict(request.tags),
+                                               request.weights_revision)
         return pb.OpenNamespaceResponse(namespace_handle=handle, namespace_digest=ns.digest,
                                         block_nbytes=ns.block_nbytes)
 

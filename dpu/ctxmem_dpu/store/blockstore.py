@@ -48,6 +48,8 @@ from ctxmem_dpu.store.devices import open_devices
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.store.ns_tenants import NamespaceTenants
+from ctxmem_dpu.store.ns_tenants import default_path as ns_tenants_path
 from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.promotion import Promotion
 from ctxmem_dpu.store.puts import PutPath
@@ -194,6 +196,10 @@ class BlockStore:
                                                    self._slab_leases)
         self._ctx.flash = FlashTier(devices)
         await self._recovery.rebuild()
+        # Who owns the recovered blocks' namespaces (issue 25: charged to their tenant,
+        # not to nobody, before their tenant comes back).
+        self._quotas.ns_tenants = NamespaceTenants(ns_tenants_path(self.cfg))
+        self._quotas.ns_tenants.load(d for d, blocks in self._index.blocks.items() if blocks)
         if self._keeper is not None:
             keeper = self._keeper
             self._placement.more_flash = lambda: keeper.top_up(more=1)
@@ -284,11 +290,13 @@ class BlockStore:
         return self._registry.session(session_id)
 
     def open_namespace(
-        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str]
+        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str],
+        weights_revision: str = "",
     ) -> tuple[int, Namespace]:
-        """(handle in ``s``, namespace) for (tenant, model, layout, tags); the same
-        handle when ``s`` opened it before. Refuses layouts whose block exceeds a slab."""
-        return self._registry.open_namespace(s, model_id, layout, tags)
+        """(handle in ``s``, namespace) for (tenant, model, layout, tags, weights
+        revision); the same handle when ``s`` opened it before. Refuses layouts whose
+        block exceeds a slab."""
+        return self._registry.open_namespace(s, model_id, layout, tags, weights_revision)
 
     def namespace(self, s: Session, handle: int) -> Namespace:
         """The namespace open in ``s`` under ``handle``; UnknownNamespace otherwise."""

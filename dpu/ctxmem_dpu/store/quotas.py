@@ -32,8 +32,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ctxmem_common.config import TenantQuota
-from ctxmem_common.errors import ResourceExhausted
+from ctxmem_common.errors import ConfigError, ResourceExhausted
+from ctxmem_common.identity import check_identity_mode
 from ctxmem_dpu.blocks import Block
+from ctxmem_dpu.store.ns_tenants import NamespaceTenants
 from ctxmem_dpu.tiers.dram import owner_tenant
 
 if TYPE_CHECKING:
@@ -47,7 +49,8 @@ log = logging.getLogger("ctxmem_dpu.store")
 #: Label under which tenants past ``quotas.stats_tenants`` are summed (bounded metrics).
 OTHER = "_other"
 #: Tenant of blocks whose namespace was not opened since the service started (found on
-#: flash at rebuild): it has no guarantee, so those blocks are the first victims.
+#: flash at rebuild) and whose tenant the namespace tenants file does not name
+#: (:mod:`.ns_tenants`): it has no guarantee, so those blocks are the first victims.
 UNKNOWN = ""
 
 
@@ -68,6 +71,14 @@ class Quotas:
         self.counters: Counter[tuple[str, str]] = Counter()
         # Flash bytes per tenant while a flash eviction walks (see flash_victims).
         self._flash_use: Counter[str] = Counter()
+        # The tenant of each namespace, kept across restarts: blocks recovered from flash
+        # are charged to their tenant before a session opens their namespace again.
+        self.ns_tenants = NamespaceTenants(None)
+        # Insecure mode (tenant names trusted, not authenticated): live names are capped.
+        try:
+            self._insecure = check_identity_mode(ctx.cfg) == "insecure"
+        except ConfigError:  # no valid mode: the service refuses to start anyway
+            self._insecure = False
 
     # -- who is who ---------------------------------------------------------------------
     def quota(self, tenant: str) -> TenantQuota:
@@ -75,9 +86,17 @@ class Quotas:
         return self._qcfg.of(tenant)
 
     def tenant_of(self, b: Block) -> str:
-        """The tenant owning ``b`` (UNKNOWN when its namespace was not opened yet)."""
+        """The tenant owning ``b``: its namespace's, or the one the namespace tenants file
+        names for a namespace not opened since the start; UNKNOWN when neither knows."""
         ns = self._registry.namespaces.get(b.ns)
-        return ns.tenant if ns is not None else UNKNOWN
+        if ns is not None:
+            return ns.tenant
+        return self.ns_tenants.known.get(b.ns, UNKNOWN)
+
+    def namespace_opened(self, digest: bytes, tenant: str) -> None:
+        """A namespace was opened for the first time since the start: remember its tenant
+        across restarts (:mod:`.ns_tenants`)."""
+        self.ns_tenants.record(digest, tenant)
 
     def active_tenants(self) -> set[str]:
         """Tenants with an open session: the ones a fair share is divided among."""
@@ -301,6 +320,28 @@ class Quotas:
             raise self.refuse(tenant, "max_sessions",
                               f"{n} open sessions, limit {limit}; close sessions "
                               f"(idle ones end after service.session_idle_s)")
+
+    def check_tenants(self, tenant: str) -> None:
+        """In insecure mode, refuse a session under a new tenant name when
+        ``service.insecure_max_tenants`` names already have open sessions: the names are
+        not authenticated, so without a cap one client could open sessions under
+        thousands of them and shrink every tenant's fair share (and guarantee) to nothing.
+        A name that already has a session is never refused by this cap."""
+        if not self._insecure:
+            return
+        live = self.active_tenants()
+        limit = self._ctx.cfg.service.insecure_max_tenants
+        if tenant not in live and len(live) >= limit:
+            self._ctx.counters["quota_refusals"] += 1
+            log.debug("quota refusal: tenant %r, insecure_max_tenants", tenant)
+            raise ResourceExhausted(
+                f"tenant {tenant!r} refused: {len(live)} tenant names already have open "
+                f"sessions, the limit in insecure mode (service.insecure_max_tenants="
+                f"{limit}); tenant names are not authenticated in insecure mode, so their "
+                f"number is capped to keep each tenant's fair share: reuse a tenant name "
+                f"that has a session, close sessions of names no longer used (idle ones "
+                f"end after service.session_idle_s), raise the limit, or authenticate "
+                f"tenants (service.tenant_tokens or mutual TLS)")
 
     def check_namespace(self, s: Session, digest: bytes) -> None:
         """Refuse opening a namespace past the tenant's ``max_namespaces`` cap (counted

@@ -104,6 +104,7 @@ class SessionRegistry:
                 f"{self.cfg.service.transports} (service.transports)"
             )
         if self.quotas is not None:
+            self.quotas.check_tenants(tenant)
             self.quotas.check_session(tenant)
         s = Session(self.new_id(), tenant, transport, client_name)
         self.sessions[s.id] = s
@@ -121,9 +122,10 @@ class SessionRegistry:
             ) from None
 
     def open_namespace(
-        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str]
+        self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str],
+        weights_revision: str = "",
     ) -> tuple[int, Namespace]:
-        digest = namespace_digest(s.tenant, model_id, layout, tags)
+        digest = namespace_digest(s.tenant, model_id, layout, tags, weights_revision)
         if self.quotas is not None:
             self.quotas.check_namespace(s, digest)
         ns = self.namespaces.get(digest)
@@ -139,6 +141,8 @@ class SessionRegistry:
                            slot_size)
             self.namespaces[digest] = ns
             self._index.namespace(digest)
+            if self.quotas is not None:
+                self.quotas.namespace_opened(digest, s.tenant)
         for handle, existing in s.namespaces.items():
             if existing is ns:
                 return handle, ns

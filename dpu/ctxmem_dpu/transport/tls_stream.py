@@ -34,6 +34,10 @@ class TlsStream:
         self._out = ssl.MemoryBIO()
         self.obj = context.wrap_bio(self._in, self._out, server_side=True)
         self.peer_tenant: str | None = None
+        self.peer_der: bytes | None = None
+        # The service's TLS files (ctxmem_dpu.tls.TrackedContext): told of this connection
+        # once it is up, so a rotated client CA that no longer trusts it closes it.
+        self._owner = getattr(context, "server_tls", None)
 
     async def _flush(self) -> None:
         if self._out.pending:
@@ -68,7 +72,10 @@ class TlsStream:
         await self._flush()  # the last flight and TLS 1.3 session tickets
         der = self.obj.getpeercert(binary_form=True)
         if der:
+            self.peer_der = der
             self.peer_tenant = tenant_of_der(der)
+            if self._owner is not None:
+                self._owner.track(self)
 
     @property
     def version(self) -> str | None:

@@ -61,9 +61,23 @@ def shared_client(endpoint: str, *, transport: str = "auto", tenant_token: str =
 
 
 def open_namespace(client: Client, layout: KVLayout, *, model_id: str, tenant: str,
-                   tags: Mapping[str, str]) -> Namespace:
+                   tags: Mapping[str, str], weights_revision: str = "") -> Namespace:
     """Open a namespace (the client reconnects by itself after a service restart)."""
-    return client.open_namespace(layout, model_id=model_id, tenant=tenant, tags=tags)
+    return client.open_namespace(layout, model_id=model_id, tenant=tenant, tags=tags,
+                                 weights_revision=weights_revision)
+
+
+def weights_revision_of(setting: Any = None, model_config: Any = None) -> str:
+    """The model weights' revision a namespace names (issue 25, item 6): the
+    integration's ``ctxmem.weights_revision`` setting (a digest of the weights, a
+    checkpoint id), else the engine model config's ``revision`` when it has one set
+    (vLLM's ``--revision``: a Hugging Face commit, tag or branch), else "" (none: the
+    namespace of earlier versions). A value longer than 256 bytes is replaced by its
+    SHA-256 (hex)."""
+    value = str(setting or "") or str(getattr(model_config, "revision", None) or "")
+    if len(value.encode()) > 256:
+        value = hashlib.sha256(value.encode()).hexdigest()
+    return value
 
 
 def salt_tag(salt: str | bytes) -> str:

@@ -11,6 +11,7 @@ Enable it in the LMCache config (``LMCACHE_CONFIG_FILE``)::
       ctxmem.endpoint: "127.0.0.1:50051"   # or $CTXMEM_ENDPOINT
       ctxmem.tenant: "default"
       ctxmem.transport: "auto"             # shm | tcp | auto
+      ctxmem.weights_revision: ""          # the weights' digest: KV of others never served
 
 Each LMCache chunk is one ctxmem block. The namespace is chosen per key from what
 LMCache's ``CacheEngineKey`` carries -- model name, world size, worker id (the TP rank),
@@ -64,6 +65,7 @@ from ctxmem.integrations._common import (
     salt_tag,
     shared_client,
     torch_dtype_name,
+    weights_revision_of,
 )
 from ctxmem.integrations.lmcache_groups import (
     KVGroup,
@@ -122,6 +124,9 @@ class CtxmemBackend(StoragePluginInterface):
         self.extra = extra
         self.endpoint = resolve_endpoint(config_get(extra, "endpoint"))
         self.tenant = str(config_get(extra, "tenant", "default"))
+        # Part of the namespace: KV of other weights under the same model name is never
+        # served (LMCache knows no revision: the setting, else none).
+        self.weights_revision = weights_revision_of(config_get(extra, "weights_revision"))
         self.client = shared_client(
             self.endpoint,
             transport=str(config_get(extra, "transport", "auto")),
@@ -188,7 +193,8 @@ class CtxmemBackend(StoragePluginInterface):
                                       layerwise=self.layerwise, use_mla=self.use_mla,
                                       extra=self.extra)
                 ns = open_namespace(self.client, layout, model_id=model_id,
-                                    tenant=self.tenant, tags=self._tags(group, key, partial))
+                                    tenant=self.tenant, tags=self._tags(group, key, partial),
+                                    weights_revision=self.weights_revision)
                 self._namespaces[ident] = ns
             return ns
 

@@ -11,7 +11,8 @@ written against LMCache 0.5.6's ``lmcache.v1.distributed.l2_adapters``::
 
 ``adapter_params`` (all optional): ``endpoint``, ``tenant``, ``transport``,
 ``tenant_token``, ``timeout_s``, ``workers`` (transfer threads, default 2), ``tls_ca_file``,
-``tls_cert_file``, ``tls_key_file``, ``tls_server_name``. The in-process storage plugin
+``tls_cert_file``, ``tls_key_file``, ``tls_server_name``, ``weights_revision`` (the
+weights' digest or checkpoint id, part of the namespace). The in-process storage plugin
 (:mod:`ctxmem.integrations.lmcache`) stays for LMCache's in-process engine.
 
 Every call returns at once: tasks run on a thread pool and signal LMCache's event fds.
@@ -44,6 +45,7 @@ from ctxmem.integrations._common import (
     resolve_tls,
     salt_tag,
     shared_client,
+    weights_revision_of,
 )
 from ctxmem_common.layout import KVLayout
 
@@ -86,6 +88,7 @@ class CtxmemL2Adapter(L2AdapterInterface):
             timeout_s=float(params.get("timeout_s", 30.0)),
             tls=resolve_tls(lambda k, d: params.get(k, d)))
         self.tenant = str(params.get("tenant", "default"))
+        self.weights_revision = weights_revision_of(params.get("weights_revision"))
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -115,7 +118,7 @@ class CtxmemL2Adapter(L2AdapterInterface):
         if salt:
             tags["cache_salt"] = salt_tag(salt)
         ns = open_namespace(self.client, layout, model_id=model, tenant=self.tenant,
-                            tags=tags)
+                            tags=tags, weights_revision=self.weights_revision)
         with self._lock:
             self._ns[ident] = ns
         return ns

@@ -24,7 +24,9 @@ tokens, seeded with the request's ``extra_key``/``cache_salt`` namespace, so the
 stable across restarts and salted per tenant by SGLang itself). The namespace carries the
 model, the TP rank/size (MLA: one shared copy, as SGLang keeps MLA KV replicated), PP and
 attention-CP rank/size, the dtype, the KV geometry and the host memory layout (the flat
-page's byte order depends on it).
+page's byte order depends on it), and the weights' revision when the extra config's
+``ctxmem.weights_revision`` gives one (a digest or checkpoint id: KV of other weights
+under the same model name is never served).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from ctxmem.integrations._common import (
     resolve_tls,
     shared_client,
     torch_dtype_name,
+    weights_revision_of,
 )
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.layout import KVLayout
@@ -113,6 +116,7 @@ class CtxmemHiCacheStorage(HiCacheStorage):
         self.extra = extra
         self.endpoint = resolve_endpoint(config_get(extra, "endpoint"))
         self.tenant = str(config_get(extra, "tenant", "default"))
+        self.weights_revision = weights_revision_of(config_get(extra, "weights_revision"))
         self.client = shared_client(
             self.endpoint,
             transport=str(config_get(extra, "transport", "auto")),
@@ -169,7 +173,7 @@ class CtxmemHiCacheStorage(HiCacheStorage):
             tags["sglang_pool"] = pool_name
         model_id = str(config_get(self.extra, "model_id", "") or cfg.model_name or "model")
         return open_namespace(self.client, layout, model_id=model_id, tenant=self.tenant,
-                              tags=tags)
+                              tags=tags, weights_revision=self.weights_revision)
 
     def _namespace(self) -> Namespace:
         if self.ns is None:

@@ -20,6 +20,8 @@ change between processes: ``sha256_cbor`` (byte-reproducible, language independe
 ``sha256``, with ``PYTHONHASHSEED`` fixed (vLLM seeds its first block's parent hash from
 it). ``kv_connector_extra_config`` keys (all optional): ``ctxmem.endpoint``,
 ``ctxmem.tenant``, ``ctxmem.transport``, ``ctxmem.tenant_token``, ``ctxmem.model_id``,
+``ctxmem.weights_revision`` (the weights' digest or checkpoint id, part of the namespace;
+default: the model config's ``revision`` when set),
 ``ctxmem.layerwise`` (scatter loaded KV layer by layer as attention runs),
 ``ctxmem.save_decode`` (default true: also save blocks filled by generated tokens),
 ``ctxmem.async_load`` (load between scheduler steps instead of before the forward),
@@ -51,6 +53,7 @@ from ctxmem.integrations._common import (
     resolve_tls,
     shared_client,
     torch_dtype_name,
+    weights_revision_of,
 )
 from ctxmem.integrations.vllm_core import (
     CoreMetadata,
@@ -134,7 +137,8 @@ def tp_shared_spec(ns: NamespaceSpec, model_config: Any, tp_size: int,
     head = dataclasses.replace(rank_layout, num_kv_heads=1, tp_rank=0, tp_size=1)
     return NamespaceSpec(model_id=ns.model_id, tenant=ns.tenant, tp_size=tp_size,
                          tags={**ns.tags, "vllm_blocks": "per-kv-head"},
-                         layout_for_rank=lambda r: head, heads=(total, per_rank))
+                         layout_for_rank=lambda r: head, heads=(total, per_rank),
+                         weights_revision=ns.weights_revision)
 
 
 class CtxmemConnector(KVConnectorBase_V1):
@@ -178,6 +182,8 @@ class CtxmemConnector(KVConnectorBase_V1):
             layout_for_rank=lambda r: layout_from_spec(
                 spec, len(self.layer_names), tp_rank=r, tp_size=self.tp_size,
                 rope_dim=rope_dim)[0],
+            weights_revision=weights_revision_of(config_get(extra, "weights_revision"),
+                                                 model_config),
         )
         if as_bool(config_get(extra, "tp_shared", False)):
             self.ns_spec = tp_shared_spec(self.ns_spec, model_config, self.tp_size,

@@ -21,7 +21,8 @@ or, without the package metadata (ctxmem only on ``PYTHONPATH``), from ``module_
 Tier keys (all optional, passed by vLLM as constructor arguments): ``endpoint``,
 ``tenant``, ``transport``, ``tenant_token``, ``timeout_s``, ``model_id``, ``workers``
 (transfer threads, default 2), ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``,
-``tls_server_name``, ``enable_kv_events``.
+``tls_server_name``, ``enable_kv_events``, ``weights_revision`` (the weights' digest or
+checkpoint id, part of the namespace; default: vLLM's model ``revision`` when set).
 
 Everything vLLM calls runs in its scheduler process and returns at once, as the API
 requires: lookups go through vLLM's own ``AsyncLookupManager`` (one batched ctxmem
@@ -71,6 +72,7 @@ from ctxmem.integrations._common import (
     resolve_endpoint,
     resolve_tls,
     shared_client,
+    weights_revision_of,
 )
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.layout import DTYPE_SIZES, KVLayout
@@ -158,7 +160,7 @@ class CtxmemSecondaryTier(SecondaryTierManager):
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview,
                  tier_type: str, endpoint: str | None = None, tenant: str = "default",
                  transport: str = "auto", tenant_token: str = "", timeout_s: float = 30.0,
-                 model_id: str | None = None, workers: int = 2,
+                 model_id: str | None = None, workers: int = 2, weights_revision: str = "",
                  enable_kv_events: bool = False, tls_ca_file: str = "",
                  tls_cert_file: str = "", tls_key_file: str = "", tls_server_name: str = "",
                  backpressure_detector: BackpressureDetector | None = None) -> None:
@@ -176,6 +178,8 @@ class CtxmemSecondaryTier(SecondaryTierManager):
         self.tags = namespace_tags(config, self.block_size_bytes)
         self.model_id = model_id or str(config.model.name)
         self.tenant = tenant
+        self.weights_revision = weights_revision_of(
+            weights_revision, getattr(config, "model_config", None))
         self._ns: Namespace | None = None
         self._ns_lock = threading.Lock()
         self._warn = RateLimitedLog(log)
@@ -200,7 +204,8 @@ class CtxmemSecondaryTier(SecondaryTierManager):
         with self._ns_lock:
             if self._ns is None:
                 self._ns = open_namespace(self.client, self.layout, model_id=self.model_id,
-                                          tenant=self.tenant, tags=self.tags)
+                                          tenant=self.tenant, tags=self.tags,
+                                          weights_revision=self.weights_revision)
             return self._ns
 
     @staticmethod

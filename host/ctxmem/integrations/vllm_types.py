@@ -47,6 +47,9 @@ class NamespaceSpec:
     tags: dict[str, str]
     layout_for_rank: Callable[[int], KVLayout]
     heads: tuple[int, int] | None = None
+    weights_revision: str = ""
+    """The model weights' revision (``ctxmem.weights_revision``, else vLLM's
+    ``--revision``): part of the namespace, so KV of other weights is never served."""
     """Head-sliced blocks (``ctxmem.tp_shared``): (the model's KV heads, heads per rank).
     Then one namespace serves every TP size and ``layout_for_rank`` gives the layout of
     one head's block; see :func:`ctxmem.integrations.vllm_layout.head_keys`."""
@@ -93,6 +96,7 @@ class Namespaces:
                         tags["cache_salt"] = salt_tag(salt)
                     ns = open_namespace(self.client, self.spec.layout_for_rank(rank),
                                         model_id=self.spec.model_id, tenant=self.spec.tenant,
-                                        tags=tags)
+                                        tags=tags,
+                                        weights_revision=self.spec.weights_revision)
                     self._ns[ident] = ns
         return ns

@@ -120,7 +120,7 @@ class ConnectResponse(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., session_token: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., allocation_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
-    __slots__ = ("session_id", "model_id", "layout", "tags")
+    __slots__ = ("session_id", "model_id", "layout", "tags", "weights_revision")
     class TagsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -132,11 +132,13 @@ class OpenNamespaceRequest(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_REVISION_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     model_id: str
     layout: Layout
     tags: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tags: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    weights_revision: str
+    def __init__(self, session_id: _Optional[bytes] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tags: _Optional[_Mapping[str, str]] = ..., weights_revision: _Optional[str] = ...) -> None: ...
 
 class OpenNamespaceResponse(_message.Message):
     __slots__ = ("namespace_handle", "namespace_digest", "block_nbytes")
