@@ -16,6 +16,7 @@ from ctxmem_dpu.pod.entries import (
     pack_entry,
     unpack_entry,
 )
+from ctxmem_dpu.pod.podkeys import PodKeys
 
 entries = st.builds(
     RemoteEntry,
@@ -48,9 +49,19 @@ def test_truncated_entry_is_none() -> None:
     assert all(unpack_entry(raw[:i]) is None for i in range(len(raw)))
 
 
-def test_namespace_keys_share_one_hash_tag() -> None:
+def test_namespace_keys_share_one_hash_tag_that_is_no_digest() -> None:
+    """The hash tag and fields are keyed hashes (issue 25 item 3): another master key,
+    other names; neither the digest nor a block key appears in them."""
     ns = bytes(range(16))
-    assert blocks_key(ns) == "ctxmem:{000102030405060708090a0b0c0d0e0f}:blocks"
+    a, b = PodKeys(bytes(32)), PodKeys(bytes(31) + b"\x01")
+    assert blocks_key(a.index_tag(ns)) == "ctxmem:{" + a.index_tag(ns) + "}:blocks"
+    assert a.index_tag(ns) != b.index_tag(ns) and ns.hex() not in a.index_tag(ns)
+    keys = [bytes([i]) * 32 for i in range(5)] + [b"odd-length-key"]
+    fa = a.index_fields(ns, keys)
+    assert fa != b.index_fields(ns, keys) and fa != a.index_fields(bytes(16), keys)
+    assert len(set(fa)) == len(keys) and all(len(f) == 16 for f in fa)
+    # A key's field does not depend on the batch it is in.
+    assert [a.index_fields(ns, [k])[0] for k in keys] == fa
 
 
 def test_the_default_config_has_the_pod_tier_off() -> None:
