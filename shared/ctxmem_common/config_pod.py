@@ -20,7 +20,8 @@ class PodConfig:
 
     enabled: bool = False
     # redis://[:PASSWORD@]HOST:PORT/DB or rediss:// (TLS); the password may instead come
-    # from index_password_env.
+    # from index_password_env. Without a password or client certificate the service
+    # refuses an index beyond loopback (and warns on loopback).
     index_url: str = ""
     index_password_env: str = "CTXMEM_POD_INDEX_PASSWORD"
     index_ca_file: str = ""  # rediss:// only: CA bundle for the index server's certificate
@@ -37,8 +38,9 @@ class PodConfig:
     # HOST:PORT peers connect to for this node's peer-fetch server, and where it listens.
     advertise: str = ""
     listen: str = "127.0.0.1:0"
-    # Service-to-service authentication: a secret every pod member shares (>= 16
-    # characters), from this environment variable or pod_token (config).
+    # A secret every pod member shares (>= 16 characters), from this environment
+    # variable or pod_token (config): mixed into the peer key the handshake proves
+    # (derived from the master key, which every node holds too), never sent.
     pod_token: str = ""
     pod_token_env: str = "CTXMEM_POD_TOKEN"
     # TLS on peer fetch (required when listen is not loopback): this node's certificate and

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+
 import pytest
+from crc32c import crc32c
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,7 +21,9 @@ from ctxmem_dpu.pod.entries import (
     pack_entry,
     unpack_entry,
 )
+from ctxmem_dpu.pod.fetch import RemoteFetch
 from ctxmem_dpu.pod.podkeys import PodKeys
+from ctxmem_dpu.pod.sources import RemoteSource
 
 entries = st.builds(
     RemoteEntry,
@@ -95,3 +102,30 @@ def test_a_good_pod_section_loads() -> None:
     cfg = parse_config(BASE + "  enabled: true\n  index_url: rediss://h:1/0\n  node_id: n-1\n"
                        "  advertise: 10.0.0.1:7000\n")
     assert cfg.pod.node_id == "n-1" and cfg.pod.index_url.startswith("rediss://")
+
+
+class _Unverified(RemoteSource):
+    """A source that returns the right bytes but does not verify them."""
+
+    name = "unverified"
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def fetch(self, ns_digest: bytes, entries: Sequence[RemoteEntry]
+                    ) -> list[bytes | None]:
+        return [self.data for _ in entries]
+
+
+def test_the_fetch_path_adopts_nothing_a_source_did_not_verify() -> None:
+    """Length and CRC32C match the index entry, but the source does not verify blocks
+    (``RemoteSource.verifies``): a miss, counted; a source that does is used."""
+    data = bytes(range(256)) * 16
+    entry = RemoteEntry("n1", "dram", 1, len(data), crc32c(data), None, b"k" * 32)
+    counters: Counter[str] = Counter()
+    src = _Unverified(data)
+    fetch = RemoteFetch(None, None, [src], counters, 16)  # type: ignore[arg-type]
+    assert asyncio.run(fetch.fetch(bytes(16), [entry])) == [None]
+    assert counters["pod_fetch_unauthenticated"] == 1
+    src.verifies = True
+    assert asyncio.run(fetch.fetch(bytes(16), [entry])) == [data]
