@@ -156,9 +156,11 @@ class PeerSource(RemoteSource):
             self._pod.connect_timeout_s)
         conn = Conn(reader, writer)
         try:
+            # Each handshake read bounded like the rest of the fetch (its caller's
+            # pod.fetch_timeout_s bounds the whole).
             conn.transcript = await w.connect(reader, writer, self._keys.peer_key,
                                               self._pod.node_id, node,
-                                              self._pod.connect_timeout_s)
+                                              self._pod.fetch_timeout_s)
             if self._rdma is not None and time.monotonic() >= self._tcp_until.get(addr, 0.0):
                 conn.link = await self._attach(conn, addr)
         except BaseException:
