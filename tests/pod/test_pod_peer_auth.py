@@ -16,6 +16,9 @@ under keys the service holds.
 * The index holds no plaintext block key and no namespace digest.
 * An index without authentication beyond loopback: the service refuses to start; on
   loopback it starts and warns; ``ctxmem config check`` says so.
+* With mutual TLS, a holder of a valid member certificate that relays between two real
+  nodes (TLS terminated on both legs) reads nothing: the handshake is bound to each TLS
+  channel.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import io
 import socket
+import ssl
 import struct
 import threading
 from pathlib import Path
@@ -346,3 +350,112 @@ def test_an_index_without_authentication(tmp_path: Path,
         assert "reached without a password or client certificate" in node.log()
     finally:
         node.stop()
+
+
+class TlsRelay:
+    """A holder of a valid pod-CA member certificate on the path to node 1 (the network
+    redirects node 1's address to it): it terminates TLS on both legs and pipes the bytes
+    through, recording what node 1 sends in plaintext."""
+
+    def __init__(self, cert: Path, key: Path, ca: Path, target: tuple[str, int]) -> None:
+        self.target = target
+        self.server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.server.load_cert_chain(cert, key)
+        self.server.load_verify_locations(ca)
+        self.server.verify_mode = ssl.CERT_REQUIRED
+        self.client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self.client.load_cert_chain(cert, key)
+        self.client.load_verify_locations(ca)
+        self.client.check_hostname = False
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.seen = bytearray()  # node 1 → fetcher, decrypted
+        self.relayed = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        conn.settimeout(20)
+        try:
+            with self.server.wrap_socket(conn, server_side=True) as down, \
+                    socket.create_connection(self.target, timeout=20) as raw, \
+                    self.client.wrap_socket(raw) as up:
+                self.relayed += 1
+                other = threading.Thread(target=self._pipe, args=(down, up, None),
+                                         daemon=True)
+                other.start()
+                self._pipe(up, down, self.seen)
+                other.join(20)
+        except (OSError, ssl.SSLError):
+            pass
+
+    @staticmethod
+    def _pipe(src: ssl.SSLSocket, dst: ssl.SSLSocket, record: bytearray | None) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if record is not None:
+                    record += chunk
+                dst.sendall(chunk)
+        except (OSError, ssl.SSLError):
+            pass
+        finally:  # one leg ended: end both (the other pipe's recv fails at once)
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_member_certificate_relaying_between_two_nodes_reads_nothing(
+        tmp_path: Path, clients: Clients) -> None:
+    """Mutual TLS on, node 1's address redirected to a relay holding a valid member
+    certificate: the handshake is bound to each TLS channel, so node 2's proof fails on
+    the relay's channel to node 1; nothing is served, the relay sees no block byte."""
+    import secrets
+
+    from ctxmem_tools.bench.security_pki import make_pki, member_cert
+    from ctxmem_tools.launcher import free_port
+    from ctxmem_tools.pod_launcher import write_key
+    from ctxmem_tools.redis_server import RedisServer
+
+    pki = make_pki(tmp_path / "pki", tenants=())
+    cert, key = member_cert(pki, "pod-member")
+    evil_cert, evil_key = member_cert(pki, "mallory")
+    tls = {"tls_cert_file": str(cert), "tls_key_file": str(key), "tls_ca_file": str(pki.ca)}
+    token, master = secrets.token_hex(16), secrets.token_hex(32)
+    keys = ctxmem.chain_hashes(range(16 * 3), 16)
+    data = blocks(3, 77)
+    nodes: list[ServiceProcess] = []
+    with RedisServer(tmp_path / "redis") as index:
+        p1 = free_port()
+        relay = TlsRelay(evil_cert, evil_key, pki.ca, ("127.0.0.1", p1))
+        try:
+            for i, extra in ((1, {"port": p1, "advertise": f"127.0.0.1:{relay.port}"}),
+                             (2, {})):
+                d = tmp_path / f"node{i}"
+                write_key(d / "master.key", master)
+                cfg = local_config(d)
+                cfg["pod"] = pod_section(index.url, f"node{i}", token, **extra, **tls)
+                nodes.append(ServiceProcess(d, cfg))
+            n1, n2 = nodes
+            assert clients.put(n1.endpoint, keys, data) == 3
+            wait_for(lambda: clients.hits(n2.endpoint, keys) == 3, what="publish")
+            assert clients.get(n2.endpoint, keys, data) == 0  # through the relay: misses
+            assert relay.relayed >= 1, "the fetch never went through the relay"
+            assert data[0].tobytes()[:512] not in bytes(relay.seen), "a block in transit"
+            assert clients.stats(n1.endpoint)["pod_peer_refused"] >= 1
+            assert clients.stats(n1.endpoint).get("pod_served_blocks", 0) == 0
+        finally:
+            relay.close()
+            for n in nodes:
+                n.stop()

@@ -9,7 +9,10 @@ Handshake (challenge-response; no secret leaves a node before the peer proved it
 * challenge, server → client: ``b"CXPC"``, version, the server's nonce, its node id. The
   server sends nothing else until the client proved itself.
 * client proof (32 bytes): HMAC-SHA256 under the pod's peer key (:mod:`.podkeys`) over
-  the direction ``c2s``, both nonces and both node ids (:func:`proof`). The server
+  the direction ``c2s``, both nonces, both node ids and, with TLS, the TLS channel
+  binding (:meth:`Transcript.proof`): a member certificate that relays the handshake
+  between two real nodes (TLS terminated on both legs) gets a proof that fails on the
+  other leg, so it reads nothing in transit. The server
   checks it in constant time and answers ``1`` and its own proof (direction ``s2c``), or
   closes. The client checks the server's proof (and that the server's node id is the one
   the index named) before it sends any request.
@@ -107,17 +110,22 @@ class Transcript:
     """What both ends of one connection agree on after the hello and the challenge: the
     nonces and node ids every proof and every authenticator on it is bound to."""
 
-    __slots__ = ("client_id", "client_nonce", "server_id", "server_nonce")
+    __slots__ = ("channel", "client_id", "client_nonce", "server_id", "server_nonce")
 
     def __init__(self, client_nonce: bytes, client_id: str, server_nonce: bytes,
-                 server_id: str) -> None:
+                 server_id: str, channel: bytes = b"") -> None:
         self.client_nonce, self.client_id = client_nonce, client_id
         self.server_nonce, self.server_id = server_nonce, server_id
+        #: The TLS channel binding (:func:`channel_binding`; empty without TLS): a relay
+        #: that terminates TLS on both sides has two channels, so a proof made on one
+        #: fails on the other.
+        self.channel = channel
 
     def _body(self, label: bytes) -> bytes:
         c, s = self.client_id.encode(), self.server_id.encode()
         return b"".join((b"ctxmem-pod-peer-v1", label, self.client_nonce, self.server_nonce,
-                         bytes((len(c),)), c, bytes((len(s),)), s))
+                         bytes((len(c),)), c, bytes((len(s),)), s,
+                         bytes((len(self.channel),)), self.channel))
 
     def proof(self, peer_key: bytes, direction: bytes) -> bytes:
         """The handshake proof of the side sending in ``direction`` (``b"c2s"`` or
@@ -149,6 +157,19 @@ class HandshakeFailed(Exception):
     message)."""
 
 
+def channel_binding(writer: asyncio.StreamWriter) -> bytes:
+    """The connection's TLS channel binding (``tls-unique``: the client's Finished
+    message, the same on both ends of one TLS session, different on each leg of a relay),
+    or ``b""`` without TLS. Raises :class:`HandshakeFailed` when TLS gives none."""
+    tls = writer.get_extra_info("ssl_object")
+    if tls is None:
+        return b""
+    cb = tls.get_channel_binding("tls-unique")
+    if not cb:
+        raise HandshakeFailed("the TLS session gives no channel binding (tls-unique)")
+    return bytes(cb)
+
+
 async def _read_hello(reader: asyncio.StreamReader, magic: bytes, timeout_s: float,
                       what: str) -> tuple[bytes, str]:
     got, version, nonce, n = HELLO.unpack(
@@ -170,7 +191,7 @@ async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     checked, then ``1`` and this server's proof. Nothing but the challenge is sent before
     the client proved itself. Raises :class:`HandshakeFailed` (and the stream errors)."""
     c_nonce, c_id = await _read_hello(reader, HELLO_MAGIC, timeout_s, "peer hello")
-    t = Transcript(c_nonce, c_id, new_nonce(), node_id)
+    t = Transcript(c_nonce, c_id, new_nonce(), node_id, channel_binding(writer))
     writer.write(pack_hello(CHALLENGE_MAGIC, t.server_nonce, node_id))
     theirs = await asyncio.wait_for(reader.readexactly(PROOF_BYTES), timeout_s)
     if not check(t.proof(peer_key, b"c2s"), theirs):
@@ -193,7 +214,7 @@ async def connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     if s_id != expect_id:
         raise HandshakeFailed(f"the peer says it is node {s_id!r} where the index named "
                               f"{expect_id!r}")
-    t = Transcript(nonce, node_id, s_nonce, s_id)
+    t = Transcript(nonce, node_id, s_nonce, s_id, channel_binding(writer))
     writer.write(t.proof(peer_key, b"c2s"))
     ok = await asyncio.wait_for(reader.readexactly(1 + PROOF_BYTES), timeout_s)
     if ok[:1] != b"\x01" or not check(t.proof(peer_key, b"s2c"), ok[1:]):
