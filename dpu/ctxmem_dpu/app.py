@@ -33,7 +33,7 @@ from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.gctune import tune_gc
 from ctxmem_dpu.kv_events import KvEventPublisher
 from ctxmem_dpu.metrics import HttpEndpoint
-from ctxmem_dpu.pod.node import PodNode
+from ctxmem_dpu.pod.node import PodNode, pod_master_key
 from ctxmem_dpu.pod.sources import RemoteSource
 from ctxmem_dpu.storage import DeviceSpec, StorageBackend, open_backend
 from ctxmem_dpu.store import BlockStore
@@ -181,7 +181,7 @@ class Service:
 
                 sources.append(SharedFlashSource(
                     [path for name, path in flash_paths if name in shared], master_key))
-            self.pod = PodNode(cfg, self.store, sources,
+            self.pod = PodNode(cfg, self.store, pod_master_key(cfg, master_key), sources,
                                shared_location=self.store.shared_location)
             await self.pod.start()
             servicer.pod = self.pod

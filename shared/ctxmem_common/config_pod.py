@@ -5,7 +5,10 @@ fetch and shared-flash slab leases, and its cross-field rules. Part of
 from __future__ import annotations
 
 import ipaddress
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from ctxmem_common.errors import ConfigError
 
@@ -17,7 +20,8 @@ class PodConfig:
 
     enabled: bool = False
     # redis://[:PASSWORD@]HOST:PORT/DB or rediss:// (TLS); the password may instead come
-    # from index_password_env.
+    # from index_password_env. Without a password or client certificate the service
+    # refuses an index beyond loopback (and warns on loopback).
     index_url: str = ""
     index_password_env: str = "CTXMEM_POD_INDEX_PASSWORD"
     index_ca_file: str = ""  # rediss:// only: CA bundle for the index server's certificate
@@ -34,8 +38,9 @@ class PodConfig:
     # HOST:PORT peers connect to for this node's peer-fetch server, and where it listens.
     advertise: str = ""
     listen: str = "127.0.0.1:0"
-    # Service-to-service authentication: a secret every pod member shares (>= 16
-    # characters), from this environment variable or pod_token (config).
+    # A secret every pod member shares (>= 16 characters), from this environment
+    # variable or pod_token (config): mixed into the peer key the handshake proves
+    # (derived from the master key, which every node holds too), never sent.
     pod_token: str = ""
     pod_token_env: str = "CTXMEM_POD_TOKEN"
     # TLS on peer fetch (required when listen is not loopback): this node's certificate and
@@ -119,3 +124,48 @@ def check_pod(pod: PodConfig) -> None:
     for key in ("publish_interval_ms", "publish_batch", "publish_backlog", "fetch_max_blocks"):
         if getattr(pod, key) < 1:
             raise ConfigError(f"pod.{key}: must be >= 1")
+
+
+def index_authentication(pod: PodConfig, environ: Mapping[str, str] | None = None
+                         ) -> tuple[bool, str]:
+    """(whether ``pod.index_url`` reaches only this host, how this node authenticates to
+    the index: ``"password"``, ``"client certificate"`` or ``""`` for nothing). The
+    password counts from the URL or from ``pod.index_password_env``'s variable in
+    ``environ`` (default: this process's environment)."""
+    env = os.environ if environ is None else environ
+    parts = urlsplit(pod.index_url)
+    host = (parts.hostname or "").strip("[]")
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    if parts.password or (pod.index_password_env and env.get(pod.index_password_env)):
+        return local, "password"
+    if pod.index_cert_file and pod.index_url.startswith("rediss://"):
+        return local, "client certificate"
+    return local, ""
+
+
+def index_auth_problem(pod: PodConfig, environ: Mapping[str, str] | None = None
+                       ) -> tuple[bool, str]:
+    """(fatal, message) when the index is reached without authentication, else
+    ``(False, "")``: beyond loopback the service refuses to start (anyone who can reach
+    the index could rewrite where blocks are said to be, and read which nodes hold what);
+    on loopback it is a warning (every local user can reach it)."""
+    if not pod.enabled:
+        return False, ""
+    local, how = index_authentication(pod, environ)
+    if how:
+        return False, ""
+    where = pod.index_url.split("@", 1)[-1].split("//", 1)[-1]
+    if local:
+        return False, (f"pod.index_url: the index on {where} is reached without a password "
+                       f"or client certificate: any local user can write it (harmless to "
+                       f"the blocks, which every node verifies, but it can deny service); "
+                       f"set a password (requirepass, and ${pod.index_password_env} or the "
+                       f"URL)")
+    return True, (f"pod.index_url: the index on {where} (beyond loopback) is reached without "
+                  f"authentication: no password in the URL or in ${pod.index_password_env}, "
+                  f"no client certificate (pod.index_cert_file with rediss://); give the "
+                  f"index a password (requirepass) and set ${pod.index_password_env}, or "
+                  f"require client certificates")

@@ -8,7 +8,10 @@ too): files the config names (flash devices, key and certificate
 files, SPDK's socket) are only looked up with ``os.path.exists`` and reported as
 warnings on stderr when missing, since they may well exist only on the target machine;
 the index's client key, CA and certificate (``pod.index_*_file``), when present, must be
-readable and the key private, as the service requires at start (else invalid).
+readable and the key private, as the service requires at start (else invalid). An index
+reached without a password or client certificate is invalid beyond loopback (the service
+refuses it; a warning only when the password may come from ``pod.index_password_env`` on
+the target machine) and a warning on loopback.
 Exit status: 0 valid, 2 invalid (the loader's message names the key and the problem).
 """
 
@@ -23,6 +26,7 @@ from typing import Any
 import yaml
 
 from ctxmem_common.config import Config, load_config
+from ctxmem_common.config_pod import index_auth_problem
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.identity import check_identity_mode
 from ctxmem_common.safepaths import read_tls_key_file
@@ -122,7 +126,19 @@ def config_command(argv: list[str]) -> int:
     except CtxmemError as exc:
         print(f"ctxmem config check: invalid: {exc}", file=sys.stderr)
         return 2
-    if unsafe := unsafe_files(cfg):
+    fatal, index_problem = index_auth_problem(cfg.pod)
+    if fatal and not (cfg.pod.index_password_env and cfg.pod.index_password_env
+                      not in os.environ):
+        unsafe = [index_problem, *unsafe_files(cfg)]
+    else:
+        unsafe = unsafe_files(cfg)
+        if fatal:  # the password may come from the variable on the target machine
+            print(f"warning: {index_problem} (${cfg.pod.index_password_env} is not set "
+                  f"here; the service refuses to start unless it is set there)",
+                  file=sys.stderr)
+        elif index_problem:
+            print(f"warning: {index_problem}", file=sys.stderr)
+    if unsafe:
         for line in unsafe:
             print(f"ctxmem config check: invalid: {line}", file=sys.stderr)
         return 2

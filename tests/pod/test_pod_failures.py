@@ -9,20 +9,21 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import redis
 from crc32c import crc32c
 
 import ctxmem
-from ctxmem_common.keys import namespace_digest
 from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.entries import (
     NODES_KEY,
     RemoteEntry,
     alive_key,
-    blocks_key,
     pack_entry,
 )
+from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_tools.pod_launcher import LocalPod
+from tests.pod.peerkit import handshake, index_names, pod_keys, read_exactly
 from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
 
 
@@ -94,14 +95,13 @@ def test_stale_entries_are_misses_and_get_cleaned(pod: LocalPod, clients: Client
     data = blocks(6, 5)
     clients.put(n1.endpoint, keys, data)
     wait_for(lambda: clients.hits(n2.endpoint, keys) == 6, what="publish")
-    digest = namespace_digest("default", "m", LAYOUT)
     r = redis.Redis.from_url(pod.redis.url)
     # The holder lost the blocks without telling the index: an entry naming node1 for keys
     # it never had (bytes it would have to make up).
     ghost = ctxmem.chain_hashes(range(5000, 5000 + 16 * 2), 16)
-    for k in ghost:
-        r.hset(blocks_key(digest), k, pack_entry(RemoteEntry("node1", "dram", 1,
-                                                             LAYOUT.block_nbytes, 123)))
+    name, fields = index_names(pod_keys(pod), ghost)
+    for f in fields:
+        r.hset(name, f, pack_entry(RemoteEntry("node1", "dram", 1, LAYOUT.block_nbytes, 123)))
     assert clients.hits(n2.endpoint, ghost) == 2  # the index says so ...
     assert clients.get(n2.endpoint, ghost, data[:2]) == 0  # ... but it is a miss, not an error
     # Deleted on the holder: unpublished, so a miss everywhere.
@@ -110,18 +110,19 @@ def test_stale_entries_are_misses_and_get_cleaned(pod: LocalPod, clients: Client
     assert clients.get(n2.endpoint, keys, data) == 3
     # A dead node's entries are ignored at once and deleted lazily.
     r.hset(NODES_KEY, "node9", "127.0.0.1:9")
-    r.hset(blocks_key(digest), ghost[0], pack_entry(RemoteEntry("node9", "dram", 1,
-                                                                LAYOUT.block_nbytes, 1)))
+    r.hset(name, fields[0], pack_entry(RemoteEntry("node9", "dram", 1,
+                                                   LAYOUT.block_nbytes, 1)))
     assert clients.hits(n2.endpoint, ghost[:1]) == 0
-    wait_for(lambda: r.hget(blocks_key(digest), ghost[0]) is None, what="lazy cleanup")
+    wait_for(lambda: r.hget(name, fields[0]) is None, what="lazy cleanup")
 
 
 class LyingPeer:
-    """A pod member (it has the pod token) that answers every key with made-up bytes and
-    claims the index's CRC32C for them."""
+    """A peer that passes the handshake (it holds the pod's peer key: the worst case short
+    of the master key itself) and answers every key with made-up bytes, the index's
+    CRC32C for them, and an authenticator it cannot make under the namespace's key."""
 
-    def __init__(self, token: str, crc: int, nbytes: int) -> None:
-        self.token, self.crc, self.nbytes = token.encode(), crc, nbytes
+    def __init__(self, keys: PodKeys, crc: int, nbytes: int) -> None:
+        self.keys, self.crc, self.nbytes = keys, crc, nbytes
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen()
@@ -136,20 +137,25 @@ class LyingPeer:
             except OSError:
                 return
             with conn:
-                f = conn.makefile("rb")
-                _m, _v, n = w.HELLO.unpack(f.read(w.HELLO.size))
-                f.read(n)
-                conn.sendall(b"\x01")
-                head = f.read(w.REQUEST.size)
-                if len(head) < w.REQUEST.size:
+                try:
+                    self._serve(conn)
+                except (ConnectionError, OSError):
                     continue
-                _m, _ns, count = w.REQUEST.unpack(head)
-                for _ in range(count):
-                    f.read(f.read(1)[0])
-                for _ in range(count):
-                    conn.sendall(w.ANSWER.pack(1, self.crc, self.nbytes, 1)
-                                 + bytes(self.nbytes))
-                    self.served += 1
+
+    def _serve(self, conn: socket.socket) -> None:
+        _m, _v, c_nonce, n = w.HELLO.unpack(read_exactly(conn, w.HELLO.size))
+        c_id = read_exactly(conn, n).decode()
+        t = w.Transcript(c_nonce, c_id, w.new_nonce(), "liar")
+        conn.sendall(w.pack_hello(w.CHALLENGE_MAGIC, t.server_nonce, "liar"))
+        read_exactly(conn, w.PROOF_BYTES)
+        conn.sendall(b"\x01" + t.proof(self.keys.peer_key, b"s2c"))
+        _m, _ns, _proof, count = w.REQUEST.unpack(read_exactly(conn, w.REQUEST.size))
+        for _ in range(count):
+            read_exactly(conn, read_exactly(conn, 1)[0])
+        for _ in range(count):
+            conn.sendall(w.ANSWER.pack(1, self.crc, self.nbytes, 1, bytes(w.TAG_BYTES))
+                         + bytes(self.nbytes))
+            self.served += 1
 
     def close(self) -> None:
         self.sock.close()
@@ -159,19 +165,21 @@ def test_a_lying_peer_is_a_miss_never_wrong_bytes(pod: LocalPod, clients: Client
     _, n2, _ = pod.nodes
     keys = ctxmem.chain_hashes(range(16 * 3), 16)
     data = blocks(3, 6)
-    liar = LyingPeer(pod.token, crc32c(data[0].tobytes()), LAYOUT.block_nbytes)
+    pk = pod_keys(pod)
+    liar = LyingPeer(pk, crc32c(bytes(LAYOUT.block_nbytes)), LAYOUT.block_nbytes)
     r = redis.Redis.from_url(pod.redis.url)
     r.hset(NODES_KEY, "liar", f"127.0.0.1:{liar.port}")
     r.set(alive_key("liar"), f"127.0.0.1:{liar.port}", px=60_000)
-    digest = namespace_digest("default", "m", LAYOUT)
-    for k, d in zip(keys, data, strict=True):
-        r.hset(blocks_key(digest), k, pack_entry(RemoteEntry(
-            "liar", "dram", 1, LAYOUT.block_nbytes, crc32c(d.tobytes()))))
+    name, fields = index_names(pk, keys)
+    for f in fields:  # the CRC32C of the liar's bytes: the index vouches for them
+        r.hset(name, f, pack_entry(RemoteEntry(
+            "liar", "dram", 1, LAYOUT.block_nbytes, crc32c(bytes(LAYOUT.block_nbytes)))))
     try:
         wait_for(lambda: clients.hits(n2.endpoint, keys) == 3, what="the liar's liveness")
         assert clients.get(n2.endpoint, keys, data) == 0
         assert liar.served >= 1
-        assert clients.stats(n2.endpoint)["pod_fetch_bad"] >= 1
+        st = clients.stats(n2.endpoint)
+        assert st["pod_fetch_unauthenticated"] >= 1 and st.get("pod_fetch_blocks_peer", 0) == 0
     finally:
         liar.close()
 
@@ -193,14 +201,20 @@ def test_two_nodes_write_the_same_key_at_once(pod: LocalPod, clients: Clients) -
         assert np.array_equal(o, a[i]) or np.array_equal(o, b[i]), f"block {i}"
 
 
-def test_peer_fetch_refuses_without_the_pod_token(pod: LocalPod, clients: Clients) -> None:
+def test_peer_fetch_refuses_without_the_pod_keys(pod: LocalPod, clients: Clients) -> None:
+    """A client that cannot prove it holds the pod's peer key (the right pod token but
+    another master key, or the old token hello) is closed after the challenge."""
     n1 = pod.nodes[0]
     host, port = n1.config["pod"]["listen"].rsplit(":", 1)
-    for token in (b"wrong-token-wrong-token", b""):
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(token)) + token)
-            s.settimeout(5)
-            assert s.recv(1) == b""  # closed, nothing served
+    wrong = PodKeys(bytes(32), pod.token.encode())
+    with socket.create_connection((host, int(port)), timeout=5) as s, \
+            pytest.raises(ConnectionError):
+        handshake(s, wrong.peer_key, "intruder", "node1")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        tok = pod.token.encode()  # version 1's bearer-token hello
+        s.sendall(b"CXPH\x01" + len(tok).to_bytes(2, "big") + tok + bytes(64))
+        s.settimeout(5)
+        assert s.recv(1) == b""  # closed, nothing served
     assert clients.stats(n1.endpoint)["pod_peer_refused"] == 2
 
 
@@ -210,13 +224,12 @@ def test_peer_fetch_bounds_hostile_connections(pod: LocalPod, clients: Clients) 
     serves peers as before afterwards."""
     n1, n2, _ = pod.nodes
     host, port = n1.config["pod"]["listen"].rsplit(":", 1)
-    token = pod.token.encode()
     with socket.create_connection((host, int(port)), timeout=5) as silent, \
             socket.create_connection((host, int(port)), timeout=5) as greedy:
-        greedy.sendall(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(token)) + token)
         greedy.settimeout(5)
-        assert greedy.recv(1) == b"\x01"  # accepted as a pod member
-        greedy.sendall(w.REQUEST.pack(w.REQUEST_MAGIC, bytes(16), w.MAX_KEYS + 1))
+        handshake(greedy, pod_keys(pod).peer_key, "greedy", "node1")  # a pod member
+        greedy.sendall(w.REQUEST.pack(w.REQUEST_MAGIC, bytes(16), bytes(32),
+                                      w.MAX_KEYS + 1))
         assert greedy.recv(64) == b""  # refused: closed, nothing served
         t0 = time.monotonic()
         silent.settimeout(30)

@@ -18,6 +18,7 @@ from redis.exceptions import DataError
 from ctxmem_common.config import PodConfig
 from ctxmem_dpu.pod.entries import NODES_KEY, RemoteEntry, alive_key, blocks_key, pack_entry
 from ctxmem_dpu.pod.index import ClusterIndex
+from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.pod.redis_conn import connect
 from ctxmem_dpu.pod.resp_pack import FastConnection, FastSSLConnection, pack_command
 from ctxmem_tools.redis_server import RedisClusterServers, RedisServer
@@ -72,7 +73,8 @@ async def _fast_connections(url: str, cluster_url: str) -> None:
             assert type(conn._parser).__name__ == "_AsyncHiredisParser"
         finally:
             await single.connection_pool.release(conn)
-        assert await cluster.hmget(blocks_key(bytes(16)), [b"a" * 32] * 20) == [None] * 20
+        assert await cluster.hmget(blocks_key(bytes(16).hex()), [b"a" * 32] * 20) \
+            == [None] * 20
         nodes = cluster.get_nodes()
         assert len(nodes) == 3
         for node in nodes:
@@ -89,14 +91,20 @@ def test_lookup_filters_values_exactly(tmp_path: Path, index_exe: str) -> None:
     are checked."""
     ns = bytes(range(16))
     keys = [bytes([i % 256, i // 256]) * 16 for i in range(6000)]
+    ik = PodKeys(bytes(32))
+
+    def named(m: dict[bytes, bytes]) -> dict[bytes, bytes]:
+        """``m`` under the index's keyed field names."""
+        return dict(zip(ik.index_fields(ns, list(m)), m.values(), strict=True))
 
     async def run(url: str) -> None:
-        index = ClusterIndex(_pod(url), connect(_pod(url)))
+        index = ClusterIndex(_pod(url), connect(_pod(url)), ik)
         r = index._r
+        name = index.blocks_key(ns)
         try:
             live = {k: pack_entry(RemoteEntry("peer", "dram", i, 4096, i))
                     for i, k in enumerate(keys[:5000])}
-            await r.hset(blocks_key(ns), mapping=live)  # type: ignore[arg-type]
+            await r.hset(name, mapping=named(live))  # type: ignore[arg-type]
             await r.set(alive_key("peer"), "127.0.0.1:2")
             await r.hset(NODES_KEY, "peer", "127.0.0.1:2")
             await index.heartbeat()
@@ -109,7 +117,7 @@ def test_lookup_filters_values_exactly(tmp_path: Path, index_exe: str) -> None:
                    keys[5002]: pack_entry(RemoteEntry("me", "dram", 1, 4096, 1)),
                    keys[5003]: b"", keys[5004]: b"\x01", keys[5005]: b"\x02\x04peer" + bytes(28),
                    keys[5006]: pack_entry(RemoteEntry("peer2", "dram", 1, 4096, 1))}
-            await r.hset(blocks_key(ns), mapping=odd)  # type: ignore[arg-type]
+            await r.hset(name, mapping=named(odd))  # type: ignore[arg-type]
             got = await index.lookup(ns, keys[:5010])
             assert got == [live[k] for k in keys[:5000]] + [None] * 10
             got = await index.lookup(ns, keys[5001:5010] + keys[:3])
@@ -117,7 +125,7 @@ def test_lookup_filters_values_exactly(tmp_path: Path, index_exe: str) -> None:
             # Live peers whose ids differ in length: the other C check (startswith).
             other = {k: pack_entry(RemoteEntry("peer-22", "flash", i, 4096, i))
                      for i, k in enumerate(keys[5500:5600])}
-            await r.hset(blocks_key(ns), mapping=other)  # type: ignore[arg-type]
+            await r.hset(name, mapping=named(other))  # type: ignore[arg-type]
             await r.set(alive_key("peer-22"), "127.0.0.1:3")
             await r.hset(NODES_KEY, "peer-22", "127.0.0.1:3")
             await index.heartbeat()
@@ -128,8 +136,7 @@ def test_lookup_filters_values_exactly(tmp_path: Path, index_exe: str) -> None:
             assert got == [other[keys[5500]], other[keys[5501]], None, None, live[keys[0]],
                            live[keys[1]]]
             await index.close()  # waits for the lazy cleanup
-            left = await (r2 := connect(_pod(url))).hmget(
-                blocks_key(ns), list(odd))
+            left = await (r2 := connect(_pod(url))).hmget(name, list(named(odd)))
             await r2.aclose()
             # The dead nodes' entries (and the foreign version's) are gone; this node's own
             # and the values too short to name a node stay.

@@ -17,7 +17,7 @@ import pytest
 import ctxmem
 from ctxmem_tools.bench.security_pki import make_pki, member_cert
 from ctxmem_tools.launcher import ServiceProcess, free_port, local_config
-from ctxmem_tools.pod_launcher import pod_section
+from ctxmem_tools.pod_launcher import pod_section, write_key
 from ctxmem_tools.redis_server import RedisServer
 from tests.pod.podtest import LAYOUT, blocks, wait_for
 
@@ -67,6 +67,9 @@ def test_a_node_cut_off_gives_misses_then_catches_up(
     with RedisServer(tmp_path / "redis", bind=host_ip) as redis:
         try:
             d1 = tmp_path / "node1"
+            master = secrets.token_hex(32)  # the pod's one master key
+            write_key(d1 / "master.key", master)
+            write_key(tmp_path / "node2" / "master.key", master)
             cfg1 = local_config(d1, service={
                 "listen": f"{ns_ip}:{free_port()}", "data_listen": f"{ns_ip}:0",
                 "transports": ["tcp"], "tenant_tokens": {"default": TENANT_TOKEN}})

@@ -37,10 +37,13 @@ from ctxmem_dpu.pod import peer_client
 from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.entries import RemoteEntry
 from ctxmem_dpu.pod.peer_rdma import RdmaTransferError
+from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_tools.pod_launcher import LocalPod
+from tests.pod.peerkit import handshake, pod_keys
 from tests.pod.podtest import Clients, blocks, wait_for
 
 TOKEN = "t" * 32
+KEYS = PodKeys(bytes(range(32)), TOKEN.encode())
 GID = rw.gid_from_str("0000:0000:0000:0000:0000:ffff:0a00:020f")
 QP = rw.QpInfo(0x1234, 0x777, GID, 0, 3, 16)
 
@@ -65,11 +68,10 @@ def test_rdma_listen_must_be_an_ip() -> None:
 # -- real services, no RDMA device on this host -----------------------------------------
 
 
-def _hello(addr: str, token: str) -> socket.socket:
+def _hello(addr: str, keys: PodKeys, node: str) -> socket.socket:
     host, port = addr.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=10)
-    s.sendall(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(token)) + token.encode())
-    assert s.recv(1) == b"\x01"
+    handshake(s, keys.peer_key, "tester", node)
     return s
 
 
@@ -87,7 +89,7 @@ def test_rdma_configured_without_a_device_fetches_over_tcp(tmp_path: Path,
         assert st2["pod_rdma_setup_errors"] == 1 and st2["pod_peer_errors"] == 0
         assert st1["pod_served_blocks"] == 6 and st1["pod_served_rdma_blocks"] == 0
         # The holder, asked for a queue pair, says it has no RDMA ...
-        s = _hello(n1.config["pod"]["listen"], pod.token)
+        s = _hello(n1.config["pod"]["listen"], pod_keys(pod), "node1")
         try:
             s.sendall(w.ATTACH_MAGIC + w.pack_qp(QP))
             assert s.recv(1) == b"\x00"
@@ -136,8 +138,9 @@ class Holder:
     not) and ``grant`` (RDMA requests answered with keys, or status 2)."""
 
     def __init__(self, data: dict[bytes, bytes], rdma: bool = True, grant: bool = True,
-                 lie_crc: bytes = b"") -> None:
+                 lie_crc: bytes = b"", forge: bytes = b"") -> None:
         self.data, self.rdma, self.grant, self.lie_crc = data, rdma, grant, lie_crc
+        self.forge = forge  # this key's READ brings other bytes than its tag covers
         self.attaches = self.dones = self.tcp_requests = self.rdma_requests = 0
         self.server: asyncio.Server | None = None
         self.conns: list[asyncio.StreamWriter] = []
@@ -150,9 +153,7 @@ class Holder:
     async def _serve(self, r: asyncio.StreamReader, wr: asyncio.StreamWriter) -> None:
         self.conns.append(wr)
         try:
-            _m, _v, n = w.HELLO.unpack(await r.readexactly(w.HELLO.size))
-            assert await r.readexactly(n) == TOKEN.encode()
-            wr.write(b"\x01")
+            t = await w.accept(r, wr, KEYS.peer_key, "n1", 10.0)
             while True:
                 magic = await r.readexactly(4)
                 if magic == w.ATTACH_MAGIC:
@@ -160,34 +161,40 @@ class Holder:
                     self.attaches += 1
                     wr.write(b"\x01" + w.pack_qp(QP) if self.rdma else b"\x00")
                     continue
-                _m, _ns, count = w.REQUEST.unpack(magic + await r.readexactly(
+                _m, ns, proof, count = w.REQUEST.unpack(magic + await r.readexactly(
                     w.REQUEST.size - 4))
+                nk = KEYS.namespace(ns)
+                assert w.check(t.ns_proof(nk.request_key, ns), proof)
                 keys = [await r.readexactly((await r.readexactly(1))[0]) for _ in range(count)]
                 if magic == w.REQUEST_MAGIC:
                     self.tcp_requests += 1
                     for k in keys:
                         d = self.data.get(k)
-                        wr.write(w.ANSWER.pack(1, crc32c(d), len(d), 1) + d if d is not None
-                                 else w.ANSWER.pack(0, 0, 0, 0))
+                        wr.write(w.ANSWER.pack(1, crc32c(d), len(d), 1,
+                                               nk.auth.tag(k, d, t.answer_context(1))) + d
+                                 if d is not None else w.ANSWER.pack(0, 0, 0, 0, w.NO_TAG))
                     continue
                 self.rdma_requests += 1
                 granted = False
                 for k in keys:
                     d = self.data.get(k)
                     if d is None:
-                        wr.write(w.RDMA_ANSWER.pack(0, 0, 0, 0, 0, 0))
+                        wr.write(w.RDMA_ANSWER.pack(0, 0, 0, 0, 0, 0, w.NO_TAG))
                     elif not self.grant:
-                        wr.write(w.RDMA_ANSWER.pack(2, 0, 0, 0, 0, 0))
+                        wr.write(w.RDMA_ANSWER.pack(2, 0, 0, 0, 0, 0, w.NO_TAG))
                     else:
                         granted = True
                         crc = crc32c(d) ^ (1 if k == self.lie_crc else 0)
                         addr = 0x1000 * (1 + sorted(self.data).index(k))
-                        FakeLink.memory[addr] = d
-                        wr.write(w.RDMA_ANSWER.pack(1, crc, len(d), 1, addr, 0x42))
+                        # The READ brings these bytes; the tag is over what the holder
+                        # meant (a forged one for ``self.forge``).
+                        FakeLink.memory[addr] = d if k != self.forge else bytes(len(d))
+                        tag = nk.auth.tag(k, d, t.answer_context(1))
+                        wr.write(w.RDMA_ANSWER.pack(1, crc, len(d), 1, addr, 0x42, tag))
                 if granted:
                     assert await r.readexactly(4) == w.DONE
                     self.dones += 1
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, w.HandshakeFailed):
             pass
         finally:
             wr.close()
@@ -232,7 +239,8 @@ async def _source(holder: Holder) -> tuple[peer_client.PeerSource, Counter[str]]
     counters: Counter[str] = Counter()
     pod = PodConfig(pod_token=TOKEN, fetch_timeout_s=5.0)
     dev: Any = object()  # only handed to the (stand-in) link
-    return peer_client.PeerSource(pod, lambda _n: holder.addr, counters, rdma=dev), counters
+    return peer_client.PeerSource(pod, lambda _n: holder.addr, counters, KEYS,
+                                  rdma=dev), counters
 
 
 async def test_hits_are_read_by_rdma_and_the_lease_ended(
@@ -257,6 +265,24 @@ async def test_hits_are_read_by_rdma_and_the_lease_ended(
         await src.close()
         await holder.close()
     assert all(link.closed for link in fake_link.made)
+
+
+async def test_a_block_read_by_rdma_whose_authenticator_fails_is_a_miss(
+        fake_link: type[FakeLink], data: dict[bytes, bytes]) -> None:
+    """The READ brings bytes other than those the holder's authenticator covers (the
+    index's CRC32C says nothing of them): a miss, counted; the others are hits."""
+    keys = sorted(data)
+    holder = Holder(data, forge=keys[1])
+    src, counters = await _source(holder)
+    try:
+        got = await src.fetch(b"\x01" * 16, _entries(data, keys))
+        assert got[1] is None
+        assert [g for i, g in enumerate(got) if i != 1] == [data[k] for k in keys if
+                                                            k != keys[1]]
+        assert counters["pod_fetch_unauthenticated"] == 1
+    finally:
+        await src.close()
+        await holder.close()
 
 
 async def test_a_holder_that_cannot_grant_is_asked_over_tcp(
@@ -351,7 +377,7 @@ async def test_a_holder_that_dies_during_the_reads_ends_them(
     counters: Counter[str] = Counter()
     dev: Any = object()
     src = peer_client.PeerSource(PodConfig(pod_token=TOKEN, fetch_timeout_s=120.0),
-                                 lambda _n: holder.addr, counters, rdma=dev)
+                                 lambda _n: holder.addr, counters, KEYS, rdma=dev)
     try:
         job = asyncio.ensure_future(src.fetch(b"\x01" * 16, _entries(data, keys)))
         await asyncio.wait_for(reading.wait(), 30)

@@ -9,12 +9,12 @@ from pathlib import Path
 import redis
 
 import ctxmem
-from ctxmem_common.keys import namespace_digest
-from ctxmem_dpu.pod.entries import NODES_KEY, alive_key, blocks_key
+from ctxmem_dpu.pod.entries import NODES_KEY, alive_key
 from ctxmem_tools.bench.security_pki import make_pki, member_cert
 from ctxmem_tools.pod_launcher import LocalPod
 from ctxmem_tools.redis_server import RedisClusterServers
-from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
+from tests.pod.peerkit import FIXED_MASTER, index_keys, index_names
+from tests.pod.podtest import Clients, blocks, wait_for
 
 MODELS = [f"m{i}" for i in range(6)]
 
@@ -26,13 +26,16 @@ def test_pod_on_a_redis_cluster(tmp_path: Path, index_exe: str, clients: Clients
 
 def _pod_on_a_cluster(tmp_path: Path, redis_cluster: RedisClusterServers,
                       clients: Clients) -> None:
-    owners = {redis_cluster.owner_of(blocks_key(namespace_digest("default", m, LAYOUT)))
-              for m in MODELS}
+    # The index's names are keyed by the pod's master key: a fixed one, so that where the
+    # namespaces land is known (and checked) before the pod starts.
+    ik = index_keys()
+    owners = {redis_cluster.owner_of(index_names(ik, [], m)[0]) for m in MODELS}
     assert len(owners) > 1, "every namespace landed on one master: the test proves nothing"
     # The node keys share one slot (heartbeat pipeline, multi-key EXISTS).
     assert len({redis_cluster.owner_of(k) for k in
                 (NODES_KEY, alive_key("node1"), alive_key("node3"))}) == 1
-    with LocalPod(tmp_path / "pod", 3, index=redis_cluster) as pod:
+    with LocalPod(tmp_path / "pod", 3, index=redis_cluster,
+                  master_key_hex=FIXED_MASTER.hex()) as pod:
         n1, n2, n3 = pod.nodes
         keys = ctxmem.chain_hashes(range(16 * 4), 16)
         data = blocks(4, 21)
@@ -66,9 +69,10 @@ def _pod_on_a_cluster(tmp_path: Path, redis_cluster: RedisClusterServers,
         # ... and cleaned up lazily (EXISTS over the nodes' alive keys, conditional delete).
         r = redis.RedisCluster.from_url(redis_cluster.url)
         try:
-            key = blocks_key(namespace_digest("default", "m5", LAYOUT))
-            wait_for(lambda: not any(r.hmget(key, more)), what="the stale entries' cleanup")
-            assert all(r.hmget(key, keys))  # the live nodes' entries stay
+            key, more_f = index_names(ik, more, "m5")
+            keys_f = index_names(ik, keys, "m5")[1]
+            wait_for(lambda: not any(r.hmget(key, more_f)), what="the stale entries' cleanup")
+            assert all(r.hmget(key, keys_f))  # the live nodes' entries stay
         finally:
             r.close()
         for node in (n1, n2):

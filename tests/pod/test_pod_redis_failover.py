@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 import ctxmem
-from ctxmem_common.keys import namespace_digest
-from ctxmem_dpu.pod.entries import blocks_key
 from ctxmem_tools.pod_launcher import LocalPod
 from ctxmem_tools.redis_server import RedisClusterServers
-from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
+from tests.pod.peerkit import index_names, pod_keys
+from tests.pod.podtest import Clients, blocks, wait_for
 
 
 def test_pod_across_a_master_failover(tmp_path: Path, clients: Clients, index_exe: str
@@ -31,7 +30,7 @@ def test_pod_across_a_master_failover(tmp_path: Path, clients: Clients, index_ex
         # meantime), so no node is judged dead and nothing but the failover itself makes
         # the writer republish.
         n1, n2 = pod.nodes
-        victim = cluster.owner_of(blocks_key(namespace_digest("default", "m", LAYOUT)))
+        victim = cluster.owner_of(index_names(pod_keys(pod), [])[0])
         replica = cluster.replica_of(victim)
         data = blocks(2, 37)
         batches: list[list[bytes]] = []

@@ -34,15 +34,15 @@ def test_cross_node_get_over_mutual_tls(tmp_path: Path) -> None:
             assert clients.stats(n2.endpoint)["pod_fetch_blocks_peer"] == 5
             # Plain TCP to the TLS port: the hello never gets through.
             host, port = n1.config["pod"]["listen"].rsplit(":", 1)
+            hello = w.pack_hello(w.HELLO_MAGIC, w.new_nonce(), "intruder")
             with socket.create_connection((host, int(port)), timeout=5) as s:
-                tok = pod.token.encode()
-                s.sendall(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(tok)) + tok)
+                s.sendall(hello)
                 s.settimeout(5)
                 try:
-                    answer = s.recv(1)
+                    answer = s.recv(4)
                 except ConnectionResetError:
                     answer = b""
-                assert answer != b"\x01"
+                assert answer != w.CHALLENGE_MAGIC
             # TLS without a client certificate: refused in the handshake.
             ctx = ssl.create_default_context(cafile=str(pki.ca))
             ctx.check_hostname = False
@@ -50,7 +50,7 @@ def test_cross_node_get_over_mutual_tls(tmp_path: Path) -> None:
                     ctx.wrap_socket(raw) as s:
                 s.settimeout(5)
                 with pytest.raises((ssl.SSLError, ConnectionResetError, OSError)):
-                    s.sendall(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(tok)) + tok)
+                    s.sendall(hello)
                     if s.recv(1) == b"":
                         raise ConnectionResetError("closed")
         finally:

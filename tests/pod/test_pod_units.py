@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+
 import pytest
+from crc32c import crc32c
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,6 +21,9 @@ from ctxmem_dpu.pod.entries import (
     pack_entry,
     unpack_entry,
 )
+from ctxmem_dpu.pod.fetch import RemoteFetch
+from ctxmem_dpu.pod.podkeys import PodKeys
+from ctxmem_dpu.pod.sources import RemoteSource
 
 entries = st.builds(
     RemoteEntry,
@@ -48,9 +56,19 @@ def test_truncated_entry_is_none() -> None:
     assert all(unpack_entry(raw[:i]) is None for i in range(len(raw)))
 
 
-def test_namespace_keys_share_one_hash_tag() -> None:
+def test_namespace_keys_share_one_hash_tag_that_is_no_digest() -> None:
+    """The hash tag and fields are keyed hashes (issue 25 item 3): another master key,
+    other names; neither the digest nor a block key appears in them."""
     ns = bytes(range(16))
-    assert blocks_key(ns) == "ctxmem:{000102030405060708090a0b0c0d0e0f}:blocks"
+    a, b = PodKeys(bytes(32)), PodKeys(bytes(31) + b"\x01")
+    assert blocks_key(a.index_tag(ns)) == "ctxmem:{" + a.index_tag(ns) + "}:blocks"
+    assert a.index_tag(ns) != b.index_tag(ns) and ns.hex() not in a.index_tag(ns)
+    keys = [bytes([i]) * 32 for i in range(5)] + [b"odd-length-key"]
+    fa = a.index_fields(ns, keys)
+    assert fa != b.index_fields(ns, keys) and fa != a.index_fields(bytes(16), keys)
+    assert len(set(fa)) == len(keys) and all(len(f) == 16 for f in fa)
+    # A key's field does not depend on the batch it is in.
+    assert [a.index_fields(ns, [k])[0] for k in keys] == fa
 
 
 def test_the_default_config_has_the_pod_tier_off() -> None:
@@ -84,3 +102,30 @@ def test_a_good_pod_section_loads() -> None:
     cfg = parse_config(BASE + "  enabled: true\n  index_url: rediss://h:1/0\n  node_id: n-1\n"
                        "  advertise: 10.0.0.1:7000\n")
     assert cfg.pod.node_id == "n-1" and cfg.pod.index_url.startswith("rediss://")
+
+
+class _Unverified(RemoteSource):
+    """A source that returns the right bytes but does not verify them."""
+
+    name = "unverified"
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def fetch(self, ns_digest: bytes, entries: Sequence[RemoteEntry]
+                    ) -> list[bytes | None]:
+        return [self.data for _ in entries]
+
+
+def test_the_fetch_path_adopts_nothing_a_source_did_not_verify() -> None:
+    """Length and CRC32C match the index entry, but the source does not verify blocks
+    (``RemoteSource.verifies``): a miss, counted; a source that does is used."""
+    data = bytes(range(256)) * 16
+    entry = RemoteEntry("n1", "dram", 1, len(data), crc32c(data), None, b"k" * 32)
+    counters: Counter[str] = Counter()
+    src = _Unverified(data)
+    fetch = RemoteFetch(None, None, [src], counters, 16)  # type: ignore[arg-type]
+    assert asyncio.run(fetch.fetch(bytes(16), [entry])) == [None]
+    assert counters["pod_fetch_unauthenticated"] == 1
+    src.verifies = True
+    assert asyncio.run(fetch.fetch(bytes(16), [entry])) == [data]

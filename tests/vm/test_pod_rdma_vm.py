@@ -52,17 +52,20 @@ class Pod:
 
     def __init__(self, workdir: Path) -> None:
         from ctxmem_tools.launcher import ServiceProcess, local_config
-        from ctxmem_tools.pod_launcher import pod_section
+        from ctxmem_tools.pod_launcher import pod_section, write_key
         from ctxmem_tools.redis_server import RedisServer
 
         self.redis = RedisServer(workdir / "redis")
         self.token = token = secrets.token_hex(16)
+        # The pod's one master key: blocks served between nodes are authenticated under it.
+        self.master_key = secrets.token_bytes(32)
         rdma = {"rdma_listen": os.environ["CTXMEM_RDMA_IP"],
                 "rdma_device": os.environ["CTXMEM_RDMA_DEV"]}
         self.nodes: list[Any] = []
         try:
             for i, with_rdma in enumerate((True, True, False), start=1):
                 d = workdir / f"node{i}"
+                write_key(d / "master.key", self.master_key.hex())
                 # DRAM only: the guest's /tmp is tmpfs (no O_DIRECT for a flash file).
                 cfg = local_config(d, flash_size=None, dram_size="64MiB")
                 cfg["pod"] = pod_section(self.redis.url, f"node{i}", token,
@@ -108,8 +111,12 @@ class Fetcher:
     """This process as a pod member fetching by RDMA, step by step: one peer connection
     with an attached queue pair (the node's own ``FetchLink``), raw requests."""
 
-    def __init__(self, addr: str, token: str) -> None:
-        self.addr, self.token = addr, token.encode()
+    def __init__(self, addr: str, pod: Pod, node: str = "node1") -> None:
+        from ctxmem_dpu.pod.podkeys import PodKeys
+
+        self.addr, self.node = addr, node
+        self.keys = PodKeys(pod.master_key, pod.token.encode())
+        self.transcript: Any = None
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.link: Any = None
@@ -124,9 +131,8 @@ class Fetcher:
         host, port = self.addr.rsplit(":", 1)
         self.reader, self.writer = await asyncio.wait_for(
             asyncio.open_connection(host, int(port)), 30)
-        self.writer.write(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(self.token))
-                          + self.token)
-        assert await asyncio.wait_for(self.reader.readexactly(1), 30) == b"\x01"
+        self.transcript = await w.connect(self.reader, self.writer, self.keys.peer_key,
+                                          "vm-fetcher", self.node, 30)
         await self.attach()
         return self
 
@@ -145,12 +151,14 @@ class Fetcher:
         from ctxmem_dpu.pod import peer_wire as w
 
         assert self.reader is not None and self.writer is not None
-        self.writer.write(w.pack_keys(ns_digest, keys, w.RDMA_REQUEST_MAGIC))
+        proof = self.transcript.ns_proof(self.keys.namespace(ns_digest).request_key,
+                                         ns_digest)
+        self.writer.write(w.pack_keys(ns_digest, keys, w.RDMA_REQUEST_MAGIC, proof))
         raw = await asyncio.wait_for(
             self.reader.readexactly(w.RDMA_ANSWER.size * len(keys)), 60)
         out = []
         for i in range(len(keys)):
-            status, _crc, n, _seq, addr, rkey = w.RDMA_ANSWER.unpack_from(
+            status, _crc, n, _seq, addr, rkey, _tag = w.RDMA_ANSWER.unpack_from(
                 raw, i * w.RDMA_ANSWER.size)
             assert status == 1, f"key {i}: status {status}"
             out.append((addr, rkey, n))
@@ -242,7 +250,7 @@ async def test_the_holders_lease_ends_at_done_and_at_the_timeout(pod: Pod,
     keys, data = _keys(4, 4), blocks(4, 4)
     assert clients.put(n1.endpoint, keys, data) == 4
     digest = clients.ns(n1.endpoint).digest
-    async with Fetcher(n1.config["pod"]["listen"], pod.token) as f:
+    async with Fetcher(n1.config["pod"]["listen"], pod) as f:
         items = await f.grant(digest, keys)
         got = await f.link.read(items, 30.0)
         assert got == [d.tobytes() for d in data]  # exact, and so is the CRC
@@ -252,7 +260,7 @@ async def test_the_holders_lease_ends_at_done_and_at_the_timeout(pod: Pod,
         why = await _read_fails(f, items)
         print(f"READ after done: {why}")
     # No done: the key dies at the holder's fetch timeout, and the connection with it.
-    async with Fetcher(n1.config["pod"]["listen"], pod.token) as f:
+    async with Fetcher(n1.config["pod"]["listen"], pod) as f:
         items = await f.grant(digest, keys[:2])
         assert f.reader is not None
         assert await asyncio.wait_for(f.reader.read(1), FETCH_TIMEOUT_S + 60) == b""
@@ -272,7 +280,7 @@ async def test_holder_killed_mid_rdma_fetch_gives_misses_never_wrong_bytes(
     _publish(clients, n2.endpoint, keys)
     before = clients.stats(n2.endpoint)["pod_peer_rdma_blocks"]
     # A fetcher holding keys node 1 granted, when node 1 dies.
-    f = await Fetcher(n1.config["pod"]["listen"], pod.token).__aenter__()
+    f = await Fetcher(n1.config["pod"]["listen"], pod).__aenter__()
     held = await f.grant(clients.ns(n1.endpoint).digest, keys[:4])
     # Pulls of pod.fetch_max_blocks (256) per Acquire: one get of 200 keys is one RDMA
     # request; kill the holder while gets run, chunk after chunk.

@@ -1,9 +1,10 @@
 """A pod on one machine: one ``redis-server`` and N real ``ctxmem serve`` nodes on
-loopback, each with its own flash file, key and peer-fetch port (tests, ``ctxmem bench
-pod``, and the README's pod of three)."""
+loopback, each with its own flash file and peer-fetch port, all with the pod's one master
+key (tests, ``ctxmem bench pod``, and the README's pod of three)."""
 
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -25,20 +26,35 @@ def pod_section(redis_url: str, node_id: str, token: str, *, host: str = "127.0.
     return section
 
 
+def write_key(path: Path, key_hex: str) -> None:
+    """A master key file (mode 0600 from the start) in a private directory, unless one is
+    there already."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.exists():
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key_hex)
+
+
 class LocalPod:
     """``redis-server`` plus ``n`` service processes; ``with LocalPod(dir, 3) as pod``.
 
     ``index``: the pod's index when not a fresh ``RedisServer`` of its own: a TLS
     ``RedisServer`` (``pod`` then names ``index_ca_file``) or a
     :class:`RedisClusterServers` (the nodes get ``pod.index_cluster: true``). The pod
-    stops it at close either way."""
+    stops it at close either way. ``master_key_hex``: the pod's master key (default: a
+    fresh one), which also names the index's keys (keyed hashes)."""
 
     def __init__(self, workdir: Path, n: int = 3, *, pod: dict[str, Any] | None = None,
                  index: RedisServer | RedisClusterServers | None = None,
-                 **config: Any) -> None:
+                 master_key_hex: str | None = None, **config: Any) -> None:
         workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.workdir = workdir
         self.token = secrets.token_hex(16)
+        #: The pod's master key (hex), the same on every node (docs/deploy.md, "A pod's
+        #: master key"): blocks served between nodes are authenticated under it.
+        self.master_key_hex = master_key_hex or secrets.token_hex(32)
         self.index = index if index is not None else RedisServer(workdir / "redis")
         pod = dict(pod or {})
         if isinstance(self.index, RedisClusterServers):
@@ -47,6 +63,7 @@ class LocalPod:
         try:
             for i in range(n):
                 d = workdir / f"node{i + 1}"
+                write_key(d / "master.key", self.master_key_hex)
                 cfg = local_config(d, **config)
                 cfg["pod"] = pod_section(self.index.url, f"node{i + 1}", self.token,
                                          **pod)
@@ -59,6 +76,10 @@ class LocalPod:
         for node in self.nodes:
             node.stop()
         self.index.stop()
+
+    @property
+    def master_key(self) -> bytes:
+        return bytes.fromhex(self.master_key_hex)
 
     @property
     def redis(self) -> RedisServer:

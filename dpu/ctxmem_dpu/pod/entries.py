@@ -1,9 +1,14 @@
 """What the cluster index says about one block: :class:`RemoteEntry`, packed compactly.
 
 Redis layout (every key of one namespace shares the hash tag ``{NS}``, so a namespace's
-keys sit in one Redis Cluster slot and batch in one command):
+keys sit in one Redis Cluster slot and batch in one command). The index holds no secret
+and no oracle: ``NS`` and the fields are keyed hashes under the pod's index key
+(:class:`~ctxmem_dpu.pod.podkeys.PodKeys`), never a namespace digest (guessable from a
+tenant name) or a block key (a prompt's chain hash):
 
-* ``ctxmem:{NS}:blocks`` — a hash, field = block key (raw bytes), value = packed entry;
+* ``ctxmem:{NS}:blocks`` — a hash, NS = :meth:`PodKeys.index_tag` of the namespace
+  digest, field = :meth:`PodKeys.index_fields` of the block key (16 bytes), value =
+  packed entry;
 * ``ctxmem:{nodes}:members`` — a hash, node id → advertised peer-fetch address;
 * ``ctxmem:{nodes}:alive:ID`` — present while node ID is alive (a TTL its heartbeat
   refreshes). The node keys share the hash tag ``{nodes}`` (one Redis Cluster slot), so a
@@ -45,7 +50,9 @@ class SharedLocation:
 @dataclass(frozen=True, slots=True)
 class RemoteEntry:
     """One block another node holds. ``key`` is filled when read from the index (the
-    peer looks the block up by it); the rest is what the holder published."""
+    peer looks the block up by it); the rest is what the holder published: where to
+    look, never a proof (the CRC32C is an accident check; a fetched block is proven by
+    its authenticator)."""
 
     node_id: str
     tier: str  # "dram" | "flash"
@@ -56,13 +63,10 @@ class RemoteEntry:
     key: bytes = b""
 
 
-def ns_tag(ns_digest: bytes) -> str:
-    """The hash tag of a namespace's Redis keys."""
-    return "{" + ns_digest.hex() + "}"
-
-
-def blocks_key(ns_digest: bytes) -> str:
-    return f"ctxmem:{ns_tag(ns_digest)}:blocks"
+def blocks_key(tag: str) -> str:
+    """The Redis hash of a namespace's blocks, by its keyed tag
+    (:meth:`~ctxmem_dpu.pod.podkeys.PodKeys.index_tag`)."""
+    return f"ctxmem:{{{tag}}}:blocks"
 
 
 NODES_KEY = "ctxmem:{nodes}:members"

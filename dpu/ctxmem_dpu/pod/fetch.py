@@ -4,8 +4,11 @@ blocks into local DRAM through the registered sources, in order.
 Sources are a plain list the service builds at start: the shared-flash source first when
 registered (it only ``accepts`` entries with a shared location), then the peer. Each
 entry is tried with the first source that accepts it; a miss there moves on to the next.
-Every block a source returns is checked again here (length and CRC32C against the index
-entry) before it is adopted, so a wrong source answer is a miss.
+A source returns only blocks it verified under this node's own key of the namespace
+(``RemoteSource.verifies``: the authenticator, never the index, proves a block); blocks of
+a source that does not verify are not adopted (``pod_fetch_unauthenticated``). Every
+block is checked again here (length and CRC32C against the index entry: an accident
+check) before it is adopted, so a wrong source answer is a miss.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from operator import is_
 from crc32c import crc32c
 
 from ctxmem_dpu.blocks import Block, Namespace
+from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.pod.entries import RemoteEntry, unpack_entry
 from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
 from ctxmem_dpu.pod.sources import RemoteSource
@@ -113,15 +117,25 @@ class RemoteFetch:
             if not mine:
                 continue
             got = await src.fetch(ns_digest, [entries[i] for i in mine])
+            if not src.verifies:  # nothing unauthenticated is adopted
+                n = len(got) - got.count(None)
+                if n:
+                    self._counters["pod_fetch_unauthenticated"] += n
+                    throttled(log, logging.WARNING, "pod.fetch_unverified",
+                              "source %s returned %d blocks of namespace %s without "
+                              "verifying their authenticators; misses (a source must "
+                              "set verifies)", src.name, n, ns_digest.hex())
+                got = [None] * len(got)
             for i, d in zip(mine, got, strict=True):
                 e = entries[i]
                 if d is None:
                     continue
                 if len(d) != e.nbytes or crc32c(d) != e.crc32c:
                     self._counters["pod_fetch_bad"] += 1
-                    log.warning("source %s returned block %s of namespace %s with the "
-                                "wrong length or CRC32C; a miss", src.name, e.key.hex()[:16],
-                                ns_digest.hex())
+                    throttled(log, logging.WARNING, "pod.fetch_bad",
+                              "source %s returned block %s of namespace %s with the "
+                              "wrong length or CRC32C; a miss", src.name, e.key.hex()[:16],
+                              ns_digest.hex())
                     continue
                 out[i] = d
                 self._counters[f"pod_fetch_blocks_{src.name}"] += 1

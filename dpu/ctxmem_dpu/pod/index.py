@@ -6,6 +6,11 @@ the callers turn into misses (lookups) or a backlog (publishing). Liveness: each
 refreshes ``ctxmem:{nodes}:alive:ID`` (a TTL) in :meth:`heartbeat`, which also reads which other
 nodes are alive; entries of a node not alive are ignored by :meth:`lookup` and deleted
 lazily (:meth:`drop_stale`, a conditional delete: only the value that was judged stale).
+
+Names: every namespace and block key is stored under a keyed hash
+(:class:`~ctxmem_dpu.pod.podkeys.PodKeys`: the hash tag, and the hash fields computed in
+C for a whole request), so what the index reveals to whoever reads it is node ids,
+addresses, sizes and counts, never a block key or a namespace digest.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ctxmem_dpu.pod.entries import (
     pack_entry,
     unpack_entry,
 )
+from ctxmem_dpu.pod.podkeys import PodKeys
 
 if TYPE_CHECKING:
     from ctxmem_dpu.pod.redis_conn import IndexClient
@@ -65,8 +71,9 @@ class IndexUnavailable(Exception):
 class ClusterIndex:
     """This node's view of the pod's index: publish, look up, liveness."""
 
-    def __init__(self, pod: PodConfig, client: IndexClient) -> None:
+    def __init__(self, pod: PodConfig, client: IndexClient, keys: PodKeys) -> None:
         self.pod = pod
+        self.keys = keys
         self.node_id = pod.node_id
         self._r = client
         self._prefix = node_prefix(pod.node_id)
@@ -88,6 +95,10 @@ class ClusterIndex:
         #: located there outlives its writer (docs/pod.md, "Shared flash"), so a dead
         #: node's entry on one of them is still a hit and is not cleaned up.
         self.shared_devices: frozenset[str] = frozenset()
+
+    def blocks_key(self, ns_digest: bytes) -> str:
+        """The Redis hash of namespace ``ns_digest``'s entries (a keyed name)."""
+        return blocks_key(self.keys.index_tag(ns_digest))
 
     async def _call(self, what: str, coro: Any) -> Any:
         try:
@@ -202,13 +213,17 @@ class ClusterIndex:
         n = 0
         async with self._r.pipeline(transaction=False) as p:
             for ns, per_key in updates.items():
-                sets = {k: pack_entry(e, self.epoch) for k, e in per_key.items()
+                fields = self.keys.index_fields(ns, list(per_key))
+                sets = {f: pack_entry(e, self.epoch)
+                        for f, e in zip(fields, per_key.values(), strict=True)
                         if e is not None}
-                gone = [k for k, e in per_key.items() if e is None]
+                gone = [f for f, e in zip(fields, per_key.values(), strict=True)
+                        if e is None]
+                name = self.blocks_key(ns)
                 if sets:
-                    p.hset(blocks_key(ns), mapping=sets)  # type: ignore[arg-type]
+                    p.hset(name, mapping=sets)  # type: ignore[arg-type]
                 if gone:  # EVAL, not EVALSHA: a cluster pipeline loads no scripts
-                    p.eval(_DEL_IF_PREFIX, 1, blocks_key(ns), self._prefix, *gone)
+                    p.eval(_DEL_IF_PREFIX, 1, name, self._prefix, *gone)
                 n += len(per_key)
             if n:
                 await self._call("publish", p.execute())
@@ -223,7 +238,8 @@ class ClusterIndex:
         the entries of the ones a fetch wants."""
         if not keys:
             return []
-        raw = await self._call("lookup", self._r.hmget(blocks_key(ns_digest), list(keys)))
+        raw = await self._call("lookup", self._r.hmget(
+            self.blocks_key(ns_digest), self.keys.index_fields(ns_digest, keys)))
         live = self._live_prefixes
         # The common case, checked in C: every value is a live peer's entry. A prefix
         # holds the node id's length byte, so a match is exact; when the live nodes' ids
@@ -266,13 +282,15 @@ class ClusterIndex:
         return out
 
     async def drop_stale(self, ns_digest: bytes, stale: Sequence[tuple[bytes, bytes]]) -> int:
-        """Delete entries (key, exact packed value) found stale: a dead holder's, or one the
-        holder no longer has. Another node's newer entry for the same key is kept."""
+        """Delete entries (block key, exact packed value) found stale: a dead holder's, or
+        one the holder no longer has. Another node's newer entry for the same key is
+        kept."""
         if not stale:
             return 0
-        args = [x for pair in stale for x in pair]
-        return int(await self._call("stale cleanup",
-                                    self._del_equal(keys=[blocks_key(ns_digest)], args=args)))
+        fields = self.keys.index_fields(ns_digest, [k for k, _v in stale])
+        args = [x for f, (_k, v) in zip(fields, stale, strict=True) for x in (f, v)]
+        return int(await self._call("stale cleanup", self._del_equal(
+            keys=[self.blocks_key(ns_digest)], args=args)))
 
     async def _drop_quietly(self, ns_digest: bytes, stale: list[tuple[bytes, bytes]]) -> None:
         """Delete entries of nodes whose alive key is gone from the index itself (not

@@ -8,8 +8,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 from ctxmem_common.config import Config
+from ctxmem_common.errors import ConfigError
+from ctxmem_common.keyfile import load_master_key
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.pod.entries import RemoteEntry, SharedLocation
@@ -18,12 +21,33 @@ from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
 from ctxmem_dpu.pod.peer_client import PeerSource
 from ctxmem_dpu.pod.peer_rdma import open_device
 from ctxmem_dpu.pod.peer_server import PeerServer
+from ctxmem_dpu.pod.peer_wire import pod_token
+from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.pod.publisher import Publisher
 from ctxmem_dpu.pod.redis_conn import connect
 from ctxmem_dpu.pod.sources import RemoteSource
 from ctxmem_dpu.store import BlockStore
 
 log = logging.getLogger(__name__)
+
+
+def pod_master_key(cfg: Config, master_key: bytes | None) -> bytes:
+    """The pod's master key: the service's (``encryption``), also when encryption at rest
+    is off (it is then read from ``encryption.key_file``/``key_env`` all the same):
+    every block a peer serves is authenticated under keys derived from it, so a pod node
+    needs one, the same on every node (docs/deploy.md, "A pod's master key")."""
+    if master_key is not None:
+        return master_key
+    try:
+        key = load_master_key(replace(cfg.encryption, enabled=True), create=True)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"pod.enabled: a pod node needs the pod's master key (the same on every node: "
+            f"blocks served between nodes are authenticated under keys derived from it), "
+            f"also with encryption.enabled false; set encryption.key_file or the variable "
+            f"named by encryption.key_env ({exc.message})") from None
+    assert key is not None
+    return key
 
 
 class PodNode:
@@ -36,7 +60,7 @@ class PodNode:
     entry is rebuilt with ``shared_location``), or publishes an entry it built itself
     with ``pod_node.publisher.note(ns_digest, key, entry)``."""
 
-    def __init__(self, cfg: Config, store: BlockStore,
+    def __init__(self, cfg: Config, store: BlockStore, master_key: bytes,
                  extra_sources: Sequence[RemoteSource] = (),
                  shared_location: Callable[[Block], SharedLocation | None] | None = None
                  ) -> None:
@@ -44,17 +68,20 @@ class PodNode:
         self.shared_location = shared_location
         self.store = store
         counters = store.counters
-        self.index = ClusterIndex(self.pod, connect(self.pod))
+        # Every key the pod uses comes from the master key every node holds (the pod
+        # token is mixed into the peer key, never sent): docs/security.md.
+        self.keys = PodKeys(master_key, pod_token(self.pod))
+        self.index = ClusterIndex(self.pod, connect(self.pod), self.keys)
         self.index.shared_devices = frozenset(
             u for src in extra_sources for u in getattr(src, "device_uuids", ()))
         self.publisher = Publisher(self.pod, self.index, self._holdings, counters)
         # Peer fetch over RDMA where both ends have it (pod.rdma_listen), else TCP.
         self.rdma = open_device(self.pod, counters)
-        self.server = PeerServer(self.pod, store, counters,
+        self.server = PeerServer(self.pod, store, counters, self.keys,
                                  io_timeout_s=cfg.data_plane.read_timeout_s, rdma=self.rdma)
         # `index.live` is replaced at each heartbeat: read it at each call.
         self.peer = PeerSource(self.pod, lambda node: self.index.live.get(node), counters,
-                               rdma=self.rdma)
+                               self.keys, rdma=self.rdma)
         self.fetch = RemoteFetch(store, self.index, [*extra_sources, self.peer], counters,
                                  self.pod.fetch_max_blocks)
         self._tasks: set[asyncio.Task[None]] = set()

@@ -1,12 +1,18 @@
 """Peer fetch, the client side: :class:`PeerSource` asks the holder node's peer-fetch
 server for blocks and checks every answer.
 
-A peer is trusted for nothing: an answer is used only when its length equals the index
-entry's, its CRC32C equals the entry's, and the CRC32C of the bytes received (computed in
-C) equals both (over RDMA, that last check is the fetch path's,
-:meth:`RemoteFetch.fetch`, before anything is stored). Anything else, and a peer
-that is dead, slow past ``pod.fetch_timeout_s`` or unreachable, is a miss. Connections
-are kept per peer and reused; one that fails or times out is closed, never reused.
+A peer is trusted for nothing, and neither is the index that named it: a connection is
+used only once the peer proved, in the challenge-response handshake
+(:func:`~ctxmem_dpu.pod.peer_wire.connect`), that it holds the pod's peer key and is the
+node the index named; this node's proof is an HMAC over fresh nonces, so an impostor
+learns nothing it could guess offline, and no token is sent. An answer is used only when
+its authenticator verifies under this node's own key of the namespace
+(:class:`~ctxmem_common.codecs.blockauth.BlockAuthenticator`, bound to the key, the bytes,
+this connection and the sequence number; over RDMA, verified after the READ): a block that
+does not is a miss, counted (``pod_fetch_unauthenticated``) and logged. The CRC32C checks
+against the index entry stay as accident checks. Anything else, and a peer that is dead,
+slow past ``pod.fetch_timeout_s`` or unreachable, is a miss. Connections are kept per
+peer and reused; one that fails or times out is closed, never reused.
 
 With an RDMA device (``pod.rdma_listen``), each new connection offers the holder a queue
 pair; where the holder attaches it, requests on that connection are answered with READ
@@ -35,6 +41,7 @@ from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.entries import RemoteEntry
 from ctxmem_dpu.pod.peer_rdma import FetchLink, RdmaTransferError
+from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.pod.sources import RemoteSource
 from ctxmem_dpu.transport.rdma_device import RdmaDevice
 
@@ -51,6 +58,7 @@ class Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     link: FetchLink | None = None
+    transcript: w.Transcript | None = None  # set once the handshake passed
 
     def abort(self) -> None:
         if self.link is not None:
@@ -65,18 +73,20 @@ class PeerFailed(Exception):
 class PeerSource(RemoteSource):
     """Blocks from the node that holds them, over TCP (TLS 1.3 with the pod CA when
     configured). ``address_of(node_id)`` gives a live peer's advertised address, or
-    ``None`` for a node not alive."""
+    ``None`` for a node not alive. Every block it returns verified under ``keys``."""
 
     name = "peer"
+    verifies = True
 
     def __init__(self, pod: PodConfig, address_of: Callable[[str], str | None],
-                 counters: Counter[str], rdma: RdmaDevice | None = None) -> None:
+                 counters: Counter[str], keys: PodKeys,
+                 rdma: RdmaDevice | None = None) -> None:
         self._pod = pod
         self._rdma = rdma
         self._tcp_until: dict[str, float] = {}  # peer address -> RDMA not tried before
         self._address_of = address_of
         self._counters = counters
-        self._token = w.pod_token(pod)
+        self._keys = keys
         self._ssl = w.client_context(pod)
         self._idle: dict[str, list[Conn]] = {}
         self._closed = False
@@ -107,7 +117,7 @@ class PeerSource(RemoteSource):
 
         async def run() -> None:
             nonlocal conn
-            conn = await self._connection(addr)
+            conn = await self._connection(addr, node)
             for part in range(0, len(entries), w.MAX_KEYS):
                 chunk = entries[part:part + w.MAX_KEYS]
                 got.extend(await (self._request_rdma(conn, ns_digest, chunk)
@@ -117,10 +127,10 @@ class PeerSource(RemoteSource):
         try:
             await asyncio.wait_for(run(), self._pod.fetch_timeout_s)
             assert conn is not None
-            self._idle.setdefault(addr, []).append(conn)
+            self._idle.setdefault(f"{node}@{addr}", []).append(conn)
             return got
         except (OSError, TimeoutError, asyncio.TimeoutError, asyncio.IncompleteReadError,
-                PeerFailed, RdmaTransferError) as exc:
+                PeerFailed, RdmaTransferError, w.HandshakeFailed) as exc:
             self._counters["pod_peer_errors"] += 1
             if conn is not None and conn.link is not None:
                 self._rdma_failed(addr, f"transfer: {exc}", setup=False)
@@ -131,8 +141,8 @@ class PeerSource(RemoteSource):
                 conn.abort()
             return got + [None] * (len(entries) - len(got))
 
-    async def _connection(self, addr: str) -> Conn:
-        idle = self._idle.get(addr)
+    async def _connection(self, addr: str, node: str) -> Conn:
+        idle = self._idle.get(f"{node}@{addr}")
         while idle:
             conn = idle.pop()
             if not conn.writer.is_closing() and not conn.reader.at_eof():
@@ -146,11 +156,11 @@ class PeerSource(RemoteSource):
             self._pod.connect_timeout_s)
         conn = Conn(reader, writer)
         try:
-            writer.write(w.HELLO.pack(w.HELLO_MAGIC, w.VERSION, len(self._token))
-                         + self._token)
-            ok = await reader.readexactly(1)
-            if ok != b"\x01":
-                raise PeerFailed(f"peer {addr} refused the pod token")
+            # Each handshake read bounded like the rest of the fetch (its caller's
+            # pod.fetch_timeout_s bounds the whole).
+            conn.transcript = await w.connect(reader, writer, self._keys.peer_key,
+                                              self._pod.node_id, node,
+                                              self._pod.fetch_timeout_s)
             if self._rdma is not None and time.monotonic() >= self._tcp_until.get(addr, 0.0):
                 conn.link = await self._attach(conn, addr)
         except BaseException:
@@ -200,22 +210,48 @@ class PeerSource(RemoteSource):
                   "peer fetch over RDMA from %s failed (%s); TCP for the next %g s",
                   addr, why, RDMA_RETRY_S)
 
+    def _request_bytes(self, conn: Conn, ns_digest: bytes, entries: Sequence[RemoteEntry],
+                       magic: bytes) -> bytes:
+        """A request with this connection's proof that this node holds the namespace's
+        key."""
+        assert conn.transcript is not None
+        nk = self._keys.namespace(ns_digest)
+        return w.pack_keys(ns_digest, [e.key for e in entries], magic,
+                           conn.transcript.ns_proof(nk.request_key, ns_digest))
+
+    def _verified(self, conn: Conn, ns_digest: bytes, e: RemoteEntry, data: bytes,
+                  seq: int, tag: bytes) -> bytes | None:
+        """``data`` when its authenticator verifies under this node's key, else a miss
+        (counted, logged)."""
+        assert conn.transcript is not None
+        auth = self._keys.namespace(ns_digest).auth
+        if auth.verify(e.key, data, tag, conn.transcript.answer_context(seq)):
+            return data
+        self._counters["pod_fetch_unauthenticated"] += 1
+        throttled(log, logging.WARNING, "pod.peer_unauthenticated",
+                  "peer block %s of namespace %s from node %s: its authenticator does not "
+                  "verify under this node's key (a peer without the pod's master key, or "
+                  "bytes changed on the way); a miss, nothing adopted", e.key.hex()[:16],
+                  ns_digest.hex(), e.node_id)
+        return None
+
     async def _request_rdma(self, conn: Conn, ns_digest: bytes,
                             entries: Sequence[RemoteEntry]) -> list[bytes | None]:
         """One request answered with READ keys: the hits whose answer matches the index
-        entry are read by RDMA, then the lease is ended (done); a holder that could not
-        grant them (status 2) is asked again over TCP on the same connection."""
+        entry are read by RDMA and their authenticators verified, then the lease is ended
+        (done); a holder that could not grant them (status 2) is asked again over TCP on
+        the same connection."""
         assert conn.link is not None
-        conn.writer.write(w.pack_keys(ns_digest, [e.key for e in entries],
-                                      w.RDMA_REQUEST_MAGIC))
+        conn.writer.write(self._request_bytes(conn, ns_digest, entries, w.RDMA_REQUEST_MAGIC))
         raw = await conn.reader.readexactly(w.RDMA_ANSWER.size * len(entries))
         out: list[bytes | None] = [None] * len(entries)
         want: list[int] = []
         items: list[tuple[int, int, int]] = []
+        tags: list[tuple[int, bytes]] = []
         again: list[int] = []
         granted = False  # the holder holds a lease until our done
         for i, e in enumerate(entries):
-            status, crc, nbytes, _seq, addr, rkey = w.RDMA_ANSWER.unpack_from(
+            status, crc, nbytes, seq, addr, rkey, tag = w.RDMA_ANSWER.unpack_from(
                 raw, i * w.RDMA_ANSWER.size)
             granted = granted or status == 1
             if status == 2:
@@ -225,10 +261,11 @@ class PeerSource(RemoteSource):
             else:
                 want.append(i)
                 items.append((addr, rkey, nbytes))
+                tags.append((seq, tag))
         if items:
             data = await self._read_watched(conn, items)
-            for i, d in zip(want, data, strict=True):
-                out[i] = d
+            for i, d, (seq, tag) in zip(want, data, tags, strict=True):
+                out[i] = self._verified(conn, ns_digest, entries[i], d, seq, tag)
             self._counters["pod_peer_rdma_blocks"] += len(items)
             self._counters["pod_peer_rdma_bytes"] += sum(n for _a, _k, n in items)
         if granted:
@@ -265,10 +302,11 @@ class PeerSource(RemoteSource):
     async def _request(self, conn: Conn, ns_digest: bytes, entries: Sequence[RemoteEntry]
                        ) -> list[bytes | None]:
         reader, writer = conn.reader, conn.writer
-        writer.write(w.pack_keys(ns_digest, [e.key for e in entries]))
+        writer.write(self._request_bytes(conn, ns_digest, entries, w.REQUEST_MAGIC))
         out: list[bytes | None] = []
         for e in entries:
-            status, crc, nbytes, _seq = w.ANSWER.unpack(await reader.readexactly(w.ANSWER.size))
+            status, crc, nbytes, seq, tag = w.ANSWER.unpack(
+                await reader.readexactly(w.ANSWER.size))
             if status == 0:
                 self._counters["pod_peer_misses"] += 1
                 out.append(None)
@@ -285,7 +323,7 @@ class PeerSource(RemoteSource):
                           e.crc32c)
                 out.append(None)
                 continue
-            out.append(data)
+            out.append(self._verified(conn, ns_digest, e, data, seq, tag))
         return out
 
     async def close(self) -> None:

@@ -1,10 +1,15 @@
 """The peer-fetch server: serves this node's blocks to authenticated pod members.
 
-Only pod members reach it: every connection starts with the pod token (constant-time
-compare) and, off loopback, mutual TLS with the pod CA; tenants' session tokens are not
-accepted here. A request names a namespace digest (which covers the tenant), so a block
-is only ever served to the same namespace on the other node. Every wait is bounded
-(hello, request read, send), and connections are capped.
+Only pod members reach it: every connection starts with a challenge-response handshake
+under the pod's peer key (derived from the master key, :mod:`.podkeys`; the server sends
+nothing but its challenge until the client proved itself) and, off loopback, mutual TLS
+with the pod CA; tenants' session tokens are not accepted here. A request names a
+namespace digest (which covers the tenant) and proves that the requester holds that
+namespace's key, so a block is only ever served to the same namespace on the other node,
+and a member certificate or the pod token alone reads nothing. Every served block carries
+the namespace's authenticator over the holder's own DRAM bytes, bound to the connection
+and the block's sequence number. Every wait is bounded (hello, request read, send), and
+connections are capped.
 
 With an RDMA device (``pod.rdma_listen``), a connection may attach a queue pair; its
 requests are then answered with READ keys to the pinned blocks instead of their bytes,
@@ -20,6 +25,7 @@ import logging
 import secrets
 from collections import Counter
 
+from ctxmem_common.codecs.blockauth import BlockAuthenticator
 from ctxmem_common.config import PodConfig
 from ctxmem_common.errors import ConfigError, CtxmemError
 from ctxmem_common.identity import is_local_listen
@@ -27,6 +33,7 @@ from ctxmem_common.netaddr import split_hostport
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.peer_rdma import grant_blocks, holder_endpoint
+from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.transport.rdma_device import RdmaDevice
 from ctxmem_dpu.transport.rdma_endpoint import SessionEndpoint
@@ -39,14 +46,15 @@ class PeerServer:
     """``async with PeerServer(...)`` or :meth:`start` / :meth:`close`."""
 
     def __init__(self, pod: PodConfig, store: BlockStore, counters: Counter[str],
-                 io_timeout_s: float = 10.0, rdma: RdmaDevice | None = None) -> None:
+                 keys: PodKeys, io_timeout_s: float = 10.0,
+                 rdma: RdmaDevice | None = None) -> None:
         if not pod.tls_cert_file and not is_local_listen(pod.listen):
             raise ConfigError(
                 f"pod.listen: {pod.listen!r} is not loopback and pod TLS is off; set "
                 f"pod.tls_cert_file, tls_key_file and tls_ca_file (mutual TLS between pod "
                 f"members), or listen on 127.0.0.1")
         self._pod = pod
-        self._token = w.pod_token(pod)
+        self._keys = keys
         self._ssl = w.server_context(pod)
         self._store = store
         self._counters = counters
@@ -106,16 +114,13 @@ class PeerServer:
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                        peer: object) -> None:
         t = self._timeout
-        magic, version, n = w.HELLO.unpack(
-            await asyncio.wait_for(reader.readexactly(w.HELLO.size), t))
-        token = await asyncio.wait_for(reader.readexactly(n), t)
-        if magic != w.HELLO_MAGIC or version != w.VERSION or not w.token_ok(token, self._token):
+        try:
+            tr = await w.accept(reader, writer, self._keys.peer_key, self._pod.node_id, t)
+        except w.HandshakeFailed as exc:
             self._counters["pod_peer_refused"] += 1
             throttled(log, logging.WARNING, "pod.peer_hello",
-                      "peer-fetch hello from %s refused: bad magic, version or pod token",
-                      peer)
+                      "peer-fetch handshake from %s refused: %s", peer, exc)
             return
-        writer.write(b"\x01")
         ep: SessionEndpoint | None = None
         try:
             while True:
@@ -126,21 +131,29 @@ class PeerServer:
                     ep = self._attach(writer, qp, peer)
                     continue
                 rest = await asyncio.wait_for(reader.readexactly(w.REQUEST.size - 4), t)
-                _magic, ns_digest, count = w.REQUEST.unpack(magic + rest)
+                _magic, ns_digest, proof, count = w.REQUEST.unpack(magic + rest)
                 rdma = magic == w.RDMA_REQUEST_MAGIC and ep is not None
                 if not (rdma or magic == w.REQUEST_MAGIC) or count > w.MAX_KEYS:
                     throttled(log, logging.WARNING, "pod.peer_request",
                               "peer-fetch request from %s refused: bad magic %r or %d keys "
                               "(max %d)", peer, magic, count, w.MAX_KEYS)
                     return
+                nk = self._keys.namespace(ns_digest)
+                if not w.check(tr.ns_proof(nk.request_key, ns_digest), proof):
+                    self._counters["pod_peer_refused"] += 1
+                    throttled(log, logging.WARNING, "pod.peer_ns_proof",
+                              "peer-fetch request from %s (node %r) for namespace %s "
+                              "refused: no proof that it holds the namespace's key; "
+                              "connection closed", peer, tr.client_id, ns_digest.hex())
+                    return
                 keys = []
                 for _ in range(count):
                     klen = (await asyncio.wait_for(reader.readexactly(1), t))[0]
                     keys.append(await asyncio.wait_for(reader.readexactly(klen), t))
                 if not rdma:
-                    await self._answer(writer, ns_digest, keys)
-                elif ep is not None and not await self._answer_rdma(reader, writer, ep,
-                                                                   ns_digest, keys, peer):
+                    await self._answer(writer, tr, nk.auth, ns_digest, keys)
+                elif ep is not None and not await self._answer_rdma(
+                        reader, writer, ep, tr, nk.auth, ns_digest, keys, peer):
                     return
         finally:
             if ep is not None:
@@ -166,8 +179,8 @@ class PeerServer:
         return ep
 
     async def _answer_rdma(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           ep: SessionEndpoint, ns_digest: bytes, keys: list[bytes],
-                           peer: object) -> bool:
+                           ep: SessionEndpoint, tr: w.Transcript, auth: BlockAuthenticator,
+                           ns_digest: bytes, keys: list[bytes], peer: object) -> bool:
         """Pin the blocks, grant READ keys for them, answer, and hold both until the
         fetcher's done (or ``pod.fetch_timeout_s``: then the connection is closed).
         A grant the device refuses answers status 2 (ask over TCP). Returns whether the
@@ -190,12 +203,16 @@ class PeerServer:
             parts = []
             for b in blocks:
                 if b is None or b.dram is None:
-                    parts.append(w.RDMA_ANSWER.pack(0, 0, 0, 0, 0, 0))
+                    parts.append(w.RDMA_ANSWER.pack(0, 0, 0, 0, 0, 0, w.NO_TAG))
                 elif granted is None:
-                    parts.append(w.RDMA_ANSWER.pack(2, 0, 0, 0, 0, 0))
+                    parts.append(w.RDMA_ANSWER.pack(2, 0, 0, 0, 0, 0, w.NO_TAG))
                 else:
                     addr, rkey = next(keyed)
-                    parts.append(w.RDMA_ANSWER.pack(1, b.crc, b.length, b.seq, addr, rkey))
+                    # Over the pinned slot's bytes: the READ brings exactly these.
+                    tag = auth.tag(b.key, store.dram.view(b.dram, b.length),
+                                   tr.answer_context(b.seq))
+                    parts.append(w.RDMA_ANSWER.pack(1, b.crc, b.length, b.seq, addr, rkey,
+                                                    tag))
             writer.write(b"".join(parts))
             await asyncio.wait_for(writer.drain(), self._timeout)
             if granted is None:
@@ -218,19 +235,22 @@ class PeerServer:
                 if b is not None:
                     store.unpin(b)
 
-    async def _answer(self, writer: asyncio.StreamWriter, ns_digest: bytes,
-                      keys: list[bytes]) -> None:
+    async def _answer(self, writer: asyncio.StreamWriter, tr: w.Transcript,
+                      auth: BlockAuthenticator, ns_digest: bytes, keys: list[bytes]) -> None:
         store = self._store
         blocks = await store.pin_for_peer(ns_digest, keys)
         try:
             for b in blocks:
                 if b is None or b.dram is None:
-                    writer.write(w.ANSWER.pack(0, 0, 0, 0))
+                    writer.write(w.ANSWER.pack(0, 0, 0, 0, w.NO_TAG))
                     continue
-                writer.write(w.ANSWER.pack(1, b.crc, b.length, b.seq))
                 # A copy (C memcpy): the transport may keep what it could not send yet,
-                # and the slot is unpinned once this answer is written.
-                writer.write(bytes(store.dram.view(b.dram, b.length)))
+                # and the slot is unpinned once this answer is written. The authenticator
+                # is made over the copy sent (GMAC in C), never cached.
+                data = bytes(store.dram.view(b.dram, b.length))
+                tag = auth.tag(b.key, data, tr.answer_context(b.seq))
+                writer.write(w.ANSWER.pack(1, b.crc, b.length, b.seq, tag))
+                writer.write(data)
                 self._counters["pod_served_blocks"] += 1
                 self._counters["pod_served_bytes"] += b.length
                 # Backpressure per block: a slow reader holds the pins at most this long.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
 from ctxmem_common.config import PodConfig
+from ctxmem_common.config_pod import index_auth_problem
 from ctxmem_common.errors import ConfigError
 from ctxmem_common.safepaths import read_tls_key_file
 
@@ -14,6 +16,8 @@ if TYPE_CHECKING:
 
     #: A single server or a Redis Cluster (``pod.index_cluster``).
     IndexClient = redis.asyncio.Redis | redis.asyncio.RedisCluster
+
+log = logging.getLogger(__name__)
 
 
 def client_key_file(path: str) -> str:
@@ -47,8 +51,11 @@ def connect(pod: PodConfig) -> IndexClient:
     ``pod.index_cert_file``/``index_key_file``, presents this node's client certificate
     (the files are checked here: a missing or unsafe one stops the service at start,
     naming the key). The password comes from
-    the URL or the ``pod.index_password_env`` variable. Connects lazily: an index that is
-    down at start is not an error (the node serves its own blocks meanwhile).
+    the URL or the ``pod.index_password_env`` variable; an index reached without a
+    password or client certificate is refused beyond loopback (``ConfigError``) and
+    warned about on loopback (:func:`~ctxmem_common.config_pod.index_auth_problem`).
+    Connects lazily: an index that is down at start is not an error (the node serves its
+    own blocks meanwhile).
 
     With ``pod.index_cluster`` the URL names one node of a Redis Cluster (any master or
     replica; the client learns the others from it) and the client is a
@@ -62,6 +69,11 @@ def connect(pod: PodConfig) -> IndexClient:
     if not pod.index_url.startswith(("redis://", "rediss://")):
         raise ConfigError(f"pod.index_url: {pod.index_url!r} is not a redis:// or rediss:// "
                           f"URL")
+    fatal, problem = index_auth_problem(pod)
+    if fatal:
+        raise ConfigError(problem)
+    if problem:
+        log.warning("%s", problem)
     kwargs: dict[str, Any] = {
         "socket_timeout": pod.index_timeout_s,
         "socket_connect_timeout": pod.connect_timeout_s,

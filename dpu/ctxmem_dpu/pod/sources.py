@@ -13,13 +13,20 @@ class RemoteSource(ABC):
 
     :meth:`fetch` returns, per entry, the block's bytes or ``None`` (a miss): a source
     never raises for a missing, stale or unreachable block, and never waits past its own
-    timeout. The fetch path checks every returned block's length and CRC32C against the
-    index entry again, so a source that returns wrong bytes causes a miss, not a wrong
-    get.
+    timeout. **A source returns only bytes it verified**: their authenticator checked
+    under this node's own key of the namespace
+    (:class:`~ctxmem_common.codecs.blockauth.BlockAuthenticator`), never against anything
+    the index or a peer supplied; it says so with :attr:`verifies`. The fetch path adopts
+    nothing from a source that does not (``pod_fetch_unauthenticated``), and checks every
+    returned block's length and CRC32C against the index entry again (an accident
+    check: the index proves nothing).
     """
 
     #: Short name for Stats and /metrics (``pod_fetch_blocks_<name>``).
     name: str = "source"
+    #: Every block :meth:`fetch` returns was verified under the namespace's
+    #: authenticator key (docs/security.md, "The pod's keys").
+    verifies: bool = False
 
     def accepts(self, entry: RemoteEntry) -> bool:
         """Whether this source can try ``entry`` at all (cheap, no I/O)."""

@@ -38,6 +38,9 @@ COUNTERS = (
     "pod_fetch_bytes_peer", "pod_fetch_blocks_shared_flash", "pod_fetch_bytes_shared_flash",
     "pod_fetch_misses", "pod_fetch_bad", "pod_peer_errors", "pod_peer_misses",
     "pod_peer_refused", "pod_served_blocks", "pod_served_bytes",
+    # Fetched blocks whose authenticator did not verify, or from a source that does not
+    # verify (issue 25): misses, never adopted.
+    "pod_fetch_unauthenticated",
     # Peer fetch over RDMA (a subset of the peer's and served counts above).
     "pod_peer_rdma_blocks", "pod_peer_rdma_bytes", "pod_served_rdma_blocks",
     "pod_served_rdma_bytes", "pod_peer_rdma_fallbacks", "pod_rdma_setup_errors",
