@@ -5,6 +5,12 @@ therefore never reaches stable storage before its payload, so after a crash or p
 every valid header on flash names a complete payload; a block is durable (and its extent
 recorded in the index) only after the second sync.
 
+Every record header carries the record's authenticator (``FlashDevice.tag``: a MAC under
+the namespace's key over the plaintext, binding key, device, payload offset and sequence
+number), made by the I/O thread from the DRAM slot right after its payload was written
+and its CRC32C re-checked: one call per record, which reads the slot once more while it
+is in cache.
+
 A block is persisted only while its DRAM bytes still match the CRC32C computed at commit:
 each payload's CRC32C is recomputed from the DRAM slot right after the slot was written
 (encrypted from it, while it is still in cache), and a block that changed since commit (a
@@ -32,6 +38,7 @@ from operator import attrgetter, itemgetter
 from typing import Any
 
 from ctxmem_common.codecs import XtsCipher, crc32c_many
+from ctxmem_common.codecs.blockauth import BlockAuthenticator
 from ctxmem_common.flash_format import (
     FLAG_DEVICE_ENCRYPTED,
     FLAG_ENCRYPTED,
@@ -49,9 +56,10 @@ from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError
 from ctxmem_dpu.tiers.flash_fence import SlabFenced
 
-# A record's cipher (None: written in plaintext), its header flags and key check value:
-# the same for every record of one namespace on one device.
-Record = tuple[XtsCipher | None, int, int]
+# A record's cipher (None: written in plaintext), its header flags and key check value,
+# and its namespace's authenticator: the same for every record of one namespace on one
+# device.
+Record = tuple[XtsCipher | None, int, int, BlockAuthenticator]
 # One block of a demotion: (device, flash slot, block, the DRAM slot's view, its Record,
 # (the DRAM slab's mapping, the slot's offset in it)).
 Job = tuple[FlashDevice, SlotRef, Block, memoryview, Record, memoryview, int]
@@ -267,7 +275,8 @@ class Demotion:
                     cipher,
                     (FLAG_ENCRYPTED if cipher is not None else 0)
                     | (FLAG_DEVICE_ENCRYPTED if keyring.device_encrypts(name) else 0),
-                    cipher.check_value if cipher is not None else 0)
+                    cipher.check_value if cipher is not None else 0,
+                    keyring.authenticator(b.ns))
             ref = b.dram
             assert ref is not None
             slab = slabs.get(ref.slab)
@@ -377,6 +386,9 @@ class Demotion:
         """The four I/O phases of a demotion; one result per job (None: durable).
         ``committed_ns``: the write time every header of the batch records."""
         io = self._ctx.io
+        # Each written block's authenticator, from the payload phase to the header phase
+        # (set by the I/O threads: one dict store per block).
+        tags: dict[Block, bytes] = {}
 
         def fences(jobs: list[Job]) -> list[BaseException | None]:
             # Shared devices: is each slab's lease still this node's (clock and the slab
@@ -421,6 +433,11 @@ class Demotion:
                             f"bytes changed after commit (CRC32C {got_crc:08x}, committed "
                             f"{b.crc:08x}; a shared-memory client wrote a slot it no longer "
                             f"holds)")
+            # The authenticators of what was written and checked (plaintext, from the slot).
+            for i, err in enumerate(out):
+                if err is None:
+                    dev, slot, b, view, rec = part[i][0][:5]
+                    tags[b] = dev.tag(rec[3], b.key, view[: b.length], slot, b.seq)
             return out
 
         def headers(part: list[tuple[Job, BaseException | None]]
@@ -436,7 +453,8 @@ class Demotion:
                 try:
                     rows = pack_record_headers(
                         namespaces, keys, lengths, crcs, seqs, list(map(_FLAGS, recs)),
-                        list(map(_KEY_CHECK, recs)), committed_ns)
+                        list(map(_KEY_CHECK, recs)), committed_ns,
+                        list(map(tags.__getitem__, map(_BLOCK, todo))))
                 except ValueError as exc:
                     got: list[BaseException | None] = [exc] * len(group)
                 else:
