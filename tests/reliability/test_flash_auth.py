@@ -16,17 +16,16 @@ from pathlib import Path
 import pytest
 
 from ctxmem_common.codecs import crc32c
-from ctxmem_common.flash_format import REC_BODY, REC_OFF_CRC, SECTOR
+from ctxmem_common.flash_format import REC_OFF_CRC, SECTOR
 from ctxmem_dpu import faults
 from ctxmem_dpu.check import check_devices
 from ctxmem_dpu.store import BlockStore
 
+from ..dpu.forge import forge_crc, rehash, v1_header
 from ..dpu.storekit import MASTER, get, make_flash, open_store, payload, put, session, store_config
 from .kit import patch_file, settled_audit
 
 K = [bytes([i]) * 8 for i in range(1, 40)]
-# A record header of format version 1 (before authenticators) ends at byte 125, its CRC32C.
-V1_BODY = 125
 
 
 @pytest.fixture(autouse=True)
@@ -38,41 +37,6 @@ def read(path: Path, off: int, n: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(off)
         return f.read(n)
-
-
-def forge_crc(data: bytes, target: int, at: int = 0) -> bytes:
-    """``data`` with the 4 bytes at ``at`` chosen so that its CRC32C is ``target``: CRC32C
-    is affine over GF(2), so 32 probes give the linear map and Gaussian elimination the
-    bytes (what anyone can do: a CRC32C is no authenticator)."""
-    def crc_with(x: int) -> int:
-        return crc32c(data[:at] + x.to_bytes(4, "little") + data[at + 4:])
-
-    base = crc_with(0)
-    cols = [crc_with(1 << i) ^ base for i in range(32)]
-    # Solve sum(x_i * cols[i]) == target ^ base: rows are (column, the bit it sets in x).
-    rows = [(c, 1 << i) for i, c in enumerate(cols)]
-    want, x = target ^ base, 0
-    basis: list[tuple[int, int]] = []
-    for c, m in rows:
-        for bc, bm in basis:
-            if c ^ bc < c:
-                c, m = c ^ bc, m ^ bm
-        if c:
-            basis.append((c, m))
-            basis.sort(reverse=True)
-    for bc, bm in basis:
-        if want ^ bc < want:
-            want, x = want ^ bc, x ^ bm
-    assert want == 0, "the CRC32C map was not invertible on these 4 bytes"
-    out = data[:at] + x.to_bytes(4, "little") + data[at + 4:]
-    assert crc32c(out) == target
-    return out
-
-
-def rehash(header: bytes) -> bytes:
-    """``header`` (a whole 4 KiB entry) with its header CRC32C made valid again."""
-    body = header[:REC_BODY]
-    return body + crc32c(body).to_bytes(4, "little") + header[REC_BODY + 4:]
 
 
 async def durable(store: BlockStore, n: int) -> tuple[object, object, dict[bytes, bytes]]:
@@ -98,7 +62,7 @@ async def test_forged_payload_with_matching_crc_is_a_miss_live_and_after_restart
     store = await open_store(cfg, flash)
     try:
         s, ns, data = await durable(store, 4)
-        hdr, pay = where(store, ns, K[1])
+        _hdr, pay = where(store, ns, K[1])
         n = len(data[K[1]])
         forged = forge_crc(b"attacker bytes!!" * (n // 16), crc32c(data[K[1]]), at=n - 4)
         patch_file(img, pay, forged)
@@ -137,7 +101,7 @@ async def test_record_moved_to_another_slot_or_key_is_a_miss(tmp_path: Path) -> 
         h0, p0 = where(store, ns, K[0])
         h5, p5 = where(store, ns, K[5])
         h1, p1 = where(store, ns, K[1])
-        h2, p2 = where(store, ns, K[2])
+        _h2, p2 = where(store, ns, K[2])
         n = len(data[K[0]])
     finally:
         await store.close()
@@ -205,10 +169,7 @@ async def test_old_format_records_are_counted_misses_and_the_rest_rebuilds(
     finally:
         await store.close()
     for h in old:  # as the previous release wrote them: version 1, CRC32C at offset 125
-        raw = bytearray(read(img, h, SECTOR))
-        raw[8:10] = (1).to_bytes(2, "little")
-        body = bytes(raw[:V1_BODY])
-        patch_file(img, h, (body + crc32c(body).to_bytes(4, "little")).ljust(SECTOR, b"\0"))
+        patch_file(img, h, v1_header(read(img, h, SECTOR)))
     caplog.set_level(logging.WARNING, "ctxmem_dpu.store")
     store = await open_store(cfg, flash)
     try:
@@ -244,10 +205,7 @@ async def test_check_reports_authenticator_failures(tmp_path: Path) -> None:
     assert clean.clean and clean.payloads_verified == 4, clean
     n = len(data[K[2]])
     patch_file(img, pay, forge_crc(bytes(n), crc32c(data[K[2]])))
-    raw = bytearray(read(img, old_hdr, SECTOR))
-    raw[8:10] = (1).to_bytes(2, "little")
-    body = bytes(raw[:V1_BODY])
-    patch_file(img, old_hdr, (body + crc32c(body).to_bytes(4, "little")).ljust(SECTOR, b"\0"))
+    patch_file(img, old_hdr, v1_header(read(img, old_hdr, SECTOR)))
     lines: list[str] = []
     rep = check_devices(flash, MASTER, log=lines)
     kinds = sorted(p.kind for d in rep.devices for p in d.problems)
