@@ -507,10 +507,13 @@ def parse_header_table(table: Buffer, slots: int) -> list[TableEntry]:
 
 
 def pack_header_table(slots: int, namespace: bytes, keys: np.ndarray, length: int, crc: int,
-                      seqs: np.ndarray, encrypted: bool = False, time_ns: int = 0) -> bytearray:
+                      seqs: np.ndarray, encrypted: bool = False, time_ns: int = 0,
+                      tags: np.ndarray | None = None) -> bytearray:
     """A slab's header table holding ``len(keys)`` records in slots 0.. (the rest empty),
     built column-wise: for tools that generate large images (``ctxmem bench recovery``).
-    ``keys``: a (n, key length) uint8 array; ``seqs``: n sequence numbers."""
+    ``keys``: a (n, key length) uint8 array; ``seqs``: n sequence numbers; ``tags``: a
+    (n, TAG_BYTES) uint8 array of their authenticators (zeros, which never verify, when
+    not given)."""
     n, klen = keys.shape
     if not 1 <= klen <= 64 or n > slots or len(namespace) != 16:
         raise ValueError("pack_header_table: bad key length, count or namespace")
@@ -523,6 +526,8 @@ def pack_header_table(slots: int, namespace: bytes, keys: np.ndarray, length: in
     rec["klen"] = klen
     raw = np.frombuffer(table, dtype=np.uint8).reshape(slots, SECTOR)
     raw[:n, REC_OFF_KEY:REC_OFF_KEY + klen] = keys
+    if tags is not None:
+        raw[:n, REC_OFF_TAG:REC_OFF_TAG + TAG_BYTES] = tags
     rec["length"] = length
     rec["crc"] = crc
     rec["seq"] = seqs
