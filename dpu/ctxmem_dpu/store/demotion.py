@@ -89,6 +89,9 @@ DEMOTE_BACKOFF_MAX_S = 1.0
 # (16 MiB of 64 KiB blocks) keep a stall near half a millisecond; ``flash.demote_batch``
 # (the count every batch takes at least) is not capped.
 DEMOTE_BATCH_MAX_BLOCKS = 256
+# Demotion re-checks each block's CRC32C and makes its authenticator in chunks of about
+# this many bytes, so the tag reads the slot from cache right after the CRC did.
+TAG_CHUNK_BYTES = 1 << 20
 # "flash tier full" is logged at most this often (each occurrence is counted in flash_full).
 FLASH_FULL_LOG_INTERVAL_S = 30.0
 
@@ -419,25 +422,27 @@ class Demotion:
             # After the writes, while the slots are in cache: what was written is what was
             # committed, or the block is dropped (see the module doc). One native call per
             # DRAM slab (the GIL released once, not once per block).
-            for _region, group in _grouped(part, out, _REGION_ID).items():
-                todo = [part[i][0] for i in group]
-                blocks = list(map(_BLOCK, todo))
-                got_crcs = crc32c_many(todo[0][5], list(map(_AT, todo)),
-                                       list(map(_LENGTH, blocks)))
-                if got_crcs == list(map(_CRC, blocks)):
-                    continue
-                for i, b, got_crc in zip(group, blocks, got_crcs, strict=True):
-                    if got_crc != b.crc:
-                        out[i] = DramChanged(
-                            f"block {b.key.hex()[:16]} of namespace {b.ns.hex()[:16]}: DRAM "
-                            f"bytes changed after commit (CRC32C {got_crc:08x}, committed "
-                            f"{b.crc:08x}; a shared-memory client wrote a slot it no longer "
-                            f"holds)")
-            # The authenticators of what was written and checked (plaintext, from the slot).
-            for i, err in enumerate(out):
-                if err is None:
-                    dev, slot, b, view, rec = part[i][0][:5]
-                    tags[b] = dev.tag(rec[3], b.key, view[: b.length], slot, b.seq)
+            # Then each block's authenticator (plaintext, from the slot), a chunk of about
+            # TAG_CHUNK_BYTES right after its CRC32Cs, so the tag reads it from cache.
+            for _region, whole in _grouped(part, out, _REGION_ID).items():
+                step = max(1, TAG_CHUNK_BYTES // part[whole[0]][0][2].slot_size)
+                for at in range(0, len(whole), step):
+                    group = whole[at : at + step]
+                    todo = [part[i][0] for i in group]
+                    blocks = list(map(_BLOCK, todo))
+                    got_crcs = crc32c_many(todo[0][5], list(map(_AT, todo)),
+                                           list(map(_LENGTH, blocks)))
+                    if got_crcs != list(map(_CRC, blocks)):
+                        for i, b, got_crc in zip(group, blocks, got_crcs, strict=True):
+                            if got_crc != b.crc:
+                                out[i] = DramChanged(
+                                    f"block {b.key.hex()[:16]} of namespace {b.ns.hex()[:16]}: "
+                                    f"DRAM bytes changed after commit (CRC32C {got_crc:08x}, "
+                                    f"committed {b.crc:08x}; a shared-memory client wrote a "
+                                    f"slot it no longer holds)")
+                    for i, (dev, slot, b, view, rec, _r, _a) in zip(group, todo, strict=True):
+                        if out[i] is None:
+                            tags[b] = dev.tag(rec[3], b.key, view[: b.length], slot, b.seq)
             return out
 
         def headers(part: list[tuple[Job, BaseException | None]]

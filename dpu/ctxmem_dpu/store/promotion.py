@@ -301,18 +301,24 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
         for i in ready:
             groups.setdefault((part[i][0], part[i][4]), []).append(i)
         for (dev, cipher), group in groups.items():
+
+            def authentic(k: int, dev: FlashDevice = dev, group: list[int] = group,
+                          confirmed: bool = cipher is not None) -> ReadFailure | None:
+                # The CRC32C held: is it authentic, and here? Checked while in cache.
+                i = group[k]
+                hdr = hdrs[i]
+                assert isinstance(hdr, RecordHeader)
+                slot, view, b, auth = part[i][1], part[i][2], part[i][3], part[i][5]
+                try:
+                    dev.check_tag(auth, hdr, slot, view[: b.length],
+                                  confirmed and i not in unsure)
+                except ReadFailure as exc:
+                    return exc
+                return None
+
             got = dev.read_payloads([(part[i][1], part[i][2], part[i][3].length,
-                                      part[i][3].crc) for i in group], cipher)
+                                      part[i][3].crc) for i in group], cipher, authentic)
             for i, err in zip(group, got, strict=True):
-                if err is None:  # the CRC32C held: now is it authentic, and here?
-                    hdr = hdrs[i]
-                    assert isinstance(hdr, RecordHeader)
-                    slot, view, b, auth = part[i][1], part[i][2], part[i][3], part[i][5]
-                    try:
-                        dev.check_tag(auth, hdr, slot, view[: b.length],
-                                      cipher is not None and i not in unsure)
-                    except ReadFailure as exc:
-                        err = exc
                 if isinstance(err, ReadFailure) and i in unsure:
                     # A CRC mismatch after decrypting with a key the header cannot confirm
                     # may be a wrong master key, not a bad record: never invalidate it.

@@ -9,6 +9,7 @@ the index.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from operator import itemgetter
 
@@ -323,7 +324,9 @@ class FlashDevice(FormattedDevice):
                               "master key?)")
 
     def read_payloads(self, items: list[tuple[SlotRef, memoryview, int, int]],
-                      cipher: XtsCipher | None) -> list[BaseException | None]:
+                      cipher: XtsCipher | None,
+                      then: Callable[[int], BaseException | None] | None = None
+                      ) -> list[BaseException | None]:
         """Read records' payloads into their slots and check each CRC32C; the headers must
         have been checked (:meth:`check_header`). ``items``: (slot on flash, ``dst`` — the
         4 KiB-aligned DRAM slot, ``length``, ``crc``).
@@ -332,8 +335,11 @@ class FlashDevice(FormattedDevice):
         are read by one device I/O of at most ``PAYLOAD_RUN`` bytes (one ``preadv``
         straight into the slots), or with ``cipher`` of at most ``XTS_PAYLOAD_RUN``
         bytes (into this thread's staging buffer, then decrypted slot by slot).
-        Returns, per item, ``None`` (read and checked), a :class:`ReadFailure` (``ours``:
-        bad length or CRC) or the :class:`FlashIOError` of the read that covered it."""
+        ``then(i)``, when given, is called for item ``i`` right after its CRC32C held, while
+        its bytes are in cache (promotion checks the authenticator there); what it returns
+        is the item's result. Returns, per item, ``None`` (read and checked), a
+        :class:`ReadFailure` (``ours``: bad length or CRC) or the :class:`FlashIOError` of
+        the read that covered it."""
         out: list[BaseException | None] = [None] * len(items)
         todo: list[int] = []
         for i, (_slot, dst, length, _crc) in enumerate(items):
@@ -369,6 +375,8 @@ class FlashDevice(FormattedDevice):
                     _slot, dst, length, crc = items[i]
                     if crc32c(dst[:length]) != crc:
                         out[i] = ReadFailure("payload CRC32C mismatch", ours=True)
+                    elif then is not None:
+                        out[i] = then(i)
             k = j
         return out
 
