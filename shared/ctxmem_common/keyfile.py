@@ -72,7 +72,7 @@ def load_service_key(enc: EncryptionConfig, *, create: bool) -> bytes | None:
         return None
     try:
         return load_master_key(replace(enc, enabled=True), create=create)
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:
         log.warning("encryption is off and the configured master key cannot be used for "
                     "the flash records' authenticators (%s); they prove nothing against "
                     "anyone who writes the flash", exc)
