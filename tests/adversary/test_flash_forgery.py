@@ -11,6 +11,7 @@ although encryption is off (``keyfile.load_service_key``)."""
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections.abc import Callable
 
 import numpy as np
@@ -92,3 +93,5 @@ def test_payload_forged_with_its_crc32c_is_a_counted_miss(
         for i in (0, 2, 3):
             assert ns.get(keys[i:i + 1], out[i:i + 1]) == 1
             assert np.array_equal(out[i], data[i])
+    with urllib.request.urlopen(svc.metrics_url_for("/metrics"), timeout=10) as r:
+        assert "ctxmem_flash_auth_failures_total 1.0" in r.read().decode()
