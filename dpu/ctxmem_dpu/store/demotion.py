@@ -421,9 +421,9 @@ class Demotion:
                     out[i] = err
             # After the writes, while the slots are in cache: what was written is what was
             # committed, or the block is dropped (see the module doc). One native call per
-            # DRAM slab (the GIL released once, not once per block).
-            # Then each block's authenticator (plaintext, from the slot), a chunk of about
-            # TAG_CHUNK_BYTES right after its CRC32Cs, so the tag reads it from cache.
+            # chunk of about TAG_CHUNK_BYTES of one DRAM slab (the GIL released once per
+            # chunk, not once per block), then each of the chunk's authenticators
+            # (plaintext, from the slot) while the CRC pass left it in cache.
             for _region, whole in _grouped(part, out, _REGION_ID).items():
                 step = max(1, TAG_CHUNK_BYTES // part[whole[0]][0][2].slot_size)
                 for at in range(0, len(whole), step):

@@ -313,6 +313,7 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
                     dev.check_tag(auth, hdr, slot, view[: b.length],
                                   confirmed and i not in unsure)
                 except ReadFailure as exc:
+                    exc.__traceback__ = None  # its frames hold the slot's view
                     return exc
                 return None
 
