@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -435,7 +436,7 @@ def _payload_state(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: i
     if crc32c(memoryview(data)[:length]) == crc:
         # Without a master key: the public one a service without a key authenticates with.
         hdr = RecordHeader.unpack(dev.read(header_offset(slab, i, sb.slab_size), SECTOR))
-        auth = BlockAuthenticator.for_namespace(master_key or PUBLIC_MASTER_KEY, ns)
+        auth = _authenticator(master_key or PUBLIC_MASTER_KEY, ns)
         if hdr is not None and hdr.key == key and auth.verify(
                 key, memoryview(data)[:length], hdr.tag, record_context(sb.device_uuid, poff,
                                                                          seq)):
@@ -450,6 +451,12 @@ def _payload_state(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: i
     if not kcv:
         return "crc_unsure"
     return "crc" if kcv == ciphers[ns].check_value else "wrong_key"
+
+
+@functools.lru_cache(maxsize=256)
+def _authenticator(master_key: bytes, ns: bytes) -> BlockAuthenticator:
+    """The namespace's authenticator (its key derived once per namespace)."""
+    return BlockAuthenticator.for_namespace(master_key, ns)
 
 
 def _resolve_duplicates(by_key: dict[tuple[bytes, bytes], list[_Rec]],
