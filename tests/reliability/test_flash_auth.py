@@ -129,18 +129,27 @@ async def test_record_moved_to_another_slot_or_key_is_a_miss(tmp_path: Path) -> 
         await store.close()
 
 
-@pytest.mark.parametrize("encryption", [False, True])
-async def test_zeroed_authenticator_is_a_miss(tmp_path: Path, encryption: bool) -> None:
-    from ctxmem_common.flash_format import REC_OFF_TAG
+@pytest.mark.parametrize("mode", ["plain", "xts", "device_encrypted"])
+async def test_zeroed_authenticator_is_a_miss(tmp_path: Path, mode: str) -> None:
+    """On every encryption layer: none, ctxmem's AES-XTS, and a device whose storage layer
+    encrypts (an SPDK crypto bdev or a BlueField: ctxmem writes plaintext, the service
+    still makes and checks the authenticators)."""
+    from ctxmem_common.flash_format import REC_OFF_TAG, RecordHeader
 
     img = tmp_path / "f.img"
     flash = make_flash(img)
-    cfg = store_config(encryption=encryption)
-    store = await open_store(cfg, flash)
+    encryption = mode == "xts"
+    cfg = store_config(encryption=mode != "plain")
+    store = BlockStore(cfg, flash, MASTER,
+                       software_crypto_off=["flash0"] if mode == "device_encrypted" else ())
+    await store.start()
     try:
         s, ns, data = await durable(store, 3)
         hdr, _pay = where(store, ns, K[1])
         raw = bytearray(read(img, hdr, SECTOR))
+        h = RecordHeader.unpack(bytes(raw))
+        assert h is not None and (h.encrypted, h.device_encrypted) == (
+            encryption, mode == "device_encrypted")
         assert any(raw[REC_OFF_TAG:REC_OFF_TAG + 28])
         raw[REC_OFF_TAG:REC_OFF_TAG + 28] = bytes(28)
         patch_file(img, hdr, rehash(bytes(raw)))
