@@ -24,7 +24,7 @@ from ctxmem_common.config import Config
 from ctxmem_common.cpuset import format_cpulist, pin_process
 from ctxmem_common.errors import ConfigError
 from ctxmem_common.identity import check_identity_mode, is_local_listen, network_listens
-from ctxmem_common.keyfile import load_master_key
+from ctxmem_common.keyfile import load_service_key
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu import sdnotify
@@ -100,7 +100,7 @@ class Service:
                 "tenant tokens); acceptable only with every client on this host (listening "
                 "on %s). Set service.tenant_tokens for anything else.",
                 ", ".join(addr for _key, addr in network_listens(cfg)))
-        master_key = load_master_key(cfg.encryption, create=True)
+        master_key = load_service_key(cfg.encryption, create=True)
         specs = self._device_specs()
         flash_paths: list[tuple[str, str]] = []
         crypto_off: list[str] = []
@@ -176,12 +176,16 @@ class Service:
             # Fetch sources tried before the peer, in order: shared flash (part 3) is
             # appended here when a flash device is marked shared.
             sources: list[RemoteSource] = []
+            # A pod node has a real master key (never the public fallback): what peers and
+            # shared devices hand over verifies under it or is a miss.
+            pod_key = pod_master_key(cfg, master_key)
             if shared:
                 from ctxmem_dpu.pod.shared_flash import SharedFlashSource
 
                 sources.append(SharedFlashSource(
-                    [path for name, path in flash_paths if name in shared], master_key))
-            self.pod = PodNode(cfg, self.store, pod_master_key(cfg, master_key), sources,
+                    [path for name, path in flash_paths if name in shared], pod_key,
+                    encrypt=cfg.encryption.enabled))
+            self.pod = PodNode(cfg, self.store, pod_key, sources,
                                shared_location=self.store.shared_location)
             await self.pod.start()
             servicer.pod = self.pod

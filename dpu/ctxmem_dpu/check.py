@@ -3,14 +3,18 @@
 Reads every device named by the config (or ``--device``) the way a warm restart does and
 more strictly: both superblock copies, each slab header, every record header, every
 record's payload (decrypted with the namespace key derived from the master key, then
-CRC32C-checked against its header), duplicate keys across slots and devices, and the
-device's length against its geometry. It reports what it finds; with ``--repair`` it
-fixes what can be fixed without guessing — it never makes up data:
+CRC32C-checked against its header, and its authenticator verified: a MAC under the
+namespace's authenticator key, binding key, bytes, device, place and sequence number),
+duplicate keys across slots and devices, and the device's length against its geometry.
+It reports what it finds; with ``--repair`` it fixes what can be fixed without guessing —
+it never makes up data:
 
 * a damaged superblock copy is rewritten from the good one;
 * a record that fails a check (torn or corrupt header, bad length, payload CRC mismatch,
-  payload beyond the end of the device) is invalidated (its header zeroed), so it is an
-  empty slot and its space is reused;
+  payload beyond the end of the device, an authenticator that does not verify on an
+  encrypted record whose payload decrypted soundly) is invalidated (its header zeroed), so
+  it is an empty slot and its space is reused; a record of format version 1 (no
+  authenticator: the service never serves it) too;
 * of several records for one key, all but the one the service would serve (highest
   sequence number) are invalidated — and when that one is bad, every record of the key
   is, so an older version never resurfaces;
@@ -19,7 +23,9 @@ fixes what can be fixed without guessing — it never makes up data:
   from the slab headers, device UUID included (:mod:`.check_superblock`).
 
 It never invalidates what may only be unreadable to it: an encrypted record written with
-another key (a wrong master key) is reported, not touched.
+another key (a wrong master key) is reported, not touched; so is an unencrypted record
+whose authenticator does not verify (nothing tells a forged record from a wrong master
+key there: the service serves neither).
 
 Paths are opened as carefully as the service opens them (:func:`open_device`, through
 :mod:`ctxmem_common.safepaths`): a symbolic link at a device's path, or a regular file
@@ -42,10 +48,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 from dataclasses import asdict, dataclass, field
 
 from ctxmem_common.codecs import XtsCipher, crc32c, derive_namespace_key, xts_tweak
+from ctxmem_common.codecs.blockauth import BlockAuthenticator
 from ctxmem_common.config import Config
 from ctxmem_common.errors import ConfigError
 from ctxmem_common.flash_format import (
@@ -61,14 +69,16 @@ from ctxmem_common.flash_format import (
     header_offset,
     max_table_slots,
     payload_offset,
+    record_context,
     slab_base,
     slots_per_slab,
 )
-from ctxmem_common.keyfile import load_master_key
+from ctxmem_common.keyfile import load_service_key
 from ctxmem_common.progress import progress
 from ctxmem_dpu.check_superblock import open_device, refuse_if_owned
 from ctxmem_dpu.check_superblock import rebuild as rebuild_superblock
 from ctxmem_dpu.check_superblock import write_pair as write_superblock_pair
+from ctxmem_dpu.store.ciphers import PUBLIC_MASTER_KEY
 
 # Problem kinds. "warning" kinds are reported but are not errors.
 KINDS = {
@@ -88,10 +98,19 @@ KINDS = {
                     "not verified, never invalidated",
     "duplicate": "an older or redundant record of a key another record supersedes",
     "superseded_by_bad": "a key's newest record is bad; its older records must not serve",
+    "record_auth": "a record's authenticator does not verify (written, copied or patched "
+                   "by someone without the master key, or a wrong master key): the "
+                   "service serves it as a miss",
+    "record_auth_unverified": "a record's authenticator not verified: no master key given "
+                              "(or the device UUID is unknown)",
+    "record_old_format": "a record of format version 1 (no authenticator): the service "
+                         "never serves it and reuses its slot",
 }
 # Reported, not errors: a torn header is an empty slot to the service (nothing is served
-# from it and its space is reused); an encrypted record without a key cannot be checked.
-WARNINGS = {"encryption_mismatch", "record_header_corrupt", "key_mismatch"}
+# from it and its space is reused); an encrypted record without a key cannot be checked;
+# a record of format version 1 is an empty slot to the service too.
+WARNINGS = {"encryption_mismatch", "record_header_corrupt", "key_mismatch",
+            "record_auth_unverified", "record_old_format"}
 
 
 @dataclass
@@ -274,6 +293,7 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
         problem("truncated", f"{dev.size} bytes hold {fits} of {sb.num_slabs} slabs; the "
                              f"rest (and their blocks) are gone")
     n_slabs = min(fits + 1, sb.num_slabs)
+    unverified = 0  # records whose authenticator could not be checked (no master key)
     bar = progress(n_slabs, f"ctxmem check {rep.name}", "slabs",
                    show=None if show_progress else False)
     for slab in range(n_slabs):
@@ -312,7 +332,14 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
                 orphaned = True  # check its records too; the service does not use them
         if not orphaned:
             rep.slabs_used += 1
-        cols, _entries, torn = reader.read_table(slab, sb.slab_size, sh.slots, torn=True)
+        cols, _entries, torn, old = reader.read_table(slab, sb.slab_size, sh.slots, torn=True)
+        for i in old:
+            p = problem("record_old_format", "a record of format version 1 (written before "
+                        "records carried authenticators): the service does not serve it",
+                        slab, i)
+            if dev.repair:
+                dev.zero(header_offset(slab, i, sb.slab_size))
+                p.repaired = True
         for i in torn:  # magic but no valid header: torn or corrupt
             p = problem("record_header_corrupt",
                         "the record magic is there but the header fails its CRC32C "
@@ -322,8 +349,8 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
                 p.repaired = True
         for i, ns, key, length, crc, seq, enc, _ts in zip(*cols, strict=True):
             fits_slot = 0 < length <= sh.slot_size
-            state = (_payload_state(dev, sb, slab, i, sh.slot_size, ns, length, crc, enc,
-                                    master_key if uuid_known else None, ciphers)
+            state = (_payload_state(dev, sb, slab, i, sh.slot_size, ns, key, length, crc,
+                                    seq, enc, master_key if uuid_known else None, ciphers)
                      if fits_slot and verify_payloads else "")
             if orphaned:
                 # Report bad records, but these are not the service's: no accounting.
@@ -343,6 +370,20 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
             elif state == "wrong_key":
                 problem("key_mismatch", f"key {key.hex()[:16]}: written with another key "
                                         f"(wrong master key?); not verified", slab, i)
+            elif state == "auth_no_key":
+                report.payloads_verified += 1
+                unverified += 1
+            elif state == "auth":
+                report.payloads_verified += 1
+                bad = ("record_auth", f"key {key.hex()[:16]}: the authenticator does not "
+                       f"verify, though the payload decrypts soundly under this master key: "
+                       f"written, copied or replayed by someone without the key")
+            elif state == "auth_unsure":
+                report.payloads_verified += 1
+                problem("record_auth", f"key {key.hex()[:16]}: the authenticator does not "
+                        f"verify (a record written, copied or patched by someone without "
+                        f"the master key, or a wrong master key given: unencrypted, nothing "
+                        f"tells them apart, so --repair does not invalidate it)", slab, i)
             elif state == "crc_unsure":
                 report.payloads_verified += 1
                 problem("payload_crc", f"key {key.hex()[:16]}: {_PAYLOAD_BAD['crc']}; "
@@ -366,6 +407,9 @@ def _check_device(dev: _Device, rep: DeviceReport, master_key: bytes | None,
             rep.used_bytes += sh.slot_size
     bar.set(n_slabs)
     bar.close()
+    if unverified:
+        problem("record_auth_unverified", f"{unverified} records: payload CRC32C checked, "
+                f"authenticator not (no master key given, or the device UUID is unknown)")
 
 
 _PAYLOAD_BAD = {"crc": "payload CRC32C mismatch",
@@ -373,12 +417,15 @@ _PAYLOAD_BAD = {"crc": "payload CRC32C mismatch",
 
 
 def _payload_state(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: int,
-                   ns: bytes, length: int, crc: int, enc: bool, master_key: bytes | None,
-                   ciphers: dict[bytes, XtsCipher]) -> str:
+                   ns: bytes, key: bytes, length: int, crc: int, seq: int, enc: bool,
+                   master_key: bytes | None, ciphers: dict[bytes, XtsCipher]) -> str:
     """Read and check a record's payload: "ok", "crc" (CRC32C mismatch), "truncated"
     (beyond the end of the device), "no_key" (encrypted, and no master key to read it),
-    "wrong_key" (its header's key check names another key) or "crc_unsure" (a CRC32C
-    mismatch of an encrypted record without a key check: maybe a wrong key)."""
+    "wrong_key" (its header's key check names another key), "crc_unsure" (a CRC32C
+    mismatch of an encrypted record without a key check: maybe a wrong key), "auth" (the
+    CRC32C holds after decrypting, so the key is right, but the authenticator does not
+    verify), "auth_unsure" (the same, unencrypted: maybe a wrong key) or "auth_no_key"
+    (no master key: the authenticator cannot be checked)."""
     poff = payload_offset(slab, i, sb.slab_size, slot_size)
     data = dev.read(poff, slot_size)
     if len(data) < slot_size:
@@ -393,7 +440,16 @@ def _payload_state(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: i
         cipher.decrypt_into(data, plain, xts_tweak(sb.tweak_id, poff))
         data = bytes(plain)
     if crc32c(memoryview(data)[:length]) == crc:
-        return "ok"
+        # Without a master key: the public one a service without a key authenticates with.
+        hdr = RecordHeader.unpack(dev.read(header_offset(slab, i, sb.slab_size), SECTOR))
+        auth = _authenticator(master_key or PUBLIC_MASTER_KEY, ns)
+        if hdr is not None and hdr.key == key and auth.verify(
+                key, memoryview(data)[:length], hdr.tag, record_context(sb.device_uuid, poff,
+                                                                         seq)):
+            return "ok"
+        if master_key is None:
+            return "auth_no_key"
+        return "auth" if enc else "auth_unsure"
     if not enc:
         return "crc"
     hdr = RecordHeader.unpack(dev.read(header_offset(slab, i, sb.slab_size), SECTOR))
@@ -401,6 +457,12 @@ def _payload_state(dev: _Device, sb: Superblock, slab: int, i: int, slot_size: i
     if not kcv:
         return "crc_unsure"
     return "crc" if kcv == ciphers[ns].check_value else "wrong_key"
+
+
+@functools.lru_cache(maxsize=256)
+def _authenticator(master_key: bytes, ns: bytes) -> BlockAuthenticator:
+    """The namespace's authenticator (its key derived once per namespace)."""
+    return BlockAuthenticator.for_namespace(master_key, ns)
 
 
 def _resolve_duplicates(by_key: dict[tuple[bytes, bytes], list[_Rec]],
@@ -434,7 +496,7 @@ def _resolve_duplicates(by_key: dict[tuple[bytes, bytes], list[_Rec]],
 def read_master_key(cfg: Config) -> bytes | None:
     """The master key the service would use, without creating one; None if unavailable."""
     try:
-        return load_master_key(cfg.encryption, create=False)
+        return load_service_key(cfg.encryption, create=False)
     except ConfigError:
         return None
 

@@ -70,8 +70,17 @@ class StoreCollector:
         yield ev
         yield CounterMetricFamily(
             "ctxmem_integrity_failures",
-            "Blocks that failed a CRC32C/header check on read and were served as misses",
-            value=c["integrity_failures"])
+            "Blocks that failed a CRC32C/header/authenticator check on read and were served "
+            "as misses", value=c["integrity_failures"])
+        yield CounterMetricFamily(
+            "ctxmem_flash_auth_failures",
+            "Flash records whose authenticator did not verify (written, moved or patched "
+            "without the master key, or a wrong master key); also in integrity_failures",
+            value=c["flash_auth_failures"])
+        yield CounterMetricFamily(
+            "ctxmem_flash_legacy_records",
+            "Flash records of format version 1 (no authenticator) a rebuild found and did "
+            "not serve", value=c["flash_legacy_records"])
         yield CounterMetricFamily("ctxmem_put_crc_mismatch",
                                   "Committed blocks whose client CRC32C did not match",
                                   value=c["put_crc_mismatch"])

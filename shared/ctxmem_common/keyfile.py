@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from dataclasses import replace
 from pathlib import Path
 
 from ctxmem_common import safepaths
 from ctxmem_common.config import EncryptionConfig
 from ctxmem_common.errors import ConfigError
 
-__all__ = ["load_master_key"]
+__all__ = ["load_master_key", "load_service_key"]
 
 log = logging.getLogger(__name__)
 
@@ -57,3 +58,22 @@ def load_master_key(enc: EncryptionConfig, *, create: bool) -> bytes | None:
         raise ConfigError(f"encryption master key from {source} must be 64 hex characters "
                           f"(32 bytes); it is not (content not shown)")
     return key
+
+
+def load_service_key(enc: EncryptionConfig, *, create: bool) -> bytes | None:
+    """The master key as the service holds it: :func:`load_master_key` with encryption
+    on; with encryption off, still the configured key (``key_file``, created as with
+    encryption on; or ``key_env``'s variable when set), since it also keys the flash
+    records' authenticators. ``None`` only when encryption is off and no key is configured
+    or the configured one cannot be read (logged: the authenticators then prove nothing)."""
+    if enc.enabled:
+        return load_master_key(enc, create=create)
+    if not enc.key_file and not (enc.key_env and os.environ.get(enc.key_env)):
+        return None
+    try:
+        return load_master_key(replace(enc, enabled=True), create=create)
+    except (ConfigError, OSError) as exc:
+        log.warning("encryption is off and the configured master key cannot be used for "
+                    "the flash records' authenticators (%s); they prove nothing against "
+                    "anyone who writes the flash", exc)
+        return None

@@ -38,7 +38,7 @@ MASTER = bytes(range(32))
 
 
 async def open_store(cfg: Config, flash: list[tuple[str, str]] | None) -> BlockStore:
-    store = BlockStore(cfg, flash or [], MASTER if cfg.encryption.enabled else None)
+    store = BlockStore(cfg, flash or [], MASTER)  # keys the authenticators, encrypted or not
     await store.start()
     return store
 

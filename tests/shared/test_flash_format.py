@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ctxmem_common.codecs import crc32c
+from ctxmem_common.codecs.blockauth import TAG_BYTES
 from ctxmem_common.flash_format import (
     REC_OFF_CRC,
     REC_SIZE,
@@ -22,10 +24,13 @@ from ctxmem_common.flash_format import (
     Superblock,
     fit_records,
     header_offset,
+    legacy_slots,
     max_table_slots,
     pack_header_table,
     pack_record_headers,
+    record_context,
     record_header_rows,
+    record_version,
     slab_base,
     slots_per_slab,
 )
@@ -116,7 +121,7 @@ def test_walk_reads_orphaned_slabs_with_an_assumed_slot_size(
     assert scans[1].header is None and scans[1].slot_size == SLOT
     assert scans[1].records.key == [bytes([10 + i] * 8) for i in range(3)]
     assert FlashReader(fd).slab_header(1, SLAB) is None
-    cols, entries, _torn = FlashReader(fd).read_table(1, SLAB, max_table_slots(SLAB))
+    cols, entries, _torn, _old = FlashReader(fd).read_table(1, SLAB, max_table_slots(SLAB))
     assert entries == max_table_slots(SLAB) and len(cols.slot) == 3
 
 
@@ -184,7 +189,8 @@ def test_pack_record_headers_matches_record_header_pack() -> None:
     hs = [RecordHeader(os.urandom(16), os.urandom(int(rng.integers(1, 65))),
                        int(rng.integers(0, 1 << 40)), int(rng.integers(0, 1 << 32)),
                        int(rng.integers(0, 1 << 62)), bool(i & 1), int(rng.integers(0, 1 << 62)),
-                       int(rng.integers(0, 1 << 32)), bool(i & 2)) for i in range(200)]
+                       int(rng.integers(0, 1 << 32)), bool(i & 2),
+                       os.urandom(TAG_BYTES) if i & 4 else b"") for i in range(200)]
     rows = record_header_rows(hs)  # pack_record_headers, the flags from each header
     assert rows.shape == (len(hs), REC_SIZE)
     for h, row in zip(hs, rows, strict=True):
@@ -203,3 +209,42 @@ def test_pack_record_headers_matches_record_header_pack() -> None:
 def test_pack_record_headers_refuses_what_struct_would_cut(ns: bytes, key: bytes) -> None:
     with pytest.raises(ValueError, match="pack_record_headers"):
         pack_record_headers([ns], [key], [1], [0], [1])
+
+
+def v1_header(h: RecordHeader) -> bytes:
+    """``h`` as a record header of format version 1 (no authenticator; its CRC32C at
+    offset 125), as services before authenticated records wrote it."""
+    body = bytearray(h.pack()[:125])
+    body[8:10] = (1).to_bytes(2, "little")
+    return (bytes(body) + crc32c(bytes(body)).to_bytes(4, "little")).ljust(SECTOR, b"\0")
+
+
+def test_version_1_records_are_found_but_never_parsed() -> None:
+    """A record header of version 1 (CRC32C only) is not a record to the reader (unpack,
+    the column parser): anyone who writes the flash can make one. legacy_slots and
+    record_version find it (the rebuild counts it, ctxmem check reports it)."""
+    h = RecordHeader(NS, b"old", 100, 7, 9, False, 1)
+    old = v1_header(h)
+    assert RecordHeader.unpack(old) is None
+    assert record_version(old) == 1
+    assert record_version(h.pack()) == 2
+    assert record_version(old[:8] + b"\x05" + old[9:]) == 0  # torn: CRC fails
+    table = bytearray(4 * SECTOR)
+    table[0:SECTOR] = h.pack()
+    table[2 * SECTOR:3 * SECTOR] = old
+    assert legacy_slots(table, 4) == [2]
+    assert parsed_slots(table) == [0]
+
+
+def parsed_slots(table: bytearray) -> list[int]:
+    from ctxmem_common.flash_format import parse_header_columns
+
+    return parse_header_columns(table, len(table) // SECTOR).slot
+
+
+def test_record_context_binds_place_and_sequence() -> None:
+    u = bytes(range(16))
+    ctx = record_context(u, 1 << 20, 5)
+    assert len(ctx) == 32
+    assert len({ctx, record_context(u, (1 << 20) + SECTOR, 5), record_context(u, 1 << 20, 6),
+                record_context(bytes(16), 1 << 20, 5)}) == 4

@@ -9,9 +9,15 @@ payload, then checks, in order: the record header's own CRC, namespace, key (whe
 caller passes keys), sequence number, length, payload CRC, encryption flag and key check
 against what the index published; decrypts with the namespace key derived from the
 pod's master key (the XTS tweak is the device UUID and the byte offset, the same on every
-node); and compares the plaintext's CRC32C. Anything else is a miss, never bytes: a
-pointer made stale by reuse (the slab reassigned: its header table zeroed, or another
-record in the slot, or another slot size) fails one of those checks.
+node); compares the plaintext's CRC32C; and verifies the record's authenticator (a MAC
+under the namespace's key derived from the pod's master key, over the plaintext, binding
+namespace, key, length, device UUID, payload offset and sequence number). Anything else is
+a miss, never bytes: a pointer made stale by reuse (the slab reassigned: its header table
+zeroed, or another record in the slot, or another slot size) fails one of those checks,
+and a record written, copied or patched by anyone without the master key (the device is
+written by every node of the pod and reachable by its storage target: it is trusted for
+nothing) fails the last; so does a record of format version 1, which has no
+authenticator. Only verified bytes are returned (the ``RemoteSource`` contract).
 
 Every fetch is bounded by ``timeout_s``: a slow or failed device degrades to misses.
 """
@@ -29,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ctxmem_common.codecs import XtsCipher, crc32c, xts_tweak
+from ctxmem_common.codecs.blockauth import BlockAuthenticator
 from ctxmem_common.flash_format import (
     DATA_START,
     SECTOR,
@@ -37,6 +44,7 @@ from ctxmem_common.flash_format import (
     SlabHeader,
     Superblock,
     header_offset,
+    record_context,
     slab_base,
     slots_per_slab,
 )
@@ -80,12 +88,17 @@ class Stale(Exception):
     """The record at a location is not the one the index names (a miss)."""
 
 
+class Unauthentic(Stale):
+    """The record's authenticator does not verify (a miss, counted as ``unauthenticated``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Job:
     loc: SharedLocation
     entry: RemoteEntry
     key: bytes | None
     cipher: XtsCipher | None
+    auth: BlockAuthenticator
 
 
 class _SharedDevice:
@@ -173,6 +186,11 @@ class _SharedDevice:
             out = plain  # type: ignore[assignment]  # bytes-like, no second copy
         if crc32c(out) != e.crc32c:
             raise Stale(f"payload CRC32C mismatch at {where}")
+        if not job.auth.verify(hdr.key, out, hdr.tag,
+                               record_context(self.sb.device_uuid, loc.offset, hdr.seq)):
+            raise Unauthentic(f"record at {where} of {self.path}: its authenticator does not "
+                              f"verify (not made with the pod's master key for this key, "
+                              f"place and sequence number)")
         return out
 
     def read_many(self, jobs: list[_Job], ns: bytes) -> list[bytes | str]:
@@ -208,6 +226,9 @@ class _SharedDevice:
         for i in retry:  # not where the cached slab header says: read it again
             try:
                 out[i] = self._read(jobs[i], ns, fresh=True)
+            except Unauthentic as exc:
+                log.warning("shared flash: a miss: %s", exc)
+                out[i] = "unauthenticated"
             except Stale as exc:
                 log.debug("shared flash: miss: %s", exc)
             except (OSError, ValueError) as exc:
@@ -247,12 +268,20 @@ class SharedFlashSource(RemoteSource):
     """Reads blocks of any node from the pod's shared flash devices (module docstring).
 
     ``paths``: where this node sees each shared device (the UUID in its superblock names
-    it); ``master_key``: the pod's master key (``None``: records are not encrypted);
-    ``threads``: reads in flight; ``timeout_s``: the bound on one fetch. Open on
-    construction; :meth:`close` (or ``with``) releases the descriptors and threads."""
+    it); ``master_key``: the pod's master key, which keys the records' authenticators
+    (``None``: none configured, the public fallback key of
+    :class:`~ctxmem_dpu.store.ciphers.Keyring`); ``encrypt``: whether records are
+    encrypted (``encryption.enabled``; never without a master key); ``threads``: reads in
+    flight; ``timeout_s``: the bound on one fetch. Open on construction; :meth:`close`
+    (or ``with``) releases the descriptors and threads."""
+
+    #: Every block it returns passed its record's authenticator (and CRC32C) under the
+    #: master key: the fetch path may adopt it (pod/fetch.py, ``RemoteSource.verifies``).
+    verifies = True
 
     def __init__(self, paths: Sequence[str], master_key: bytes | None, *,
-                 o_direct: bool = True, threads: int = 4, timeout_s: float = 2.0) -> None:
+                 encrypt: bool = True, o_direct: bool = True, threads: int = 4,
+                 timeout_s: float = 2.0) -> None:
         self.name = "shared_flash"
         self._devices: dict[str, _SharedDevice] = {}
         try:
@@ -262,13 +291,14 @@ class SharedFlashSource(RemoteSource):
         except BaseException:
             self.shutdown()
             raise
-        self._keyring = Keyring(master_key)
+        self._keyring = Keyring(master_key, encrypt=encrypt)
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads),
                                                            thread_name_prefix="ctxmem-shared")
         self._threads = max(1, threads)
         self.timeout_s = timeout_s
-        #: hits, stale (header or CRC did not match: reuse, foreign, damaged), io_errors,
-        #: unknown_device, timeouts.
+        #: hits, stale (header or CRC did not match: reuse, foreign, damaged),
+        #: unauthenticated (the authenticator did not verify), io_errors, unknown_device,
+        #: timeouts.
         self.counters: Counter[str] = Counter()
 
     @property
@@ -282,6 +312,7 @@ class SharedFlashSource(RemoteSource):
         out: list[bytes | None] = [None] * len(entries)
         jobs: list[tuple[int, _SharedDevice, _Job]] = []
         cipher = self._keyring.cipher(ns_digest)
+        auth = self._keyring.authenticator(ns_digest)
         for i, e in enumerate(entries):
             loc = e.shared
             dev = self._devices.get(loc.device_uuid) if loc is not None else None
@@ -289,7 +320,7 @@ class SharedFlashSource(RemoteSource):
                 self.counters["unknown_device"] += 1
                 continue
             key = keys[i] if keys is not None else (e.key or None)
-            jobs.append((i, dev, _Job(loc, e, key, cipher)))
+            jobs.append((i, dev, _Job(loc, e, key, cipher, auth)))
         if not jobs:
             return out
         # Contiguous parts in device order, so adjacent records share a read (read_many).

@@ -73,9 +73,10 @@ class BlockStore:
     """All service state, on one event loop: the index over the DRAM and flash tiers,
     sessions and their grants, and the background demoter and reaper.
 
-    ``flash_paths`` are (device name, path) pairs; ``master_key`` enables AES-XTS at rest
-    (ignored when ``encryption.enabled`` is false); ``software_crypto_off`` names devices
-    whose storage backend encrypts in hardware, which get plaintext records.
+    ``flash_paths`` are (device name, path) pairs; ``master_key`` keys the flash records'
+    authenticators and, when ``encryption.enabled``, AES-XTS at rest;
+    ``software_crypto_off`` names devices whose storage backend encrypts in hardware,
+    which get plaintext records.
 
     Use ``async with BlockStore(...) as store`` or :meth:`start` / :meth:`close`.
     """
@@ -99,7 +100,13 @@ class BlockStore:
             FlashTier([]), new_counters(), IOPool(cfg.service.io_threads, _io_weights(cfg)))
         #: Every counter of :data:`~ctxmem_dpu.store.COUNTERS` (Stats, /metrics, tests).
         self.counters = self._ctx.counters
-        keyring = Keyring(master_key if cfg.encryption.enabled else None, software_crypto_off)
+        # The master key keys the records' authenticators even with encryption off.
+        keyring = Keyring(master_key, software_crypto_off, encrypt=cfg.encryption.enabled)
+        if not keyring.keyed and flash_paths:
+            log.warning("no master key configured (encryption off, no encryption.key_file "
+                        "or key_env): flash records' authenticators are made under a public "
+                        "key and prove nothing against anyone who can write the flash; set "
+                        "encryption.key_file")
         self._index = BlockIndex(cfg)
         self._health = DeviceHealth(self._ctx)
         self._invalidator = Invalidator(self._ctx, self._health)

@@ -5,6 +5,12 @@ therefore never reaches stable storage before its payload, so after a crash or p
 every valid header on flash names a complete payload; a block is durable (and its extent
 recorded in the index) only after the second sync.
 
+Every record header carries the record's authenticator (``FlashDevice.tag``: a MAC under
+the namespace's key over the plaintext, binding key, device, payload offset and sequence
+number), made by the I/O thread from the DRAM slot right after its payload was written
+and its CRC32C re-checked: one call per record, which reads the slot once more while it
+is in cache.
+
 A block is persisted only while its DRAM bytes still match the CRC32C computed at commit:
 each payload's CRC32C is recomputed from the DRAM slot right after the slot was written
 (encrypted from it, while it is still in cache), and a block that changed since commit (a
@@ -32,6 +38,7 @@ from operator import attrgetter, itemgetter
 from typing import Any
 
 from ctxmem_common.codecs import XtsCipher, crc32c_many
+from ctxmem_common.codecs.blockauth import BlockAuthenticator
 from ctxmem_common.flash_format import (
     FLAG_DEVICE_ENCRYPTED,
     FLAG_ENCRYPTED,
@@ -50,9 +57,10 @@ from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError
 from ctxmem_dpu.tiers.flash_fence import SlabFenced
 
-# A record's cipher (None: written in plaintext), its header flags and key check value:
-# the same for every record of one namespace on one device.
-Record = tuple[XtsCipher | None, int, int]
+# A record's cipher (None: written in plaintext), its header flags and key check value,
+# and its namespace's authenticator: the same for every record of one namespace on one
+# device.
+Record = tuple[XtsCipher | None, int, int, BlockAuthenticator]
 # One block of a demotion: (device, flash slot, block, the DRAM slot's view, its Record,
 # (the DRAM slab's mapping, the slot's offset in it)).
 Job = tuple[FlashDevice, SlotRef, Block, memoryview, Record, memoryview, int]
@@ -82,6 +90,9 @@ DEMOTE_BACKOFF_MAX_S = 1.0
 # (16 MiB of 64 KiB blocks) keep a stall near half a millisecond; ``flash.demote_batch``
 # (the count every batch takes at least) is not capped.
 DEMOTE_BATCH_MAX_BLOCKS = 256
+# Demotion re-checks each block's CRC32C and makes its authenticator in chunks of about
+# this many bytes, so the tag reads the slot from cache right after the CRC did.
+TAG_CHUNK_BYTES = 1 << 20
 # "flash tier full" is logged at most this often (each occurrence is counted in flash_full).
 FLASH_FULL_LOG_INTERVAL_S = 30.0
 
@@ -269,7 +280,8 @@ class Demotion:
                     cipher,
                     (FLAG_ENCRYPTED if cipher is not None else 0)
                     | (FLAG_DEVICE_ENCRYPTED if keyring.device_encrypts(name) else 0),
-                    cipher.check_value if cipher is not None else 0)
+                    cipher.check_value if cipher is not None else 0,
+                    keyring.authenticator(b.ns))
             ref = b.dram
             assert ref is not None
             slab = slabs.get(ref.slab)
@@ -379,6 +391,9 @@ class Demotion:
         """The four I/O phases of a demotion; one result per job (None: durable).
         ``committed_ns``: the write time every header of the batch records."""
         io = self._ctx.io
+        # Each written block's authenticator, from the payload phase to the header phase
+        # (set by the I/O threads: one dict store per block).
+        tags: dict[Block, bytes] = {}
 
         def fences(jobs: list[Job]) -> list[BaseException | None]:
             # Shared devices: is each slab's lease still this node's (clock and the slab
@@ -408,21 +423,28 @@ class Demotion:
                     out[i] = err
             # After the writes, while the slots are in cache: what was written is what was
             # committed, or the block is dropped (see the module doc). One native call per
-            # DRAM slab (the GIL released once, not once per block).
-            for _region, group in _grouped(part, out, _REGION_ID).items():
-                todo = [part[i][0] for i in group]
-                blocks = list(map(_BLOCK, todo))
-                got_crcs = crc32c_many(todo[0][5], list(map(_AT, todo)),
-                                       list(map(_LENGTH, blocks)))
-                if got_crcs == list(map(_CRC, blocks)):
-                    continue
-                for i, b, got_crc in zip(group, blocks, got_crcs, strict=True):
-                    if got_crc != b.crc:
-                        out[i] = DramChanged(
-                            f"block {b.key.hex()[:16]} of namespace {b.ns.hex()[:16]}: DRAM "
-                            f"bytes changed after commit (CRC32C {got_crc:08x}, committed "
-                            f"{b.crc:08x}; a shared-memory client wrote a slot it no longer "
-                            f"holds)")
+            # chunk of about TAG_CHUNK_BYTES of one DRAM slab (the GIL released once per
+            # chunk, not once per block), then each of the chunk's authenticators
+            # (plaintext, from the slot) while the CRC pass left it in cache.
+            for _region, whole in _grouped(part, out, _REGION_ID).items():
+                step = max(1, TAG_CHUNK_BYTES // part[whole[0]][0][2].slot_size)
+                for at in range(0, len(whole), step):
+                    group = whole[at : at + step]
+                    todo = [part[i][0] for i in group]
+                    blocks = list(map(_BLOCK, todo))
+                    got_crcs = crc32c_many(todo[0][5], list(map(_AT, todo)),
+                                           list(map(_LENGTH, blocks)))
+                    if got_crcs != list(map(_CRC, blocks)):
+                        for i, b, got_crc in zip(group, blocks, got_crcs, strict=True):
+                            if got_crc != b.crc:
+                                out[i] = DramChanged(
+                                    f"block {b.key.hex()[:16]} of namespace {b.ns.hex()[:16]}: "
+                                    f"DRAM bytes changed after commit (CRC32C {got_crc:08x}, "
+                                    f"committed {b.crc:08x}; a shared-memory client wrote a "
+                                    f"slot it no longer holds)")
+                    for i, (dev, slot, b, view, rec, _r, _a) in zip(group, todo, strict=True):
+                        if out[i] is None:
+                            tags[b] = dev.tag(rec[3], b.key, view[: b.length], slot, b.seq)
             return out
 
         def headers(part: list[tuple[Job, BaseException | None]]
@@ -438,7 +460,8 @@ class Demotion:
                 try:
                     rows = pack_record_headers(
                         namespaces, keys, lengths, crcs, seqs, list(map(_FLAGS, recs)),
-                        list(map(_KEY_CHECK, recs)), committed_ns)
+                        list(map(_KEY_CHECK, recs)), committed_ns,
+                        list(map(tags.__getitem__, map(_BLOCK, todo))))
                 except ValueError as exc:
                     got: list[BaseException | None] = [exc] * len(group)
                 else:

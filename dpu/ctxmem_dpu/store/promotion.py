@@ -1,10 +1,12 @@
 """Promotion: bringing flash-only blocks into DRAM, verifying each one.
 
-A block is served only after its record header matches the index and its payload's
-CRC32C matches (after decryption). A block that fails is removed from the index and its
-extent quarantined: it is a miss from now on, never wrong data. When the failing device's
-superblock is no longer its own (swapped), the device is marked failed instead and nothing
-on it is touched.
+A block is served only after its record header matches the index, its payload's
+CRC32C matches (after decryption) and its authenticator verifies (a MAC under the
+namespace's key over the plaintext, binding the key and the record's place: only a holder
+of the master key can make one; ``FlashDevice.check_tag``). A block that fails is
+removed from the index and its extent quarantined: it is a miss from now on, never wrong
+data. When the failing device's superblock is no longer its own (swapped), the device is
+marked failed instead and nothing on it is touched.
 """
 
 from __future__ import annotations
@@ -176,7 +178,8 @@ class Promotion:
             b.io = fut
             dev = ctx.flash.devices[b.flash.device]
             jobs.append((dev, b.flash.slot, ctx.dram.slot_view(ref), b,
-                         self._keyring.for_device(b.ns, dev.name)))
+                         self._keyring.for_device(b.ns, dev.name),
+                         self._keyring.authenticator(b.ns)))
         reads = ctx.io.parallel(_reader(ns.block_nbytes), jobs)
         if on_io is not None:
             try:  # never leave the reads un-awaited: they write into the DRAM slots
@@ -207,7 +210,7 @@ class Promotion:
                 job[2].release()
             fut.set_result(None)
         dead: list[Extent] = []
-        for (dev, _slot, _v, b, _c), ref, err in zip(jobs, refs, results, strict=True):
+        for (dev, _slot, _v, b, _c, _a), ref, err in zip(jobs, refs, results, strict=True):
             b.io = None
             if err is None and not b.deleted:
                 b.dram = ref
@@ -219,6 +222,8 @@ class Promotion:
             if isinstance(err, ReadFailure):
                 ctx.counters["integrity_failures"] += 1
                 ctx.counters["quarantined_extents"] += 1
+                if err.auth:
+                    ctx.counters["flash_auth_failures"] += 1
                 log.warning("block %s on %s failed its check (%s): quarantined, served as miss",
                             b.key.hex()[:16], dev.name, err.reason)
                 assert b.flash is not None
@@ -241,8 +246,8 @@ class Promotion:
 
 def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | None]]:
     """The I/O-thread work of a promotion: for a part of the jobs (device, slot, DRAM view,
-    block, cipher), read and check each record into its view; one result per job (None:
-    verified)."""
+    block, cipher, authenticator), read and check each record into its view; one result
+    per job (None: verified)."""
 
     def headers(part: list[Any]) -> list[RecordHeader | FlashIOError | None]:
         """The part's record headers, read per device in runs of its header tables
@@ -275,8 +280,9 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
         # per device in device order, adjacent ones by one I/O (read_payloads).
         ready: list[int] = []
         unsure: set[int] = set()
-        for i, ((dev, _slot, _view, b, cipher), hdr) in enumerate(
-                zip(part, headers(part), strict=True)):
+        hdrs = headers(part)
+        for i, ((dev, _slot, _view, b, cipher, _auth), hdr) in enumerate(
+                zip(part, hdrs, strict=True)):
             try:
                 if not dev.healthy:
                     raise FlashIOError(5, f"flash device {dev.name!r} is marked failed")
@@ -297,8 +303,24 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
         for i in ready:
             groups.setdefault((part[i][0], part[i][4]), []).append(i)
         for (dev, cipher), group in groups.items():
+
+            def authentic(k: int, dev: FlashDevice = dev, group: list[int] = group,
+                          confirmed: bool = cipher is not None) -> ReadFailure | None:
+                # The CRC32C held: is it authentic, and here? Checked while in cache.
+                i = group[k]
+                hdr = hdrs[i]
+                assert isinstance(hdr, RecordHeader)
+                slot, view, b, auth = part[i][1], part[i][2], part[i][3], part[i][5]
+                try:
+                    dev.check_tag(auth, hdr, slot, view[: b.length],
+                                  confirmed and i not in unsure)
+                except ReadFailure as exc:
+                    exc.__traceback__ = None  # its frames hold the slot's view
+                    return exc
+                return None
+
             got = dev.read_payloads([(part[i][1], part[i][2], part[i][3].length,
-                                      part[i][3].crc) for i in group], cipher)
+                                      part[i][3].crc) for i in group], cipher, authentic)
             for i, err in zip(group, got, strict=True):
                 if isinstance(err, ReadFailure) and i in unsure:
                     # A CRC mismatch after decrypting with a key the header cannot confirm

@@ -2,7 +2,11 @@
 
 Flash records are self-describing (namespace, key, length, CRC32C, sequence number in each
 header), so the index is never persisted: at start it is rebuilt by reading every used
-slab's header table.
+slab's header table. The rebuild reads headers only, so it does not check authenticators
+(that would read every payload): a record it indexes is verified, like every record, when
+it is read (promotion; :meth:`Recovery.verify`). Records of format version 1 (no
+authenticator) are not indexed: counted in ``flash_legacy_records``, logged once, their
+slots free for reuse.
 """
 
 from __future__ import annotations
@@ -78,9 +82,13 @@ class Recovery:
         ties: list[tuple[Block, Block]] = []
         index = self._index.blocks
         flash_lru = self._index.flash_lru
+        legacy = 0
         for dev in self._ctx.flash.devices:
             dev_index = dev.index
-            async for slab_id, slot_size, cols in self._scan(dev):
+            async for slab_id, slot_size, cols, n_old in self._scan(dev):
+                legacy += n_old
+                if not cols.slot:
+                    continue
                 dev.alloc.claim_slots(slab_id, slot_size, cols.slot)
                 found += len(cols.slot)
                 max_seq = max(max_seq, max(cols.seq))
@@ -118,6 +126,12 @@ class Recovery:
                     flash_lru.add_unhit((b,))
             faults.point("rebuild.after_scan")
         flash_io.scan_buffers.clear()
+        if legacy:
+            self._ctx.counters["flash_legacy_records"] += legacy
+            log.warning("rebuild: %d flash records of format version 1 (written before "
+                        "records carried authenticators) are not served: anyone who can "
+                        "write the flash could have made them; their blocks are misses and "
+                        "their slots are reused", legacy)
         for keep, other in ties:
             if index[keep.ns].get(keep.key) is not keep:  # superseded by a newer seq
                 assert other.flash is not None
@@ -142,10 +156,12 @@ class Recovery:
             log.info("rebuild: %d of %d records were shadowed by newer ones (invalidated)",
                      len(losers), found)
 
-    async def _scan(self, dev: FlashDevice) -> AsyncIterator[tuple[int, int, TableColumns]]:
-        """The used slabs of ``dev`` with their records, in slab order; up to
-        ``io_threads`` (at least 2) slab reads in flight while the caller indexes."""
-        pending: deque[asyncio.Future[tuple[int, int, TableColumns] | None]] = deque()
+    async def _scan(self, dev: FlashDevice
+                    ) -> AsyncIterator[tuple[int, int, TableColumns, int]]:
+        """The used slabs of ``dev`` with their records (and how many records of format
+        version 1 each holds), in slab order; up to ``io_threads`` (at least 2) slab reads
+        in flight while the caller indexes."""
+        pending: deque[asyncio.Future[tuple[int, int, TableColumns, int] | None]] = deque()
         slabs = iter(dev.owned_slabs())  # a shared device: only the slabs leased here
         depth = max(2, self._ctx.cfg.service.io_threads)
         while True:
@@ -154,21 +170,24 @@ class Recovery:
             if not pending:
                 return
             res = await pending.popleft()
-            if res is not None and res[2].slot:
+            if res is not None and (res[2].slot or res[3]):
                 yield res
 
     async def verify(self, b: Block) -> bool:
-        """Does ``b``'s flash record read back and check (header, payload CRC)?"""
+        """Does ``b``'s flash record read back and check (header, payload CRC,
+        authenticator)?"""
         assert b.flash is not None
         dev = self._ctx.flash.devices[b.flash.device]
         cipher = self._keyring.for_device(b.ns, dev.name)
+        auth = self._keyring.authenticator(b.ns)
         ext = b.flash
 
         def work() -> bool:
             buf = mmap.mmap(-1, max(b.slot_size, 4096))
             view = memoryview(buf)[: b.slot_size]
             try:
-                dev.read_record(ext.slot, view, b.ns, b.key, b.length, b.crc, b.seq, cipher)
+                dev.read_record(ext.slot, view, b.ns, b.key, b.length, b.crc, b.seq, cipher,
+                                auth)
                 return True
             except (ReadFailure, FlashIOError, ValueError):
                 return False

@@ -21,6 +21,9 @@ COUNTERS = (
     "get_blocks", "get_bytes", "hits_dram", "hits_flash", "misses", "prefetch_blocks",
     "promoted_blocks", "promote_no_space", "demoted_blocks", "demoted_bytes",
     "evictions_dram", "evictions_flash", "deleted_blocks", "integrity_failures",
+    # Flash records whose authenticator did not verify (also in integrity_failures), and
+    # records of format version 1 (no authenticator) a rebuild found and did not serve.
+    "flash_auth_failures", "flash_legacy_records",
     "flash_read_errors", "flash_write_errors", "flash_fenced_writes",
     "flash_device_failures", "flash_full",
     "dram_full", "expired_allocations", "expired_leases", "recovered_blocks",

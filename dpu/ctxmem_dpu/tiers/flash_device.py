@@ -432,13 +432,15 @@ class FormattedDevice(DeviceFile):
         self.replace_fd(fd, path)
 
     # -- warm restart (I/O threads) -----------------------------------------------------
-    def scan_slab(self, slab: int) -> tuple[int, int, TableColumns] | None:
-        """One slab's valid records: (slab, slot size, records by column), or ``None`` for
-        a slab without a valid header. One read for the slab header, one for its table."""
+    def scan_slab(self, slab: int) -> tuple[int, int, TableColumns, int] | None:
+        """One slab's valid records: (slab, slot size, records by column, how many
+        entries hold a record of format version 1: not served, their slots free), or
+        ``None`` for a slab without a valid header. One read for the slab header, one for
+        its table."""
         scan = self.reader.scan_slab(slab, self.slab_size)
         if scan is None:
             return None
-        return slab, scan.slot_size, fit_records(scan.records, scan.slot_size)
+        return slab, scan.slot_size, fit_records(scan.records, scan.slot_size), len(scan.legacy)
 
     def scan(self) -> Iterator[tuple[SlotRef, int, RecordHeader]]:
         """Every valid record on the device: (slot, slot size, header)."""
@@ -446,7 +448,7 @@ class FormattedDevice(DeviceFile):
             res = self.scan_slab(slab)
             if res is None:
                 continue
-            _slab, slot_size, cols = res
+            _slab, slot_size, cols, _old = res
             for i, ns, key, length, crc, seq, enc, ts in zip(*cols, strict=True):
                 yield SlotRef(slab, i), slot_size, RecordHeader(ns, key, length, crc, seq,
                                                                  enc, ts)

@@ -9,15 +9,19 @@ the index.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from operator import itemgetter
 
 import numpy as np
 
 from ctxmem_common.codecs import XtsCipher, crc32c, xts_tweak
+from ctxmem_common.codecs.blockauth import BlockAuthenticator
 from ctxmem_common.flash_format import (
     REC_SIZE,
     SECTOR,
     RecordHeader,
+    record_context,
     record_header_rows,
 )
 from ctxmem_dpu.alloc import SlotRef
@@ -32,10 +36,12 @@ class ReadFailure(Exception):
     (the record is then dead for good); false when the slot holds another record or none
     (a stale or foreign extent, a swapped device), which must not be touched."""
 
-    def __init__(self, reason: str, ours: bool = False) -> None:
+    def __init__(self, reason: str, ours: bool = False, auth: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.ours = ours
+        #: The authenticator did not verify (header and CRC32C did).
+        self.auth = auth
 
 
 # Header reads of a batch (see FlashDevice.read_headers): the headers of slots in one slab
@@ -210,12 +216,42 @@ class FlashDevice(FormattedDevice):
         self._pwrite(hdr, self.header_offset(slot))
 
     def write_record(
-        self, slot: SlotRef, header: RecordHeader, payload: memoryview, cipher: XtsCipher | None
+        self, slot: SlotRef, header: RecordHeader, payload: memoryview, cipher: XtsCipher | None,
+        auth: BlockAuthenticator | None = None,
     ) -> None:
         """Payload, then header, no sync (the store orders syncs between the two, see
-        ``BlockStore._demote``; this is for tools that build images)."""
+        ``BlockStore._demote``; this is for tools that build images). With ``auth`` the
+        header gets the record's authenticator (:meth:`tag`)."""
+        if auth is not None:
+            header = replace(header, tag=self.tag(auth, header.key, payload[: header.length],
+                                                  slot, header.seq))
         self.write_payload(slot, payload, cipher)
         self.write_header(slot, header)
+
+    # -- authenticators -----------------------------------------------------------------
+    def record_context(self, slot: SlotRef, seq: int) -> bytes:
+        """What the authenticator of the record at ``slot`` with sequence number ``seq``
+        binds besides namespace, key and bytes: this device's UUID, the payload's offset,
+        ``seq`` (:func:`~ctxmem_common.flash_format.record_context`)."""
+        return record_context(self.superblock.device_uuid, self.payload_offset(slot), seq)
+
+    def tag(self, auth: BlockAuthenticator, key: bytes, plaintext: memoryview, slot: SlotRef,
+            seq: int) -> bytes:
+        """The authenticator of block ``key``'s record at ``slot``: over its plaintext."""
+        return auth.tag(key, plaintext, self.record_context(slot, seq))
+
+    def check_tag(self, auth: BlockAuthenticator, hdr: RecordHeader, slot: SlotRef,
+                  plaintext: memoryview, key_confirmed: bool) -> None:
+        """Raise :class:`ReadFailure` unless ``hdr``'s authenticator verifies for its key,
+        ``plaintext`` (the payload as read and decrypted) and the record's place (slot,
+        sequence number): made by a holder of the namespace's key for exactly this record
+        here. ``key_confirmed``: the header's key check matched the namespace cipher, so
+        a failure is the record's own (``ours``); otherwise it may be a wrong master key
+        and the record is left alone."""
+        if not auth.verify(hdr.key, plaintext, hdr.tag, self.record_context(slot, hdr.seq)):
+            raise ReadFailure("record authenticator does not verify (written by someone "
+                              "without the namespace's key, moved, or replayed)",
+                              ours=key_confirmed, auth=True)
 
     def read_header(self, slot: SlotRef) -> RecordHeader | None:
         hdr = staging.header
@@ -288,7 +324,9 @@ class FlashDevice(FormattedDevice):
                               "master key?)")
 
     def read_payloads(self, items: list[tuple[SlotRef, memoryview, int, int]],
-                      cipher: XtsCipher | None) -> list[BaseException | None]:
+                      cipher: XtsCipher | None,
+                      then: Callable[[int], BaseException | None] | None = None
+                      ) -> list[BaseException | None]:
         """Read records' payloads into their slots and check each CRC32C; the headers must
         have been checked (:meth:`check_header`). ``items``: (slot on flash, ``dst`` — the
         4 KiB-aligned DRAM slot, ``length``, ``crc``).
@@ -297,8 +335,11 @@ class FlashDevice(FormattedDevice):
         are read by one device I/O of at most ``PAYLOAD_RUN`` bytes (one ``preadv``
         straight into the slots), or with ``cipher`` of at most ``XTS_PAYLOAD_RUN``
         bytes (into this thread's staging buffer, then decrypted slot by slot).
-        Returns, per item, ``None`` (read and checked), a :class:`ReadFailure` (``ours``:
-        bad length or CRC) or the :class:`FlashIOError` of the read that covered it."""
+        ``then(i)``, when given, is called for item ``i`` right after its CRC32C held, while
+        its bytes are in cache (promotion checks the authenticator there); what it returns
+        is the item's result. Returns, per item, ``None`` (read and checked), a
+        :class:`ReadFailure` (``ours``: bad length or CRC) or the :class:`FlashIOError` of
+        the read that covered it."""
         out: list[BaseException | None] = [None] * len(items)
         todo: list[int] = []
         for i, (_slot, dst, length, _crc) in enumerate(items):
@@ -334,6 +375,8 @@ class FlashDevice(FormattedDevice):
                     _slot, dst, length, crc = items[i]
                     if crc32c(dst[:length]) != crc:
                         out[i] = ReadFailure("payload CRC32C mismatch", ours=True)
+                    elif then is not None:
+                        out[i] = then(i)
             k = j
         return out
 
@@ -375,16 +418,23 @@ class FlashDevice(FormattedDevice):
         crc: int,
         seq: int,
         cipher: XtsCipher | None,
+        auth: BlockAuthenticator | None = None,
     ) -> None:
         """Read a record into ``dst`` (a 4 KiB-aligned slot) and check everything.
 
         Raises :class:`ReadFailure` when the header does not match what the index expects
-        (a swapped device, a stale or foreign extent) or the payload CRC fails, and
+        (a swapped device, a stale or foreign extent), the payload CRC fails or (with
+        ``auth``: every service read) the authenticator does not verify, and
         :class:`ShortRead` when the device is too short to hold the record (truncated:
         a device failure, not a bad record).
         """
-        self.check_header(self.read_header(slot), namespace, key, length, crc, seq, cipher)
+        hdr = self.read_header(slot)
+        self.check_header(hdr, namespace, key, length, crc, seq, cipher)
         self.read_payload(slot, dst, length, crc, cipher)
+        if auth is not None:
+            assert hdr is not None
+            self.check_tag(auth, hdr, slot, dst[:length],
+                           cipher is not None and hdr.key_check != 0)
 
     def invalidate(self, slot: SlotRef) -> None:
         """Zero a record's header so a restart does not bring the block back. On a shared

@@ -26,13 +26,19 @@ Device layout (all offsets and sizes multiples of 4 KiB; every service I/O is O_
                payload area: slot count x slot size
 
     record header (first bytes of its 4 KiB entry, little-endian):
-        magic "CTXREC01" | version u16 | flags u16 (bit 0: payload encrypted by
+        magic "CTXREC01" | version u16 (2) | flags u16 (bit 0: payload encrypted by
         ctxmem, AES-XTS in software; bit 1: encrypted at rest by the device's storage
         layer, e.g. an SPDK crypto bdev, ctxmem wrote plaintext) |
         key check u32 (an encrypted record's cipher check value; 0: none recorded) |
         namespace digest 16 B | key length u8 | key 64 B | payload length u64 |
         CRC32C of the plaintext payload u32 | sequence number u64 | write time ns u64 |
+        authenticator 28 B (nonce 12 B, GMAC tag 16 B: ctxmem_common.codecs.blockauth,
+        under the namespace's key, over the plaintext payload, binding namespace, key,
+        length and the record's place: device UUID, payload offset, sequence number) |
         CRC32C of everything before it u32
+
+    A record header of version 1 (the same fields without the authenticator, its CRC at
+    offset 125) is never served: anyone who can write the device can make one.
 
 Why the headers sit in a table and not in front of each payload: a warm restart reads
 one contiguous table per slab instead of one 4 KiB read per block (1M blocks is 4 GiB of
@@ -79,7 +85,10 @@ from ctxmem_common.flash_format.records import (
     REC_OFF_LENGTH,
     REC_OFF_NAMESPACE,
     REC_OFF_SEQ,
+    REC_OFF_TAG,
     REC_SIZE,
+    REC_VERSION,
+    REC_VERSION_CRC_ONLY,
     SB_BACKUP_OFFSET,
     SB_MAGIC,
     SB_OFFSET,
@@ -95,6 +104,7 @@ from ctxmem_common.flash_format.records import (
     TableEntry,
     fit_records,
     header_offset,
+    legacy_slots,
     magic_slots,
     max_table_slots,
     pack_header_table,
@@ -102,7 +112,9 @@ from ctxmem_common.flash_format.records import (
     parse_header_columns,
     parse_header_table,
     payload_offset,
+    record_context,
     record_header_rows,
+    record_version,
     slab_base,
     slots_per_slab,
 )
@@ -123,7 +135,10 @@ __all__ = [
     "REC_OFF_LENGTH",
     "REC_OFF_NAMESPACE",
     "REC_OFF_SEQ",
+    "REC_OFF_TAG",
     "REC_SIZE",
+    "REC_VERSION",
+    "REC_VERSION_CRC_ONLY",
     "SB_BACKUP_OFFSET",
     "SB_MAGIC",
     "SB_OFFSET",
@@ -146,6 +161,7 @@ __all__ = [
     "fd_read_into",
     "fit_records",
     "header_offset",
+    "legacy_slots",
     "magic_slots",
     "max_table_slots",
     "pack_header_table",
@@ -153,7 +169,9 @@ __all__ = [
     "parse_header_columns",
     "parse_header_table",
     "payload_offset",
+    "record_context",
     "record_header_rows",
+    "record_version",
     "slab_base",
     "slots_per_slab",
 ]

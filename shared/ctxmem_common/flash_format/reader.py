@@ -26,6 +26,7 @@ from ctxmem_common.flash_format.records import (
     SlabHeader,
     Superblock,
     TableColumns,
+    legacy_slots,
     magic_slots,
     parse_header_columns,
     slab_base,
@@ -130,7 +131,8 @@ class SlabScan:
     :func:`~ctxmem_common.flash_format.records.fit_records`); ``entries`` is how many
     table entries were read (fewer than the slab's slots when the device ends first);
     ``torn`` (only when asked for) the entries that carry the record magic but fail their
-    checks."""
+    checks; ``legacy`` the entries that hold a record of format version 1 (no
+    authenticator: never served)."""
 
     slab: int
     slot_size: int
@@ -138,6 +140,7 @@ class SlabScan:
     records: TableColumns
     entries: int
     torn: list[int] = field(default_factory=list)
+    legacy: list[int] = field(default_factory=list)
 
 
 class FlashReader:
@@ -182,9 +185,10 @@ class FlashReader:
         return header
 
     def read_table(self, slab: int, slab_size: int, slots: int, torn: bool = False
-                   ) -> tuple[TableColumns, int, list[int]]:
+                   ) -> tuple[TableColumns, int, list[int], list[int]]:
         """The first ``slots`` entries of ``slab``'s header table: (valid records by
-        column, entries read, torn entries when ``torn``). One read for the table."""
+        column, entries read, torn entries when ``torn``, entries holding a record of
+        format version 1). One read for the table."""
         n = slots * SECTOR
         buf = self.buffers.get(n)
         table = memoryview(buf)[:n]
@@ -192,14 +196,15 @@ class FlashReader:
             entries = min(slots, max(0, self._read(table, slab_base(slab, slab_size) + SECTOR))
                           // SECTOR)
             cols = parse_header_columns(table, entries)
+            old = legacy_slots(table, entries)
             bad: list[int] = []
             if torn:
-                valid = set(cols.slot)
+                valid = set(cols.slot).union(old)
                 bad = [i for i in magic_slots(table, entries) if i not in valid]
         finally:
             table.release()
             self.buffers.put(buf)
-        return cols, entries, bad
+        return cols, entries, bad, old
 
     def scan_slab(self, slab: int, slab_size: int, orphan_slot_size: int = 0,
                   torn: bool = False) -> SlabScan | None:
@@ -215,8 +220,8 @@ class FlashReader:
             slots = slots_per_slab(slab_size, orphan_slot_size)
         else:
             return None
-        cols, entries, bad = self.read_table(slab, slab_size, slots, torn)
-        return SlabScan(slab, slot_size, header, cols, entries, bad)
+        cols, entries, bad, old = self.read_table(slab, slab_size, slots, torn)
+        return SlabScan(slab, slot_size, header, cols, entries, bad, old)
 
     def find_slab_headers(self, device_size: int, slab_sizes: Iterable[int] = (),
                           limit: int = 64) -> list[tuple[int, int, SlabHeader]]:

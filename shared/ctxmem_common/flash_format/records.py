@@ -18,6 +18,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from ctxmem_common.codecs import crc32c, crc32c_many
+from ctxmem_common.codecs.blockauth import TAG_BYTES
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
 SECTOR = 4096
 DATA_START = 1 << 20
 FORMAT_VERSION = 1
+# The record header's own version (the superblock and slab header stay at FORMAT_VERSION):
+# 2 carries the block authenticator (TAG_BYTES after the write time, under the header
+# CRC). A record of version 1 (CRC32C only, before authenticators) is never served:
+# ``parse_header_columns`` and ``RecordHeader.unpack`` skip it, ``legacy_slots`` finds it.
+REC_VERSION = 2
+REC_VERSION_CRC_ONLY = 1
 SB_OFFSET = 0
 SB_BACKUP_OFFSET = SECTOR
 PROBE_OFFSET = 2 * SECTOR
@@ -52,7 +59,8 @@ SLAB_POD_MAGIC = b"CTXSLABP"
 # The owner record: magic, service instance, pid, process start (clock ticks since boot),
 # lease expiry (wall clock, ns), boot id, host name.
 _OWNER = struct.Struct("<8s16sIQQ16s64s")
-_REC = struct.Struct("<8sHHI16sB64sQIQQ")
+_REC_V1 = struct.Struct("<8sHHI16sB64sQIQQ")  # version 1 (no authenticator)
+_REC = struct.Struct(f"<8sHHI16sB64sQIQQ{TAG_BYTES}s")
 _CRC = struct.Struct("<I")
 FLAG_ENCRYPTED = 1
 # The payload is encrypted at rest BELOW ctxmem, by the device's storage layer (an SPDK
@@ -69,6 +77,7 @@ REC_OFF_KEY = 33
 REC_OFF_LENGTH = 97
 REC_OFF_CRC = 105
 REC_OFF_SEQ = 109
+REC_OFF_TAG = _REC_V1.size  # 125: the authenticator (nonce, tag), then the header CRC
 _REC_MAGIC_U64 = int.from_bytes(REC_MAGIC, "little")
 
 
@@ -248,11 +257,15 @@ class RecordHeader:
     key_check: int = 0
     # Encrypted at rest by the device's storage layer (FLAG_DEVICE_ENCRYPTED).
     device_encrypted: bool = False
+    # The block authenticator (ctxmem_common.codecs.blockauth, TAG_BYTES): a MAC under the
+    # namespace's key over the payload's plaintext, binding the key and the record's place
+    # (:func:`record_context`); empty (packed as zeros, which never verify) when not made.
+    tag: bytes = b""
 
     def pack(self) -> bytes:
         body = _REC.pack(
             REC_MAGIC,
-            FORMAT_VERSION,
+            REC_VERSION,
             (FLAG_ENCRYPTED if self.encrypted else 0)
             | (FLAG_DEVICE_ENCRYPTED if self.device_encrypted else 0),
             self.key_check,
@@ -263,23 +276,49 @@ class RecordHeader:
             self.crc,
             self.seq,
             self.committed_ns,
+            self.tag,
         )
         return (body + _CRC.pack(crc32c(body))).ljust(SECTOR, b"\0")
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> RecordHeader | None:
-        """The header in ``raw``, or ``None`` for an empty, torn or foreign entry."""
+        """The header in ``raw``, or ``None`` for an empty, torn or foreign entry, or a
+        record of version 1 (no authenticator: never served; :func:`record_version`)."""
         if len(raw) < REC_SIZE or bytes(raw[:8]) != REC_MAGIC:
             return None
         body = bytes(raw[: _REC.size])
         (crc,) = _CRC.unpack_from(raw, _REC.size)
         if crc != crc32c(body):
             return None
-        _m, version, flags, kcv, ns, klen, key, length, dcrc, seq, ts = _REC.unpack(body)
-        if version != FORMAT_VERSION or not 1 <= klen <= 64:
+        _m, version, flags, kcv, ns, klen, key, length, dcrc, seq, ts, tag = _REC.unpack(body)
+        if version != REC_VERSION or not 1 <= klen <= 64:
             return None
         return cls(ns, key[:klen], length, dcrc, seq, bool(flags & FLAG_ENCRYPTED), ts, kcv,
-                   bool(flags & FLAG_DEVICE_ENCRYPTED))
+                   bool(flags & FLAG_DEVICE_ENCRYPTED), tag if tag != _NO_TAG else b"")
+
+
+def record_version(raw: bytes | memoryview) -> int:
+    """The version of the valid record header in ``raw`` (its magic, version and CRC32C
+    at that version's place): :data:`REC_VERSION`, :data:`REC_VERSION_CRC_ONLY`, or 0
+    (empty, torn, foreign)."""
+    if len(raw) < REC_SIZE or bytes(raw[:8]) != REC_MAGIC:
+        return 0
+    version = int.from_bytes(bytes(raw[8:10]), "little")
+    body = {REC_VERSION: _REC, REC_VERSION_CRC_ONLY: _REC_V1}.get(version)
+    if body is None or _CRC.unpack_from(raw, body.size)[0] != crc32c(bytes(raw[: body.size])):
+        return 0
+    return version
+
+
+_NO_TAG = bytes(TAG_BYTES)
+_CONTEXT = struct.Struct("<16sQQ")
+
+
+def record_context(device_uuid: bytes, payload_offset: int, seq: int) -> bytes:
+    """What a record's authenticator binds besides namespace, key and bytes: where the
+    record lies (device UUID, payload offset) and its sequence number. A record copied
+    to another slot or device, or given another sequence number, does not verify."""
+    return _CONTEXT.pack(device_uuid, payload_offset, seq)
 
 
 # One parsed table entry: (slot index, namespace, key, length, crc, seq, encrypted, time ns)
@@ -294,17 +333,21 @@ _REC_DTYPE = np.dtype({
                 REC_OFF_CRC, REC_OFF_SEQ, 117, REC_BODY],
     "itemsize": SECTOR,
 })
+# A version-1 entry's CRC lies where version 2 keeps its authenticator.
+_REC_V1_DTYPE = np.dtype({"names": ["magic", "version", "hcrc"],
+                          "formats": ["<u8", "<u2", "<u4"],
+                          "offsets": [0, 8, _REC_V1.size], "itemsize": SECTOR})
 
 
 # The same record as the first REC_SIZE bytes of its entry, key check included: what
 # pack_record_headers builds a batch of headers in, one row per record.
 _REC_ROW_DTYPE = np.dtype({
     "names": ["magic", "version", "flags", "kcv", "ns", "klen", "key", "length", "crc",
-              "seq", "ts", "hcrc"],
+              "seq", "ts", "tag", "hcrc"],
     "formats": ["<u8", "<u2", "<u2", "<u4", "V16", "u1", "V64", "<u8", "<u4", "<u8", "<u8",
-                "<u4"],
+                f"V{TAG_BYTES}", "<u4"],
     "offsets": [0, 8, 10, 12, REC_OFF_NAMESPACE, REC_OFF_KEYLEN, REC_OFF_KEY, REC_OFF_LENGTH,
-                REC_OFF_CRC, REC_OFF_SEQ, 117, REC_BODY],
+                REC_OFF_CRC, REC_OFF_SEQ, 117, REC_OFF_TAG, REC_BODY],
     "itemsize": REC_SIZE,
 })
 
@@ -322,7 +365,8 @@ def _padded(values: Sequence[bytes], width: int, what: str) -> np.ndarray:
 def pack_record_headers(namespaces: Sequence[bytes], keys: Sequence[bytes],
                         lengths: Sequence[int], crcs: Sequence[int], seqs: Sequence[int],
                         flags: int | Sequence[int] = 0, key_checks: int | Sequence[int] = 0,
-                        time_ns: int | Sequence[int] = 0) -> np.ndarray:
+                        time_ns: int | Sequence[int] = 0,
+                        tags: Sequence[bytes] | None = None) -> np.ndarray:
     """Record headers built column-wise: a (n, REC_SIZE) uint8 array whose row i is the
     first REC_SIZE bytes of ``RecordHeader(namespaces[i], keys[i], ...).pack()`` (the rest
     of each 4 KiB entry is zero), header CRC32C included.
@@ -332,8 +376,10 @@ def pack_record_headers(namespaces: Sequence[bytes], keys: Sequence[bytes],
     by an I/O thread. Here every field is one numpy assignment, the keys and namespaces
     one join, and the CRCs one native call (:func:`crc32c_many`). ``flags``: the record
     flags (``FLAG_ENCRYPTED`` | ``FLAG_DEVICE_ENCRYPTED``), ``key_checks`` and
-    ``time_ns``: one value for all or one per record. ValueError for a key of 0 or more
-    than 64 bytes, or a namespace longer than 16."""
+    ``time_ns``: one value for all or one per record; ``tags``: each record's
+    authenticator (zeros when not given: such a record never verifies). ValueError for a
+    key of 0 or more than 64 bytes, a namespace longer than 16, a tag longer than
+    TAG_BYTES."""
     n = len(keys)
     rows = np.zeros(n, dtype=_REC_ROW_DTYPE)
     if not n:
@@ -342,7 +388,7 @@ def pack_record_headers(namespaces: Sequence[bytes], keys: Sequence[bytes],
     if int(klen.min()) < 1 or int(klen.max()) > 64:
         raise ValueError("pack_record_headers: a key is empty or longer than 64 bytes")
     rows["magic"] = _REC_MAGIC_U64
-    rows["version"] = FORMAT_VERSION
+    rows["version"] = REC_VERSION
     rows["flags"] = flags
     rows["kcv"] = key_checks
     rows["ns"] = _padded(namespaces, 16, "namespace")
@@ -352,6 +398,8 @@ def pack_record_headers(namespaces: Sequence[bytes], keys: Sequence[bytes],
     rows["crc"] = crcs
     rows["seq"] = seqs
     rows["ts"] = time_ns
+    if tags is not None:
+        rows["tag"] = _padded(tags, TAG_BYTES, "tag")
     raw = rows.view(np.uint8).reshape(n, REC_SIZE)
     rows["hcrc"] = crc32c_many(raw.data, range(0, n * REC_SIZE, REC_SIZE), REC_BODY)
     return raw
@@ -366,7 +414,7 @@ def record_header_rows(headers: Sequence[RecordHeader]) -> np.ndarray:
         [h.crc for h in hs], [h.seq for h in hs],
         [(FLAG_ENCRYPTED if h.encrypted else 0)
          | (FLAG_DEVICE_ENCRYPTED if h.device_encrypted else 0) for h in hs],
-        [h.key_check for h in hs], [h.committed_ns for h in hs])
+        [h.key_check for h in hs], [h.committed_ns for h in hs], [h.tag for h in hs])
 
 
 class TableColumns(NamedTuple):
@@ -407,7 +455,7 @@ def parse_header_columns(table: Buffer, slots: int) -> TableColumns:
         return rec[name][idx]  # a strided field view, gathered: no 4 KiB row copies
 
     klen = col("klen", cand)
-    ok = ((computed == col("hcrc", cand)) & (col("version", cand) == FORMAT_VERSION)
+    ok = ((computed == col("hcrc", cand)) & (col("version", cand) == REC_VERSION)
           & (klen >= 1) & (klen <= 64))
     if not ok.all():
         cand = cand[ok]
@@ -438,28 +486,48 @@ def magic_slots(table: Buffer, slots: int) -> list[int]:
     return np.flatnonzero(rec["magic"] == _REC_MAGIC_U64).tolist()
 
 
+def legacy_slots(table: Buffer, slots: int) -> list[int]:
+    """The entries of a header table that hold a valid record of version 1 (CRC32C only,
+    no authenticator): never served, since anyone who writes the flash can make one; the
+    rebuild counts them, ``ctxmem check`` reports them."""
+    if slots <= 0:
+        return []
+    mv = memoryview(table).cast("B")
+    rec = np.frombuffer(mv, dtype=_REC_V1_DTYPE, count=slots)
+    cand = np.flatnonzero((rec["magic"] == _REC_MAGIC_U64)
+                          & (rec["version"] == REC_VERSION_CRC_ONLY)).tolist()
+    crc = _crc32c.crc32c
+    hcrc = rec["hcrc"]
+    return [i for i in cand if crc(mv[i * SECTOR : i * SECTOR + _REC_V1.size]) == hcrc[i]]
+
+
 def parse_header_table(table: Buffer, slots: int) -> list[TableEntry]:
     """Every valid record header in a slab's header table, one tuple per record."""
     return list(zip(*parse_header_columns(table, slots), strict=True))
 
 
 def pack_header_table(slots: int, namespace: bytes, keys: np.ndarray, length: int, crc: int,
-                      seqs: np.ndarray, encrypted: bool = False, time_ns: int = 0) -> bytearray:
+                      seqs: np.ndarray, encrypted: bool = False, time_ns: int = 0,
+                      tags: np.ndarray | None = None) -> bytearray:
     """A slab's header table holding ``len(keys)`` records in slots 0.. (the rest empty),
     built column-wise: for tools that generate large images (``ctxmem bench recovery``).
-    ``keys``: a (n, key length) uint8 array; ``seqs``: n sequence numbers."""
+    ``keys``: a (n, key length) uint8 array; ``seqs``: n sequence numbers; ``tags``: a
+    (n, TAG_BYTES) uint8 array of their authenticators (zeros, which never verify, when
+    not given)."""
     n, klen = keys.shape
     if not 1 <= klen <= 64 or n > slots or len(namespace) != 16:
         raise ValueError("pack_header_table: bad key length, count or namespace")
     table = bytearray(slots * SECTOR)
     rec = np.frombuffer(table, dtype=_REC_DTYPE, count=slots)[:n]
     rec["magic"] = _REC_MAGIC_U64
-    rec["version"] = FORMAT_VERSION
+    rec["version"] = REC_VERSION
     rec["flags"] = FLAG_ENCRYPTED if encrypted else 0
     rec["ns"] = np.frombuffer(namespace, dtype="V16")[0]
     rec["klen"] = klen
     raw = np.frombuffer(table, dtype=np.uint8).reshape(slots, SECTOR)
     raw[:n, REC_OFF_KEY:REC_OFF_KEY + klen] = keys
+    if tags is not None:
+        raw[:n, REC_OFF_TAG:REC_OFF_TAG + TAG_BYTES] = tags
     rec["length"] = length
     rec["crc"] = crc
     rec["seq"] = seqs

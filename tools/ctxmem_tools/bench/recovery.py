@@ -10,9 +10,11 @@ compared byte for byte.
 How the images are made. Putting 1M blocks through the service takes minutes on this
 machine, so the large images are **generated directly with the on-flash format code**
 (``ctxmem_common.flash_format``): real superblocks, slab headers and record headers
-(namespace, key, length, CRC32C, sequence number), payloads left sparse (all zeros,
-which is what their CRC says, so they read back correctly). A rebuild reads header tables
-only, so it does the same work on a generated image as on one the service wrote. To show
+(namespace, key, length, CRC32C, sequence number, and the authenticator made with the
+service's master key for each record's key, place and sequence number), payloads left
+sparse (all zeros, which is what their CRC says, so they read back correctly). A rebuild
+reads header tables only, so it does the same work on a generated image as on one the
+service wrote. To show
 that, ``--through-service N`` (default 10,000) also puts N random blocks through the shim,
 makes them durable, kills the service with SIGKILL and measures the restart: the figure
 should match the generated image of the same size.
@@ -41,6 +43,7 @@ import numpy as np
 
 from ctxmem.client import Client
 from ctxmem_common.codecs import crc32c
+from ctxmem_common.codecs.blockauth import TAG_BYTES, BlockAuthenticator
 from ctxmem_common.flash_format import (
     DATA_START,
     SB_OFFSET,
@@ -48,6 +51,8 @@ from ctxmem_common.flash_format import (
     SlabHeader,
     Superblock,
     pack_header_table,
+    payload_offset,
+    record_context,
     slab_base,
     slots_per_slab,
 )
@@ -79,9 +84,11 @@ def _keys(seqs: np.ndarray) -> np.ndarray:
     return keys
 
 
-def generate_image(path: Path, blocks: int, block: int, slab_size: int) -> dict[str, int]:
-    """A device image holding ``blocks`` records (sparse zero payloads); returns its
-    geometry: bytes, slabs, header-table bytes."""
+def generate_image(path: Path, blocks: int, block: int, slab_size: int,
+                   master_key: bytes) -> dict[str, int]:
+    """A device image holding ``blocks`` records (sparse zero payloads), authenticated
+    under ``master_key`` (the service's); returns its geometry: bytes, slabs,
+    header-table bytes."""
     layout = layout_for(block)
     ns = namespace_digest(TENANT, MODEL, layout, {})
     slot = (block + SECTOR - 1) // SECTOR * SECTOR
@@ -89,15 +96,25 @@ def generate_image(path: Path, blocks: int, block: int, slab_size: int) -> dict[
     slabs = max(1, -(-blocks // per))
     size = slab_base(slabs + 1, slab_size)  # one spare slab for new writes
     crc = crc32c(bytes(block))
+    auth = BlockAuthenticator.for_namespace(master_key, ns)
+    zeros = memoryview(bytes(block))
+    sb = Superblock(slab_size, slabs + 1, os.urandom(16))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, size)
-        os.pwrite(fd, Superblock(slab_size, slabs + 1, os.urandom(16)).pack_pair(), SB_OFFSET)
+        os.pwrite(fd, sb.pack_pair(), SB_OFFSET)
         done = 0
         for s in range(slabs):
             n = min(per, blocks - done)
             seqs = np.arange(done + 1, done + n + 1, dtype=np.uint64)
-            table = pack_header_table(per, ns, _keys(seqs), block, crc, seqs)
+            keys = _keys(seqs)
+            # One authenticator per record (its key, place and sequence number differ).
+            tags = np.frombuffer(b"".join(
+                auth.tag(k, zeros, record_context(sb.device_uuid,
+                                                  payload_offset(s, i, slab_size, slot), q))
+                for i, (k, q) in enumerate(zip(map(bytes, keys), seqs.tolist(), strict=True))
+            ), dtype=np.uint8).reshape(n, TAG_BYTES)
+            table = pack_header_table(per, ns, keys, block, crc, seqs, tags=tags)
             base = slab_base(s, slab_size)
             os.pwrite(fd, SlabHeader(slot, per).pack(), base)
             os.pwrite(fd, table, base + SECTOR)
@@ -266,12 +283,14 @@ def run(argv: list[str] | None = None) -> int:
             work.mkdir(exist_ok=True)
             image = work / "flash0.img"
             t = time.perf_counter()
-            geo = generate_image(image, n, args.block_size, slab_size)
+            svc = _service(work, image, args.block_size, args.slab_size)
+            # The records are authenticated with the master key the service will load.
+            key = bytes.fromhex((work / "master.key").read_text().strip())
+            geo = generate_image(image, n, args.block_size, slab_size, key)
             gen_s = time.perf_counter() - t
             r = read_rate(image, geo["table_bytes"])
             rate = max(rate, r)
             sample = [key_of(i) for i in np.linspace(1, n, min(n, 1000)).astype(int).tolist()]
-            svc = _service(work, image, args.block_size, args.slab_size)
             try:
                 row = _measure(svc, n, args.block_size, "generated", geo["table_bytes"], r,
                                sample, None)
