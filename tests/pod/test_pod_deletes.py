@@ -1,0 +1,203 @@
+"""Issue 26 item 3: deletes reach every copy. Real service processes and a real
+redis-server: blocks another node fetched are copies, served only while the cluster index
+still names the entry they were fetched under, and the writer's Delete returns only once
+the index no longer names its blocks. So once a Delete has returned, no node serves the
+deleted bytes: not at once (every check below runs right after the call returns, no
+waiting), not after a re-put of other bytes under the same keys, not after a restart,
+not while the index is unreachable (docs/pod.md, "Deletes and re-puts across nodes")."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ctxmem
+from ctxmem_common.config import PodConfig
+from ctxmem_dpu.pod.entries import RemoteEntry, blocks_key, pack_entry
+from ctxmem_dpu.pod.index import ClusterIndex
+from ctxmem_dpu.pod.publisher import Publisher
+from ctxmem_dpu.pod.redis_conn import connect
+from ctxmem_tools.pod_launcher import LocalPod
+from ctxmem_tools.redis_server import RedisServer
+from tests.pod.podtest import Clients, blocks, wait_for
+
+
+def _copies_on(clients: Clients, pod: LocalPod, keys: list[bytes], data: list[np.ndarray],
+               *nodes: int) -> None:
+    """Put ``keys`` on node 1; each of ``nodes`` gets them (so holds fetched copies)."""
+    n1 = pod.nodes[0]
+    assert clients.put(n1.endpoint, keys, data) == len(keys)
+    for i in nodes:
+        ep = pod.nodes[i].endpoint
+        wait_for(lambda ep=ep: clients.hits(ep, keys) == len(keys), what="publish")
+        assert clients.get(ep, keys, data) == len(keys)
+        st = clients.stats(ep)
+        assert st["pod_fetch_blocks_peer"] >= len(keys)
+
+
+def test_a_delete_reaches_every_fetched_copy_and_a_re_put_replaces_them(
+        pod: LocalPod, clients: Clients) -> None:
+    n1, n2, n3 = pod.nodes
+    keys = ctxmem.chain_hashes(range(16 * 8), 16)
+    old, new = blocks(8, 41), blocks(8, 42)
+    _copies_on(clients, pod, keys, old, 1, 2)
+    # The copies are local hits now (no fetch): a second get fetches nothing.
+    before = clients.stats(n2.endpoint)["pod_fetch_blocks_peer"]
+    assert clients.get(n2.endpoint, keys, old) == 8
+    assert clients.stats(n2.endpoint)["pod_fetch_blocks_peer"] == before
+    assert clients.ns(n1.endpoint).delete(keys) == 8
+    for n in (n2, n3):  # right after the Delete returned: misses, no waiting
+        assert clients.hits(n.endpoint, keys) == 0
+        assert clients.get(n.endpoint, keys, old) == 0
+    assert clients.stats(n2.endpoint)["pod_copies_dropped"] == 8
+    # Other bytes under the same keys: never the old ones, the new ones once published.
+    assert clients.put(n1.endpoint, keys, new) == 8
+    for n in (n2, n3):
+        assert clients.get(n.endpoint, keys, new) in range(9)  # byte-checked vs new
+        wait_for(lambda n=n: clients.get(n.endpoint, keys, new) == 8, what="re-put")
+    # Deleted again after the new copies were fetched: misses again at once.
+    assert clients.ns(n1.endpoint).delete(keys) == 8
+    assert clients.get(n2.endpoint, keys, new) == 0
+    assert clients.get(n3.endpoint, keys, new) == 0
+
+
+def test_a_delete_sent_to_another_node_drops_only_its_copy(pod: LocalPod,
+                                                           clients: Clients) -> None:
+    """The weaker rule that holds for a Delete not sent to the writer: it drops that
+    node's copy (and its own blocks); the writer's block stays a hit everywhere."""
+    n1, n2, _ = pod.nodes
+    keys = ctxmem.chain_hashes(range(16 * 4), 16)
+    data = blocks(4, 43)
+    _copies_on(clients, pod, keys, data, 1)
+    assert clients.ns(n2.endpoint).delete(keys) == 4  # n2's copies
+    assert clients.hits(n2.endpoint, keys) == 4  # remote again: the writer's entry
+    assert clients.get(n2.endpoint, keys, data) == 4
+    assert clients.get(n1.endpoint, keys, data) == 4
+
+
+def test_no_stale_copy_after_a_restart(pod: LocalPod, clients: Clients) -> None:
+    """Copies stay in DRAM: an Evict does not write them to flash, so a restart of the
+    node that fetched them cannot bring them back as its own blocks."""
+    n1, n2, _ = pod.nodes
+    keys = ctxmem.chain_hashes(range(16 * 6), 16)
+    old, new = blocks(6, 44), blocks(6, 45)
+    _copies_on(clients, pod, keys, old, 1)
+    clients.ns(n2.endpoint).evict(keys)  # what the demoter does in time, now
+    assert clients.ns(n1.endpoint).delete(keys) == 6
+    clients.drop(n2.endpoint)
+    n2.restart()
+    assert clients.hits(n2.endpoint, keys) == 0
+    assert clients.get(n2.endpoint, keys, old) == 0
+    assert clients.put(n1.endpoint, keys, new) == 6
+    wait_for(lambda: clients.get(n2.endpoint, keys, new) == 6, what="re-put")
+    clients.drop(n2.endpoint)
+    n2.restart(kill=True)
+    assert clients.get(n2.endpoint, keys, new) in range(7)  # byte-checked vs new
+
+
+def test_index_unreachable_copies_are_misses_own_blocks_served(pod: LocalPod,
+                                                               clients: Clients) -> None:
+    n1, n2, _ = pod.nodes
+    theirs = ctxmem.chain_hashes(range(16 * 5), 16)
+    mine = ctxmem.chain_hashes(range(5000, 5000 + 16 * 3), 16)
+    data, own = blocks(5, 46), blocks(3, 47)
+    _copies_on(clients, pod, theirs, data, 1)
+    assert clients.put(n2.endpoint, mine, own) == 3
+    pod.redis.stop()
+    assert clients.hits(n2.endpoint, theirs) == 0
+    assert clients.get(n2.endpoint, theirs, data) == 0
+    assert clients.get(n2.endpoint, mine, own) == 3
+    assert clients.get(n1.endpoint, theirs, data) == 5  # the writer serves its own
+    pod.redis.start()  # empty: the nodes republish
+    wait_for(lambda: clients.get(n2.endpoint, theirs, data) == 5, timeout_s=15,
+             what="republish")
+
+
+def test_a_delete_the_index_does_not_confirm_fails_and_is_retried(pod: LocalPod,
+                                                                  clients: Clients) -> None:
+    """The index frozen (SIGSTOP, it keeps its entries): the Delete deletes on the
+    writer but answers UNAVAILABLE, saying to retry; the retry, once the index answers,
+    returns, and then no node serves the bytes."""
+    n1, n2, _ = pod.nodes
+    keys = ctxmem.chain_hashes(range(16 * 4), 16)
+    data = blocks(4, 48)
+    _copies_on(clients, pod, keys, data, 1)
+    proc = pod.redis.proc
+    assert proc is not None
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(ctxmem.Unavailable, match="cluster index did not confirm"):
+            clients.ns(n1.endpoint).delete(keys)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert clients.get(n1.endpoint, keys, data) == 0  # deleted on the writer
+    assert clients.ns(n1.endpoint).delete(keys) == 0  # the retry: confirmed
+    assert clients.hits(n2.endpoint, keys) == 0
+    assert clients.get(n2.endpoint, keys, data) == 0
+
+
+def test_copies_of_a_dead_holder_are_misses(pod: LocalPod, clients: Clients) -> None:
+    """A copy is served only while the index names its entry: once the holder's entries
+    are ignored (it died), the copies fetched from it are misses too."""
+    n1, n2, _ = pod.nodes
+    keys = ctxmem.chain_hashes(range(16 * 4), 16)
+    data = blocks(4, 49)
+    _copies_on(clients, pod, keys, data, 1)
+    n1.kill()
+    wait_for(lambda: clients.hits(n2.endpoint, keys) == 0, timeout_s=15,
+             what="the dead holder's entries to be ignored")
+    assert clients.get(n2.endpoint, keys, data) == 0
+
+
+def test_a_re_put_over_a_pending_removal_is_published_at_once(tmp_path: Path) -> None:
+    """The publisher on its own, against a real redis-server: a key re-put while its
+    earlier removal is still pending is sent by ``send_urgent`` (what a Commit awaits),
+    a Delete's ``send_now`` drops this node's entry even when nothing is pending, and a
+    backlog overflow drops pending entries (republished in full) but keeps removals."""
+    ns, k = bytes(range(16)), b"k" * 32
+    others = [bytes([i]) * 32 for i in range(4)]
+
+    async def run(url: str) -> None:
+        pod = PodConfig(enabled=True, index_url=url, node_id="me", advertise="127.0.0.1:1",
+                        publish_backlog=4)
+        index = ClusterIndex(pod, connect(pod))
+        r = connect(pod)
+        held: dict[bytes, RemoteEntry] = {}
+        pub = Publisher(pod, index, lambda: [(ns, key, e) for key, e in held.items()],
+                        Counter())
+        old, new = RemoteEntry("me", "dram", 1, 4096, 11), RemoteEntry("me", "dram", 2, 4096, 22)
+        try:
+            pub.note(ns, k, old)
+            await pub.flush()
+            assert await r.hget(blocks_key(ns), k) == pack_entry(old)
+            pub.note(ns, k, None)  # evicted: the removal pending
+            await pub.send_urgent(ns, [k])  # not re-put: nothing urgent, nothing sent
+            assert await r.hget(blocks_key(ns), k) == pack_entry(old)
+            pub.note(ns, k, new)  # re-put before the index confirmed the removal
+            await pub.send_urgent(ns, [k])
+            assert await r.hget(blocks_key(ns), k) == pack_entry(new)
+            assert pub.backlog == 0
+            await pub.send_now(ns, [k])  # a Delete: nothing pending, the entry goes
+            assert await r.hget(blocks_key(ns), k) is None
+            # Overflow: the entries pending are dropped, the removal is kept.
+            pub.note(ns, k, old)
+            await pub.flush()
+            pub.note(ns, k, None)
+            for key in others:
+                held[key] = new
+                pub.note(ns, key, new)
+            assert pub.backlog <= 4
+            await pub.flush()  # the removal, and the full republish
+            assert await r.hget(blocks_key(ns), k) is None
+            assert await r.hmget(blocks_key(ns), others) == [pack_entry(new)] * 4
+        finally:
+            await index.close()
+            await r.aclose()
+
+    with RedisServer(tmp_path / "redis") as server:
+        asyncio.run(run(server.url))
