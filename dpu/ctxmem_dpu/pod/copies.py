@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import is_, is_not, or_
+from operator import eq, is_, not_
 
 from ctxmem_dpu.blocks import Block
 from ctxmem_dpu.pod.entries import unpack_entry
@@ -37,11 +37,11 @@ def same_block(now: bytes, then: bytes) -> bool:
 
 def keys_to_ask(keys: Sequence[bytes], local: Sequence[Block | None],
                 copies: dict[bytes, Block]) -> tuple[list[bool], list[Block | None]]:
-    """Per key, whether the index is asked (a local miss, or a fetched copy), and the
-    copy per key (``None``: not one). C-level maps: one dict probe per key."""
+    """Per key, whether the index is asked (a local miss, or a fetched copy: the local
+    block *is* the copy, or both are None), and the copy per key (``None``: not one).
+    C-level maps: one dict probe and one identity test per key."""
     held = list(map(copies.get, keys))
-    ask = list(map(or_, map(is_, local, repeat(None)), map(is_not, held, repeat(None))))
-    return ask, held
+    return list(map(is_, local, held)), held
 
 
 def check(keys: Sequence[bytes], local: list[Block | None], ask: Sequence[bool],
@@ -51,19 +51,26 @@ def check(keys: Sequence[bytes], local: list[Block | None], ask: Sequence[bool],
     the remote entry (``None`` for local hits and misses). Copies the index no longer
     names are set to ``None`` in ``local`` and returned (the caller drops them); a copy
     still named under a changed value (new epoch) gets that value as its origin, so the
-    next check is one bytes comparison."""
+    next check is one bytes comparison.
+
+    In C for the common cases: each asked key's origin (``None`` for a miss) compared
+    with its value in one ``map``; when all are equal (every copy still named, no miss
+    has an entry) nothing else is done, else only the keys that differ are looked at."""
     remote: list[bytes | None] = [None] * len(keys)
+    asked_held = list(compress(held, ask))
+    same = list(map(eq, map(getattr, asked_held, repeat("origin"), repeat(None)), got))
+    if all(same):
+        return remote, []
+    where = list(compress(range(len(keys)), ask))
     stale: list[Block] = []
-    for i, v in zip(compress(range(len(keys)), ask), got, strict=True):
-        b = held[i]
+    for j in compress(range(len(same)), map(not_, same)):
+        i, v, b = where[j], got[j], asked_held[j]
         if b is None:
             remote[i] = v
-            continue
-        if v is not None and b.origin is not None and (v == b.origin
-                                                       or same_block(v, b.origin)):
+        elif v is not None and b.origin is not None and same_block(v, b.origin):
             b.origin = v
-            continue
-        stale.append(b)
-        local[i] = None
-        remote[i] = v
+        else:
+            stale.append(b)
+            local[i] = None
+            remote[i] = v
     return remote, stale
