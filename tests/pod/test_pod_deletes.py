@@ -15,16 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 import ctxmem
 from ctxmem_common.config import PodConfig
-from ctxmem_dpu.pod.entries import RemoteEntry, blocks_key, pack_entry
+from ctxmem_common.keys import namespace_digest
+from ctxmem_dpu.pod.entries import RemoteEntry, blocks_key, node_prefix, pack_entry
 from ctxmem_dpu.pod.index import ClusterIndex
 from ctxmem_dpu.pod.publisher import Publisher
 from ctxmem_dpu.pod.redis_conn import connect
 from ctxmem_tools.pod_launcher import LocalPod
 from ctxmem_tools.redis_server import RedisServer
-from tests.pod.podtest import Clients, blocks, wait_for
+from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
 
 
 def _copies_on(clients: Clients, pod: LocalPod, keys: list[bytes], data: list[np.ndarray],
@@ -139,6 +141,41 @@ def test_a_delete_the_index_does_not_confirm_fails_and_is_retried(pod: LocalPod,
     assert clients.ns(n1.endpoint).delete(keys) == 0  # the retry: confirmed
     assert clients.hits(n2.endpoint, keys) == 0
     assert clients.get(n2.endpoint, keys, data) == 0
+
+
+def test_copies_are_never_republished_and_outlive_the_writers_republish(
+        pod: LocalPod, clients: Clients) -> None:
+    """The index restarted empty: every node republishes what it holds, node 2 not its
+    copies (else node 1's Delete, which removes only node 1's entries, would leave them
+    named). Node 1 republishes under a new epoch: node 2's copies are the same blocks and
+    stay hits without a new fetch."""
+    n1, n2, n3 = pod.nodes
+    keys = ctxmem.chain_hashes(range(16 * 6), 16)
+    data = blocks(6, 50)
+    _copies_on(clients, pod, keys, data, 1)
+    own = ctxmem.chain_hashes(range(7000, 7000 + 16), 16)
+    assert clients.put(n2.endpoint, own, data[:1]) == 1
+    probe = ctxmem.chain_hashes(range(8000, 8000 + 16), 16)  # node 1's, never fetched
+    assert clients.put(n1.endpoint, probe, data[:1]) == 1
+    pod.redis.stop()
+    pod.redis.start()  # empty
+    r = redis.Redis.from_url(pod.redis.url)
+    digest = namespace_digest("default", "m", LAYOUT)
+    # n2's republish is one pipeline (7 updates): its own block's entry, and its copies'
+    # if it republished them; node 1's entries too.
+    wait_for(lambda: None not in r.hmget(blocks_key(digest), [*own, *keys]), timeout_s=15,
+             what="the republish")
+    assert all(v.startswith(node_prefix("node1"))
+               for v in r.hmget(blocks_key(digest), keys)), "a copy was republished"
+    # Node 2 sees node 1 alive again (a Lookup of a key that is no copy: the copies are
+    # not looked at before the next line).
+    wait_for(lambda: clients.hits(n2.endpoint, probe) == 1, timeout_s=15, what="liveness")
+    fetched = clients.stats(n2.endpoint)["pod_fetch_blocks_peer"]
+    assert clients.get(n2.endpoint, keys, data) == 6
+    assert clients.stats(n2.endpoint)["pod_fetch_blocks_peer"] == fetched  # kept
+    assert clients.ns(n1.endpoint).delete(keys) == 6
+    assert clients.get(n2.endpoint, keys, data) == 0
+    assert clients.get(n3.endpoint, keys, data) == 0
 
 
 def test_copies_of_a_dead_holder_are_misses(pod: LocalPod, clients: Clients) -> None:
