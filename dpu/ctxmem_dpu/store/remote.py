@@ -94,18 +94,21 @@ class RemoteBlocks:
         names the entry they were fetched under: deleted or replaced by their writer, or
         unknown now). A leased one keeps its slot until its last unpin."""
         index, invalidator = self._index, self._invalidator
+        n = 0
         for b in blocks:
+            if b.deleted:  # dropped already (two checks at once found it stale)
+                continue
             per_ns = index.get(b.ns)
             if per_ns.get(b.key) is b:
                 del per_ns[b.key]
             index.drop_copy(b)
             index.dram_lru.remove(b)
             index.dirty.pop(b, None)
-            if not b.deleted:
-                b.deleted = True
-                b.pins += 1
-                invalidator.unpin(b)  # frees the DRAM slot now, or at the last unpin
-        self._ctx.counters["pod_copies_dropped"] += len(blocks)
+            b.deleted = True
+            b.pins += 1
+            invalidator.unpin(b)  # frees the DRAM slot now, or at the last unpin
+            n += 1
+        self._ctx.counters["pod_copies_dropped"] += n
 
     async def pin_for_peer(self, ns_digest: bytes, keys: Sequence[bytes]
                            ) -> list[Block | None]:
