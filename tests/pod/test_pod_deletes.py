@@ -238,3 +238,55 @@ def test_a_re_put_over_a_pending_removal_is_published_at_once(tmp_path: Path) ->
 
     with RedisServer(tmp_path / "redis") as server:
         asyncio.run(run(server.url))
+
+
+def test_a_commit_re_putting_an_evicted_key_is_published_before_it_returns(
+        tmp_path: Path) -> None:
+    """A store and its pod node in process (no flash: DRAM evicts by dropping), against a
+    real redis-server, batches held back (``publish_interval_ms`` of a minute): key K is
+    published, evicted as its last copy (the removal pending, the index still naming the
+    old block), then put again with other bytes: when the Commit returns, the index names
+    the new block (the store's ``commit_hook``); other keys wait for their batch."""
+    from ctxmem_common.config import config_from_dict
+    from ctxmem_dpu.pod.entries import unpack_entry
+    from ctxmem_dpu.pod.node import PodNode
+    from ctxmem_dpu.store import BlockStore
+    from ctxmem_tools.launcher import free_port
+    from tests.dpu.storekit import payload, put, session
+
+    async def run(url: str) -> None:
+        port = free_port()
+        cfg = config_from_dict({
+            "dram": {"size": "4MiB", "slab_size": "1MiB"},
+            "pod": {"enabled": True, "index_url": url, "node_id": "me",
+                    "advertise": f"127.0.0.1:{port}", "listen": f"127.0.0.1:{port}",
+                    "pod_token": "t" * 32, "publish_interval_ms": 60_000}})
+        r = connect(cfg.pod)
+        async with BlockStore(cfg) as store:
+            node = PodNode(cfg, store)
+            await node.start()
+            try:
+                s, ns = session(store)
+                k = b"K" * 32
+                await node.publisher.flush()
+                assert await put(store, s, ns, {k: payload(1)}) == 1
+                await node.publisher.flush()
+                old = await r.hget(blocks_key(ns.digest), k)
+                assert old is not None
+                others = {bytes([i, 200]) * 16: payload(i + 2) for i in range(80)}
+                for part in (dict(list(others.items())[:40]), dict(list(others.items())[40:])):
+                    assert await put(store, s, ns, part) == 40  # DRAM holds 64: K dropped
+                assert k not in store.index[ns.digest]
+                assert await r.hget(blocks_key(ns.digest), k) == old  # removal pending
+                assert await put(store, s, ns, {k: payload(99)}) == 1
+                now = await r.hget(blocks_key(ns.digest), k)
+                e_old, e_now = unpack_entry(old), unpack_entry(now)
+                assert e_old is not None and e_now is not None
+                assert e_now.seq == store.index[ns.digest][k].seq != e_old.seq
+                assert await r.hget(blocks_key(ns.digest), bytes([79, 200]) * 16) is None
+            finally:
+                await node.close()
+                await r.aclose()
+
+    with RedisServer(tmp_path / "redis") as server:
+        asyncio.run(run(server.url))
