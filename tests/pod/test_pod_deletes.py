@@ -284,6 +284,31 @@ def test_a_commit_re_putting_an_evicted_key_is_published_before_it_returns(
                 assert e_old is not None and e_now is not None
                 assert e_now.seq == store.index[ns.digest][k].seq != e_old.seq
                 assert await r.hget(blocks_key(ns.digest), bytes([79, 200]) * 16) is None
+                # Again with the index frozen at the re-put: the Commit fails, the block
+                # is not stored; the put retried once the index answers is confirmed.
+                k2 = b"L" * 32
+                assert await put(store, s, ns, {k2: payload(3)}) == 1
+                await node.publisher.flush()
+                old2 = await r.hget(blocks_key(ns.digest), k2)
+                more = {bytes([i, 201]) * 16: payload(i + 200) for i in range(80)}
+                for part in (dict(list(more.items())[:40]), dict(list(more.items())[40:])):
+                    assert await put(store, s, ns, part) == 40
+                assert k2 not in store.index[ns.digest]
+                assert server.proc is not None
+                server.proc.send_signal(signal.SIGSTOP)
+                try:
+                    with pytest.raises(ctxmem.Unavailable, match="not stored"):
+                        await put(store, s, ns, {k2: payload(98)})
+                finally:
+                    server.proc.send_signal(signal.SIGCONT)
+                assert k2 not in store.index[ns.digest]
+                # (The index may have applied the timed-out HSET once it resumed: then it
+                # names a block this node no longer has, a miss for peers, until the
+                # removal now pending reaches it.)
+                assert old2 is not None
+                assert await put(store, s, ns, {k2: payload(98)}) == 1
+                e2 = unpack_entry(await r.hget(blocks_key(ns.digest), k2))
+                assert e2 is not None and e2.seq == store.index[ns.digest][k2].seq
             finally:
                 await node.close()
                 await r.aclose()

@@ -100,13 +100,15 @@ class Publisher:
         """Publish at once the entries of ``keys`` that replaced a removal not yet
         confirmed (a Commit that re-put them); nothing to do (the common case) costs one
         set test. Raises :class:`IndexUnavailable` as :meth:`send_now`."""
-        urgent = self._urgent
-        if not urgent:
-            return
-        todo = [k for k in keys if (ns_digest, k) in urgent]
+        todo = self.urgent_of(ns_digest, keys)
         if todo:
             await self._send({k: self._pending.get((ns_digest, k)) for k in todo},
                              ns_digest)
+
+    def urgent_of(self, ns_digest: bytes, keys: Sequence[bytes]) -> list[bytes]:
+        """Those of ``keys`` still waiting for :meth:`send_urgent`."""
+        urgent = self._urgent
+        return [k for k in keys if (ns_digest, k) in urgent] if urgent else []
 
     async def _send(self, updates: dict[bytes, RemoteEntry | None], ns_digest: bytes) -> None:
         async with self._lock:

@@ -120,11 +120,11 @@ class BlockStore:
         self._remote = RemoteBlocks(self._ctx, self._index, self._placement, self._demotion,
                                     self._promotion, self._invalidator, self._registry)
         self._tasks: list[asyncio.Task[None]] = []
-        #: Awaited after a Commit made blocks visible, with the namespace digest and the
+        #: Awaited after a Commit made blocks visible, with the namespace and the
         #: allocation's keys, before the Commit is answered (the pod tier: a re-put of a
         #: key whose earlier removal the cluster index has not confirmed is published
         #: first; it raises to fail the Commit). ``None``: nothing to wait for.
-        self.commit_hook: Callable[[bytes, Sequence[bytes]], Awaitable[None]] | None = None
+        self.commit_hook: Callable[[Namespace, Sequence[bytes]], Awaitable[None]] | None = None
 
     # -- state the servicer, transports and tests read -----------------------------------
     @property
@@ -367,7 +367,7 @@ class BlockStore:
             return await self._puts.commit(s, allocation_id, client_crcs, abort)
         a = self._registry.allocation(s, allocation_id)
         n = await self._puts.commit(s, allocation_id, client_crcs, abort)
-        await hook(a.ns.digest, a.keys)
+        await hook(a.ns, a.keys)
         return n
 
     # -- get -------------------------------------------------------------------------
