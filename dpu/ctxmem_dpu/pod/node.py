@@ -92,21 +92,23 @@ class PodNode:
                 f"gone ({exc}); other nodes may still serve copies they fetched until it "
                 f"does. Retry the Delete (it is idempotent) once the index answers") from None
 
-    async def confirm_commit(self, ns_digest: bytes, keys: Sequence[bytes]) -> None:
+    async def confirm_commit(self, ns: Namespace, keys: Sequence[bytes]) -> None:
         """After a Commit of ``keys`` here (the store's ``commit_hook``): keys re-put
         while the index still named this node's earlier block for them are published
-        before the Commit is answered. Raises Unavailable when the index does not
-        confirm it (the blocks are stored here; a retried put finds them and commits
-        nothing, and the index learns the new entries when it answers)."""
+        before the Commit is answered. When the index does not confirm it, those blocks
+        are taken out again (a retried put stores them anew, and is confirmed then) and
+        Unavailable is raised."""
         try:
-            await self.publisher.send_urgent(ns_digest, keys)
+            await self.publisher.send_urgent(ns.digest, keys)
         except IndexUnavailable as exc:
             self.store.counters["pod_index_errors"] += 1
+            todo = self.publisher.urgent_of(ns.digest, keys)
+            await self.store.delete(ns, todo)
             raise Unavailable(
-                f"Commit in namespace {ns_digest.hex()}: stored on this node, but it "
-                f"replaces blocks whose removal the cluster index has not confirmed "
-                f"({exc}); other nodes may still serve the earlier bytes until it does. "
-                f"Retry once the index answers") from None
+                f"Commit in namespace {ns.digest.hex()}: {len(todo)} of its blocks replace "
+                f"blocks of this node whose removal the cluster index has not confirmed "
+                f"({exc}); those are not stored (other nodes could still serve the earlier "
+                f"bytes). Retry the put once the index answers") from None
 
     async def start(self) -> None:
         await self.server.start()
