@@ -29,6 +29,26 @@ from ctxmem_tools.redis_server import RedisServer
 from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
 
 
+# The two places that know how the index names a namespace's hash and its fields (raw
+# namespace digest and block keys here; keyed hashes where the index is keyed).
+def _values(pod: LocalPod, keys: list[bytes]) -> list[bytes | None]:
+    """The index's values for ``keys`` of the namespace the pod tests use."""
+    r = redis.Redis.from_url(pod.redis.url)
+    try:
+        return r.hmget(blocks_key(namespace_digest("default", "m", LAYOUT)), keys)
+    finally:
+        r.close()
+
+
+async def _value(index: ClusterIndex, ns_digest: bytes, key: bytes) -> bytes | None:
+    """The value ``index``'s Redis holds for ``key`` of namespace ``ns_digest``."""
+    r = connect(index.pod)
+    try:
+        return await r.hget(blocks_key(ns_digest), key)  # type: ignore[no-any-return]
+    finally:
+        await r.aclose()
+
+
 def _copies_on(clients: Clients, pod: LocalPod, keys: list[bytes], data: list[np.ndarray],
                *nodes: int) -> None:
     """Put ``keys`` on node 1; each of ``nodes`` gets them (so holds fetched copies)."""
@@ -159,14 +179,12 @@ def test_copies_are_never_republished_and_outlive_the_writers_republish(
     assert clients.put(n1.endpoint, probe, data[:1]) == 1
     pod.redis.stop()
     pod.redis.start()  # empty
-    r = redis.Redis.from_url(pod.redis.url)
-    digest = namespace_digest("default", "m", LAYOUT)
     # n2's republish is one pipeline (7 updates): its own block's entry, and its copies'
     # if it republished them; node 1's entries too.
-    wait_for(lambda: None not in r.hmget(blocks_key(digest), [*own, *keys]), timeout_s=15,
+    wait_for(lambda: None not in _values(pod, [*own, *keys]), timeout_s=15,
              what="the republish")
     assert all(v.startswith(node_prefix("node1"))
-               for v in r.hmget(blocks_key(digest), keys)), "a copy was republished"
+               for v in _values(pod, keys)), "a copy was republished"
     # Node 2 sees node 1 alive again (a Lookup of a key that is no copy: the copies are
     # not looked at before the next line).
     wait_for(lambda: clients.hits(n2.endpoint, probe) == 1, timeout_s=15, what="liveness")
@@ -203,7 +221,6 @@ def test_a_re_put_over_a_pending_removal_is_published_at_once(tmp_path: Path) ->
         pod = PodConfig(enabled=True, index_url=url, node_id="me", advertise="127.0.0.1:1",
                         publish_backlog=4)
         index = ClusterIndex(pod, connect(pod))
-        r = connect(pod)
         held: dict[bytes, RemoteEntry] = {}
         pub = Publisher(pod, index, lambda: [(ns, key, e) for key, e in held.items()],
                         Counter())
@@ -211,16 +228,16 @@ def test_a_re_put_over_a_pending_removal_is_published_at_once(tmp_path: Path) ->
         try:
             pub.note(ns, k, old)
             await pub.flush()
-            assert await r.hget(blocks_key(ns), k) == pack_entry(old)
+            assert await _value(index, ns, k) == pack_entry(old)
             pub.note(ns, k, None)  # evicted: the removal pending
             await pub.send_urgent(ns, [k])  # not re-put: nothing urgent, nothing sent
-            assert await r.hget(blocks_key(ns), k) == pack_entry(old)
+            assert await _value(index, ns, k) == pack_entry(old)
             pub.note(ns, k, new)  # re-put before the index confirmed the removal
             await pub.send_urgent(ns, [k])
-            assert await r.hget(blocks_key(ns), k) == pack_entry(new)
+            assert await _value(index, ns, k) == pack_entry(new)
             assert pub.backlog == 0
             await pub.send_now(ns, [k])  # a Delete: nothing pending, the entry goes
-            assert await r.hget(blocks_key(ns), k) is None
+            assert await _value(index, ns, k) is None
             # Overflow: the entries pending are dropped, the removal is kept.
             pub.note(ns, k, old)
             await pub.flush()
@@ -230,11 +247,10 @@ def test_a_re_put_over_a_pending_removal_is_published_at_once(tmp_path: Path) ->
                 pub.note(ns, key, new)
             assert pub.backlog <= 4
             await pub.flush()  # the removal, and the full republish
-            assert await r.hget(blocks_key(ns), k) is None
-            assert await r.hmget(blocks_key(ns), others) == [pack_entry(new)] * 4
+            assert await _value(index, ns, k) is None
+            assert [await _value(index, ns, o) for o in others] == [pack_entry(new)] * 4
         finally:
             await index.close()
-            await r.aclose()
 
     with RedisServer(tmp_path / "redis") as server:
         asyncio.run(run(server.url))
@@ -261,7 +277,6 @@ def test_a_commit_re_putting_an_evicted_key_is_published_before_it_returns(
             "pod": {"enabled": True, "index_url": url, "node_id": "me",
                     "advertise": f"127.0.0.1:{port}", "listen": f"127.0.0.1:{port}",
                     "pod_token": "t" * 32, "publish_interval_ms": 60_000}})
-        r = connect(cfg.pod)
         async with BlockStore(cfg) as store:
             node = PodNode(cfg, store)
             await node.start()
@@ -271,25 +286,25 @@ def test_a_commit_re_putting_an_evicted_key_is_published_before_it_returns(
                 await node.publisher.flush()
                 assert await put(store, s, ns, {k: payload(1)}) == 1
                 await node.publisher.flush()
-                old = await r.hget(blocks_key(ns.digest), k)
+                old = await _value(node.index, ns.digest, k)
                 assert old is not None
                 others = {bytes([i, 200]) * 16: payload(i + 2) for i in range(80)}
                 for part in (dict(list(others.items())[:40]), dict(list(others.items())[40:])):
                     assert await put(store, s, ns, part) == 40  # DRAM holds 64: K dropped
                 assert k not in store.index[ns.digest]
-                assert await r.hget(blocks_key(ns.digest), k) == old  # removal pending
+                assert await _value(node.index, ns.digest, k) == old  # removal pending
                 assert await put(store, s, ns, {k: payload(99)}) == 1
-                now = await r.hget(blocks_key(ns.digest), k)
+                now = await _value(node.index, ns.digest, k)
                 e_old, e_now = unpack_entry(old), unpack_entry(now)
                 assert e_old is not None and e_now is not None
                 assert e_now.seq == store.index[ns.digest][k].seq != e_old.seq
-                assert await r.hget(blocks_key(ns.digest), bytes([79, 200]) * 16) is None
+                assert await _value(node.index, ns.digest, bytes([79, 200]) * 16) is None
                 # Again with the index frozen at the re-put: the Commit fails, the block
                 # is not stored; the put retried once the index answers is confirmed.
                 k2 = b"L" * 32
                 assert await put(store, s, ns, {k2: payload(3)}) == 1
                 await node.publisher.flush()
-                old2 = await r.hget(blocks_key(ns.digest), k2)
+                old2 = await _value(node.index, ns.digest, k2)
                 more = {bytes([i, 201]) * 16: payload(i + 200) for i in range(80)}
                 for part in (dict(list(more.items())[:40]), dict(list(more.items())[40:])):
                     assert await put(store, s, ns, part) == 40
@@ -307,11 +322,10 @@ def test_a_commit_re_putting_an_evicted_key_is_published_before_it_returns(
                 # removal now pending reaches it.)
                 assert old2 is not None
                 assert await put(store, s, ns, {k2: payload(98)}) == 1
-                e2 = unpack_entry(await r.hget(blocks_key(ns.digest), k2))
+                e2 = unpack_entry(await _value(node.index, ns.digest, k2))
                 assert e2 is not None and e2.seq == store.index[ns.digest][k2].seq
             finally:
                 await node.close()
-                await r.aclose()
 
     with RedisServer(tmp_path / "redis") as server:
         asyncio.run(run(server.url))
