@@ -41,6 +41,11 @@ class Block:
     # Promoted ahead of a get's next Acquire (store.promotion.COLD_PIECE_BYTES): that
     # Acquire still counts it a flash hit, as it was before the get began.
     read_ahead: bool = False
+    # A copy fetched from another node of a pod: the index entry (packed, as the cluster
+    # index held it) it was fetched under. Served only while the index still names that
+    # entry; never demoted to flash, published or served to peers (docs/pod.md, "Deletes
+    # and re-puts across nodes"). ``None``: this node's own block.
+    origin: bytes | None = None
 
 
 @dataclass(slots=True)

@@ -477,6 +477,11 @@ class Namespace:
         return self._retrying(op)
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete ``keys`` on this service; returns how many it held. In a pod: send it to
+        the node that wrote them; once it returns, no node serves those blocks (copies
+        fetched elsewhere included). Raises Unavailable when the pod's index did not
+        confirm (the keys are deleted here; retry). See docs/pod.md, "Deletes and re-puts
+        across nodes"."""
         validate_keys(keys)
 
         def op(s: _Session) -> int:

@@ -1,9 +1,11 @@
 """Issue 14: a Hypothesis model of the pod (put, get, delete, evict, kill and restart
 across three real nodes and a real redis-server): no node ever serves a wrong block.
 
-The model keeps, per key, every block any node ever committed under it (two nodes may
-write different bytes under one key); a get must return, for each block it delivers,
-one of those, and nothing past its hits."""
+The model keeps, per key, every block any node committed under it and has not deleted
+since (two nodes may write different bytes under one key); a get must return, for each
+block it delivers, one of those, and nothing past its hits. A Delete on a node removes
+what that node wrote under the keys: from when it returns, no node serves those bytes
+(copies fetched elsewhere included; docs/pod.md, "Deletes and re-puts across nodes")."""
 
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ class PodModel(RuleBasedStateMachine):
         super().__init__()
         self.clients = Clients()
         self.model = f"model-{next(_model_ids)}"  # a fresh namespace per example
-        self.written: dict[int, list[np.ndarray]] = {}
+        # Per key, (writer node, bytes) of every put not deleted on its writer since.
+        self.written: dict[int, list[tuple[int, np.ndarray]]] = {}
         self.version = itertools.count()
 
     def _ep(self, node: int) -> str:
@@ -64,7 +67,7 @@ class PodModel(RuleBasedStateMachine):
         v = next(self.version)
         data = [block(i, v) for i in idx]
         for i, d in zip(idx, data, strict=True):
-            self.written.setdefault(i, []).append(d)
+            self.written.setdefault(i, []).append((node, d))
         ns = self.clients.ns(self._ep(node), self.model)
         ns.put([KEYS[i] for i in idx], data)
 
@@ -78,8 +81,8 @@ class PodModel(RuleBasedStateMachine):
         DELIVERED["blocks"] += n
         DELIVERED["remote"] += min(n, remote)
         for j in range(n):
-            assert any(np.array_equal(out[j], d) for d in self.written.get(first + j, [])), \
-                f"node {node + 1} served wrong bytes for key {first + j}"
+            assert any(np.array_equal(out[j], d) for _w, d in self.written.get(first + j, [])), \
+                f"node {node + 1} served wrong or deleted bytes for key {first + j}"
         for o in out[n:]:
             assert not o.any()
 
@@ -93,6 +96,14 @@ class PodModel(RuleBasedStateMachine):
             time.sleep(0.02)
         self.get(dst, first)
 
+    @rule(src=st.integers(0, 2), dst=st.integers(0, 2), first=st.integers(0, 5))
+    def fetch_then_delete_on_the_writer(self, src: int, dst: int, first: int) -> None:
+        """A put, a get elsewhere (a fetched copy there), the writer's Delete, and a get
+        there again at once: the deleted bytes must not come back."""
+        self.put_then_get_elsewhere(src, dst, first)
+        self.delete(src, first)
+        self.get(dst, first)
+
     @rule()
     def settle(self) -> None:
         time.sleep(0.1)  # let the publishers run (batched every 20 ms)
@@ -100,6 +111,8 @@ class PodModel(RuleBasedStateMachine):
     @rule(node=st.integers(0, 2), first=st.integers(0, 5))
     def delete(self, node: int, first: int) -> None:
         self.clients.ns(self._ep(node), self.model).delete(KEYS[first:first + 2])
+        for i in range(first, min(6, first + 2)):  # what this node wrote is gone
+            self.written[i] = [(w, d) for w, d in self.written.get(i, []) if w != node]
 
     @rule(node=st.integers(0, 2))
     def evict(self, node: int) -> None:

@@ -297,7 +297,11 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     async def Delete(self, request: pb.DeleteRequest, context: Any) -> pb.DeleteResponse:
         s = self.store.session(request.session_id)
         ns = self.store.namespace(s, request.namespace_handle)
-        return pb.DeleteResponse(deleted=await self.store.delete(ns, list(request.keys)))
+        keys = list(request.keys)
+        deleted = await self.store.delete(ns, keys)
+        if self.pod is not None:  # this node's index entries gone before the answer
+            await self.pod.confirm_delete(ns.digest, keys)
+        return pb.DeleteResponse(deleted=deleted)
 
     @_rpc
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:

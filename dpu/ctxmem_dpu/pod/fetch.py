@@ -23,6 +23,7 @@ from crc32c import crc32c
 
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.logthrottle import throttled
+from ctxmem_dpu.pod import copies as copies_mod
 from ctxmem_dpu.pod.entries import RemoteEntry, unpack_entry
 from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
 from ctxmem_dpu.pod.sources import RemoteSource
@@ -68,6 +69,9 @@ class RemoteFetch:
         """Per key, the local block and (for local misses only) the packed remote entry:
         the cluster is asked only for the keys this node misses, in one round trip."""
         local = self.store.lookup_blocks(ns, keys, prefix=False)
+        copies = self.store.fetched_copies(ns.digest)
+        if copies:  # fetched copies are checked in the same round trip (pod/copies.py)
+            return await self._merged_checking(ns, keys, local, copies)
         # Gather the misses in C; scatter their entries back in one comprehension (faster
         # than map(list.__setitem__): a 10,000-key Lookup; docs/pod.md, "Lookup cost").
         flags = list(map(is_, local, repeat(None)))
@@ -79,19 +83,37 @@ class RemoteFetch:
         it = iter(got)
         return local, [next(it) if f else None for f in flags]
 
+    async def _merged_checking(self, ns: Namespace, keys: Sequence[bytes],
+                               local: list[Block | None], copies: dict[bytes, Block]
+                               ) -> tuple[list[Block | None], list[bytes | None]]:
+        """:meth:`merged` when the namespace has fetched copies: the keys that are copies
+        are asked along with the misses; those the index no longer names are dropped."""
+        ask, held = copies_mod.keys_to_ask(keys, local, copies)
+        if not any(ask):
+            return local, [None] * len(keys)
+        got = await self.lookup(ns.digest, list(compress(keys, ask)))
+        remote, stale = copies_mod.check(keys, local, ask, held, got)
+        if stale:
+            self.store.drop_copies(stale)
+        return local, remote
+
     async def pull(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Fetch the remote blocks in the leading run of ``keys`` (local or remote, up to
         ``pod.fetch_max_blocks`` remote ones) into local DRAM. Returns how many were
         adopted; the run a following Acquire sees ends at the first that was not."""
         local, remote = await self.merged(ns, keys)
         want: list[RemoteEntry] = []
+        raws: list[bytes] = []  # the packed entries: the adopted copies' origins
         for key, b, raw in zip(keys, local, remote, strict=True):
             if b is not None:
                 continue
-            e = unpack_entry(raw, key) if raw is not None else None
+            if raw is None:
+                break
+            e = unpack_entry(raw, key)
             if e is None or len(want) >= self._max:
                 break
             want.append(e)
+            raws.append(raw)
         if not want:
             return 0
         data = await self.fetch(ns.digest, want)
@@ -100,12 +122,13 @@ class RemoteFetch:
             if d is None:
                 break  # the run ends at the first block not fetched
             items.append((e.key, d, e.crc32c))
+        origins = raws[:len(items)]
         self._counters["pod_fetch_misses"] += len(want) - len(items)
         stale = [e for e, d in zip(want, data, strict=True) if d is None]
         if stale:
             log.debug("%d remote entries of namespace %s were misses", len(stale),
                       ns.digest.hex())
-        return await self.store.adopt(ns, items) if items else 0
+        return await self.store.adopt(ns, items, origins) if items else 0
 
     async def fetch(self, ns_digest: bytes, entries: Sequence[RemoteEntry]
                     ) -> list[bytes | None]:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from ctxmem_common.config import Config
-from ctxmem_common.errors import ConfigError
+from ctxmem_common.errors import ConfigError, Unavailable
 from ctxmem_common.keyfile import load_master_key
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu.blocks import Block, Namespace
@@ -98,11 +98,48 @@ class PodNode:
                            b.seq, b.length, b.crc, shared, b.key)
 
     def _on_block(self, b: Block, present: bool) -> None:
+        if b.origin is not None:  # a fetched copy: the index names its writer, not us
+            return
         self.publisher.note(b.ns, b.key, self.entry_of(b) if present else None)
+
+    # -- deletes and re-puts reach every copy (docs/pod.md) ---------------------------
+    async def confirm_delete(self, ns_digest: bytes, keys: Sequence[bytes]) -> None:
+        """After a Delete of ``keys`` here: this node's index entries for them are gone
+        when this returns, so no copy fetched from them is served on any node (each is
+        checked against the index before it is). Raises Unavailable when the index does
+        not confirm it."""
+        try:
+            await self.publisher.send_now(ns_digest, keys)
+        except IndexUnavailable as exc:
+            self.store.counters["pod_index_errors"] += 1
+            raise Unavailable(
+                f"Delete of {len(keys)} keys in namespace {ns_digest.hex()}: deleted on "
+                f"this node, but the cluster index did not confirm that its entries are "
+                f"gone ({exc}); other nodes may still serve copies they fetched until it "
+                f"does. Retry the Delete (it is idempotent) once the index answers") from None
+
+    async def confirm_commit(self, ns: Namespace, keys: Sequence[bytes]) -> None:
+        """After a Commit of ``keys`` here (the store's ``commit_hook``): keys re-put
+        while the index still named this node's earlier block for them are published
+        before the Commit is answered. When the index does not confirm it, those blocks
+        are taken out again (a retried put stores them anew, and is confirmed then) and
+        Unavailable is raised."""
+        try:
+            await self.publisher.send_urgent(ns.digest, keys)
+        except IndexUnavailable as exc:
+            self.store.counters["pod_index_errors"] += 1
+            todo = self.publisher.urgent_of(ns.digest, keys)
+            await self.store.delete(ns, todo)
+            raise Unavailable(
+                f"Commit in namespace {ns.digest.hex()}: {len(todo)} of its blocks replace "
+                f"blocks of this node whose removal the cluster index has not confirmed "
+                f"({exc}); those are not stored (other nodes could still serve the earlier "
+                f"bytes). Retry the put once the index answers") from None
 
     async def start(self) -> None:
         await self.server.start()
         self.store.block_listeners.append(self._on_block)
+        self.store.commit_hook = self.confirm_commit
         self.publisher.start()
         await self._heartbeat_once()
         self._beat = asyncio.create_task(self._heartbeat(), name="ctxmem-pod-heartbeat")
@@ -149,6 +186,7 @@ class PodNode:
         self._beat = None
         with contextlib.suppress(ValueError):
             self.store.block_listeners.remove(self._on_block)
+        self.store.commit_hook = None
         await self.publisher.close()
         with contextlib.suppress(IndexUnavailable):
             await self.index.leave()

@@ -129,6 +129,11 @@ class BlockStore:
         self._remote = RemoteBlocks(self._ctx, self._index, self._placement, self._demotion,
                                     self._promotion, self._invalidator, self._registry)
         self._tasks: list[asyncio.Task[None]] = []
+        #: Awaited after a Commit made blocks visible, with the namespace and the
+        #: allocation's keys, before the Commit is answered (the pod tier: a re-put of a
+        #: key whose earlier removal the cluster index has not confirmed is published
+        #: first; it raises to fail the Commit). ``None``: nothing to wait for.
+        self.commit_hook: Callable[[Namespace, Sequence[bytes]], Awaitable[None]] | None = None
 
     # -- state the servicer, transports and tests read -----------------------------------
     @property
@@ -370,8 +375,15 @@ class BlockStore:
         Computes each slot's CRC32C; a block whose CRC differs from the client's (when
         sent) is dropped, as is one another writer committed meanwhile. Write-through
         makes blocks visible once durable on flash, or fails (``store.writethrough``);
-        write-back queues them for the demoter. Returns how many were committed."""
-        return await self._puts.commit(s, allocation_id, client_crcs, abort)
+        write-back queues them for the demoter. Returns how many were committed.
+        With :attr:`commit_hook` set, it is awaited before returning."""
+        hook = self.commit_hook
+        if hook is None or abort:
+            return await self._puts.commit(s, allocation_id, client_crcs, abort)
+        a = self._registry.allocation(s, allocation_id)
+        n = await self._puts.commit(s, allocation_id, client_crcs, abort)
+        await hook(a.ns, a.keys)
+        return n
 
     # -- get -------------------------------------------------------------------------
     async def acquire(self, s: Session, ns: Namespace, keys: Sequence[bytes],
@@ -515,6 +527,8 @@ class BlockStore:
         self._index.announce(gone, False)
         for b in gone:
             b.deleted = True
+            if b.origin is not None:
+                self._index.drop_copy(b)
             b.pins += 1  # ours until the header is dead; the last unpin frees the storage
             self._index.dram_lru.remove(b)
             self._index.flash_lru.remove(b)
@@ -561,10 +575,20 @@ class BlockStore:
         gone: a tier that moved a block where peers should learn of it calls this."""
         self._index.announce(blocks, present)
 
-    async def adopt(self, ns: Namespace, items: Sequence[tuple[bytes, bytes, int]]) -> int:
-        """Store blocks fetched from another node (key, bytes, CRC32C) in DRAM; see
-        :meth:`RemoteBlocks.adopt`."""
-        return await self._remote.adopt(ns, items)
+    async def adopt(self, ns: Namespace, items: Sequence[tuple[bytes, bytes, int]],
+                    origins: Sequence[bytes] | None = None) -> int:
+        """Store blocks fetched from another node (key, bytes, CRC32C) in DRAM, as copies
+        of the index entries ``origins`` when given; see :meth:`RemoteBlocks.adopt`."""
+        return await self._remote.adopt(ns, items, origins)
+
+    def fetched_copies(self, ns_digest: bytes) -> dict[bytes, Block]:
+        """Key → copy fetched from another node, in namespace ``ns_digest`` (read only)."""
+        return self._index.copies_of(ns_digest)
+
+    def drop_copies(self, blocks: Sequence[Block]) -> None:
+        """Fetched copies the cluster index no longer names: misses from now; see
+        :meth:`RemoteBlocks.drop_copies`."""
+        self._remote.drop_copies(blocks)
 
     async def pin_for_peer(self, ns_digest: bytes, keys: Sequence[bytes]
                            ) -> list[Block | None]:

@@ -182,8 +182,10 @@ class Demotion:
     async def _demote_now(self, blocks: list[Block]) -> dict[Block, BaseException]:
         ctx = self._ctx
         work_as(IoClass.STORE)  # behind gets' promotions (store/ioqueue.py)
-        blocks = [b for b in blocks
-                  if b.dram is not None and b.flash is None and not b.deleted and b.io is None]
+        # A copy fetched from another node (``origin``) stays in DRAM only: on flash it
+        # would come back after a restart as this node's own block (docs/pod.md).
+        blocks = [b for b in blocks if b.dram is not None and b.flash is None
+                  and not b.deleted and b.io is None and b.origin is None]
         failures: dict[Block, BaseException] = {}
         if not blocks or not ctx.flash.enabled:
             return failures

@@ -23,6 +23,7 @@ from ctxmem_dpu.policy import SegmentedLRU
 #: Keys probed per step of a prefix Lookup (BlockIndex.lookup): small enough that little
 #: is probed past the first miss, large enough that the step costs nothing per key.
 PREFIX_PROBE_KEYS = 1024
+_NO_COPIES: dict[bytes, Block] = {}
 
 
 class BlockIndex:
@@ -44,6 +45,9 @@ class BlockIndex:
         #: Called with (block, present) when committed blocks enter the index or blocks
         #: leave it (the pod tier's publisher; never blocks, never raises).
         self.listeners: list[Callable[[Block, bool], None]] = []
+        #: Per namespace, the blocks in it that are copies fetched from another node of a
+        #: pod (``Block.origin`` set): a Lookup checks these against the cluster index.
+        self.copies: dict[bytes, dict[bytes, Block]] = {}
 
     def announce(self, blocks: Iterable[Block], present: bool) -> None:
         """Tell :attr:`listeners` that ``blocks`` entered (or left) the index."""
@@ -102,8 +106,28 @@ class BlockIndex:
         if per_ns is not None and per_ns.get(b.key) is b:
             del per_ns[b.key]
             self.announce((b,), False)
+        if b.origin is not None:
+            self.drop_copy(b)
         self.dram_lru.remove(b)
         self.flash_lru.remove(b)
+
+    # -- copies fetched from other nodes of a pod ------------------------------------
+    def add_copy(self, b: Block) -> None:
+        """Index ``b``, a copy fetched from another node (``b.origin`` set)."""
+        self.namespace(b.ns)[b.key] = b
+        self.copies.setdefault(b.ns, {})[b.key] = b
+
+    def drop_copy(self, b: Block) -> None:
+        """``b`` (a fetched copy) left the index: forget it as a copy too."""
+        per_ns = self.copies.get(b.ns)
+        if per_ns is not None and per_ns.get(b.key) is b:
+            del per_ns[b.key]
+            if not per_ns:
+                del self.copies[b.ns]
+
+    def copies_of(self, digest: bytes) -> dict[bytes, Block]:
+        """Key → fetched copy in namespace ``digest`` (empty, not stored, if none)."""
+        return self.copies.get(digest, _NO_COPIES)
 
 
 def _as_list(keys: Sequence[bytes] | np.ndarray) -> Sequence[bytes]:

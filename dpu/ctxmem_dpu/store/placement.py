@@ -93,8 +93,8 @@ class Placement:
             usable = self._health.usable()
             for b in quotas.dram_victims(
                     ns.tenant, skip=lambda b: b.pins > 0 or b.io is not None or b.dram is None):
-                if b.flash is not None and b.durable:
-                    self.drop_dram(b)
+                if (b.flash is not None and b.durable) or b.origin is not None:
+                    self.drop_dram(b)  # a fetched copy is not demoted: it is dropped
                 elif usable:
                     need_demote.append(b)
                     if len(need_demote) >= max(n, cfg.flash.demote_batch):

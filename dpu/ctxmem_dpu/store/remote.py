@@ -1,6 +1,7 @@
 """The store's side of the pod tier: blocks fetched from another node enter local DRAM
-(:meth:`RemoteBlocks.adopt`), and blocks this node serves to peers are pinned in DRAM
-while they are sent (:meth:`RemoteBlocks.pin_for_peer`)."""
+as copies (:meth:`RemoteBlocks.adopt`) and leave it when the cluster index no longer names
+the entry they came from (:meth:`RemoteBlocks.drop_copies`), and blocks this node serves
+to peers are pinned in DRAM while they are sent (:meth:`RemoteBlocks.pin_for_peer`)."""
 
 from __future__ import annotations
 
@@ -32,13 +33,21 @@ class RemoteBlocks:
         self._invalidator = invalidator
         self._registry = registry
 
-    async def adopt(self, ns: Namespace, items: Sequence[tuple[bytes, bytes, int]]) -> int:
+    async def adopt(self, ns: Namespace, items: Sequence[tuple[bytes, bytes, int]],
+                    origins: Sequence[bytes] | None = None) -> int:
         """Store fetched blocks (key, bytes, CRC32C) in DRAM as committed blocks of
         ``ns``; a key stored meanwhile keeps its block. Each block's CRC32C is checked
         once more over the bytes as they lie in the slot (C), so only the verified bytes
-        become visible. Returns how many entered the index."""
+        become visible. ``origins``: per item, the packed index entry it was fetched
+        under; such a block is a *copy* (``Block.origin``): DRAM only (never demoted to
+        flash, so a restart cannot bring it back as this node's own), never published or
+        served to peers, and served here only while the cluster index still names that
+        entry (:meth:`drop_copies`; docs/pod.md, "Deletes and re-puts across nodes").
+        Returns how many entered the index."""
         per_ns = self._index.get(ns.digest)
-        fresh = [(k, d, c) for k, d, c in items
+        marks: Sequence[bytes | None] = origins if origins is not None \
+            else [None] * len(items)
+        fresh = [(k, d, c, o) for (k, d, c), o in zip(items, marks, strict=True)
                  if k not in per_ns and len(d) == ns.block_nbytes]
         if not fresh:
             return 0
@@ -48,7 +57,7 @@ class RemoteBlocks:
 
         def copy_and_check() -> list[bool]:
             ok = []
-            for v, (_k, data, crc) in zip(views, fresh, strict=True):
+            for v, (_k, data, crc, _o) in zip(views, fresh, strict=True):
                 v[:] = data
                 ok.append(crc32c(v) == crc)
             return ok
@@ -64,18 +73,42 @@ class RemoteBlocks:
                 v.release()
         per_ns = self._index.namespace(ns.digest)
         n = 0
-        for ref, (key, _data, crc), ok in zip(refs, fresh, good, strict=True):
+        for ref, (key, _data, crc, origin), ok in zip(refs, fresh, good, strict=True):
             if not ok or key in per_ns:
                 dram.free(ref)
                 continue
             b = Block(ns.digest, key, ns.block_nbytes, ns.slot_size, crc,
-                      self._index.next_seq(), dram=ref)
-            per_ns[key] = b
+                      self._index.next_seq(), dram=ref, origin=origin)
             self._index.dram_lru.add(b)
-            if self._ctx.flash.enabled:
-                self._index.dirty[b] = None
+            if origin is not None:
+                self._index.add_copy(b)  # DRAM only: not dirty, never demoted
+            else:
+                per_ns[key] = b
+                if self._ctx.flash.enabled:
+                    self._index.dirty[b] = None
             n += 1
         return n
+
+    def drop_copies(self, blocks: Sequence[Block]) -> None:
+        """Take fetched copies out of the index at once (the cluster index no longer
+        names the entry they were fetched under: deleted or replaced by their writer, or
+        unknown now). A leased one keeps its slot until its last unpin."""
+        index, invalidator = self._index, self._invalidator
+        n = 0
+        for b in blocks:
+            if b.deleted:  # dropped already (two checks at once found it stale)
+                continue
+            per_ns = index.get(b.ns)
+            if per_ns.get(b.key) is b:
+                del per_ns[b.key]
+            index.drop_copy(b)
+            index.dram_lru.remove(b)
+            index.dirty.pop(b, None)
+            b.deleted = True
+            b.pins += 1
+            invalidator.unpin(b)  # frees the DRAM slot now, or at the last unpin
+            n += 1
+        self._ctx.counters["pod_copies_dropped"] += n
 
     async def pin_for_peer(self, ns_digest: bytes, keys: Sequence[bytes]
                            ) -> list[Block | None]:
@@ -99,14 +132,19 @@ class RemoteBlocks:
                 raise
         out: list[Block | None] = []
         for b in found:
-            if b is not None and (b.dram is None or id(b) in failed or b.deleted):
+            # A fetched copy is never served on: peers fetch from the writer, whose entry
+            # the index holds (a copy's own check is against that entry, done here only).
+            if b is not None and (b.dram is None or id(b) in failed or b.deleted
+                                  or b.origin is not None):
                 self._invalidator.unpin(b)
                 b = None
             out.append(b)
         return out
 
     def holdings(self) -> Iterator[tuple[bytes, Block]]:
-        """(namespace digest, block) of every block in the index."""
+        """(namespace digest, block) of every block in the index this node holds as its
+        own (fetched copies are not: the index names their writer)."""
         for ns, per_ns in list(self._index.blocks.items()):
             for b in list(per_ns.values()):
-                yield ns, b
+                if b.origin is None:
+                    yield ns, b

@@ -40,7 +40,8 @@ COUNTERS = (
     "pod_publish_batches", "pod_publish_dropped", "pod_resyncs", "pod_fetch_blocks_peer",
     "pod_fetch_bytes_peer", "pod_fetch_blocks_shared_flash", "pod_fetch_bytes_shared_flash",
     "pod_fetch_misses", "pod_fetch_bad", "pod_peer_errors", "pod_peer_misses",
-    "pod_peer_refused", "pod_served_blocks", "pod_served_bytes",
+    "pod_peer_refused", "pod_served_blocks", "pod_served_bytes", "pod_copies_dropped",
+    "pod_published_now",
     # Fetched blocks whose authenticator did not verify, or from a source that does not
     # verify (issue 25): misses, never adopted.
     "pod_fetch_unauthenticated",

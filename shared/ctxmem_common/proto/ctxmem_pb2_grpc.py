@@ -175,7 +175,13 @@ class ContextMemoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Deletes the keys on this service. In a pod it deletes this node's own blocks and
+        copies; it is answered once the cluster index no longer names this node's blocks of
+        those keys, so no node serves them afterwards (copies fetched elsewhere are checked
+        against the index before they are served), or fails with UNAVAILABLE (deleted here,
+        not confirmed: retry). Send it to the node that wrote the blocks: another node's
+        blocks stay (docs/pod.md, "Deletes and re-puts across nodes").
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
