@@ -19,23 +19,26 @@ import redis
 
 import ctxmem
 from ctxmem_common.config import PodConfig
-from ctxmem_common.keys import namespace_digest
-from ctxmem_dpu.pod.entries import RemoteEntry, blocks_key, node_prefix, pack_entry
+from ctxmem_dpu.pod.entries import RemoteEntry, node_prefix, pack_entry
 from ctxmem_dpu.pod.index import ClusterIndex
+from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.pod.publisher import Publisher
 from ctxmem_dpu.pod.redis_conn import connect
 from ctxmem_tools.pod_launcher import LocalPod
 from ctxmem_tools.redis_server import RedisServer
-from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
+from tests.pod.peerkit import index_names, pod_keys
+from tests.pod.podtest import Clients, blocks, wait_for
 
 
 # The two places that know how the index names a namespace's hash and its fields (raw
 # namespace digest and block keys here; keyed hashes where the index is keyed).
 def _values(pod: LocalPod, keys: list[bytes]) -> list[bytes | None]:
-    """The index's values for ``keys`` of the namespace the pod tests use."""
+    """The index's values for ``keys`` of the namespace the pod tests use (the index
+    names them by keyed hashes: tests/pod/peerkit.py)."""
+    name, fields = index_names(pod_keys(pod), keys)
     r = redis.Redis.from_url(pod.redis.url)
     try:
-        return r.hmget(blocks_key(namespace_digest("default", "m", LAYOUT)), keys)
+        return r.hmget(name, fields)
     finally:
         r.close()
 
@@ -44,7 +47,8 @@ async def _value(index: ClusterIndex, ns_digest: bytes, key: bytes) -> bytes | N
     """The value ``index``'s Redis holds for ``key`` of namespace ``ns_digest``."""
     r = connect(index.pod)
     try:
-        return await r.hget(blocks_key(ns_digest), key)  # type: ignore[no-any-return]
+        return await r.hget(  # type: ignore[no-any-return]
+            index.blocks_key(ns_digest), index.keys.index_fields(ns_digest, [key])[0])
     finally:
         await r.aclose()
 
@@ -220,7 +224,7 @@ def test_a_re_put_over_a_pending_removal_is_published_at_once(tmp_path: Path) ->
     async def run(url: str) -> None:
         pod = PodConfig(enabled=True, index_url=url, node_id="me", advertise="127.0.0.1:1",
                         publish_backlog=4)
-        index = ClusterIndex(pod, connect(pod))
+        index = ClusterIndex(pod, connect(pod), PodKeys(bytes(range(32))))
         held: dict[bytes, RemoteEntry] = {}
         pub = Publisher(pod, index, lambda: [(ns, key, e) for key, e in held.items()],
                         Counter())
@@ -278,7 +282,7 @@ def test_a_commit_re_putting_an_evicted_key_is_published_before_it_returns(
                     "advertise": f"127.0.0.1:{port}", "listen": f"127.0.0.1:{port}",
                     "pod_token": "t" * 32, "publish_interval_ms": 60_000}})
         async with BlockStore(cfg) as store:
-            node = PodNode(cfg, store)
+            node = PodNode(cfg, store, bytes(range(32)))
             await node.start()
             try:
                 s, ns = session(store)
