@@ -11,10 +11,11 @@ even one sharing 127.0.0.1 with the flood) is through before it could be the old
 Each listener also has a deadline for the whole handshake (TLS and hello), so nothing
 unauthenticated lives longer than that.
 
-:class:`FdReserve` keeps file descriptors for the authenticated: a listener refuses
-(closes at once) a new unauthenticated connection while fewer than ``reserve``
-descriptors are free under the process's ``RLIMIT_NOFILE``, which
-:func:`raise_nofile_limit` lifts to its hard limit at start.
+:class:`FdReserve` keeps file descriptors for the authenticated: while fewer than
+``reserve`` descriptors are free under the process's ``RLIMIT_NOFILE`` (which
+:func:`raise_nofile_limit` lifts to its hard limit at start), a listener admits a new
+unauthenticated connection only by closing its oldest one, and refuses it (closes it at
+once) when it has none.
 """
 
 from __future__ import annotations

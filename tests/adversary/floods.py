@@ -14,6 +14,7 @@ import contextlib
 import errno
 import selectors
 import socket
+import subprocess
 import threading
 import time
 from types import TracebackType
@@ -131,3 +132,12 @@ class Flood:
             sel.unregister(s)
         open_.pop(s, None)
         s.close()
+
+
+def established(port: int, source: str) -> int:
+    """TCP connections from ``source`` to ``port`` established on the service's side (the
+    kernel's view: accepted or waiting in the listen queue)."""
+    out = subprocess.run(["ss", "-Htn", "state", "established",
+                          f"( sport = :{port} and dst {source} )"],
+                         capture_output=True, text=True, timeout=10, check=False).stdout
+    return len(out.splitlines())
