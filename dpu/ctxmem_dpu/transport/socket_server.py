@@ -188,13 +188,13 @@ class SocketDataServer(DataServer):
             try:
                 conn, addr = await loop.sock_accept(self._sock)
             except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: keep the server, back off
-                log.warning("%s server: accept failed (%s); retrying in 0.1 s",
-                            self.connection_kind, exc)
+                throttled(log, logging.WARNING, f"{self.connection_kind}.accept",
+                          "%s server: accept failed (%s); retrying in 0.1 s",
+                          self.connection_kind, exc)
                 await asyncio.sleep(0.1)
                 continue
             peer = _peer_name(addr)
             conn.setblocking(False)
-            await asyncio.sleep(0)  # a flood of accepts lets the hellos in between
             if len(self._conns) >= self.limits.max_connections:
                 throttled(log, logging.WARNING, f"{self.connection_kind}.refused",
                           "%s connection from %s refused: %d connections open "
@@ -213,6 +213,7 @@ class SocketDataServer(DataServer):
             t = asyncio.create_task(self._connection(conn))
             self._conns.add(t)
             t.add_done_callback(self._conns.discard)
+            await asyncio.sleep(0)  # a flood of accepts lets the hellos in between
 
     def _refuse_now(self, conn: socket.socket) -> None:
         """Answer TOO_MANY_CONNECTIONS if the socket takes it at once, and close: no task,
