@@ -32,6 +32,7 @@ from ctxmem_dpu.control.auth import SessionAuthInterceptor, end_untrusted_sessio
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.gctune import tune_gc
 from ctxmem_dpu.kv_events import KvEventPublisher
+from ctxmem_dpu.listenguard import FdReserve, raise_nofile_limit
 from ctxmem_dpu.metrics import HttpEndpoint
 from ctxmem_dpu.pod.node import PodNode, pod_master_key
 from ctxmem_dpu.pod.sources import RemoteSource
@@ -75,6 +76,8 @@ class Service:
         self.ready = False
         self.grpc_port = 0
         self._stopped = False
+        # Free fds below which every listener refuses new unauthenticated connections.
+        self.fd_reserve = FdReserve(cfg.service.fd_reserve)
 
     def _device_specs(self) -> list[DeviceSpec]:
         # Typed and validated when the config loaded: no round trip through dicts.
@@ -100,6 +103,16 @@ class Service:
                 "tenant tokens); acceptable only with every client on this host (listening "
                 "on %s). Set service.tenant_tokens for anything else.",
                 ", ".join(addr for _key, addr in network_listens(cfg)))
+        soft, _hard = raise_nofile_limit()
+        held = (cfg.service.grpc_max_connections + cfg.metrics.max_connections
+                + cfg.service.fd_reserve + 2 * cfg.data_plane.max_connections)
+        if soft < held:
+            log.warning("open-files limit %d is below what the listeners' caps may hold "
+                        "with the fd reserve (%d: service.grpc_max_connections, "
+                        "metrics.max_connections, 2 x data_plane.max_connections, "
+                        "service.fd_reserve); a flood can then reach the reserve, and new "
+                        "unauthenticated connections are refused until it ends: raise "
+                        "LimitNOFILE", soft, held)
         master_key = load_service_key(cfg.encryption, create=True)
         specs = self._device_specs()
         flash_paths: list[tuple[str, str]] = []
@@ -138,12 +151,14 @@ class Service:
             host, port = split_hostport(cfg.service.data_listen, "service.data_listen")
             self.tcp = TcpDataServer(self.store, host, port, cfg.data_plane)
             self.tcp.tls = self.tls
+            self.tcp.fd_reserve = self.fd_reserve
             await self.tcp.start()
             data_endpoint = self.tcp.address
         shm_path = ""
         if "shm" in cfg.service.transports:
             self.shm = ShmServer(self.store, cfg.service.shm_socket)
             self.shm.limits = cfg.data_plane  # deadlines and caps (SocketDataServer)
+            self.shm.fd_reserve = self.fd_reserve
             await self.shm.start()
             shm_path = self.shm.address
         if "rdma" in cfg.service.transports:  # RDMA (issue 3): opens the verbs device
@@ -167,6 +182,13 @@ class Service:
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),
+            # Before authentication (docs/security.md, "Listeners"): the TLS handshake
+            # and the HTTP/2 preface within the deadline (grpc core's default is 120 s),
+            # and a cap on the connections open at once (grpc core counts them all: it
+            # has no unauthenticated-only or per-source cap).
+            ("grpc.server_handshake_timeout_ms",
+             max(1, int(cfg.service.grpc_handshake_timeout_s * 1000))),
+            ("grpc.max_allowed_incoming_connections", cfg.service.grpc_max_connections),
         ])
         servicer = ContextMemoryServicer(self.store, self.instance_id, shm_path, data_endpoint,
                                          self.health)
@@ -212,7 +234,10 @@ class Service:
             host, port = split_hostport(cfg.metrics.listen, "metrics.listen")
             self.http = HttpEndpoint(self.store, host, port, lambda: self.ready,
                                      request_timeout_s=cfg.metrics.request_timeout_s,
-                                     max_connections=cfg.metrics.max_connections)
+                                     max_connections=cfg.metrics.max_connections,
+                                     head_timeout_s=cfg.metrics.head_timeout_s,
+                                     max_per_source=cfg.metrics.max_connections_per_source,
+                                     fd_reserve=self.fd_reserve)
             await self.http.start()
         self.ready = True
         log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s), "

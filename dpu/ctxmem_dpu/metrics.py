@@ -21,10 +21,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import io
 import logging
+import selectors
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -34,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from ctxmem_common.errors import ConfigError
 from ctxmem_dpu.lifetime import AsyncResource
+from ctxmem_dpu.listenguard import FdReserve, Ticket, Unauthenticated
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.store import BlockStore
 
@@ -206,20 +211,49 @@ class _QuietHandler(WSGIRequestHandler):
     """wsgiref's handler, logging to the service's logger at DEBUG, not to stderr.
 
     A request line it cannot parse is answered ``HTTP/1.0 400`` (the stdlib default,
-    HTTP/0.9, would send the error page with no status line)."""
+    HTTP/0.9, would send the error page with no status line). The request head was read
+    already (:class:`_BoundedWSGIServer`): the handler parses it from memory."""
 
     default_request_version = "HTTP/1.0"
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BytesIO(self.server.take_head(self.request))  # type: ignore[attr-defined]
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("metrics HTTP %s: " + format, self.address_string(), *args)
 
 
-class _BoundedWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
-    """A threading WSGI server with a cap on connections and a deadline per connection.
+_MAX_HEAD = 16 << 10  # a request head larger than this is closed unanswered
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+         b"Content-Length: 15\r\n\r\nmetrics busy\r\n\r\n")
+_PROBES = (b"/healthz", b"/readyz")
 
-    A connection over ``max_connections`` is closed at accept. Each served one gets a
-    per-operation socket timeout and a watchdog that shuts its socket down at
-    ``request_timeout_s`` (a client trickling bytes resets no timer).
+
+class _Pending:
+    __slots__ = ("accepted", "addr", "buf", "deadline", "ticket")
+
+    def __init__(self, addr: Any, deadline: float, accepted: float) -> None:
+        self.addr = addr
+        self.buf = bytearray()
+        self.deadline = deadline
+        self.accepted = accepted
+        self.ticket: Ticket | None = None
+
+
+class _BoundedWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A WSGI server that holds no thread for a connection until its request head is in.
+
+    One thread accepts and reads request heads for every connection, non-blocking
+    (:meth:`serve_forever`): a head must be complete within ``head_timeout_s`` of accept
+    however it trickles in, and the connections waiting for theirs are capped by
+    :class:`~ctxmem_dpu.listenguard.Unauthenticated` (``max_connections`` in total,
+    ``max_per_source`` per peer IP; over a cap the oldest waiting one is closed, so a
+    slow-loris flood churns among itself while a probe that sends its head at once is
+    answered). A complete head is answered on a thread by wsgiref: ``/healthz`` and
+    ``/readyz`` at once (tiny answers), ``/metrics`` by at most ``metrics_workers``
+    threads (503 over it). Each answering thread has a watchdog that shuts its socket at
+    ``request_timeout_s`` from accept.
     """
 
     daemon_threads = True
@@ -227,52 +261,182 @@ class _BoundedWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
     allow_reuse_address = True
 
     def __init__(self, host: str, port: int, request_timeout_s: float,
-                 max_connections: int) -> None:
+                 max_connections: int, head_timeout_s: float = 2.0,
+                 max_per_source: int = 64, fd_reserve: FdReserve | None = None,
+                 metrics_workers: int = 8) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.request_timeout_s = request_timeout_s
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._open: set[socket.socket] = set()
+        self.head_timeout_s = head_timeout_s
+        # A quarter of the fd reserve: probes are still admitted after the data
+        # listeners stopped admitting new unauthenticated connections.
+        self._unauth = Unauthenticated("metrics HTTP", max_connections, max_per_source,
+                                       fd_reserve, reserve_share=0.25)
+        self._workers = threading.BoundedSemaphore(metrics_workers)
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._heads: dict[socket.socket, bytes] = {}
+        self._open: dict[socket.socket, bool] = {}  # answering now: holds a worker slot?
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
         handler = type("_Handler", (_QuietHandler,), {"timeout": request_timeout_s})
         super().__init__((host, port), handler)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            throttled(log, logging.WARNING, "metrics.refused",
-                      "metrics HTTP connection from %s refused: %s connections open "
-                      "(metrics.max_connections)", client_address, len(self._open))
-            self.shutdown_request(request)
-            return
-        with self._lock:
-            self._open.add(request)
+    # -- the accept and head-reading thread ------------------------------------------
+
+    def serve_forever(self, poll_interval: float = 0.2) -> None:
+        self._stopped.clear()
+        sel = selectors.DefaultSelector()
+        self.socket.setblocking(False)
+        sel.register(self.socket, selectors.EVENT_READ)
         try:
-            super().process_request(request, client_address)
+            while not self._stop.is_set():
+                now = time.monotonic()
+                wait = min([poll_interval] + [max(0.0, p.deadline - now)
+                                              for p in self._pending.values()])
+                for key, _ in sel.select(wait):
+                    if key.fileobj is self.socket:
+                        self._accept_some(sel)
+                    else:
+                        self._read_head(sel, key.fileobj)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, p in self._pending.items() if p.deadline <= now]:
+                    throttled(log, logging.WARNING, "metrics.head_timeout",
+                              "metrics HTTP connection from %s closed: no complete request "
+                              "head within %g s of accept (metrics.head_timeout_s)",
+                              self._pending[conn].addr, self.head_timeout_s)
+                    self._forget(sel, conn)
+        finally:
+            for conn in list(self._pending):
+                self._forget(sel, conn)
+            sel.close()
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._stopped.wait(5.0)
+
+    def _accept_some(self, sel: selectors.BaseSelector) -> None:
+        for _ in range(64):  # then serve heads before accepting more
+            try:
+                conn, addr = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: try again on the next round
+                throttled(log, logging.WARNING, "metrics.accept",
+                          "metrics HTTP accept failed (%s)", exc)
+                return
+            conn.setblocking(False)
+            now = time.monotonic()
+            p = _Pending(addr, now + self.head_timeout_s, now)
+            ticket = self._unauth.admit(str(addr[0]), functools.partial(
+                self._evict, sel, conn))
+            if ticket is None:
+                conn.close()
+                continue
+            p.ticket = ticket
+            self._pending[conn] = p
+            sel.register(conn, selectors.EVENT_READ)
+
+    def _evict(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        self._forget(sel, conn)
+
+    def _forget(self, sel: selectors.BaseSelector, conn: socket.socket,
+                close: bool = True) -> _Pending | None:
+        p = self._pending.pop(conn, None)
+        if p is None:
+            return None
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn)
+        if p.ticket is not None:
+            p.ticket.done()
+        if close:
+            conn.close()
+        return p
+
+    def _read_head(self, sel: selectors.BaseSelector, conn: socket.socket) -> None:
+        p = self._pending.get(conn)
+        if p is None:
+            return
+        try:
+            data = conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._forget(sel, conn)
+            return
+        p.buf += data
+        end = p.buf.find(b"\r\n\r\n")
+        if end < 0:
+            end = p.buf.find(b"\n\n")
+        if end < 0:
+            if len(p.buf) > _MAX_HEAD:
+                throttled(log, logging.WARNING, "metrics.head_size",
+                          "metrics HTTP connection from %s closed: a request head over "
+                          "%d bytes", p.addr, _MAX_HEAD)
+                self._forget(sel, conn)
+            return
+        self._forget(sel, conn, close=False)
+        self._dispatch(conn, p)
+
+    def _dispatch(self, conn: socket.socket, p: _Pending) -> None:
+        head = bytes(p.buf)
+        parts = head.split(b"\r\n", 1)[0].split(b"\n", 1)[0].split()
+        probe = len(parts) >= 2 and parts[1].split(b"?", 1)[0] in _PROBES
+        if not probe and not self._workers.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                conn.send(_BUSY)
+            conn.close()
+            throttled(log, logging.WARNING, "metrics.busy",
+                      "metrics HTTP request from %s answered 503: every /metrics worker is "
+                      "busy", p.addr)
+            return
+        conn.setblocking(True)
+        with self._lock:
+            self._heads[conn] = head
+            self._open[conn] = not probe
+        left = max(0.001, p.accepted + self.request_timeout_s - time.monotonic())
+        try:
+            t = threading.Thread(target=self._answer, args=(conn, p.addr, left),
+                                 daemon=True, name="ctxmem-metrics-answer")
+            t.start()
         except BaseException:
-            self._done(request)
+            self._done(conn)
+            conn.close()
             raise
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        watchdog = threading.Timer(self.request_timeout_s, _shut, (request,))
+    # -- the answering threads -------------------------------------------------------
+
+    def take_head(self, conn: socket.socket) -> bytes:
+        with self._lock:
+            return self._heads.pop(conn, b"")
+
+    def _answer(self, conn: socket.socket, addr: Any, left: float) -> None:
+        watchdog = threading.Timer(left, _shut, (conn,))
         watchdog.daemon = True
         watchdog.start()
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(conn, addr)
+        except Exception:
+            self.handle_error(conn, addr)
         finally:
             watchdog.cancel()
-            self._done(request)
+            self._done(conn)
+            self.shutdown_request(conn)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("metrics HTTP connection from %s ended with an error", client_address)
 
-    def _done(self, request: socket.socket) -> None:
+    def _done(self, conn: socket.socket) -> None:
         with self._lock:
-            if request not in self._open:
-                return
-            self._open.discard(request)
-        self._slots.release()
+            self._heads.pop(conn, None)
+            worker = self._open.pop(conn, None)
+        if worker:
+            self._workers.release()
 
     def drop_all(self) -> None:
-        """Shut down every connection being served (their threads then end)."""
+        """Shut down every connection being answered (their threads then end)."""
         with self._lock:
             open_now = list(self._open)
         for r in open_now:
@@ -294,7 +458,9 @@ class HttpEndpoint(AsyncResource):
     """
 
     def __init__(self, store: BlockStore, host: str, port: int, ready: Callable[[], bool],
-                 *, request_timeout_s: float = 5.0, max_connections: int = 16) -> None:
+                 *, request_timeout_s: float = 5.0, max_connections: int = 128,
+                 head_timeout_s: float = 2.0, max_per_source: int = 64,
+                 fd_reserve: FdReserve | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StoreCollector(store))
         # process_cpu_seconds_total and friends: the service's own CPU, beside its bytes.
@@ -304,6 +470,9 @@ class HttpEndpoint(AsyncResource):
         self.ready = ready
         self.request_timeout_s = request_timeout_s
         self.max_connections = max_connections
+        self.head_timeout_s = head_timeout_s
+        self.max_per_source = max_per_source
+        self.fd_reserve = fd_reserve
         self._server: _BoundedWSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -313,8 +482,10 @@ class HttpEndpoint(AsyncResource):
             return
         self._loop = asyncio.get_running_loop()
         try:
-            server = await asyncio.to_thread(_BoundedWSGIServer, self.host, self.port,
-                                             self.request_timeout_s, self.max_connections)
+            server = await asyncio.to_thread(
+                _BoundedWSGIServer, self.host, self.port, self.request_timeout_s,
+                self.max_connections, self.head_timeout_s, self.max_per_source,
+                self.fd_reserve)
         except OSError as exc:
             raise ConfigError(
                 f"metrics.listen: cannot bind {self.host}:{self.port}: [errno {exc.errno}] "

@@ -59,6 +59,16 @@ class ServiceConfig:
     lease_ttl_s: float = 30.0
     allocation_ttl_s: float = 30.0
     io_threads: int = 2
+    # The gRPC port before authentication (docs/security.md, "Listeners"): a connection
+    # must finish its TLS handshake and HTTP/2 preface within grpc_handshake_timeout_s,
+    # and at most grpc_max_connections are open at once (grpc core counts every
+    # connection: it has no per-source or unauthenticated-only cap).
+    grpc_handshake_timeout_s: float = 5.0
+    grpc_max_connections: int = 2048
+    # File descriptors kept free for authenticated clients and health probes: every
+    # listener refuses new unauthenticated connections while fewer are free (the soft
+    # open-files limit is raised to the hard one at start).
+    fd_reserve: int = 64
     # Threads that check a Commit's batch (the CRC32C of every slot the client wrote) in
     # parallel: the client waits on the Commit, so its core is idle meanwhile. 0: min(4,
     # CPUs the service may run on); 1: the whole batch in one call on one thread.
@@ -120,7 +130,8 @@ class DataPlaneConfig:
     """Bounds on the socket data servers (TCP, shared memory's Unix socket): a slow, buggy
     or hostile client holds at most these, for at most this long (docs/security.md)."""
 
-    # Seconds a new connection has to send its HELLO before it is closed.
+    # Seconds a new connection has, from accept, to finish its TLS handshake (if any) and
+    # send its HELLO (one deadline for both) before it is closed.
     hello_timeout_s: float = 5.0
     # Seconds to receive the rest of a request once its first byte arrived (header and
     # WRITE payload); a write that stalls past it is closed and its allocation expires.
@@ -131,6 +142,11 @@ class DataPlaneConfig:
     # connection is answered "too many connections" and closed.
     max_connections: int = 1024
     max_connections_per_tenant: int = 64
+    # Connections accepted and not yet authenticated by their HELLO, in total and per
+    # source (peer IP; every Unix-socket client is one source): over a cap the OLDEST
+    # such connection is closed to admit the new one.
+    max_unauthenticated: int = 128
+    max_unauthenticated_per_source: int = 32
 
 
 @dataclass(frozen=True)
@@ -138,8 +154,14 @@ class MetricsConfig:
     listen: str = "127.0.0.1:9464"  # "" disables the HTTP endpoint (/metrics, /healthz, /readyz)
     # Seconds one HTTP request may take from accept to the last byte of the answer.
     request_timeout_s: float = 5.0
-    # HTTP connections served at once; more are closed at accept.
-    max_connections: int = 16
+    # Seconds from accept for the whole request head (request line and headers) to
+    # arrive, however it trickles in; a connection waiting for its head holds no thread.
+    head_timeout_s: float = 2.0
+    # HTTP connections open at once (waiting for their head or being answered); over it,
+    # or over max_connections_per_source from one peer IP, the oldest connection still
+    # waiting for its head is closed to admit the new one.
+    max_connections: int = 128
+    max_connections_per_source: int = 64
 
 
 @dataclass(frozen=True)
@@ -389,12 +411,20 @@ def _check(cfg: Config) -> None:
     for name in ("hello_timeout_s", "read_timeout_s", "idle_timeout_s"):
         if not getattr(dp, name) > 0:
             raise ConfigError(f"data_plane.{name}: must be > 0 (seconds)")
-    if dp.max_connections < 1 or dp.max_connections_per_tenant < 1:
-        raise ConfigError("data_plane.max_connections and max_connections_per_tenant: "
-                          "must be >= 1")
-    if not cfg.metrics.request_timeout_s > 0 or cfg.metrics.max_connections < 1:
-        raise ConfigError("metrics.request_timeout_s must be > 0 and metrics.max_connections "
-                          ">= 1")
+    for name in ("max_connections", "max_connections_per_tenant", "max_unauthenticated",
+                 "max_unauthenticated_per_source"):
+        if getattr(dp, name) < 1:
+            raise ConfigError(f"data_plane.{name}: must be >= 1")
+    m = cfg.metrics
+    if not (m.request_timeout_s > 0 and m.head_timeout_s > 0) or min(
+            m.max_connections, m.max_connections_per_source) < 1:
+        raise ConfigError("metrics.request_timeout_s and head_timeout_s must be > 0, "
+                          "metrics.max_connections and max_connections_per_source >= 1")
+    sv = cfg.service
+    if not sv.grpc_handshake_timeout_s > 0 or sv.grpc_max_connections < 1 or \
+            sv.fd_reserve < 0:
+        raise ConfigError("service.grpc_handshake_timeout_s must be > 0, "
+                          "service.grpc_max_connections >= 1 and service.fd_reserve >= 0")
     tls = cfg.tls
     if bool(tls.cert_file) != bool(tls.key_file):
         raise ConfigError("tls.cert_file and tls.key_file: set both (TLS on) or neither "

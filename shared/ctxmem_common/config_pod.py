@@ -58,6 +58,13 @@ class PodConfig:
     index_timeout_s: float = 0.5
     fetch_timeout_s: float = 5.0
     connect_timeout_s: float = 1.0
+    # The peer-fetch port before a peer has proved itself (docs/security.md,
+    # "Listeners"): seconds from accept for its hello (and as long again for the TLS
+    # handshake before it), and the connections without a proven hello, in total and per
+    # peer IP; over a cap the oldest such connection is closed to admit the new one.
+    hello_timeout_s: float = 5.0
+    max_unauthenticated: int = 64
+    max_unauthenticated_per_source: int = 16
     # Remote blocks pulled per Acquire/Prefetch (one request per holder node).
     fetch_max_blocks: int = 256
 
@@ -115,13 +122,14 @@ def check_pod(pod: PodConfig) -> None:
         raise ConfigError("pod.tls_cert_file, tls_key_file, tls_ca_file: set all three "
                           "(mutual TLS between pod members) or none")
     for key in ("heartbeat_s", "node_ttl_s", "index_timeout_s", "fetch_timeout_s",
-                "connect_timeout_s"):
+                "connect_timeout_s", "hello_timeout_s"):
         if not getattr(pod, key) > 0:
             raise ConfigError(f"pod.{key}: must be > 0 (seconds)")
     if pod.node_ttl_s <= pod.heartbeat_s:
         raise ConfigError("pod.node_ttl_s: must exceed pod.heartbeat_s (a live node's key "
                           "must not expire between two heartbeats)")
-    for key in ("publish_interval_ms", "publish_batch", "publish_backlog", "fetch_max_blocks"):
+    for key in ("publish_interval_ms", "publish_batch", "publish_backlog", "fetch_max_blocks",
+                "max_unauthenticated", "max_unauthenticated_per_source"):
         if getattr(pod, key) < 1:
             raise ConfigError(f"pod.{key}: must be >= 1")
 

@@ -26,7 +26,8 @@ def _service(tmp_path_factory: pytest.TempPathFactory, name: str,
     workdir = tmp_path_factory.mktemp(name)
     cfg = local_config(workdir, flash_size=None, dram_size="8MiB", dram_slab="4MiB",
                        transports=["tcp"],
-                       metrics={"request_timeout_s": request_timeout_s, "max_connections": 4})
+                       metrics={"request_timeout_s": request_timeout_s, "max_connections": 4,
+                                "head_timeout_s": request_timeout_s})
     h = ServiceHandle(workdir, cfg)
     yield h
     h.stop()
@@ -102,8 +103,10 @@ def capped_svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceHand
 HELD_TIMEOUT_S = 60.0
 
 
-def test_connections_over_the_cap_are_closed_and_health_stays(
+def test_over_the_cap_the_oldest_silent_connection_is_closed_and_health_answers(
         capped_svc: ServiceHandle) -> None:
+    """metrics.max_connections connections wait for their head: the next one closes the
+    oldest of them (issue 25 item 4: before, it was itself closed unanswered)."""
     svc = capped_svc
     held = [_connect(svc) for _ in range(4)]
     try:
@@ -112,11 +115,19 @@ def test_connections_over_the_cap_are_closed_and_health_stays(
         extra.settimeout(5)
         try:
             extra.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
-            assert extra.recv(4096) == b"", "a connection over metrics.max_connections served"
-        except ConnectionResetError:
-            pass
+            answer = b""
+            while chunk := extra.recv(4096):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.0 200") and answer.endswith(b"ok\n"), answer
         finally:
             extra.close()
+        held[0].settimeout(5)
+        try:
+            assert held[0].recv(4096) == b"", "the oldest silent connection was answered"
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail("the oldest silent connection was kept over metrics.max_connections")
     finally:
         for s in held:
             s.close()

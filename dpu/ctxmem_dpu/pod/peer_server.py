@@ -9,7 +9,10 @@ namespace's key, so a block is only ever served to the same namespace on the oth
 and a member certificate or the pod token alone reads nothing. Every served block carries
 the namespace's authenticator over the holder's own DRAM bytes, bound to the connection
 and the block's sequence number. Every wait is bounded (hello, request read, send), and
-connections are capped.
+connections are capped: those whose handshake is not proven yet apart
+(``pod.max_unauthenticated``, per peer IP, the oldest closed to admit a new one,
+:mod:`ctxmem_dpu.listenguard`), within ``pod.hello_timeout_s`` of accept, and the
+authenticated ones at :data:`MAX_CONNECTIONS`.
 
 With an RDMA device (``pod.rdma_listen``), a connection may attach a queue pair; its
 requests are then answered with READ keys to the pinned blocks instead of their bytes,
@@ -24,12 +27,14 @@ import contextlib
 import logging
 import secrets
 from collections import Counter
+from collections.abc import Callable
 
 from ctxmem_common.codecs.blockauth import BlockAuthenticator
 from ctxmem_common.config import PodConfig
 from ctxmem_common.errors import ConfigError, CtxmemError
 from ctxmem_common.identity import is_local_listen
 from ctxmem_common.netaddr import split_hostport
+from ctxmem_dpu.listenguard import FdReserve, Unauthenticated
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.peer_rdma import grant_blocks, holder_endpoint
@@ -39,7 +44,7 @@ from ctxmem_dpu.transport.rdma_device import RdmaDevice
 from ctxmem_dpu.transport.rdma_endpoint import SessionEndpoint
 
 log = logging.getLogger(__name__)
-MAX_CONNECTIONS = 256
+MAX_CONNECTIONS = 256  # authenticated peer connections open at once
 
 
 class PeerServer:
@@ -62,13 +67,18 @@ class PeerServer:
         self._rdma = rdma  # serve over RDMA to peers that attach (docs/pod.md)
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._authenticated = 0
+        self._unauth = Unauthenticated("peer-fetch", pod.max_unauthenticated,
+                                       pod.max_unauthenticated_per_source,
+                                       FdReserve(store.cfg.service.fd_reserve))
         self.address = ""
 
     async def start(self) -> None:
         host, port = split_hostport(self._pod.listen, "pod.listen")
         self._server = await asyncio.start_server(
             self._serve, host, port, ssl=self._ssl, limit=w.STREAM_LIMIT,
-            ssl_handshake_timeout=self._timeout if self._ssl is not None else None)
+            ssl_handshake_timeout=self._pod.hello_timeout_s if self._ssl is not None
+            else None)
         sock = self._server.sockets[0].getsockname()
         self.address = f"{sock[0]}:{sock[1]}"
 
@@ -94,32 +104,68 @@ class PeerServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if len(self._conns) >= MAX_CONNECTIONS:
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) and peer else "local"
+        evicted = authed = False
+
+        def evict() -> None:
+            nonlocal evicted
+            evicted = True
+            task.cancel()
+
+        ticket = self._unauth.admit(source, evict)
+        if ticket is None:  # fds below service.fd_reserve: closed before any read
             writer.close()
             return
+
+        def proven() -> bool:
+            """The hello checked out: out of the unauthenticated count, into the cap of
+            authenticated connections (False: that cap is full, close)."""
+            nonlocal authed
+            ticket.done()
+            if self._authenticated >= MAX_CONNECTIONS:
+                throttled(log, logging.WARNING, "pod.peer_cap",
+                          "peer-fetch connection from %s refused: %d authenticated peer "
+                          "connections open", peer, self._authenticated)
+                return False
+            self._authenticated += 1
+            authed = True
+            return True
+
         self._conns.add(task)
-        peer = writer.get_extra_info("peername")
         try:
-            await self._session(reader, writer, peer)
+            await self._session(reader, writer, peer, proven)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError,
                 asyncio.TimeoutError, OSError) as exc:
             throttled(log, logging.WARNING, "pod.peer_conn",
                       "peer-fetch connection from %s ended: %s", peer, type(exc).__name__)
+        except asyncio.CancelledError:
+            if not evicted:
+                raise
+            # closed before its hello: the oldest unauthenticated over a cap (logged there)
         finally:
+            if authed:
+                self._authenticated -= 1
+            ticket.done()
             self._conns.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
     async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       peer: object) -> None:
+                       peer: object, proven: Callable[[], bool]) -> None:
         t = self._timeout
         try:
-            tr = await w.accept(reader, writer, self._keys.peer_key, self._pod.node_id, t)
+            # One deadline from accept for the whole handshake, however it trickles in.
+            tr = await asyncio.wait_for(
+                w.accept(reader, writer, self._keys.peer_key, self._pod.node_id, t),
+                self._pod.hello_timeout_s)
         except w.HandshakeFailed as exc:
             self._counters["pod_peer_refused"] += 1
             throttled(log, logging.WARNING, "pod.peer_hello",
                       "peer-fetch handshake from %s refused: %s", peer, exc)
+            return
+        if not proven():
             return
         ep: SessionEndpoint | None = None
         try:

@@ -33,7 +33,7 @@ import socket
 import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ctxmem_common import safepaths
 from ctxmem_common.wire import (
@@ -213,6 +213,16 @@ class ShmServer(SocketDataServer):
             sock.close()
             raise
         return sock
+
+    def _source(self, conn: socket.socket, addr: Any) -> str:
+        """A Unix-socket peer counts against its user (SO_PEERCRED's uid): one local
+        user's flood of silent connections evicts only its own."""
+        try:
+            _pid, uid, _gid = _PEERCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        except OSError:
+            return "local"
+        return f"uid {uid}"
 
     async def _serve(self, conn: socket.socket) -> None:
         if not await self._peer_allowed(conn):

@@ -9,12 +9,16 @@ Every client may be slow, buggy or hostile (docs/security.md), so every wait her
 bounded (``data_plane`` config): the hello must arrive within ``hello_timeout_s``, a
 connection may sit idle between requests ``idle_timeout_s``, and once a request's first
 byte arrived the rest (and every answer sent) must move within ``read_timeout_s``. The
-connections open at once are capped in total and per tenant. A connection ended for a
-reason (a deadline, a cap, a bad header) is logged as one line naming the peer and the
-reason: :class:`Dropped`.
+connections open at once are capped in total and per tenant, and those not yet
+authenticated (accept to HELLO) separately, in total and per source, by
+:class:`~ctxmem_dpu.listenguard.Unauthenticated`: over a cap the oldest of them is
+closed, and none is admitted while free file descriptors are below the reserve. A
+connection ended for a reason (a deadline, a cap, a bad header) is logged as one line
+naming the peer and the reason: :class:`Dropped`.
 
 With :attr:`SocketDataServer.tls` set (the TCP data plane with ``tls:`` on), every
-accepted connection first completes a TLS 1.3 handshake within ``hello_timeout_s``
+accepted connection first completes a TLS 1.3 handshake within ``hello_timeout_s`` (one
+deadline from accept for the handshake and the HELLO)
 (:class:`~ctxmem_dpu.transport.tls_stream.TlsStream`), and every read and write below
 goes through it; a failed handshake (a plaintext client, an unverified certificate) is
 one log line. In mutual mode the client certificate's tenant must be the HELLO's
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 from ctxmem_common.config import DataPlaneConfig
 from ctxmem_common.wire import SHM_OP_NAMES, Status
+from ctxmem_dpu.listenguard import FdReserve, Ticket, Unauthenticated
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.transport.base import DataServer
 from ctxmem_dpu.transport.shm_fastpath import Malformed, serve_op
@@ -72,6 +77,8 @@ class _ConnInfo:
 
     peer: str
     tenant: str | None = None
+    ticket: Ticket | None = None  # its unauthenticated place, until HELLO proves it
+    deadline: float = 0.0  # loop time by which TLS and HELLO must be done
 
 
 def _peer_name(addr: Any) -> str:
@@ -130,6 +137,9 @@ class SocketDataServer(DataServer):
         # Pod mode (set by the app before start): Lookup and Acquire need the cluster's
         # view, so the fast path answers them UNSUPPORTED (the client asks over gRPC).
         self.pod = False
+        # The fd reserve every listener shares (set by the app before start; None: none).
+        self.fd_reserve: FdReserve | None = None
+        self._unauth: Unauthenticated | None = None
 
     @abstractmethod
     def _listen(self) -> socket.socket:
@@ -137,6 +147,15 @@ class SocketDataServer(DataServer):
 
     def _configure(self, conn: socket.socket) -> None:
         """Tune an accepted connection (socket options) before it is served."""
+
+    def _source(self, conn: socket.socket, addr: Any) -> str:
+        """Whom a connection counts against for the per-source unauthenticated cap: the
+        peer's IP address (a Unix-socket server overrides it)."""
+        return str(addr[0]) if isinstance(addr, tuple) and addr else "local"
+
+    def unauthenticated_count(self) -> int:
+        """Connections accepted whose HELLO has not been accepted yet."""
+        return len(self._unauth) if self._unauth is not None else 0
 
     def _refusal(self, status: Status) -> bytes:
         """The hello answer carrying ``status``, sent to a connection refused at accept
@@ -155,6 +174,9 @@ class SocketDataServer(DataServer):
         return self._per_tenant[tenant]
 
     async def _open(self) -> None:
+        self._unauth = Unauthenticated(self.connection_kind, self.limits.max_unauthenticated,
+                                       self.limits.max_unauthenticated_per_source,
+                                       self.fd_reserve)
         self._sock = self._listen()
         self._task = asyncio.create_task(self._accept(),
                                          name=f"ctxmem-{self.transport}-accept")
@@ -166,8 +188,9 @@ class SocketDataServer(DataServer):
             try:
                 conn, addr = await loop.sock_accept(self._sock)
             except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: keep the server, back off
-                log.warning("%s server: accept failed (%s); retrying in 0.1 s",
-                            self.connection_kind, exc)
+                throttled(log, logging.WARNING, f"{self.connection_kind}.accept",
+                          "%s server: accept failed (%s); retrying in 0.1 s",
+                          self.connection_kind, exc)
                 await asyncio.sleep(0.1)
                 continue
             peer = _peer_name(addr)
@@ -179,11 +202,18 @@ class SocketDataServer(DataServer):
                           len(self._conns))
                 self._refuse_now(conn)
                 continue
+            assert self._unauth is not None
+            ticket = self._unauth.admit(self._source(conn, addr), _shutter(conn))
+            if ticket is None:  # fds below the reserve: closed before anything is read
+                conn.close()
+                continue
             self._configure(conn)
-            self._info[conn] = _ConnInfo(peer)
+            self._info[conn] = _ConnInfo(peer, ticket=ticket,
+                                         deadline=loop.time() + self.limits.hello_timeout_s)
             t = asyncio.create_task(self._connection(conn))
             self._conns.add(t)
             t.add_done_callback(self._conns.discard)
+            await asyncio.sleep(0)  # a flood of accepts lets the hellos in between
 
     def _refuse_now(self, conn: socket.socket) -> None:
         """Answer TOO_MANY_CONNECTIONS if the socket takes it at once, and close: no task,
@@ -216,18 +246,27 @@ class SocketDataServer(DataServer):
         finally:
             self._streams.pop(conn, None)
             info = self._info.pop(conn, None)
+            if info is not None and info.ticket is not None:
+                info.ticket.done()
             if info is not None and info.tenant is not None:
                 self._per_tenant[info.tenant] -= 1
                 if self._per_tenant[info.tenant] <= 0:
                     del self._per_tenant[info.tenant]
             conn.close()
 
+    def _hello_left(self, conn: socket.socket) -> float:
+        """Seconds left of the connection's ``hello_timeout_s`` (counted from accept)."""
+        info = self._info.get(conn)
+        if info is None or not info.deadline:
+            return self.limits.hello_timeout_s
+        return max(0.001, info.deadline - asyncio.get_running_loop().time())
+
     async def _handshake(self, conn: socket.socket, tls: ServerTls) -> None:
         """TLS handshake on a new connection, within ``hello_timeout_s``; a failure is
         :class:`Dropped` (one log line naming the reason, e.g. a plaintext client)."""
         stream = TlsStream(conn, tls.ssl_context())
         try:
-            await self._within(stream.handshake(), self.limits.hello_timeout_s,
+            await self._within(stream.handshake(), self._hello_left(conn),
                                "the TLS handshake (data_plane.hello_timeout_s)")
         except ssl.SSLError as exc:
             raise Dropped(f"TLS handshake failed ({exc.reason or exc}): not a TLS client, "
@@ -400,9 +439,12 @@ class SocketDataServer(DataServer):
         :class:`Dropped`.
         """
         raw = bytearray(hello.size)
-        await self._within(self._recv_all(conn, memoryview(raw)),
-                           self.limits.hello_timeout_s,
-                           "waiting for HELLO (data_plane.hello_timeout_s)")
+        try:
+            await self._within(self._recv_all(conn, memoryview(raw)),
+                               self._hello_left(conn), "waiting for HELLO")
+        except Dropped:
+            raise Dropped(f"no HELLO within {self.limits.hello_timeout_s:g} s of accept "
+                          f"(data_plane.hello_timeout_s)") from None
         got, session_id, token = hello.unpack(raw)
         s = self.authenticate(session_id, token) if got == magic else None
         if s is None:
@@ -422,6 +464,9 @@ class SocketDataServer(DataServer):
                              f"tenant {s.tenant!r} already has {cap} data connections "
                              f"(data_plane.max_connections_per_tenant)")
         info = self._info.setdefault(conn, _ConnInfo("an unknown peer"))
+        if info.ticket is not None:  # authenticated: no longer counted, nor evictable
+            info.ticket.done()
+            info.ticket = None
         info.tenant = s.tenant
         self._per_tenant[s.tenant] += 1
         await self._sendall(conn, reply(Status.OK), "answering HELLO")
@@ -445,6 +490,15 @@ class SocketDataServer(DataServer):
         mine = [t for t in conns if _ours(t)]
         if mine:  # each connection's finally closes its socket
             await asyncio.gather(*mine, return_exceptions=True)
+
+
+def _shutter(conn: socket.socket) -> Callable[[], None]:
+    """Closes ``conn`` for :class:`Unauthenticated` (an evicted connection): a shutdown,
+    so its task's next read sees the end and its own ``finally`` closes the socket."""
+    def shut() -> None:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+    return shut
 
 
 def _ours(task: asyncio.Task[None]) -> bool:
