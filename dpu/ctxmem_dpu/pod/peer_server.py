@@ -97,6 +97,11 @@ class PeerServer:
                 asyncio.TimeoutError, OSError) as exc:
             throttled(log, logging.WARNING, "pod.peer_conn",
                       "peer-fetch connection from %s ended: %s", peer, type(exc).__name__)
+        except asyncio.CancelledError:
+            # close() (the node is stopping) cancels open connections. Returned, not
+            # raised: asyncio's stream server (Python 3.11) asks a connection task for its
+            # exception when it ends, and a cancelled one logs a CancelledError traceback.
+            log.debug("peer-fetch connection from %s closed: this node is stopping", peer)
         finally:
             self._conns.discard(task)
             writer.close()
