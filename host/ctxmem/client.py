@@ -191,6 +191,9 @@ class Client:
         self._tokens: dict[bytes, bytes] = {}
         self._epoch = 0
         self.transport_in_use = ""
+        # Disconnect calls not waited for: kept referenced until done, since gRPC cancels
+        # a call whose future is garbage collected.
+        self._unanswered_ends: set[Any] = set()
 
     # -- plumbing --------------------------------------------------------------------
     def _stub_(self) -> pb_grpc.ContextMemoryStub:
@@ -202,6 +205,7 @@ class Client:
                 self._channel = None
                 self._sessions = {}
                 self._tokens = {}
+                self._unanswered_ends = set()
                 self._epoch += 1
             if self._stub is None or self._channel is None:
                 if self.tls is not None:
@@ -366,7 +370,11 @@ class Client:
         except Exception as exc:
             log.info("ctxmem: ending %d session(s) at %s: %s", len(sessions), self.endpoint,
                      exc)
-        if wait_s > 0:
+        if wait_s <= 0:
+            for _s, fut in pending:
+                self._unanswered_ends.add(fut)
+                fut.add_done_callback(self._unanswered_ends.discard)
+        else:
             for s, fut in pending:
                 try:
                     fut.result(timeout=max(0.0, deadline - time.monotonic()))

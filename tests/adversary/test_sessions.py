@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -314,3 +315,22 @@ def test_sigterm_with_held_sessions_stops_at_once(
     assert took < 4.0, f"stopping took {took:.1f} s: it waited for the Hold calls"
     log = svc.log_path.read_text(errors="replace")
     assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_session_replaced_after_a_failure_is_ended(small_cap: ServiceHandle,
+                                                     transport: str) -> None:
+    """The shim's data connection breaks under it (shut down, the process alive): the
+    next get reconnects with a new session and retries (as before), and the replaced
+    session is ended on the service by Disconnect (not left to the orphan rule; before:
+    left for session_idle_s)."""
+    keys, data = _keys(0, 1), _blocks(1, 2)
+    with ctxmem.Client(small_cap.endpoint, transport=transport, timeout_s=15) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m", tenant="a")
+        ns.put(keys, data)
+        c._sessions["a"].channel._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
+        out = [np.zeros_like(data[0])]
+        assert ns.get(keys, out) == 1 and np.array_equal(out[0], data[0])
+        st, _ = _until(small_cap.endpoint, lambda s: s["sessions"] == 1, 5,
+                       "the replaced session ended")
+        assert st["sessions_disconnected"] == 1 and st["orphaned_sessions_closed"] == 0
