@@ -30,6 +30,7 @@ import pytest
 import ctxmem
 from ctxmem.client import CLOSE_TIMEOUT_S
 from ctxmem_common.errors import ERROR_METADATA_KEY
+from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_common.protoconv import transport_to_pb
@@ -291,6 +292,21 @@ def test_disconnect_and_hold_need_the_sessions_token(small_cap: ServiceHandle) -
                                    token=token)))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert _stats(small_cap.endpoint)["sessions"] == 1
+        # At most 4 Hold calls per session are open at once (each costs the service a task).
+        holds = []
+        try:
+            for i in range(5):  # one after the other: each is open before the next
+                holds.append(raw.stub.Hold(
+                    pb.HoldRequest(session_id=raw.session_id), timeout=30,
+                    metadata=((SESSION_TOKEN_METADATA_KEY, raw.token),)))
+                if i < 4:
+                    assert next(iter(holds[i])).orphan_ms == int(ORPHAN_S * 1000)
+            with pytest.raises(grpc.RpcError) as info:
+                next(iter(holds[4]))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            for h in holds:
+                h.cancel()
         raw.call("Disconnect", req)
         assert _stats(small_cap.endpoint)["sessions"] == 0
         with pytest.raises(grpc.RpcError) as info:

@@ -22,6 +22,7 @@ from ctxmem_common.errors import (
     ErrorCode,
     Expired,
     InvalidArgument,
+    ResourceExhausted,
     Unavailable,
 )
 from ctxmem_common.packed_slots import pack_acquire
@@ -123,6 +124,11 @@ def _stream_rpc(
             raise  # pragma: no cover - abort raises
 
     return wrapper
+
+
+# Hold calls one session may have open at once: the shim keeps one (two for a moment
+# when it opens a new one after its connection dropped); each costs the service a task.
+MAX_HOLDS_PER_SESSION = 4
 
 
 def _caller_gave_up(context: Any) -> bool:
@@ -349,6 +355,10 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         is orphaned and the reaper ends it ``service.session_orphan_s`` later unless
         another Hold opens; when the session ends first, the call ends OK."""
         s = self.store.session(request.session_id)
+        if len(self._holds.get(s.id, ())) >= MAX_HOLDS_PER_SESSION:
+            raise ResourceExhausted(
+                f"Hold for session {s.id.hex()}: {MAX_HOLDS_PER_SESSION} Hold calls are open "
+                f"already; a client keeps one per session")
         ended = asyncio.Event()
         self._holds.setdefault(s.id, set()).add(ended)
         self.store.hold_opened(s)
