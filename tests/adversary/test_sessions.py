@@ -126,6 +126,21 @@ def test_a_connect_whose_caller_gave_up_leaves_no_session(busy: FaultyService,
     assert _stats(busy.endpoint)["sessions"] == 1
 
 
+def test_a_held_connect_whose_answer_was_lost_ends_as_an_orphan(
+        small_cap: ServiceHandle) -> None:
+    """A Connect that says it holds (as the shim's does) but whose client never opens a
+    Hold (its answer was lost after the service's deadline checks, or the client died
+    right after) ends within the orphan time, counted from Connect."""
+    with grpc.insecure_channel(small_cap.endpoint) as ch:
+        pb_grpc.ContextMemoryStub(ch).Connect(pb.ConnectRequest(
+            client_name="lost", tenant="a", transport=transport_to_pb("tcp"), hold=True),
+            timeout=10)
+    assert _stats(small_cap.endpoint)["sessions"] == 1
+    st, _ = _until(small_cap.endpoint, lambda s: s["sessions"] == 0, ORPHAN_BOUND_S,
+                   "the never-held session ended")
+    assert st["orphaned_sessions_closed"] == 1
+
+
 # -- Client.close -----------------------------------------------------------------------
 def test_clients_opened_and_closed_in_a_loop_are_never_refused(
         small_cap: ServiceHandle) -> None:
