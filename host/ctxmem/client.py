@@ -28,11 +28,13 @@ logged, never raised; a session replaced after a failure is ended the same way.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -85,6 +87,20 @@ def _rpc_error(exc: grpc.RpcError, endpoint: str, method: str) -> CtxmemError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Unavailable(f"ctxmem {method} at {endpoint} timed out: {call.details()}")
     return CtxmemError(f"ctxmem {method} failed: {code.name}: {call.details()}")
+
+
+# Every Client, so their Hold calls are dropped at interpreter exit (below).
+_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+@atexit.register
+def _drop_holds_at_exit() -> None:
+    """Cancel the Hold calls of clients never closed while gRPC is still importable: a
+    call object collected after the interpreter tore gRPC's modules down prints an
+    "Exception ignored" traceback. Their sessions end on the service as orphans once
+    this process is gone."""
+    for client in list(_CLIENTS):
+        client._drop_holds()
 
 
 class _Ending(NamedTuple):
@@ -194,6 +210,7 @@ class Client:
         # Disconnect calls not waited for: kept referenced until done, since gRPC cancels
         # a call whose future is garbage collected.
         self._unanswered_ends: set[Any] = set()
+        _CLIENTS.add(self)
 
     # -- plumbing --------------------------------------------------------------------
     def _stub_(self) -> pb_grpc.ContextMemoryStub:
@@ -396,6 +413,16 @@ class Client:
             if s.hold is not None:
                 s.hold.cancel()
             self._tokens.pop(s.id, None)
+
+    def _drop_holds(self) -> None:
+        """Cancel and drop this process's Hold calls (a forked child only drops the
+        parent's) and forget unanswered Disconnects: at exit, without ending sessions."""
+        with self._lock:
+            for s in self._sessions.values():
+                if s.hold is not None and self._pid == os.getpid():
+                    s.hold.cancel()
+                s.hold = None
+            self._unanswered_ends = set()
 
     def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
                        tags: Mapping[str, str] | None = None) -> Namespace:

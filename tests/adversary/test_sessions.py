@@ -365,3 +365,32 @@ def test_a_session_replaced_after_a_failure_is_ended(small_cap: ServiceHandle,
         st, _ = _until(small_cap.endpoint, lambda s: s["sessions"] == 1, 5,
                        "the replaced session ended")
         assert st["sessions_disconnected"] == 1 and st["orphaned_sessions_closed"] == 0
+
+
+_EXITS = textwrap.dedent("""
+    import sys
+    import grpc
+    import ctxmem
+    layout = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
+                             tokens_per_block=16)
+    c = ctxmem.Client(sys.argv[1], transport="tcp", timeout_s=15)
+    ns = c.open_namespace(layout, model_id="m", tenant="a")
+    # Kept where the interpreter collects it late, after gRPC's modules are torn down.
+    grpc._ctxmem_test_keep = (c, ns)
+    print("ready", flush=True)
+""")
+
+
+def test_a_client_never_closed_exits_quietly_and_its_session_ends(
+        small_cap: ServiceHandle) -> None:
+    """A process that exits without closing its client prints nothing at exit (its Hold
+    calls are cancelled while gRPC is still there; before this, a call object collected
+    after gRPC's teardown printed "Exception ignored" tracebacks), and its session ends as
+    an orphan."""
+    p = subprocess.run([sys.executable, "-c", _EXITS, small_cap.endpoint],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert p.returncode == 0 and p.stdout.strip() == "ready", (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+    st, _ = _until(small_cap.endpoint, lambda s: s["sessions"] == 0, ORPHAN_BOUND_S,
+                   "the exited client's session ended")
+    assert st["orphaned_sessions_closed"] == 1
