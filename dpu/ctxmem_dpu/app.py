@@ -27,7 +27,7 @@ from ctxmem_common.identity import check_identity_mode, is_local_listen, network
 from ctxmem_common.keyfile import load_service_key
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
-from ctxmem_dpu import sdnotify
+from ctxmem_dpu import grpclog, sdnotify
 from ctxmem_dpu.control.auth import SessionAuthInterceptor, end_untrusted_sessions
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.gctune import tune_gc
@@ -64,6 +64,7 @@ class Service:
         self.backends: list[StorageBackend] = []
         self.store: BlockStore | None = None
         self.server: grpc.aio.Server | None = None
+        self.servicer: ContextMemoryServicer | None = None
         self.shm: ShmServer | None = None
         self.tcp: TcpDataServer | None = None
         self.rdma: RdmaServer | None = None
@@ -166,7 +167,7 @@ class Service:
                                    cfg.service.rdma_gid_index, cfg.service.rdma_access)
             await self.rdma.start()
 
-        interceptors = [SessionAuthInterceptor(self.store.sessions.get,
+        interceptors = [SessionAuthInterceptor(self.store.live_session,
                                                tls=self.tls is not None, server_tls=self.tls)]
         if self.tls is not None and self.tls.mutual:  # a rotated CA ends what it refuses
             tls, store = self.tls, self.store
@@ -178,7 +179,7 @@ class Service:
             log.warning("%s=1: per-call session tokens are NOT checked (benchmark only)",
                         BENCH_NO_AUTH_ENV)
             interceptors = []
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
+        options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),
@@ -189,9 +190,19 @@ class Service:
             ("grpc.server_handshake_timeout_ms",
              max(1, int(cfg.service.grpc_handshake_timeout_s * 1000))),
             ("grpc.max_allowed_incoming_connections", cfg.service.grpc_max_connections),
-        ])
+        ]
+        if cfg.service.keepalive_s > 0:
+            # Ping a connection with calls open (every shim keeps a Hold per session) after
+            # keepalive_s without traffic; no answer within keepalive_s drops it, which ends
+            # its Hold calls: a client gone without closing its connection is noticed.
+            ms = int(cfg.service.keepalive_s * 1000)
+            options += [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+                        ("grpc.http2.max_pings_without_data", 0)]
+        grpclog.install()  # an answer to a call that just ended: one line, no traceback
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         servicer = ContextMemoryServicer(self.store, self.instance_id, shm_path, data_endpoint,
                                          self.health)
+        self.servicer = servicer
         pb_grpc.add_ContextMemoryServicer_to_server(servicer, self.server)
         servicer.rdma = self.rdma  # RdmaInfo/RdmaAttach answer UNAVAILABLE without it
         if cfg.pod.enabled:  # the pod tier (docs/pod.md): index, heartbeat, peer fetch
@@ -280,6 +291,8 @@ class Service:
             await self.rdma.close()
         if self.pod is not None:  # leave the pod first: peers stop asking this node
             await self.pod.close()
+        if self.servicer is not None:  # Hold calls end now, not after the grace
+            self.servicer.close_holds()
         if self.events is not None:
             if self.store is not None:
                 self.store.block_listeners.remove(self.events.note)

@@ -96,7 +96,11 @@ class Session:
     """One client connection's state. ``id`` (16 random bytes) names it; ``token``
     authenticates every call after Connect and its data connections. ``last_used``
     (monotonic) is refreshed by every call and data-plane request: a session idle for
-    ``service.session_idle_s`` is closed by the reaper."""
+    ``service.session_idle_s`` is closed by the reaper. A session whose client said it
+    holds (``held_by_client``: Connect's ``hold``) is also closed once it has had no Hold
+    call open (``holds``) since ``orphan_since`` (monotonic) for
+    ``service.session_orphan_s``. ``ending``: the session is being ended (Disconnect, or
+    closed): no call or data connection may use it any more."""
 
     id: bytes
     tenant: str
@@ -110,3 +114,7 @@ class Session:
     # Mutual TLS: the client certificate (PEM) of the Connect that opened it; the session
     # ends when a rotated client CA no longer trusts it (ctxmem_dpu.tls).
     peer_cert: bytes = b""
+    held_by_client: bool = False
+    ending: bool = False
+    holds: int = 0
+    orphan_since: float = field(default_factory=time.monotonic)

@@ -154,6 +154,18 @@ class StoreCollector:
         """What ``ctxmem status`` and the alert rules read beyond the counters above:
         grants, each flash device's state, and device events."""
         yield GaugeMetricFamily("ctxmem_sessions", "Open sessions", value=s["sessions"])
+        yield GaugeMetricFamily("ctxmem_sessions_held", "Sessions whose client holds a Hold "
+                                "call open now", value=s["sessions_held"])
+        ended = CounterMetricFamily(
+            "ctxmem_sessions_ended", "Sessions ended, by reason: disconnected (the client "
+            "closed), orphaned (the client went away), idle, abandoned (the Connect's "
+            "caller had given up)", labels=["reason"])
+        for reason, key in (("disconnected", "sessions_disconnected"),
+                            ("orphaned", "orphaned_sessions_closed"),
+                            ("idle", "idle_sessions_closed"),
+                            ("abandoned", "connects_abandoned")):
+            ended.add_metric([reason], c[key])
+        yield ended
         yield GaugeMetricFamily("ctxmem_allocations", "Open allocations (puts not yet "
                                 "committed)", value=s["allocations"])
         yield GaugeMetricFamily("ctxmem_dirty_blocks", "Write-back blocks not yet on flash",

@@ -18,16 +18,25 @@ Sessions are per tenant; a namespace belongs to one session. When the service re
 (unknown session) or drops the connection, the client reconnects, reopens its namespaces
 and retries the request once; a put's bytes are still in the caller's buffers, so nothing
 is lost, and a get that cannot be completed is a miss, never wrong data.
+
+Sessions end on the service, never leak (docs/security.md, "Session lifetime"): each one
+keeps a ``Hold`` call open while it lives, so when this process dies or its connection
+drops the service ends it ``service.session_orphan_s`` later; :meth:`Client.close` (and
+the ``with`` exit) sends ``Disconnect`` for each, bounded by :data:`CLOSE_TIMEOUT_S`, errors
+logged, never raised; a session replaced after a failure is ended the same way.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
 import threading
+import time
+import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import grpc
 
@@ -54,6 +63,16 @@ __all__ = ["Client", "LookupResult", "Namespace", "PutResult", "TransportName"]
 log = logging.getLogger(__name__)
 TransportName = Literal["auto", "shm", "tcp", "rdma"]
 
+CLOSE_TIMEOUT_S = 2.0
+"""The longest :meth:`Client.close` waits for the service to end its sessions (all of
+them together; less when the client's ``timeout_s`` is less). A service that does not
+answer in time (down, stopped, unreachable) ends them itself once their Hold calls end."""
+
+# A Hold call that ended with one of these is not opened again (the service has no Hold:
+# an older one; or the session is gone: the next call reconnects).
+_HOLD_FINAL = (grpc.StatusCode.OK, grpc.StatusCode.UNIMPLEMENTED,
+               grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
 
 def _rpc_error(exc: grpc.RpcError, endpoint: str, method: str) -> CtxmemError:
     call: Any = exc
@@ -70,14 +89,38 @@ def _rpc_error(exc: grpc.RpcError, endpoint: str, method: str) -> CtxmemError:
     return CtxmemError(f"ctxmem {method} failed: {code.name}: {call.details()}")
 
 
+# Every Client, so their Hold calls are dropped at interpreter exit (below).
+_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+@atexit.register
+def _drop_holds_at_exit() -> None:
+    """Cancel the Hold calls of clients never closed while gRPC is still importable: a
+    call object collected after the interpreter tore gRPC's modules down prints an
+    "Exception ignored" traceback. Their sessions end on the service as orphans once
+    this process is gone."""
+    for client in list(_CLIENTS):
+        client._drop_holds()
+
+
+class _Ending(NamedTuple):
+    """A session to end on the service: its id, token and Hold call (or None)."""
+
+    id: bytes
+    token: bytes
+    hold: Any
+
+
 class _Session:
     def __init__(self, tenant: str, session_id: bytes, token: bytes, channel: DataChannel,
-                 epoch: int) -> None:
+                 epoch: int, hold: Any = None) -> None:
         self.tenant = tenant
         self.id = session_id
         self.token = token
         self.channel = channel
         self.epoch = epoch
+        # The session's open Hold call (a grpc.Future), while the session lives.
+        self.hold = hold
 
 
 class Client:
@@ -167,6 +210,10 @@ class Client:
         self._tokens: dict[bytes, bytes] = {}
         self._epoch = 0
         self.transport_in_use = ""
+        # Disconnect calls not waited for: kept referenced until done, since gRPC cancels
+        # a call whose future is garbage collected.
+        self._unanswered_ends: set[Any] = set()
+        _CLIENTS.add(self)
 
     # -- plumbing --------------------------------------------------------------------
     def _stub_(self) -> pb_grpc.ContextMemoryStub:
@@ -178,6 +225,7 @@ class Client:
                 self._channel = None
                 self._sessions = {}
                 self._tokens = {}
+                self._unanswered_ends = set()
                 self._epoch += 1
             if self._stub is None or self._channel is None:
                 if self.tls is not None:
@@ -263,22 +311,121 @@ class Client:
         with self._lock:
             s = self._sessions.get(tenant)
             if s is not None and (stale is None or s is not stale):
+                self._keep_held(s)
                 return s
             if s is not None:
+                # Replaced: end it on the service too (without waiting: the service may be
+                # the reason it failed; dropping its Hold ends it there anyway).
+                del self._sessions[tenant]
                 s.channel.close()
-                self._tokens.pop(s.id, None)
+                self._end_sessions([_Ending(s.id, s.token, s.hold)], wait_s=0.0)
+                s.hold = None
             health = self.health()
             name = self._choose_transport(health)
             resp = self._rpc("Connect", pb.ConnectRequest(
                 client_name=self.client_name, transport=transport_to_pb(name), tenant=tenant,
-                tenant_token=self.tenant_token))
+                tenant_token=self.tenant_token, hold=True))
             self._tokens[resp.session_id] = resp.session_token
-            channel = self._open_channel(name, health, resp.session_id, resp.session_token)
+            # Right after Connect: the service ends a held session that has no Hold for
+            # service.session_orphan_s.
+            hold = self._open_hold(resp.session_id)
+            try:
+                channel = self._open_channel(name, health, resp.session_id,
+                                             resp.session_token)
+            except BaseException:
+                self._end_sessions([_Ending(resp.session_id, resp.session_token, hold)],
+                                   wait_s=0.0)
+                raise
             self._epoch += 1
-            s = _Session(tenant, resp.session_id, resp.session_token, channel, self._epoch)
+            s = _Session(tenant, resp.session_id, resp.session_token, channel, self._epoch,
+                         hold)
             self._sessions[tenant] = s
             self.transport_in_use = name
             return s
+
+    # -- session lifetime on the service ----------------------------------------------
+    def _open_hold(self, session_id: bytes) -> Any:
+        """Open the session's Hold call (no deadline; it ends when the session does or
+        this client goes away); None if it could not be started."""
+        stub = self._stub_()
+        metadata = ((SESSION_TOKEN_METADATA_KEY, self._tokens.get(session_id, b"")),)
+        try:
+            return stub.Hold(pb.HoldRequest(session_id=session_id), metadata=metadata)
+        except Exception as exc:  # the call object is made at once; failures arrive later
+            log.debug("ctxmem: opening the Hold of session %s failed: %s", session_id.hex(),
+                      exc)
+            return None
+
+    def _keep_held(self, s: _Session) -> None:
+        """Open ``s``'s Hold again if it ended with the connection (the channel dropped
+        and came back): the service then keeps the session. Not after a final status
+        (the service has no Hold, or the session ended: the next call reconnects)."""
+        call = s.hold
+        if call is None or not call.done():
+            return
+        try:
+            code = call.code()
+        except Exception:
+            code = None
+        if code in _HOLD_FINAL:
+            return
+        s.hold = self._open_hold(s.id)
+
+    def _end_sessions(self, sessions: Sequence[_Ending], wait_s: float) -> None:
+        """Ask the service to end ``sessions`` (Disconnect), waiting at most ``wait_s``
+        in all (0: do not wait), then drop their Hold calls. Errors are logged, never
+        raised: a session the service no longer knows is already ended, and one it could
+        not be told about ends there once its Hold call is gone."""
+        if not sessions:
+            return
+        deadline = time.monotonic() + wait_s
+        pending = []
+        try:
+            stub = self._stub_()
+            for s in sessions:
+                metadata = ((SESSION_TOKEN_METADATA_KEY, s.token),)
+                pending.append((s, stub.Disconnect.future(
+                    pb.DisconnectRequest(session_id=s.id), metadata=metadata,
+                    timeout=max(wait_s, CLOSE_TIMEOUT_S))))
+        except Exception as exc:
+            log.info("ctxmem: ending %d session(s) at %s: %s", len(sessions), self.endpoint,
+                     exc)
+        if wait_s <= 0:
+            for _s, fut in pending:
+                self._unanswered_ends.add(fut)
+                fut.add_done_callback(self._unanswered_ends.discard)
+        else:
+            for s, fut in pending:
+                try:
+                    fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except grpc.FutureTimeoutError:
+                    fut.cancel()
+                    log.info("ctxmem: session %s at %s: no answer to Disconnect within "
+                             "%.1f s; the service ends it once its Hold call is gone",
+                             s.id.hex(), self.endpoint, wait_s)
+                except grpc.RpcError as exc:
+                    code = getattr(exc, "code", lambda: None)()
+                    if code != grpc.StatusCode.UNAUTHENTICATED:  # unknown: already ended
+                        log.info("ctxmem: Disconnect of session %s at %s failed: %s",
+                                 s.id.hex(), self.endpoint, _rpc_error(
+                                     exc, self.endpoint, "Disconnect"))
+                except Exception as exc:
+                    log.info("ctxmem: Disconnect of session %s at %s failed: %s",
+                             s.id.hex(), self.endpoint, exc)
+        for s in sessions:
+            if s.hold is not None:
+                s.hold.cancel()
+            self._tokens.pop(s.id, None)
+
+    def _drop_holds(self) -> None:
+        """Cancel and drop this process's Hold calls (a forked child only drops the
+        parent's) and forget unanswered Disconnects: at exit, without ending sessions."""
+        with self._lock:
+            for s in self._sessions.values():
+                if s.hold is not None and self._pid == os.getpid():
+                    s.hold.cancel()
+                s.hold = None
+            self._unanswered_ends = set()
 
     def open_namespace(self, layout: KVLayout, *, model_id: str, tenant: str = "default",
                        tags: Mapping[str, str] | None = None,
@@ -300,11 +447,17 @@ class Client:
         return ns
 
     def close(self) -> None:
+        """Close the data channels, end this client's sessions on the service
+        (Disconnect; at most :data:`CLOSE_TIMEOUT_S`, or ``timeout_s`` if less, errors
+        logged and swallowed) and close the connection. Idempotent."""
         with self._lock:
             if self._pid == os.getpid():
-                for s in self._sessions.values():
+                sessions = list(self._sessions.values())
+                for s in sessions:
                     s.channel.close()
                 if self._channel is not None:
+                    self._end_sessions([_Ending(s.id, s.token, s.hold) for s in sessions],
+                                       min(self.timeout_s, CLOSE_TIMEOUT_S))
                     self._channel.close()
             self._sessions = {}
             self._tokens = {}

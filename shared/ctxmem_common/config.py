@@ -117,6 +117,18 @@ class ServiceConfig:
     # connection open) for this long is closed with its allocations and leases, so a
     # client that vanished cannot hold slots, pins or a session slot forever (issue 12).
     session_idle_s: float = 600.0
+    # A session whose client keeps a Hold call open (the shim does, since Connect's
+    # ``hold``) is ended this long after its last Hold call ended (the client process died,
+    # its connection dropped) or after Connect if no Hold ever came (the client gave up on
+    # the Connect), unless another Hold for it opens first. Sessions of older clients keep
+    # the idle rule alone (docs/security.md, "Session lifetime").
+    session_orphan_s: float = 5.0
+    # The gRPC listener pings a client connection that has calls open (every shim holds
+    # one per session) after this long without traffic and drops the connection when the
+    # ping is not answered within it: how a client that vanished without closing its
+    # connection (host down, network cut) is noticed. 0: no pings (only closed connections
+    # are noticed).
+    keepalive_s: float = 10.0
     # The CPUs the whole service process (every thread) runs on, set with
     # sched_setaffinity at start: a list of CPU ids or a cpulist string ("1", "2-3,6").
     # In the fallback mode it keeps the service off the engine's cores (as SPDK's core
@@ -401,6 +413,11 @@ def _check(cfg: Config) -> None:
     if cfg.service.insecure_max_tenants < 1:
         raise ConfigError("service.insecure_max_tenants: must be >= 1 (tenant names with "
                           "an open session at once, insecure mode)")
+    if cfg.service.session_orphan_s <= 0:
+        raise ConfigError("service.session_orphan_s: must be > 0 (seconds a session outlives "
+                          "its client's last Hold call)")
+    if cfg.service.keepalive_s < 0:
+        raise ConfigError("service.keepalive_s: must be >= 0 (0: no keepalive pings)")
     check_cpus(cfg.service.cpu_affinity, "service.cpu_affinity")
     for name, q in [("default", cfg.quotas.default), *(
             (f"tenants.{t}", q) for t, q in cfg.quotas.tenants.items())]:

@@ -72,6 +72,10 @@ POINTS: dict[str, str] = {
     "delete.after_sync": "delete: zeroed headers synced, extents not yet freed",
     "rebuild.after_scan": "restart: one device scanned, index half built",
     "promote.after_read": "get: flash block read and verified, not yet in DRAM",
+    # Not crash points: armed with sleep, they stand for a busy service at Connect (the
+    # caller's deadline passes before or after its session is made; tests/adversary).
+    "connect.before_session": "connect: caller authenticated, no session made yet",
+    "connect.after_session": "connect: session made, not yet answered",
 }
 ACTIONS = ("kill", "powercut", "crash", "eio", "sleep")
 

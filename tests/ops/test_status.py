@@ -8,7 +8,7 @@ import io
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -24,19 +24,21 @@ LAYOUT = ctxmem.KVLayout(dtype="float16", num_layers=2, num_kv_heads=2, head_dim
 N = 8
 
 
-def _traffic(svc: ServiceHandle) -> None:
-    """Tenant "alpha" puts N blocks and reads them back; "beta" puts 2; one miss."""
+def _traffic(svc: ServiceHandle) -> ctxmem.Client:
+    """Tenant "alpha" puts N blocks and reads them back; "beta" puts 2; one miss. Returns
+    the client with its two sessions still open (closing it ends them)."""
     rng = np.random.default_rng(7)
-    with ctxmem.Client(svc.endpoint) as c:
-        for tenant, n in (("alpha", N), ("beta", 2)):
-            ns = c.open_namespace(LAYOUT, model_id="m", tenant=tenant)
-            keys = [f"{tenant}-{i}".encode() for i in range(n)]
-            data = [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in keys]
-            ns.put(keys, data)
-            out = [np.empty(LAYOUT.block_nbytes, np.uint8) for _ in keys]
-            assert ns.get(keys, out) == n
-            assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
-            assert ns.get([b"never-stored"], [np.empty(LAYOUT.block_nbytes, np.uint8)]) == 0
+    c = ctxmem.Client(svc.endpoint)
+    for tenant, n in (("alpha", N), ("beta", 2)):
+        ns = c.open_namespace(LAYOUT, model_id="m", tenant=tenant)
+        keys = [f"{tenant}-{i}".encode() for i in range(n)]
+        data = [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in keys]
+        ns.put(keys, data)
+        out = [np.empty(LAYOUT.block_nbytes, np.uint8) for _ in keys]
+        assert ns.get(keys, out) == n
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        assert ns.get([b"never-stored"], [np.empty(LAYOUT.block_nbytes, np.uint8)]) == 0
+    return c
 
 
 def _run(argv: list[str]) -> tuple[int, str, str]:
@@ -47,10 +49,11 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
 
 
 @pytest.fixture
-def busy(service_factory: Callable[..., ServiceHandle]) -> ServiceHandle:
+def busy(service_factory: Callable[..., ServiceHandle]) -> Iterator[ServiceHandle]:
     svc = service_factory(quotas={"tenants": {"beta": {"dram_max": 0.5}}})
-    _traffic(svc)
-    return svc
+    client = _traffic(svc)  # its sessions stay open: both tenants active
+    yield svc
+    client.close()
 
 
 def test_status_json(busy: ServiceHandle) -> None:
@@ -76,7 +79,7 @@ def test_status_json(busy: ServiceHandle) -> None:
     assert names["alpha"]["dram_share"] > names["beta"]["dram_share"] > 0
     assert names["beta"]["dram_quota_bytes"] == (128 << 20) / 2
     assert names["alpha"]["dram_quota_bytes"] == 128 << 20
-    # One session per tenant (they end at session_idle_s), no lease left open.
+    # One session per tenant (the client is still open), no lease left open.
     assert doc["sessions"] == 2 and doc["leases"] == 0 and doc["allocations"] == 0
     assert doc["devices"] == [{"name": "flash0", "state": "healthy"}]
     assert doc["device_events"] == {"failed": 0, "recovered": 0, "reattached": 0}

@@ -1,6 +1,5 @@
-"""Helpers of the pod tests: one client per node for the whole test (the service keeps a
-session per Connect until it idles out, so a client per call would hit the session cap),
-and byte-checked puts and gets."""
+"""Helpers of the pod tests: one client per node for the whole test (a client per call
+would Connect, and end its session, on every call), and byte-checked puts and gets."""
 
 from __future__ import annotations
 

@@ -166,6 +166,56 @@ def test_a_client_deadline_on_a_cold_acquire_leaves_the_blocks_servable(
         svc.close()
 
 
+def test_cancelled_deletes_log_no_traceback(tmp_path: Path) -> None:
+    """End to end, the service's log: Deletes whose gRPC deadline passes while the store
+    works (a stall at ``delete.after_index`` longer than the deadline: the handler is
+    cancelled), then Deletes on a slow device with deadlines around the time they take,
+    so some answers are sent just as their call ends (gRPC's core then fails the send:
+    before, an ``ExecuteBatchError`` traceback at ERROR). The stalled Delete and every
+    acknowledged one take effect (a call whose deadline passed before the service read
+    it may not run at all), and the log has no traceback; a call that ended before its
+    answer is one INFO line at most (``ctxmem_dpu.grpclog``)."""
+    svc = FaultyService(tmp_path / "svc", dram_size="8MiB")
+    svc.start()
+    try:
+        ns = svc.ns()
+        ks = keys("cancelled-delete", 64)
+        put_live(ns, ks)
+        assert ns.evict(ks) == 64
+        codes: dict[str, int] = {}
+        deleted = ks[:4]  # the stalled Delete's, and each acknowledged one's
+        with RawSession(svc.endpoint, LAYOUT, tenant="t", model_id="rel") as raw:
+            md = ((SESSION_TOKEN_METADATA_KEY, raw.token),)
+
+            def delete(batch: list[bytes], timeout: float) -> None:
+                try:
+                    raw.stub.Delete(pb.DeleteRequest(session_id=raw.session_id,
+                                                     namespace_handle=raw.handle,
+                                                     keys=batch), timeout=timeout, metadata=md)
+                    codes["OK"] = codes.get("OK", 0) + 1
+                    deleted.extend(batch)
+                except grpc.RpcError as exc:
+                    codes[exc.code().name] = codes.get(exc.code().name, 0) + 1
+
+            svc.faults(points="delete.after_index:sleep=0.5@1")
+            delete(ks[:4], 0.1)
+            assert codes == {"DEADLINE_EXCEEDED": 1}
+            svc.faults(devices={"*": {"delay_s": 0.002}})
+            for i in range(4, 64, 2):
+                delete(ks[i:i + 2], 0.002 + 0.001 * (i % 16))
+        svc.faults()
+        assert codes.get("DEADLINE_EXCEEDED", 0) >= 2, codes
+        deadline = time.monotonic() + 10  # cancelled Deletes finish in the background
+        while any(served(ns, deleted).values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(served(ns, deleted).values()), "a Delete did not take effect"
+    finally:
+        svc.close()
+    log = svc.log_path.read_text(errors="replace")
+    assert "store work finished after its request was cancelled" in log
+    assert "Traceback" not in log and "ExecuteBatchError" not in log, log[-4000:]
+
+
 async def test_a_cancelled_delete_still_invalidates_and_frees_its_extents(
         tmp_path: Path) -> None:
     """In process: cancel a Delete of flash blocks while its header writes stall. The

@@ -6,6 +6,7 @@ code plus the ``ctxmem-error`` trailing metadata, so the shim re-raises the same
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -19,7 +20,9 @@ from ctxmem_common.errors import (
     ERROR_METADATA_KEY,
     CtxmemError,
     ErrorCode,
+    Expired,
     InvalidArgument,
+    ResourceExhausted,
     Unavailable,
 )
 from ctxmem_common.packed_slots import pack_acquire
@@ -37,6 +40,8 @@ from ctxmem_common.protoconv import (
     transport_to_pb,
 )
 from ctxmem_common.rdma_wire import QpInfo
+from ctxmem_dpu import faults
+from ctxmem_dpu.blocks import Session
 from ctxmem_dpu.control import block_ops
 from ctxmem_dpu.control.auth import connect_tenant, peer_cert
 from ctxmem_dpu.control.locate import locate_response
@@ -123,6 +128,18 @@ def _stream_rpc(
     return wrapper
 
 
+# Hold calls one session may have open at once: the shim keeps one (two for a moment
+# when it opens a new one after its connection dropped); each costs the service a task.
+MAX_HOLDS_PER_SESSION = 4
+
+
+def _caller_gave_up(context: Any) -> bool:
+    """Whether the call's deadline has passed: its caller no longer waits for the answer
+    (``time_remaining`` is 0 then; None without a deadline)."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
 # Every handler takes ``list(request.keys)`` once: the protobuf container builds a new
 # bytes object on each access, so validating, hashing and looking keys up straight from it
 # would convert all 10,000 keys several times (measured: ~30% of a 10k-key Lookup).
@@ -138,6 +155,23 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         self.health = health
         self.rdma: RdmaServer | None = None  # set by the app when 'rdma' is enabled
         self.pod: PodNode | None = None  # set by the app when 'pod.enabled'
+        # Session id -> an event per open Hold call, set when the session ends.
+        self._holds: dict[bytes, set[asyncio.Event]] = {}
+        self._closing = False  # the service is stopping: a new Hold ends at once
+        store.on_session_end.append(self._end_holds)
+
+    def _end_holds(self, s: Session) -> None:
+        for ended in self._holds.pop(s.id, ()):
+            ended.set()
+
+    def close_holds(self) -> None:
+        """End every Hold call (the service is stopping): gRPC's graceful stop would
+        otherwise wait its whole grace for these calls, which never end by themselves."""
+        self._closing = True
+        for events in self._holds.values():
+            for ended in events:
+                ended.set()
+        self._holds.clear()
 
     async def _grant_rdma(self, s: Any, grant_id: bytes, refs: Sequence[Any],
                           slots: Sequence[pb.Slot], write: bool) -> None:
@@ -168,7 +202,23 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         if transport is None:
             raise InvalidArgument("Connect.transport must be SHM, TCP or RDMA")
         tenant = connect_tenant(self.store.cfg, request, context)
-        s = self.store.connect(tenant, request.tenant_token, transport, request.client_name)
+        # A caller that gave up (its deadline passed while the call waited, e.g. on a busy
+        # service) gets no session: nobody would use or end it, and it would count against
+        # the tenant's cap until it idled out (issue 26). Nothing in between yields to the
+        # event loop, so past the second check the answer goes out at once.
+        faults.point("connect.before_session")
+        if _caller_gave_up(context):
+            self.store.counters["connects_abandoned"] += 1
+            raise Expired(f"Connect for tenant {tenant!r}: the caller's deadline passed "
+                          f"before the session was made; no session was made")
+        s = self.store.connect(tenant, request.tenant_token, transport, request.client_name,
+                               hold=request.hold)
+        faults.point("connect.after_session")
+        if _caller_gave_up(context):
+            self.store.close_session(s)
+            self.store.counters["connects_abandoned"] += 1
+            raise Expired(f"Connect for tenant {tenant!r}: the caller's deadline passed "
+                          f"while the session was made; it was ended at once")
         if self.store.cfg.tls.mutual:  # ends if a rotated client CA no longer trusts it
             s.peer_cert = peer_cert(context) or b""
         cfg = self.store.cfg.service
@@ -309,6 +359,52 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         ns = self.store.namespace(s, request.namespace_handle)
         tier = tier_from_pb(request.tier)
         return pb.EvictResponse(evicted=await self.store.evict(ns, list(request.keys), tier))
+
+    @_rpc
+    async def Disconnect(self, request: pb.DisconnectRequest, context: Any
+                         ) -> pb.DisconnectResponse:
+        """End the session (Client.close). The interceptor checked its token; a session
+        already ended is refused there as unknown, which the shim takes as done."""
+        self.store.disconnect(self.store.session(request.session_id))
+        return pb.DisconnectResponse()
+
+    @_stream_rpc
+    async def Hold(self, request: pb.HoldRequest, context: Any
+                   ) -> AsyncGenerator[pb.HoldEvent, None]:
+        """Open while the session lives: the client's liveness. When the call ends because
+        the client went away (cancelled: process killed, connection dropped), the session
+        is orphaned and the reaper ends it ``service.session_orphan_s`` later unless
+        another Hold opens; when the session ends first, the call ends OK."""
+        s = self.store.session(request.session_id)
+        if len(self._holds.get(s.id, ())) >= MAX_HOLDS_PER_SESSION:
+            raise ResourceExhausted(
+                f"Hold for session {s.id.hex()}: {MAX_HOLDS_PER_SESSION} Hold calls are open "
+                f"already; a client keeps one per session")
+        ended = asyncio.Event()
+        self._holds.setdefault(s.id, set()).add(ended)
+        self.store.hold_opened(s)
+        done = False
+
+        def end(_ctx: object = None) -> None:
+            nonlocal done
+            if not done:  # once per call, however it ends
+                done = True
+                self.store.hold_ended(s)
+                events = self._holds.get(s.id)
+                if events is not None:
+                    events.discard(ended)
+                    if not events:
+                        del self._holds[s.id]
+
+        # A call abandoned without a clean cancel still ends its context.
+        context.add_done_callback(end)
+        try:
+            orphan_ms = int(self.store.cfg.service.session_orphan_s * 1000)
+            yield pb.HoldEvent(orphan_ms=orphan_ms)
+            if not self._closing:
+                await ended.wait()
+        finally:
+            end()
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:

@@ -140,9 +140,12 @@ class PeerServer:
             throttled(log, logging.WARNING, "pod.peer_conn",
                       "peer-fetch connection from %s ended: %s", peer, type(exc).__name__)
         except asyncio.CancelledError:
+            # Returned, not raised: asyncio's stream server (Python 3.11) asks a connection
+            # task for its exception when it ends, and a cancelled one logs a
+            # CancelledError traceback. Cancelled either as the oldest unauthenticated
+            # connection over a cap (logged there) or by close() (the node is stopping).
             if not evicted:
-                raise
-            # closed before its hello: the oldest unauthenticated over a cap (logged there)
+                log.debug("peer-fetch connection from %s closed: this node is stopping", peer)
         finally:
             if authed:
                 self._authenticated -= 1

@@ -292,14 +292,21 @@ class BlockStore:
         return self._ctx.flash.shared_location(b.flash, b.length) if b.durable else None
 
     # -- sessions and namespaces -----------------------------------------------------
-    def connect(self, tenant: str, token: str, transport: str, client_name: str) -> Session:
+    def connect(self, tenant: str, token: str, transport: str, client_name: str,
+                hold: bool = False) -> Session:
         """Open a session for ``tenant`` (checked against ``service.tenant_tokens``) on an
-        enabled ``transport``."""
-        return self._registry.connect(tenant, token, transport, client_name)
+        enabled ``transport``; ``hold``: its client keeps a Hold call open while it lives
+        (``store.sessions``: the orphan rule)."""
+        return self._registry.connect(tenant, token, transport, client_name, hold)
 
     def session(self, session_id: bytes) -> Session:
         """The open session ``session_id``; UnknownSession (reconnect) otherwise."""
         return self._registry.session(session_id)
+
+    def live_session(self, session_id: bytes) -> Session | None:
+        """The session ``session_id`` unless unknown or being ended (what calls and data
+        connections authenticate against)."""
+        return self._registry.live(session_id)
 
     def open_namespace(
         self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str],
@@ -315,8 +322,27 @@ class BlockStore:
         return self._registry.namespace(s, handle)
 
     def close_session(self, s: Session) -> None:
-        """End ``s``: its allocations, leases and quarantined slots end with it."""
+        """End ``s`` now: its allocations, leases and quarantined slots end with it (a
+        session no client has used yet: an abandoned Connect)."""
         self._registry.close_session(s)
+
+    def disconnect(self, s: Session) -> bool:
+        """The client ends ``s`` (Disconnect): refused from now on, ended now or once its
+        shared-memory connections are closed; whether it ended now."""
+        return self._registry.disconnect(s, self.counters)
+
+    def hold_opened(self, s: Session) -> None:
+        """A Hold call of ``s`` opened (``store.sessions``: the orphan rule)."""
+        self._registry.hold_opened(s)
+
+    def hold_ended(self, s: Session) -> None:
+        """A Hold call of ``s`` ended; with its last, ``s`` may be orphaned."""
+        self._registry.hold_ended(s)
+
+    @property
+    def on_session_end(self) -> list[Callable[[Session], None]]:
+        """Hooks called with a session once it has ended (the servicer ends its Holds)."""
+        return self._registry.on_session_end
 
     def shm_attached(self, s: Session) -> None:
         """A shared-memory connection of ``s`` opened: see ``sessions`` (quarantine)."""

@@ -315,11 +315,15 @@ class Quotas:
     def check_session(self, tenant: str) -> None:
         """Refuse a session past the tenant's ``max_sessions`` cap."""
         limit = self.quota(tenant).max_sessions
-        n = sum(1 for s in self._registry.sessions.values() if s.tenant == tenant)
+        # Live sessions only: one being ended (Disconnect) no longer counts.
+        n = sum(1 for s in self._registry.sessions.values()
+                if s.tenant == tenant and not s.ending)
         if n >= limit:
             raise self.refuse(tenant, "max_sessions",
                               f"{n} open sessions, limit {limit}; close sessions "
-                              f"(idle ones end after service.session_idle_s)")
+                              f"(Client.close ends them; those of a client that went "
+                              f"away end after service.session_orphan_s, idle ones of "
+                              f"older clients after service.session_idle_s)")
 
     def check_tenants(self, tenant: str) -> None:
         """In insecure mode, refuse a session under a new tenant name when

@@ -15,11 +15,26 @@ and can still write the slots of an allocation that expired. Those slots are the
 shared-memory connection open, and freed when its last one closes or the session ends;
 an explicit abort is trusted (the client says it is done) and frees them at once.
 
-A session with no call and no data-plane request for ``service.session_idle_s``, and no
-shared-memory connection open, is closed by the reaper (:meth:`SessionRegistry.reap_idle`)
-with its grants, so a vanished client holds no slots, pins or session slot; its next call
-gets UNKNOWN_SESSION and the shim reconnects. Per-tenant caps on sessions and namespaces
-are checked here through ``quotas`` (``ctxmem_dpu.store.quotas``).
+Sessions end one way, :meth:`SessionRegistry.close_session` (grants ended, slots and
+quarantine freed, the ``on_session_end`` hooks run), for one of four reasons:
+
+* *disconnected*: the client said so (``Disconnect``, what ``Client.close`` sends);
+* *orphaned*: its client holds the session (Connect's ``hold``: it keeps a ``Hold`` call
+  open while it lives) and no Hold call has been open for ``service.session_orphan_s``:
+  the client process died, its connection dropped, or it gave up on its Connect;
+* *idle*: no call and no data-plane request for ``service.session_idle_s`` (the only rule
+  for clients that do not hold: older shims, raw protocol clients);
+* *abandoned*: its Connect's caller had given up by the time the session was made
+  (ended by the servicer at once).
+
+The reaper (:meth:`SessionRegistry.reap_sessions`) ends the first three, and never a
+session that has a shared-memory connection open (its client can still write the slabs it
+mapped) or an allocation being written or committed: such a session ends as soon as both
+are over (a disconnected one from :meth:`shm_detached` at once, else at the reaper's next
+pass). A session being ended is no longer live: calls and data connections naming it are
+refused as an unknown session, and the per-tenant session cap does not count it. Its
+client's next call gets UNKNOWN_SESSION and the shim reconnects. Per-tenant caps on
+sessions and namespaces are checked here through ``quotas`` (``ctxmem_dpu.store.quotas``).
 """
 
 from __future__ import annotations
@@ -75,6 +90,9 @@ class SessionRegistry:
         # Called with an allocation's or lease's id when it ends, before its slots are
         # unpinned or freed: see grant_ended.
         self.on_grant_end: list[Callable[[bytes], None]] = []
+        # Called with a session once it has ended (close_session): the servicer ends the
+        # session's Hold calls there.
+        self.on_session_end: list[Callable[[Session], None]] = []
         # Per-tenant caps (set by the store once built: quotas reads this registry).
         self.quotas: Quotas | None = None
 
@@ -92,7 +110,10 @@ class SessionRegistry:
                 return new
 
     # -- sessions and namespaces ------------------------------------------------------
-    def connect(self, tenant: str, token: str, transport: str, client_name: str) -> Session:
+    def connect(self, tenant: str, token: str, transport: str, client_name: str,
+                hold: bool = False) -> Session:
+        """A new session; ``hold``: its client keeps a Hold call open while it lives (the
+        orphan rule applies, see the module doc)."""
         tokens = self.cfg.service.tenant_tokens
         if not tenant:
             raise InvalidArgument("tenant must not be empty")
@@ -106,20 +127,24 @@ class SessionRegistry:
         if self.quotas is not None:
             self.quotas.check_tenants(tenant)
             self.quotas.check_session(tenant)
-        s = Session(self.new_id(), tenant, transport, client_name)
+        s = Session(self.new_id(), tenant, transport, client_name, held_by_client=hold)
         self.sessions[s.id] = s
         return s
 
+    def live(self, session_id: bytes) -> Session | None:
+        """The session ``session_id`` unless it is unknown or being ended (what the call
+        interceptor and the data servers authenticate against)."""
+        s = self.sessions.get(session_id)
+        return None if s is None or s.ending else s
+
     def session(self, session_id: bytes) -> Session:
-        try:
-            s = self.sessions[session_id]
+        s = self.live(session_id)
+        if s is not None:
             s.last_used = time.monotonic()
             return s
-        except KeyError:
-            raise UnknownSession(
-                f"session {session_id.hex()} is unknown to this service instance (it restarted or "
-                f"the session was closed); reconnect"
-            ) from None
+        raise UnknownSession(
+            f"session {session_id.hex()} is unknown to this service instance (it restarted or "
+            f"the session was closed); reconnect")
 
     def open_namespace(
         self, s: Session, model_id: str, layout: KVLayout, tags: dict[str, str],
@@ -160,6 +185,13 @@ class SessionRegistry:
             ) from None
 
     def close_session(self, s: Session) -> None:
+        """End ``s`` now: its allocations (slots freed), leases and quarantined slots; then
+        the ``on_session_end`` hooks. Callers check :meth:`closable` first (the reaper,
+        :meth:`disconnect`) or own a session no client has used yet (an abandoned
+        Connect). Idempotent."""
+        if self.sessions.get(s.id) is not s:
+            return
+        s.ending = True
         for a in list(s.allocations.values()):
             self.drop_allocation(a)
         for lease in list(s.leases.values()):
@@ -167,6 +199,46 @@ class SessionRegistry:
         self.sessions.pop(s.id, None)
         self.mapped.pop(s.id, None)
         self.release_quarantine(s.id)
+        for hook in self.on_session_end:
+            try:
+                hook(s)
+            except Exception:
+                log.exception("ending session %s: a session-end hook failed", s.id.hex())
+
+    def closable(self, s: Session) -> bool:
+        """Whether ``s`` can end now: no shared-memory connection open (its client could
+        still write the slabs it mapped) and no allocation being written or committed."""
+        return self.mapped.get(s.id, 0) <= 0 and not any(a.done for a in s.allocations.values())
+
+    def disconnect(self, s: Session, counters: Counter[str]) -> bool:
+        """The client ends ``s`` (Disconnect): it is no longer live at once, and ends now
+        if :meth:`closable`, else as soon as it is (its last shared-memory connection
+        closing, or the reaper's next pass). Returns whether it ended now."""
+        if s.ending or s.id not in self.sessions:
+            return False
+        s.ending = True
+        counters["sessions_disconnected"] += 1
+        if not self.closable(s):
+            return False
+        self.close_session(s)
+        return True
+
+    # -- holds (the client's liveness: see the module doc) ----------------------------
+    def hold_opened(self, s: Session) -> None:
+        """A Hold call of ``s`` opened: the session is not orphaned while one is open (and
+        is held from now on, whatever its Connect said)."""
+        s.held_by_client = True
+        s.holds += 1
+
+    def hold_ended(self, s: Session) -> None:
+        """A Hold call of ``s`` ended; with its last, the orphan clock starts."""
+        s.holds = max(0, s.holds - 1)
+        if s.holds == 0:
+            s.orphan_since = time.monotonic()
+
+    def held_sessions(self) -> int:
+        """Sessions with a Hold call open now."""
+        return sum(1 for s in self.sessions.values() if s.holds > 0)
 
     # -- shared-memory mappings and the quarantine -------------------------------------
     def shm_attached(self, session_id: bytes) -> None:
@@ -180,6 +252,9 @@ class SessionRegistry:
         if self.mapped[session_id] <= 0:
             del self.mapped[session_id]
             self.release_quarantine(session_id)
+            s = self.sessions.get(session_id)
+            if s is not None and s.ending and self.closable(s):
+                self.close_session(s)  # disconnected while this connection was open
 
     def release_quarantine(self, session_id: bytes) -> None:
         """Free the slots held back from ``session_id``'s expired allocations."""
@@ -297,17 +372,34 @@ class SessionRegistry:
         for lease in [lease for lease in self.leases.values() if lease.expires < now]:
             counters["expired_leases"] += 1
             self.end_lease(lease, valid=False)
-        self.reap_idle(counters, now)
+        self.reap_sessions(counters, now)
 
-    def reap_idle(self, counters: Counter[str], now: float) -> None:
-        """Close every session idle for ``service.session_idle_s``: no call, no data
-        request, no shared-memory connection open and no allocation being written."""
+    def reap_sessions(self, counters: Counter[str], now: float) -> None:
+        """End every session that is disconnected, orphaned (its client held it and no Hold
+        call has been open for ``service.session_orphan_s``) or idle for
+        ``service.session_idle_s``, once :meth:`closable`; count each by its reason."""
         idle_s = self.cfg.service.session_idle_s
-        for s in [s for s in self.sessions.values() if now - s.last_used > idle_s]:
-            if self.mapped.get(s.id, 0) > 0 or any(a.done for a in s.allocations.values()):
+        orphan_s = self.cfg.service.session_orphan_s
+        for s in list(self.sessions.values()):
+            if s.ending:
+                reason = ""  # counted when Disconnect came
+            elif now - s.last_used > idle_s:
+                reason = "idle"
+            elif s.held_by_client and s.holds == 0 and now - s.orphan_since > orphan_s:
+                reason = "orphaned"
+            else:
                 continue
-            log.info("session %s of tenant %r idle for %.0f s: closed with its %d "
-                     "allocations and %d leases", s.id.hex(), s.tenant, now - s.last_used,
-                     len(s.allocations), len(s.leases))
-            counters["idle_sessions_closed"] += 1
+            if not self.closable(s):
+                continue
+            if reason == "idle":
+                log.info("session %s of tenant %r idle for %.0f s: closed with its %d "
+                         "allocations and %d leases", s.id.hex(), s.tenant, now - s.last_used,
+                         len(s.allocations), len(s.leases))
+                counters["idle_sessions_closed"] += 1
+            elif reason == "orphaned":
+                log.info("session %s of tenant %r (client %r) orphaned: no Hold call open for "
+                         "%.1f s (its client went away); closed with its %d allocations and "
+                         "%d leases", s.id.hex(), s.tenant, s.client_name,
+                         now - s.orphan_since, len(s.allocations), len(s.leases))
+                counters["orphaned_sessions_closed"] += 1
             self.close_session(s)

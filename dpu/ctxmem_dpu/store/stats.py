@@ -35,6 +35,9 @@ COUNTERS = (
     "puts_shed", "puts_shed_blocks",
     # KV events for routers (events.endpoint).
     "kv_event_batches", "kv_events_dropped",
+    # Sessions ended: by Disconnect, as orphans (their client went away), and Connects
+    # whose caller had given up (ended as they were made).
+    "sessions_disconnected", "orphaned_sessions_closed", "connects_abandoned",
     # The pod tier (docs/pod.md); per source: local DRAM and flash are hits_dram/flash.
     "pod_lookup_keys", "pod_lookup_hits", "pod_index_errors", "pod_published",
     "pod_publish_batches", "pod_publish_dropped", "pod_resyncs", "pod_fetch_blocks_peer",
@@ -74,6 +77,7 @@ def snapshot(ctx: StoreContext, index: BlockIndex, registry: SessionRegistry,
         leases=float(len(registry.leases)),
         allocations=float(len(registry.allocations)),
         sessions=float(len(registry.sessions)),
+        sessions_held=float(registry.held_sessions()),
         dirty_blocks=float(len(index.dirty)),
         quarantined_slots=float(registry.quarantined_slots()),
         flash_quarantined_slots=float(sum(len(d.alloc.quarantined)

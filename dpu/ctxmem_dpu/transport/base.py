@@ -80,7 +80,7 @@ class DataServer(AsyncResource):
         Every new data connection presents these before anything else; the compare is
         constant-time so a wrong token tells nothing about the right one.
         """
-        s = self.store.sessions.get(session_id)
+        s = self.store.live_session(session_id)
         if s is None or not hmac.compare_digest(s.token, token):
             return None
         return s

@@ -270,7 +270,7 @@ class ShmServer(SocketDataServer):
             status = Status.OK
             if not 0 <= region < dram.num_slabs:
                 status = Status.BAD_REQUEST
-            elif s.id not in self.store.sessions:
+            elif self.store.live_session(s.id) is None:
                 status = Status.UNAUTHENTICATED
             elif region not in dram.regions or not self._may_map(s, dram.region_owner(region)):
                 status = Status.DENIED

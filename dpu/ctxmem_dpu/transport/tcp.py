@@ -112,7 +112,7 @@ class TcpDataServer(SocketDataServer):
             if magic != b"CXTR" or op not in (OP_READ, OP_WRITE):
                 await self._fail(conn, _resp(Status.BAD_REQUEST),
                                  f"bad request header (magic {magic!r}, op {op})")
-            if s.id not in self.store.sessions:
+            if self.store.live_session(s.id) is None:
                 await self._fail(conn, _resp(Status.UNAUTHENTICATED),
                                  f"session {s.id.hex()} ended")
             s.last_used = time.monotonic()  # a data request keeps the session from idling

@@ -94,16 +94,18 @@ class HealthResponse(_message.Message):
     def __init__(self, status: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_socket: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., mode: _Optional[str] = ..., shm_ops: _Optional[bool] = ..., tcp_ops: _Optional[bool] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("client_name", "transport", "tenant", "tenant_token")
+    __slots__ = ("client_name", "transport", "tenant", "tenant_token", "hold")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     transport: Transport
     tenant: str
     tenant_token: str
-    def __init__(self, client_name: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., tenant: _Optional[str] = ..., tenant_token: _Optional[str] = ...) -> None: ...
+    hold: bool
+    def __init__(self, client_name: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., tenant: _Optional[str] = ..., tenant_token: _Optional[str] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ("session_id", "session_token", "instance_id", "lease_ttl_ms", "allocation_ttl_ms")
@@ -372,6 +374,28 @@ class RdmaQp(_message.Message):
     mtu: int
     rd_atomic: int
     def __init__(self, qpn: _Optional[int] = ..., psn: _Optional[int] = ..., gid: _Optional[bytes] = ..., lid: _Optional[int] = ..., mtu: _Optional[int] = ..., rd_atomic: _Optional[int] = ...) -> None: ...
+
+class DisconnectRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
+
+class DisconnectResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HoldRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
+
+class HoldEvent(_message.Message):
+    __slots__ = ("orphan_ms",)
+    ORPHAN_MS_FIELD_NUMBER: _ClassVar[int]
+    orphan_ms: int
+    def __init__(self, orphan_ms: _Optional[int] = ...) -> None: ...
 
 class RdmaInfoRequest(_message.Message):
     __slots__ = ("session_id", "session_token")

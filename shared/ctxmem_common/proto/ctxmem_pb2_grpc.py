@@ -99,6 +99,16 @@ class ContextMemoryStub:
                 request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsRequest.SerializeToString,
                 response_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Disconnect = channel.unary_unary(
+                '/ctxmem.v1.ContextMemory/Disconnect',
+                request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.DisconnectRequest.SerializeToString,
+                response_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.DisconnectResponse.FromString,
+                _registered_method=True)
+        self.Hold = channel.unary_stream(
+                '/ctxmem.v1.ContextMemory/Hold',
+                request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.HoldRequest.SerializeToString,
+                response_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.HoldEvent.FromString,
+                _registered_method=True)
         self.RdmaInfo = channel.unary_unary(
                 '/ctxmem.v1.ContextMemory/RdmaInfo',
                 request_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.RdmaInfoRequest.SerializeToString,
@@ -198,6 +208,23 @@ class ContextMemoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Disconnect(self, request, context):
+        """Ends the session (Client.close); see DisconnectRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Hold(self, request, context):
+        """Open for the life of the session: one HoldEvent, then nothing until the session ends
+        (Disconnect, idle, the service stopping: the call then ends OK) or the client goes
+        away (the call is cancelled: the service ends the session session_orphan_s later
+        unless the client opens another Hold for it first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RdmaInfo(self, request, context):
         """The service's GID, LID, MTU and responder depth, so the client can pick its device.
         """
@@ -283,6 +310,16 @@ def add_ContextMemoryServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsRequest.FromString,
                     response_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsResponse.SerializeToString,
+            ),
+            'Disconnect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Disconnect,
+                    request_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.DisconnectRequest.FromString,
+                    response_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.DisconnectResponse.SerializeToString,
+            ),
+            'Hold': grpc.unary_stream_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.HoldRequest.FromString,
+                    response_serializer=ctxmem__common_dot_proto_dot_ctxmem__pb2.HoldEvent.SerializeToString,
             ),
             'RdmaInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.RdmaInfo,
@@ -646,6 +683,60 @@ class ContextMemory:
             '/ctxmem.v1.ContextMemory/Stats',
             ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsRequest.SerializeToString,
             ctxmem__common_dot_proto_dot_ctxmem__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Disconnect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ctxmem.v1.ContextMemory/Disconnect',
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.DisconnectRequest.SerializeToString,
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.DisconnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ctxmem.v1.ContextMemory/Hold',
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.HoldRequest.SerializeToString,
+            ctxmem__common_dot_proto_dot_ctxmem__pb2.HoldEvent.FromString,
             options,
             channel_credentials,
             insecure,

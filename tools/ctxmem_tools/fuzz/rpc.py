@@ -2,9 +2,13 @@
 
 Calls go through generic byte-level stubs (``channel.unary_unary(path)`` with no
 serializer), so a case can also send bytes that are not a valid protobuf message, and a
-server-streaming method (``RdmaAttach``) is read for a few messages then cancelled. The
-session token metadata is the sender's own, another fuzzer session's, a random or empty
-one, a one-byte-off one, or missing.
+server-streaming method (``RdmaAttach``, ``Hold``: one message, then open for the life of
+their connection or session) is read for its first message then cancelled. The session
+token metadata is the sender's own, another fuzzer session's, a random or empty one, a
+one-byte-off one, or missing. ``Disconnect`` and ``Hold`` get only tokens no session has:
+with a valid one they end the session (Hold's end orphans it), and the fuzzer's sessions
+must live through the run (their authenticated use is tested in
+``tests/adversary/test_sessions.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from google.protobuf.descriptor import MethodDescriptor
 
 from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
 from ctxmem_tools.fuzz.messages import MessageFuzzer, Pools, method_path, service_methods
+
+# Methods that end the session they name (see the module doc).
+SESSION_ENDING = frozenset({"Disconnect", "Hold"})
 
 
 class RpcTarget:
@@ -35,10 +42,12 @@ class RpcTarget:
             make = channel.unary_stream if m.server_streaming else channel.unary_unary
             self._calls[m.name] = make(method_path(m))  # bytes in, bytes out
 
-    def metadata(self, own: bytes) -> tuple[tuple[str, bytes], ...] | None:
-        """The session token metadata of one call (None: no metadata at all)."""
+    def metadata(self, own: bytes, valid: bool = True
+                 ) -> tuple[tuple[str, bytes], ...] | None:
+        """The session token metadata of one call (None: no metadata at all); with
+        ``valid`` false, never a token a session has."""
         r = self.rng
-        pick = r.random()
+        pick = r.random() if valid else 0.7 + 0.3 * r.random()
         if pick < 0.6:
             token = own
         elif pick < 0.7:
@@ -56,7 +65,8 @@ class RpcTarget:
         m = self.rng.choice(self.methods)
         me = self.rng.choice(self.pools.own)
         data = self.fuzzer.request(m, me)
-        return m.name, self.call(m, data, self.metadata(me.token))
+        return m.name, self.call(m, data, self.metadata(
+            me.token, valid=m.name not in SESSION_ENDING))
 
     def call(self, m: MethodDescriptor, data: bytes,
              metadata: tuple[tuple[str, bytes], ...] | None) -> str:
@@ -66,9 +76,8 @@ class RpcTarget:
             if m.server_streaming:
                 stream = fn(data, timeout=self.timeout_s, metadata=metadata)
                 try:
-                    for i, _ in enumerate(stream):
-                        if i >= 3:
-                            break
+                    for _ in stream:
+                        break  # the first message; the call would stay open
                 finally:
                     stream.cancel()
                 return "OK"
