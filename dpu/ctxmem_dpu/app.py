@@ -14,7 +14,7 @@ import os
 import signal
 import uuid
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -31,7 +31,6 @@ from ctxmem_dpu import grpclog, sdnotify
 from ctxmem_dpu.control.auth import SessionAuthInterceptor, end_untrusted_sessions
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.gctune import tune_gc
-from ctxmem_dpu.kv_events import KvEventPublisher
 from ctxmem_dpu.listenguard import FdReserve, raise_nofile_limit
 from ctxmem_dpu.metrics import HttpEndpoint
 from ctxmem_dpu.pod.node import PodNode, pod_master_key
@@ -42,6 +41,9 @@ from ctxmem_dpu.tls import ServerTls
 from ctxmem_dpu.transport.rdma import RdmaServer
 from ctxmem_dpu.transport.shm import ShmServer
 from ctxmem_dpu.transport.tcp import TcpDataServer
+
+if TYPE_CHECKING:
+    from ctxmem_dpu import kv_events
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class Service:
         self.tls: ServerTls | None = None
         self._tls_watch: asyncio.Task[None] | None = None
         self.pod: PodNode | None = None
-        self.events: KvEventPublisher | None = None
+        self.events: kv_events.KvEventPublisher | None = None
         self._lease_redis: Any = None  # redis.asyncio.Redis of the slab leases (shared flash)
         self.ready = False
         self.grpc_port = 0
@@ -227,6 +229,10 @@ class Service:
             if self.tcp is not None:
                 self.tcp.pod = True
         if cfg.events.endpoint:  # KV events for routers (docs/operations.md, "Routers")
+            # Imported only when configured: pyzmq and msgpack are not needed otherwise
+            # (the engines' side environments run the service without them).
+            from ctxmem_dpu.kv_events import KvEventPublisher
+
             self.events = KvEventPublisher(cfg.events, cfg.pod.node_id if cfg.pod.enabled
                                            else "", self.store.namespaces.get,
                                            self.store.counters)
