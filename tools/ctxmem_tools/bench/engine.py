@@ -15,13 +15,14 @@ configuration, one after another, each pinned to the same CPUs
   vLLM's ``LMCacheMPConnector``, prefix caching off; skipped, with the reason printed,
   where it cannot run (LMCache not importable in vLLM's environment).
 
-For every prompt length: a warm-up request (a different prompt, so the server has run
-once), then ``--rounds`` times a fresh prompt sent once to store it ("cold") and again
-("repeat", the prefix seen before: what the cache serves). The first token is timed
+For every prompt length: a warm-up prompt of that length sent twice (not measured), then
+``--rounds`` times a fresh prompt sent once to store it ("cold") and again ("repeat", the
+prefix seen before: what the cache serves). The first token is timed
 through the OpenAI streaming API (``stream: true``; the time from sending the request to
 the first ``choices[0].text`` chunk). Prompts are random words of the tiny model's
-word-level vocabulary (one token each) so their lengths are exact. Greedy decoding: the
-repeat's text must equal the cold one's, or the row is marked.
+word-level vocabulary (one token each) so their lengths are exact. Greedy decoding: a
+repeat whose text differs from the cold one's is counted in the row's note; for ctxmem's
+row it is an error (exit status 1).
 
 The model is a tiny random-weight Llama (4 layers, hidden 128; ``--model`` takes a real
 one) built locally with a word-level tokenizer, no hub. ``--json`` writes
@@ -339,21 +340,26 @@ def measure(python: str, model: Path, workdir: Path, config: str, lengths: list[
     rows: list[Row] = []
     try:
         startup = srv.start()
-        complete(srv.url, "tiny", words_prompt(BLOCK * 2, seed=99), max_tokens)  # warm-up
         for n in lengths:
+            # Warm-up at this length (a prompt of its own, sent twice): the first request
+            # of a new shape pays for allocations the measured ones must not.
+            warm = words_prompt(n, seed=99 + n)
+            complete(srv.url, "tiny", warm, max_tokens)
+            complete(srv.url, "tiny", warm, max_tokens)
             cold: list[float] = []
             rep: list[float] = []
-            same = True
+            differ = 0
             for r in range(rounds):
                 prompt = words_prompt(n, seed=1000 * n + r)
                 t_cold, text_cold = complete(srv.url, "tiny", prompt, max_tokens)
                 t_rep, text_rep = complete(srv.url, "tiny", prompt, max_tokens)
                 cold.append(t_cold)
                 rep.append(t_rep)
-                same = same and text_cold == text_rep
+                differ += text_cold != text_rep
             rows.append(Row(config, n, round(statistics.median(cold) * 1e3, 1),
-                            round(statistics.median(rep) * 1e3, 1), same, round(startup, 1),
-                            "" if same else "repeat text differs"))
+                            round(statistics.median(rep) * 1e3, 1), differ == 0,
+                            round(startup, 1), f"repeat text differs in {differ}/{rounds}"
+                            if differ else ""))
     finally:
         srv.stop()
         if lm_proc is not None:
@@ -437,7 +443,9 @@ def run(argv: list[str] | None = None) -> int:
             "params": {"lengths": lengths, "rounds": rounds, "cpus": args.cpus,
                        "max_tokens": args.max_tokens, "model": str(model),
                        "configs": configs}}, indent=2))
-    return 0 if all(r.same_text for r in rows) else 1
+    # ctxmem's repeat must be the cold run's text (its loads are byte-exact); another
+    # cache's differing text is reported in its row's note, not an error of this bench.
+    return 0 if all(r.same_text for r in rows if r.config == "ctxmem") else 1
 
 
 if __name__ == "__main__":
