@@ -32,8 +32,9 @@ header: the slabs naming this node are leased again (adopted, or granted anew an
 restamped, records kept; also when the index says another node holds them: the device
 wins) and are the only slabs whose records it indexes. Whenever fewer than ``spare``
 leased slabs are free, it reads the headers again *then* and leases: blank slabs first,
-then slabs of dead nodes (whose records become misses when stamped: durable only while
-their writer lives or until a taker needs the room).
+then empty slabs of dead nodes, and a dead node's slabs with records only when the
+allocator is out of room (their records become misses when stamped: durable while their
+writer lives, and after that until a taker needs the room).
 
 **When a lease cannot be renewed.** Renewals run every lease / 3, after writing the
 heartbeat and reading the held slabs' headers: a header naming another node (taken
@@ -348,22 +349,27 @@ class SlabLeaseKeeper:
         if time.monotonic() + self.leases.lease_s / 2 > self._beat_deadline:
             await self.heartbeat()  # (the grants' deadlines are bounded by the beat's)
         # The headers as the device holds them now (not as they were at attach).
-        owners: list[tuple[str, int]] = await self._run(dev.slab_owners)
+        stamps: list[tuple[str, int, bool]] = await self._run(dev.slab_stamps)
+        owners = [(o, e) for o, e, _r in stamps]
         beats = await self._observe(dev, owners)
         live = self._live[dev.index]
         now = time.monotonic()
         blank: list[int] = []
-        dead: list[int] = []
-        for s, (owner, _e) in enumerate(owners):
+        dead_empty: list[int] = []
+        dead_full: list[int] = []
+        for s, (owner, _e, records) in enumerate(stamps):
             if fence.held(s) or dev.alloc.slabs[s].klass is not None:
                 continue
             if not owner:
                 blank.append(s)  # (a header of the device's non-shared past counts too)
             elif owner != fence.node_id and live.dead(owner, beats, now):
-                dead.append(s)
+                (dead_full if records else dead_empty).append(s)
+        # A dead node's slab with records is taken only when the allocator is out of room
+        # (``more``), never as a spare: its blocks stay served as long as possible.
+        order = blank + dead_empty + (dead_full if more > 0 else [])
         uuid = dev.superblock.device_uuid
         got = 0
-        for slab in blank + dead:
+        for slab in order:
             grant = await self.leases.grant(uuid, slab, owners[slab][1])
             if grant is None:
                 continue

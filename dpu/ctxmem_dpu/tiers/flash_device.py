@@ -340,6 +340,16 @@ class FormattedDevice(DeviceFile):
         """:meth:`slab_owner` of every slab, read from the device now."""
         return [self.slab_owner(s) for s in range(self.num_slabs)]
 
+    def slab_stamps(self) -> list[tuple[str, int, bool]]:
+        """Per slab, read from the device now: (owner, epoch, whether it may hold records:
+        a real slab header, not a lease stamp)."""
+        out = []
+        for s in range(self.num_slabs):
+            h = self._raw_slab_header(s)
+            out.append((h.owner, h.epoch, h.slot_size > 0) if h is not None
+                       else ("", 0, False))
+        return out
+
     def claim_slab(self, slab_id: int, epoch: int, seen: tuple[str, int]) -> bool:
         """Make a slab just leased at ``epoch`` this node's on the device, before it takes
         any write: if its header still names ``seen`` (what the choice was made on), write
