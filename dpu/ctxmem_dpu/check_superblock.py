@@ -15,7 +15,6 @@ import errno
 import fcntl
 import os
 import sys
-import time
 import uuid
 from collections import Counter
 
@@ -56,7 +55,7 @@ def refuse_if_owned(fd: int, path: str, size: int) -> None:
     if size < DATA_START:
         return
     rec = FlashReader(fd).owner()
-    if rec is not None and not stale_reason(rec, time.time_ns()):
+    if rec is not None and not stale_reason(rec, FlashReader(fd).owner):
         raise OSError(errno.EBUSY, f"{path} is in use by {describe(rec)}; stop it first")
 
 

@@ -6,7 +6,6 @@ import errno
 import fcntl
 import os
 import stat
-import time
 
 from ctxmem_common import safepaths
 from ctxmem_common.device_settings import DeviceSpec
@@ -179,7 +178,7 @@ class LocalBackend(StorageBackend):
                 errno=errno.EBUSY) from ex
         reader = FlashReader(fd)
         owner = reader.owner() if current >= 1 << 20 else None
-        if owner is not None and not stale_reason(owner, time.time_ns()):
+        if owner is not None and not stale_reason(owner, reader.owner):
             raise StorageError(
                 f"flash device {name!r} ({path}) is in use by {describe(owner)}; not "
                 f"growing it", "stop that service first", errno=errno.EBUSY)

@@ -16,12 +16,16 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from ctxmem_common.codecs import crc32c
 from ctxmem_common.flash_format import (
+    BEAT_OFFSET,
+    BEAT_SLOTS,
     DATA_START,
     PROBE_OFFSET,
     SB_OFFSET,
     SECTOR,
     FlashReader,
+    NodeBeat,
     RecordHeader,
     SlabHeader,
     Superblock,
@@ -36,7 +40,7 @@ from ctxmem_common.flash_format import (
 )
 from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
 from ctxmem_dpu.tiers import flash_io
-from ctxmem_dpu.tiers.flash_fence import SlabFence
+from ctxmem_dpu.tiers.flash_fence import SlabFence, SlabFenced
 from ctxmem_dpu.tiers.flash_io import ZEROS, DeviceFile, FlashIOError, ShortRead, scan_buffers
 
 log = logging.getLogger(__name__)
@@ -267,12 +271,22 @@ class FormattedDevice(DeviceFile):
                 live = self._headers_live.pop(slab_id, None)
                 if live:
                     start = min(start, min(live))
-            self.zero_range(base + SECTOR + start * SECTOR, (s.capacity - start) * SECTOR)
             header = SlabHeader(s.slot_size, s.capacity).for_device(self.superblock)
             if self.fence is not None:
-                # Never zero a table this service does not own (another node's records).
-                self.fence.check(slab_id, self.slab_owner(slab_id))
-                header = header.owned_by(self.fence.node_id, self.fence.epoch(slab_id))
+                # Never zero a table this service does not own (another node's records):
+                # checked before anything is written. The lease's grant stamped the slab
+                # header with this node and epoch (claim_slab); anything else there means
+                # another node has taken it since.
+                on_device = self.slab_owner(slab_id)
+                self.fence.check(slab_id, on_device)
+                mine = (self.fence.node_id, self.fence.epoch(slab_id))
+                if on_device != mine:
+                    raise SlabFenced(errno.EACCES, f"flash device {self.name!r}: slab "
+                                     f"{slab_id} header names node {on_device[0]!r} at "
+                                     f"epoch {on_device[1]}, not this node's lease {mine}; "
+                                     f"not written")
+                header = header.owned_by(*mine)
+            self.zero_range(base + SECTOR + start * SECTOR, (s.capacity - start) * SECTOR)
             if not same:
                 buf = aligned_buffer(SECTOR)
                 buf[:] = header.pack()
@@ -312,9 +326,96 @@ class FormattedDevice(DeviceFile):
     # -- shared devices -----------------------------------------------------------------
     def slab_owner(self, slab_id: int) -> tuple[str, int]:
         """(owner node, fencing epoch) the slab header on the device names (("", 0): none,
-        or a slab of a device one service owns)."""
-        h = self.reader.slab_header(slab_id, self.slab_size)
+        or a slab of a device one service owns). A lease stamp (slot size 0: leased, no
+        records yet) counts."""
+        h = self._raw_slab_header(slab_id)
         return (h.owner, h.epoch) if h is not None else ("", 0)
+
+    def _raw_slab_header(self, slab_id: int) -> SlabHeader | None:
+        buf = aligned_buffer(SECTOR)
+        self._pread(buf, self.slab_base(slab_id))
+        return SlabHeader.unpack(memoryview(buf))
+
+    def slab_owners(self) -> list[tuple[str, int]]:
+        """:meth:`slab_owner` of every slab, read from the device now."""
+        return [self.slab_owner(s) for s in range(self.num_slabs)]
+
+    def slab_stamps(self) -> list[tuple[str, int, bool]]:
+        """Per slab, read from the device now: (owner, epoch, whether it may hold records:
+        a real slab header, not a lease stamp)."""
+        out = []
+        for s in range(self.num_slabs):
+            h = self._raw_slab_header(s)
+            out.append((h.owner, h.epoch, h.slot_size > 0) if h is not None
+                       else ("", 0, False))
+        return out
+
+    def claim_slab(self, slab_id: int, epoch: int, seen: tuple[str, int]) -> bool:
+        """Make a slab just leased at ``epoch`` this node's on the device, before it takes
+        any write: if its header still names ``seen`` (what the choice was made on), write
+        and sync a lease stamp (slot size 0: no records; the old records, a dead node's,
+        become misses) naming this node at ``epoch``, then read it back. False (nothing
+        written, or another node's stamp won a race) when the slab is not this node's."""
+        assert self.fence is not None
+        if self.slab_owner(slab_id) != seen:
+            return False
+        buf = aligned_buffer(SECTOR)
+        buf[:] = SlabHeader(0, 0).for_device(self.superblock).owned_by(
+            self.fence.node_id, epoch).pack()
+        self._pwrite(buf, self.slab_base(slab_id))
+        self.sync()
+        return self.slab_owner(slab_id) == (self.fence.node_id, epoch)
+
+    def unclaim_slab(self, slab_id: int, epoch: int) -> None:
+        """Blank the lease stamp of a leased slab that holds nothing (a clean close gives
+        it back): other nodes take it as blank. Left alone unless it names this node at
+        ``epoch`` with slot size 0."""
+        assert self.fence is not None
+        h = self._raw_slab_header(slab_id)
+        if h is None or h.slot_size or (h.owner, h.epoch) != (self.fence.node_id, epoch):
+            return
+        self._pwrite(aligned_buffer(SECTOR), self.slab_base(slab_id))
+        self.sync()
+
+    # -- pod heartbeats (a shared device) ------------------------------------------------
+    def read_beats(self) -> dict[str, NodeBeat]:
+        """Every pod node's heartbeat on the device (one read of the slots)."""
+        buf = aligned_buffer(BEAT_SLOTS * SECTOR)
+        self._pread(buf, BEAT_OFFSET)
+        view = memoryview(buf)
+        out: dict[str, NodeBeat] = {}
+        for i in range(BEAT_SLOTS):
+            if view[i * SECTOR] == 0:
+                continue
+            b = NodeBeat.unpack(view[i * SECTOR:(i + 1) * SECTOR])
+            if b is not None:
+                out[b.node] = b
+        return out
+
+    def write_beat(self, beat: NodeBeat) -> None:
+        """Write this node's heartbeat into its slot (the first, probing from the node
+        id's CRC32C, that names it or is empty) and sync."""
+        buf = aligned_buffer(BEAT_SLOTS * SECTOR)
+        self._pread(buf, BEAT_OFFSET)
+        view = memoryview(buf)
+        first = crc32c(beat.node.encode()) % BEAT_SLOTS
+        slot = None
+        for k in range(BEAT_SLOTS):
+            i = (first + k) % BEAT_SLOTS
+            b = NodeBeat.unpack(view[i * SECTOR:(i + 1) * SECTOR])
+            if b is not None and b.node == beat.node:
+                slot = i
+                break
+            if b is None and slot is None:
+                slot = i
+        if slot is None:
+            raise FlashIOError(errno.ENOSPC, f"flash device {self.name!r}: all {BEAT_SLOTS} "
+                               f"pod heartbeat slots hold other nodes; node {beat.node!r} "
+                               f"has none")
+        one = aligned_buffer(SECTOR)
+        one[:] = beat.pack()
+        self._pwrite(one, BEAT_OFFSET + slot * SECTOR)
+        self.sync()
 
     def check_fences(self, slabs: set[int]) -> dict[int, FlashIOError]:
         """Before a write batch on a shared device: per slab that may not be written, why
@@ -330,10 +431,10 @@ class FormattedDevice(DeviceFile):
         return out
 
     def restamp_slab(self, slab_id: int, epoch: int) -> None:
-        """Rewrite an assigned slab's header naming this node at ``epoch`` (a lease of a
-        slab this node wrote before, granted again): its records stay."""
+        """Rewrite a slab's header naming this node at ``epoch`` (a lease of a slab this
+        node wrote before, granted again, or a lease stamp): its records stay."""
         assert self.fence is not None
-        h = self.reader.slab_header(slab_id, self.slab_size)
+        h = self._raw_slab_header(slab_id)
         if h is None:
             return
         buf = aligned_buffer(SECTOR)

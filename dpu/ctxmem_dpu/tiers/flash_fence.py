@@ -4,8 +4,9 @@ I/O threads see them, and the fence every write passes.
 A *shared* device (``flash.devices[].shared``) is attached by several services of a pod
 (the pod's flash enclosure over NVMe-oF). Each writes only slabs it holds a lease on
 (:mod:`ctxmem_dpu.pod.slab_leases`: leased in the cluster index, Redis, with a *fencing
-epoch* that grows by one at every new grant of the slab). The lease's owner and epoch are
-written into the slab's header when the slab is (re)assigned.
+epoch* above every earlier grant's, the index's and the device's). The owner and epoch are
+written into the slab's header on the device, and synced, when the lease is granted,
+before the slab takes any write (the device holds the truth; the index is a cache).
 
 What a writer checks (:meth:`SlabFence.check`): before each demotion batch, that its
 lease is still current by its own clock (the local deadline is the time the grant or

@@ -13,7 +13,11 @@ Device layout (all offsets and sizes multiples of 4 KiB; every service I/O is O_
     8 KiB      probe sector (scratch: the health probe writes and reads it back)
     12 KiB     owner sector: magic "CTXOWNR1", service instance 16 B, pid u32, process
                start u64 (clock ticks since boot), lease expiry u64 (wall-clock ns),
-               boot id 16 B, host name 64 B, CRC32C; zero when no service has the device
+               boot id 16 B, host name 64 B, CRC32C; then magic "CTXOWNRB", heartbeat
+               counter u64, CRC32C; zero when no service has the device
+    16 KiB     pod heartbeat slots (a shared device): one sector per node: magic
+               "CTXBEAT1", node id 64 B, counter u64, pid u32, process start u64, boot id
+               16 B, host name 64 B, CRC32C
     1 MiB      slab 0 | slab 1 | ... (flash.slab_size each)
 
     slab:      slab header (4 KiB): magic "CTXSLAB1", version, slot size, slot count, CRC,
@@ -21,7 +25,8 @@ Device layout (all offsets and sizes multiples of 4 KiB; every service I/O is O_
                slab count u64, CRC32C (the superblock's geometry when the slab was
                assigned; a header without it, from before it existed, is still valid);
                on a shared device then: magic "CTXSLABP", owner node id 64 B, fencing
-               epoch u64, CRC32C (the pod node that leased the slab; ctxmem_dpu.pod)
+               epoch u64, CRC32C (the pod node that leased the slab; ctxmem_dpu.pod);
+               a slab leased but not yet assigned has slot size 0 (no records)
                record-header table: slot count x 4 KiB (one header per slot)
                payload area: slot count x slot size
 
@@ -70,6 +75,8 @@ from ctxmem_common.flash_format.reader import (
     fd_read_into,
 )
 from ctxmem_common.flash_format.records import (
+    BEAT_OFFSET,
+    BEAT_SLOTS,
     DATA_START,
     FLAG_DEVICE_ENCRYPTED,
     FLAG_ENCRYPTED,
@@ -96,6 +103,7 @@ from ctxmem_common.flash_format.records import (
     SLAB_EXT_MAGIC,
     SLAB_MAGIC,
     SLAB_POD_MAGIC,
+    NodeBeat,
     OwnerRecord,
     RecordHeader,
     SlabHeader,
@@ -120,6 +128,8 @@ from ctxmem_common.flash_format.records import (
 )
 
 __all__ = [
+    "BEAT_OFFSET",
+    "BEAT_SLOTS",
     "DATA_START",
     "FLAG_DEVICE_ENCRYPTED",
     "FLAG_ENCRYPTED",
@@ -148,6 +158,7 @@ __all__ = [
     "SLAB_POD_MAGIC",
     "BufferPool",
     "FlashReader",
+    "NodeBeat",
     "OwnerRecord",
     "ReadInto",
     "RecordHeader",

@@ -182,6 +182,8 @@ class FlashReader:
             view.release()
         if header is None or header.slots != slots_per_slab(slab_size, header.slot_size):
             return None
+        if not header.slot_size:
+            return None  # a pod node's lease stamp: the slab holds no records yet
         return header
 
     def read_table(self, slab: int, slab_size: int, slots: int, torn: bool = False

@@ -36,12 +36,19 @@ SB_OFFSET = 0
 SB_BACKUP_OFFSET = SECTOR
 PROBE_OFFSET = 2 * SECTOR
 OWNER_OFFSET = 3 * SECTOR
+# The pod nodes' heartbeat slots on a shared device: one sector per node, from here to
+# DATA_START (a node's slot: the first, probing from crc32c(node id), that names it or is
+# empty). A live node advances its counter; a taker watches it (ctxmem_dpu.pod).
+BEAT_OFFSET = 4 * SECTOR
+BEAT_SLOTS = (DATA_START - BEAT_OFFSET) // SECTOR
 
 SB_MAGIC = b"CTXMEMSB"
 SLAB_MAGIC = b"CTXSLAB1"
 REC_MAGIC = b"CTXREC01"
 SLAB_EXT_MAGIC = b"CTXSLABX"
 OWNER_MAGIC = b"CTXOWNR1"
+OWNER_BEAT_MAGIC = b"CTXOWNRB"
+BEAT_MAGIC = b"CTXBEAT1"
 
 _SB = struct.Struct("<8sIQI16s")  # magic, version, slab_size, num_slabs, uuid
 _SLAB = struct.Struct("<8sIQI")  # magic, version, slot_size, slots
@@ -59,6 +66,12 @@ SLAB_POD_MAGIC = b"CTXSLABP"
 # The owner record: magic, service instance, pid, process start (clock ticks since boot),
 # lease expiry (wall clock, ns), boot id, host name.
 _OWNER = struct.Struct("<8s16sIQQ16s64s")
+# The owner record's heartbeat extension (after its CRC; a reader of the first format
+# ignores it): magic, a counter the live owner advances at every refresh.
+_OWNER_BEAT = struct.Struct("<8sQ")
+_OWNER_BEAT_AT = _OWNER.size + 4
+# A pod node's heartbeat: magic, node id, counter, pid, process start, boot id, host.
+_BEAT = struct.Struct("<8s64sQIQ16s64s")
 _REC_V1 = struct.Struct("<8sHHI16sB64sQIQQ")  # version 1 (no authenticator)
 _REC = struct.Struct(f"<8sHHI16sB64sQIQQ{TAG_BYTES}s")
 _CRC = struct.Struct("<I")
@@ -197,11 +210,15 @@ class OwnerRecord:
     expires_ns: int
     boot_id: bytes
     host: str
+    # The heartbeat: advanced by every refresh of a live owner (0: a record without it).
+    beat: int = 0
 
     def pack(self) -> bytes:
         body = _OWNER.pack(OWNER_MAGIC, self.instance, self.pid, self.start_ticks,
                            self.expires_ns, self.boot_id, self.host.encode()[:64])
-        return (body + _CRC.pack(crc32c(body))).ljust(SECTOR, b"\0")
+        ext = _OWNER_BEAT.pack(OWNER_BEAT_MAGIC, self.beat)
+        return (body + _CRC.pack(crc32c(body)) + ext + _CRC.pack(crc32c(ext))
+                ).ljust(SECTOR, b"\0")
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> OwnerRecord | None:
@@ -211,7 +228,43 @@ class OwnerRecord:
         magic, inst, pid, ticks, expires, boot, host = _OWNER.unpack(body)
         if magic != OWNER_MAGIC or crc != crc32c(body):
             return None
-        return cls(inst, pid, ticks, expires, boot, host.rstrip(b"\0").decode(errors="replace"))
+        ext = bytes(raw[_OWNER_BEAT_AT : _OWNER_BEAT_AT + _OWNER_BEAT.size])
+        (ext_crc,) = _CRC.unpack_from(raw, _OWNER_BEAT_AT + _OWNER_BEAT.size)
+        bmagic, beat = _OWNER_BEAT.unpack(ext)
+        if bmagic != OWNER_BEAT_MAGIC or ext_crc != crc32c(ext):
+            beat = 0
+        return cls(inst, pid, ticks, expires, boot, host.rstrip(b"\0").decode(errors="replace"),
+                   beat)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeBeat:
+    """A pod node's heartbeat on a shared device (one sector in the slots from
+    ``BEAT_OFFSET``): its node id, a counter it advances while it lives, and its process
+    (pid and start time on ``host`` in boot ``boot_id``: a same-host taker checks it)."""
+
+    node: str
+    beat: int
+    pid: int
+    start_ticks: int
+    boot_id: bytes
+    host: str
+
+    def pack(self) -> bytes:
+        body = _BEAT.pack(BEAT_MAGIC, self.node.encode()[:64], self.beat, self.pid,
+                          self.start_ticks, self.boot_id, self.host.encode()[:64])
+        return (body + _CRC.pack(crc32c(body))).ljust(SECTOR, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> NodeBeat | None:
+        """The heartbeat in ``raw``, or ``None`` (an empty slot, torn or foreign)."""
+        body = bytes(raw[: _BEAT.size])
+        (crc,) = _CRC.unpack_from(raw, _BEAT.size)
+        magic, node, beat, pid, ticks, boot, host = _BEAT.unpack(body)
+        if magic != BEAT_MAGIC or crc != crc32c(body):
+            return None
+        return cls(node.rstrip(b"\0").decode(errors="replace"), beat, pid, ticks, boot,
+                   host.rstrip(b"\0").decode(errors="replace"))
 
 
 def slots_per_slab(slab_size: int, slot_size: int) -> int:

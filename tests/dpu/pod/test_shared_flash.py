@@ -282,10 +282,11 @@ async def test_exclusive_and_shared_attach_refuse_each_other(
             assert e.value.errno == errno.EBUSY
         finally:
             os.close(fd)
-    with pytest.raises(FlashIOError, match="pod as a shared device"):
-        FlashDevice(0, "solo", shared, SLAB, True)  # closed, but the marker is live
-    await asyncio.sleep(0.6)
+    # Closed: the marker is taken only once its heartbeat has not advanced for a whole
+    # lease, watched on this process's monotonic clock (no wall clock decides).
+    t0 = time.monotonic()
     with FlashDevice(0, "solo", shared, SLAB, True):  # a non-shared service owns it now
+        assert time.monotonic() - t0 >= 0.5
         with pytest.raises(FlashIOError) as e:
             async with node(redis_server.url, "a", shared, SLAB, 5.0):
                 pass

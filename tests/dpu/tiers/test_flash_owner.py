@@ -1,14 +1,17 @@
-"""The owner record (issue 13 case 4): a device's exclusive use is written on the device,
-so every path to the same bytes sees it; stale records (dead process, earlier boot,
-expired lease) are taken over, live ones refuse the open before anything changes."""
+"""The owner record (issue 13 case 4, issue 26 item 2): a device's exclusive use is
+written on the device, so every path to the same bytes sees it; stale records (dead
+process, earlier boot, a heartbeat that stopped for a whole lease) are taken over, live
+ones refuse the open before anything changes, whatever any wall clock says."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ctxmem_common.flash_format import DATA_START, OWNER_OFFSET, SECTOR, OwnerRecord
+from ctxmem_dpu.tiers import flash_owner
 from ctxmem_dpu.tiers.flash_io import DeviceFile, FlashIOError
 from ctxmem_dpu.tiers.flash_owner import DeviceOwner, boot_id, process_start
 
@@ -48,6 +52,19 @@ def _plant(path: Path, **fields: object) -> OwnerRecord:
 
 def _other_process() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def _taken_over(path: Path, planted: OwnerRecord, caplog: pytest.LogCaptureFixture,
+                why: str) -> None:
+    """Open ``path`` while ``planted`` is its record: the open takes the device over
+    (logging ``why``) and writes its own record."""
+    with caplog.at_level("WARNING"), DeviceFile("flash0", str(path), o_direct=False) as dev:
+        rec = _owner_on_disk(path)
+        assert dev.owner is not None and rec is not None
+        assert rec.instance == dev.owner.instance != planted.instance
+        assert rec.pid == os.getpid() and rec.beat >= 1
+    assert "taking over" in caplog.text and why in caplog.text, caplog.text
+    assert _owner_on_disk(path) is None
 
 
 def test_open_writes_the_owner_record_and_a_clean_close_clears_it(tmp_path: Path) -> None:
@@ -85,7 +102,8 @@ def test_a_live_service_elsewhere_refuses_the_open(tmp_path: Path) -> None:
         other.wait()
 
 
-def test_a_record_of_a_killed_process_is_taken_over(tmp_path: Path) -> None:
+def test_a_record_of_a_killed_process_is_taken_over(tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
     path = _device(tmp_path)
     other = _other_process()
     start = process_start(other.pid)
@@ -97,31 +115,94 @@ def test_a_record_of_a_killed_process_is_taken_over(tmp_path: Path) -> None:
         rec = _owner_on_disk(path)
         assert dev.owner is not None and rec is not None and rec.instance == dev.owner.instance
     other.wait()
-    _plant(path, pid=other.pid, start_ticks=start)  # reaped: the pid is gone
-    DeviceFile("flash0", str(path), o_direct=False).close()
+    planted = _plant(path, pid=other.pid, start_ticks=start)  # reaped: the pid is gone
+    _taken_over(path, planted, caplog, "its process is gone")
 
 
-def test_a_reused_pid_does_not_keep_a_dead_owner_alive(tmp_path: Path) -> None:
+def test_a_reused_pid_does_not_keep_a_dead_owner_alive(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = _device(tmp_path)
     start = process_start(os.getppid()) or 0
-    _plant(path, pid=os.getppid(), start_ticks=start + 12345)  # same pid, other process
-    DeviceFile("flash0", str(path), o_direct=False).close()
+    planted = _plant(path, pid=os.getppid(), start_ticks=start + 12345)  # other process
+    _taken_over(path, planted, caplog, "its process is gone")
 
 
-def test_another_host_is_honoured_until_its_lease_expires(tmp_path: Path) -> None:
+def _beating(path: Path, rec: OwnerRecord, stop: threading.Event) -> None:
+    """Another host's live service: advance the record's heartbeat every 50 ms."""
+    beat = rec.beat
+    while not stop.wait(0.05):
+        beat += 1
+        with open(path, "r+b") as f:
+            f.seek(OWNER_OFFSET)
+            f.write(dataclasses.replace(rec, beat=beat).pack())
+
+
+def test_another_host_is_honoured_while_its_heartbeat_advances(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Another host's record whose wall-clock lease has long expired (by this host's
+    clock) is honoured while its heartbeat advances; once it stops, it is taken over only
+    after a whole lease of watching on this process's monotonic clock."""
+    monkeypatch.setattr(flash_owner, "LEASE_S", 0.5)
     path = _device(tmp_path)
-    _plant(path, host="other-host", pid=1, boot_id=uuid.uuid4().bytes)
-    with pytest.raises(FlashIOError, match=r"in use by service .* on host other-host"):
-        DeviceFile("flash0", str(path), o_direct=False)
-    _plant(path, host="other-host", pid=1, boot_id=uuid.uuid4().bytes,
-           expires_ns=time.time_ns() - 1)
-    DeviceFile("flash0", str(path), o_direct=False).close()
+    rec = _plant(path, host="other-host", pid=1, boot_id=uuid.uuid4().bytes,
+                 expires_ns=time.time_ns() - 3600 * 10**9)
+    stop = threading.Event()
+    beater = threading.Thread(target=_beating, args=(path, rec, stop))
+    beater.start()
+    try:
+        with pytest.raises(FlashIOError, match=r"in use by service .* on host other-host"):
+            DeviceFile("flash0", str(path), o_direct=False)
+    finally:
+        stop.set()
+        beater.join()
+    last = _owner_on_disk(path)
+    assert last is not None and last.beat > rec.beat  # it did beat meanwhile
+    t0 = time.monotonic()
+    _taken_over(path, last, caplog, "did not advance for 0.5 s")
+    assert time.monotonic() - t0 >= 0.5
 
 
-def test_a_record_from_an_earlier_boot_is_taken_over(tmp_path: Path) -> None:
+def test_a_clock_ahead_never_takes_a_live_owners_device(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: a second service whose clock reads far ahead (a clock jump, a skewed
+    host clock) over another path to the bytes (a loop device over the same file) does
+    not take the device of a live owner: its pid and start time are checked first."""
     path = _device(tmp_path)
-    _plant(path, pid=1, start_ticks=process_start(1) or 0, boot_id=uuid.uuid4().bytes)
-    DeviceFile("flash0", str(path), o_direct=False).close()
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, sys, time\n"
+         "from ctxmem_dpu.tiers.flash_owner import DeviceOwner\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+         "DeviceOwner('flash0', sys.argv[1]).claim(fd, os.fstat(fd).st_size)\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(60)\n", str(path)],
+        stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == b"ready"
+        rec = _owner_on_disk(path)
+        assert rec is not None and rec.pid == owner.pid
+        real = time.time_ns
+        monkeypatch.setattr(time, "time_ns", lambda: real() + 3600 * 10**9)  # an hour ahead
+        fd = os.open(path, os.O_RDWR)  # another path: no flock conflict
+        try:
+            with pytest.raises(FlashIOError, match="in use") as err:
+                DeviceOwner("alias", str(path)).claim(fd, os.fstat(fd).st_size)
+            assert err.value.errno == errno.EBUSY
+        finally:
+            os.close(fd)
+        assert _owner_on_disk(path) == rec  # nothing written
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_a_record_from_an_earlier_boot_is_taken_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = _device(tmp_path)
+    planted = _plant(path, pid=1, start_ticks=process_start(1) or 0,
+                     boot_id=uuid.uuid4().bytes)
+    _taken_over(path, planted, caplog, "before this host rebooted")
 
 
 def test_an_alias_opened_in_the_same_process_is_refused(tmp_path: Path) -> None:
