@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,23 +301,27 @@ def lmcache_peer(disk_dir: Path, block: int, batch: int, tag: str) -> Iterator[L
             f.unlink(missing_ok=True)
 
 
-def pair_rows(results: list[Result], sizes: list[str]) -> list[dict[str, Any]]:
-    """Each LMCache GB/s figure next to ctxmem's: ``ratio`` > 1 when ctxmem is faster;
-    CPU seconds per GB beside them (ctxmem: service + client; LMCache: its process)."""
+def pair_rows(results: list[Result], sizes: list[str],
+              pairs_of: Callable[[str], list[Pair]] | None = None,
+              peer: str = "lmcache") -> list[dict[str, Any]]:
+    """Each of ``peer``'s GB/s figures next to ctxmem's (``pairs_of``: the rows of one
+    size, LMCache's :func:`pairs` by default): ``ratio`` > 1 when ctxmem is faster; CPU
+    seconds per GB beside them (ctxmem: service + client; the peer: its process)."""
     by_name = {r.name: r for r in results}
     rows: list[dict[str, Any]] = []
     for size in sizes:
-        for p in pairs(size):
+        for p in (pairs_of or pairs)(size):
             if p.ctxmem not in by_name or p.lmcache not in by_name:
                 continue
-            c, lm = by_name[p.ctxmem], by_name[p.lmcache]
+            c, other = by_name[p.ctxmem], by_name[p.lmcache]
             c_cpu = None if c.service_cpu_s_per_gb is None else \
                 c.service_cpu_s_per_gb + (c.client_cpu_s_per_gb or 0.0)
-            rows.append({"row": p.row, "size": size, "ctxmem": p.ctxmem, "lmcache": p.lmcache,
-                         "ctxmem_value": c.value, "lmcache_value": lm.value, "unit": "GB/s",
-                         "ratio": c.value / lm.value if lm.value > 0 else float("inf"),
+            rows.append({"row": p.row, "size": size, "ctxmem": p.ctxmem, peer: p.lmcache,
+                         "ctxmem_value": c.value, f"{peer}_value": other.value,
+                         "unit": "GB/s",
+                         "ratio": c.value / other.value if other.value > 0 else float("inf"),
                          "ctxmem_cpu_s_per_gb": c_cpu,
-                         "lmcache_cpu_s_per_gb": lm.client_cpu_s_per_gb, "note": p.note})
+                         f"{peer}_cpu_s_per_gb": other.client_cpu_s_per_gb, "note": p.note})
     return rows
 
 
@@ -339,20 +343,23 @@ def describe(version: str, disk_dir: Path, flash_device: dict[str, Any] | None) 
                      "before it in odd ones), same buffers"}
 
 
-def print_pairs(info: dict[str, Any]) -> None:
-    """The row-by-row table: ``info`` from :func:`describe` with ``pairs`` added."""
+def print_pairs(info: dict[str, Any], peer: str = "lmcache", label: str = "LMCache") -> None:
+    """The row-by-row table: ``info`` from a peer's ``describe`` with ``pairs`` added
+    (``peer``: the key prefix of its rows, ``label``: its name in the header)."""
     rows: list[dict[str, Any]] = info["pairs"]
-    print(f"\nctxmem ({info['ctxmem_checks']}) vs LMCache {info['version']} "
-          f"({info['lmcache_checks']}); LMCache disk: {info['lmcache_disk']}")
-    print(f"{'row':20} {'size':6} {'ctxmem GB/s':>11} {'LMCache GB/s':>12} {'ratio':>6} "
-          f"{'ahead':8} {'CPU s/GB ctxmem':>15} {'LMCache':>8} note")
+    extra = f"; LMCache disk: {info['lmcache_disk']}" if "lmcache_disk" in info else ""
+    print(f"\nctxmem ({info['ctxmem_checks']}) vs {label} {info['version']} "
+          f"({info[f'{peer}_checks']}){extra}")
+    width = max(12, len(label) + 5)
+    print(f"{'row':20} {'size':6} {'ctxmem GB/s':>11} {label + ' GB/s':>{width}} {'ratio':>6} "
+          f"{'ahead':8} {'CPU s/GB ctxmem':>15} {label:>8} note")
 
     def cell(v: float | None, width: int) -> str:
         return f"{'-':>{width}}" if v is None else f"{v:{width}.3f}"
 
     for r in rows:
-        ahead = "ctxmem" if r["ratio"] >= 1 else "LMCache"
+        ahead = "ctxmem" if r["ratio"] >= 1 else label
         print(f"{r['row']:20} {r['size']:6} {r['ctxmem_value']:11.3f} "
-              f"{r['lmcache_value']:12.3f} {r['ratio']:6.2f} {ahead:8} "
-              f"{cell(r['ctxmem_cpu_s_per_gb'], 15)} {cell(r['lmcache_cpu_s_per_gb'], 8)} "
+              f"{r[f'{peer}_value']:{width}.3f} {r['ratio']:6.2f} {ahead:8} "
+              f"{cell(r['ctxmem_cpu_s_per_gb'], 15)} {cell(r[f'{peer}_cpu_s_per_gb'], 8)} "
               f"{r['note']}")

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ctxmem_tools.bench import peer_lmcache
 from ctxmem_tools.bench.cpu import own_cpu_seconds
 from ctxmem_tools.bench.datapath import GB, Result, _pct, limit_for
 from ctxmem_tools.bench.peer_lmcache import Pair, PeerMismatch, PeerUnavailable, check_equal
@@ -234,21 +235,7 @@ def mooncake_peer(workdir: Path, block: int, batch: int, tag: str) -> Iterator[M
 
 def pair_rows(results: list[Result], sizes: list[str]) -> list[dict[str, Any]]:
     """Each Mooncake GB/s figure next to ctxmem's (``ratio`` > 1: ctxmem faster)."""
-    by_name = {r.name: r for r in results}
-    rows: list[dict[str, Any]] = []
-    for size in sizes:
-        for p in pairs(size):
-            if p.ctxmem not in by_name or p.lmcache not in by_name:
-                continue
-            c, mc = by_name[p.ctxmem], by_name[p.lmcache]
-            c_cpu = None if c.service_cpu_s_per_gb is None else \
-                c.service_cpu_s_per_gb + (c.client_cpu_s_per_gb or 0.0)
-            rows.append({"row": p.row, "size": size, "ctxmem": p.ctxmem, "mooncake": p.lmcache,
-                         "ctxmem_value": c.value, "mooncake_value": mc.value, "unit": "GB/s",
-                         "ratio": c.value / mc.value if mc.value > 0 else float("inf"),
-                         "ctxmem_cpu_s_per_gb": c_cpu,
-                         "mooncake_cpu_s_per_gb": mc.client_cpu_s_per_gb, "note": p.note})
-    return rows
+    return peer_lmcache.pair_rows(results, sizes, pairs, peer="mooncake")
 
 
 def describe(version: str) -> dict[str, Any]:
@@ -262,21 +249,7 @@ def describe(version: str) -> dict[str, Any]:
 
 
 def print_pairs(info: dict[str, Any]) -> None:
-    rows: list[dict[str, Any]] = info["pairs"]
-    print(f"\nctxmem ({info['ctxmem_checks']}) vs Mooncake Store {info['version']} "
-          f"({info['mooncake_checks']})")
-    print(f"{'row':20} {'size':6} {'ctxmem GB/s':>11} {'Mooncake GB/s':>13} {'ratio':>6} "
-          f"{'ahead':8} {'CPU s/GB ctxmem':>15} {'Mooncake':>8} note")
-
-    def cell(v: float | None, width: int) -> str:
-        return f"{'-':>{width}}" if v is None else f"{v:{width}.3f}"
-
-    for r in rows:
-        ahead = "ctxmem" if r["ratio"] >= 1 else "Mooncake"
-        print(f"{r['row']:20} {r['size']:6} {r['ctxmem_value']:11.3f} "
-              f"{r['mooncake_value']:13.3f} {r['ratio']:6.2f} {ahead:8} "
-              f"{cell(r['ctxmem_cpu_s_per_gb'], 15)} {cell(r['mooncake_cpu_s_per_gb'], 8)} "
-              f"{r['note']}")
+    peer_lmcache.print_pairs(info, peer="mooncake", label="Mooncake")
 
 
 # --- cross-client get (``ctxmem bench pod --peer mooncake``) -------------------------------
