@@ -90,7 +90,7 @@ SHARED_SLAB = 1 << 20
 SHARED_SLABS = 40
 """The shared device: 40 slabs of 1 MiB (64 blocks of 16 KiB each), so the nodes take,
 fill and give back slabs often and a lapsed lease soon meets a node looking for one."""
-CONNECTS = 8
+CONNECTS = 16
 """Connects per ``cancelled_connect`` fault."""
 FAULT_TIMEOUT_S = 60.0
 """A fault (injection, settling and its checks) that takes longer is reported."""
