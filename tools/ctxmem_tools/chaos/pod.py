@@ -109,8 +109,10 @@ class PodKey:
 class PodStats:
     faults_injected: int = 0
     faults_by_kind: Counter[str] = field(default_factory=Counter)
+    not_applied: Counter[str] = field(default_factory=Counter)
     blocks_put: int = 0
     blocks_acked: int = 0
+    blocks_refused: int = 0  # puts that raised (write-through commits refused)
     blocks_served: int = 0
     blocks_deleted: int = 0
     wrong_blocks: int = 0
@@ -299,6 +301,7 @@ class PodCampaign:
             r = self.namespace(i, tenant).put(keys, [self.content(k, gen) for k in keys])
         except IO_ERRORS as exc:
             self.st.op_errors += 1
+            self.st.blocks_refused += len(keys)
             if len(self.op_errors) < 20:
                 self.op_errors.append(f"put on node{i + 1}: {exc}")
             return False
@@ -599,10 +602,11 @@ class PodCampaign:
         self.take_snapshot()
         planned = self.schedule(n)
         tries: Counter[str] = Counter()
-        done = 0
-        while planned:
+        stuck = 0
+        while planned or self.st.faults_injected < n:
+            if not planned:  # some faults could not be applied: draw more
+                planned.append(self.rng.choice(self.kinds))
             kind = planned.pop(0)
-            done += 1
             self.source = kind
             start = time.monotonic()
             self.workload_round()
@@ -612,17 +616,27 @@ class PodCampaign:
             if applied:
                 self.st.faults_injected += 1
                 self.st.faults_by_kind[kind] += 1
-            elif not self.st.faults_by_kind[kind] and tries[kind] < 20:
-                tries[kind] += 1  # not applicable yet (no lease, no snapshot): later
-                planned.insert(min(2, len(planned)), kind)
+                stuck = 0
+            else:  # not applicable now (no lease held, no snapshot, a put refused)
+                stuck += 1
+                self.st.not_applied[kind] += 1
+                if not self.st.faults_by_kind[kind] and tries[kind] < 20:
+                    tries[kind] += 1  # every kind runs once: again, a little later
+                    planned.insert(min(2, len(planned)), kind)
             self.workload_round()
             self.verify()
             took = time.monotonic() - start
             if took > FAULT_TIMEOUT_S:
                 self.st.slow_faults += 1
                 self.st.note(f"{kind}: took {took:.0f} s (bound {FAULT_TIMEOUT_S:.0f} s)")
-            after = {k: sum(v[k] for v in self.st.violations.values()) for k in INVARIANTS}
-            if progress and (done % 10 == 0 or done == n):
+            if stuck > 100:
+                self.st.note(f"no fault could be applied in 100 tries (last: {kind}): "
+                             "stopped early; see the nodes' logs")
+                break
+            done = self.st.faults_injected
+            if progress and applied and (done % 10 == 0 or done == n):
+                after = {k: sum(v[k] for v in self.st.violations.values())
+                         for k in INVARIANTS}
                 print(f"  {done}/{n} faults ({kind}), {self.st.blocks_served} served, "
                       f"{after}, {time.monotonic() - t0:.0f} s", flush=True)
         self.source = "end"
@@ -635,7 +649,9 @@ class PodCampaign:
             "flash": "shared" if self.shared else "local", "write_policy": "write_through",
             "faults_injected": st.faults_injected,
             "faults_by_kind": dict(sorted(st.faults_by_kind.items())),
+            "faults_not_applied": dict(sorted(st.not_applied.items())),
             "blocks_put": st.blocks_put, "blocks_acked": st.blocks_acked,
+            "blocks_refused": st.blocks_refused,
             "blocks_served": st.blocks_served, "blocks_deleted": st.blocks_deleted,
             "wrong_blocks": st.wrong_blocks, "stale_after_delete": st.stale_after_delete,
             "durable_blocks_lost": st.durable_blocks_lost,
