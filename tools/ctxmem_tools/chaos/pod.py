@@ -271,12 +271,10 @@ class PodCampaign:
         g = self.gone.get(key)
         if g is not None:
             old.add(g.gen)
-        if k is not None and k.uncertain:
-            return  # a put or delete on it failed: an older generation may be there
         for gen in sorted(old):
             if data == self.content(key, gen):
-                if g is not None and g.uncertain:
-                    return
+                if (k is not None and k.uncertain) or (g is not None and g.uncertain):
+                    return  # an operation on it is unfinished: the older one may be there
                 self.st.stale_after_delete += 1
                 self.charge("stale", source=self.changed_by.get(key))
                 self.st.note(f"STALE: {where} served generation {gen} of key "
@@ -304,6 +302,7 @@ class PodCampaign:
             self.st.blocks_refused += len(keys)
             if len(self.op_errors) < 20:
                 self.op_errors.append(f"put on node{i + 1}: {exc}")
+            self._forget(keys)
             return False
         if r.stored + r.existing == len(keys):
             for key in keys:
@@ -311,7 +310,14 @@ class PodCampaign:
                 self.keys[key].acked = True
             self.st.blocks_acked += len(keys)
             return True
+        self._forget(keys)
         return False
+
+    def _forget(self, keys: list[bytes]) -> None:
+        """Keys whose put or delete failed: stored or not, nobody knows; the campaign
+        reads them no more (they would grow the model without bound)."""
+        for key in keys:
+            self.keys.pop(key, None)
 
     def get(self, i: int, tenant: str, keys: list[bytes], where: str = "") -> list[bytes]:
         """Get ``keys`` through node ``i`` (each key on its own after a miss); every
@@ -350,6 +356,7 @@ class PodCampaign:
             self.namespace(i, tenant).delete(keys)
         except IO_ERRORS:
             self.st.op_errors += 1
+            self._forget(keys)
             return False
         for k in keys:
             state = self.keys.pop(k)
