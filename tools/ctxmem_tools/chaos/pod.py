@@ -652,6 +652,12 @@ class PodCampaign:
             if self.rng.random() < 0.1 and not self.snapshot.exists():
                 self.take_snapshot()
             applied = self.inject(kind)
+            if applied and kind in INDEX_LOSS + LEASE_LAPSE:
+                # The pod runs on for a lease period (renewals, slabs taken to write into)
+                # before the check: what the index lost shows in what the nodes do next.
+                until = time.monotonic() + max(NODE_TTL_S, SLAB_LEASE_S) + 0.5
+                while time.monotonic() < until:
+                    self.workload_round()
             if applied:
                 self.st.faults_injected += 1
                 self.st.faults_by_kind[kind] += 1
