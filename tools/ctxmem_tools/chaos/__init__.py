@@ -48,7 +48,8 @@ Checks, counted in the JSON (``faults_injected``, ``blocks_committed``, ``blocks
 Modules: :mod:`.records` (kinds, key model, records on the files), :mod:`.driver` (the
 service and its fault controls), :mod:`.workload` (operations and checks), :mod:`.inject`
 (the faults), :mod:`.scenarios` (the scenario episodes), :mod:`.campaign` (schedule,
-report, :func:`run_campaign`), :mod:`.cli`.
+report, :func:`run_campaign`), :mod:`.cli`; :mod:`.pod` is the pod campaign
+(``ctxmem chaos pod``: three nodes, Redis, shared flash; issue 26 item 6).
 """
 
 from ctxmem_tools.chaos.campaign import (

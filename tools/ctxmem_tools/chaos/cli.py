@@ -14,8 +14,14 @@ from ctxmem_tools.chaos.campaign import run_campaign, select_kinds
 
 
 def chaos_command(argv: list[str]) -> int:
+    if argv[:1] == ["pod"] or "--pod" in argv:  # the pod campaign (issue 26): .pod
+        from ctxmem_tools.chaos.pod import pod_command
+
+        return pod_command([a for a in argv[argv[:1] == ["pod"]:] if a != "--pod"])
     p = argparse.ArgumentParser(
         prog="ctxmem chaos",
+        epilog="ctxmem chaos pod --help: the pod campaign (three nodes, Redis, shared "
+               "flash).",
         description="Inject faults (corruption, device errors, crashes) into a live ctxmem "
                     "service under a put/get workload; check no wrong block is ever served "
                     "and no durable block is lost.")

@@ -1,0 +1,108 @@
+"""The pod fault campaign in CI (issue 26 item 6): tiny ``ctxmem chaos pod`` runs, each
+against its own pod of three real service processes and a real redis-server on one
+shared flash file (and one run with a flash file per node), every pod fault kind injected
+at least once. No run may serve a wrong byte (strict); each group's own invariants (no
+stale block after a delete or re-put, no acknowledged write-through block lost, no session
+left by a cancelled Connect) are marked xfail where they wait on another helper's fix of
+issue 26, named in the reason: remove the mark once it is merged. The long campaign's
+command and figures are in docs/reliability.md, "The pod campaign"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ctxmem_tools.chaos import chaos_command
+from ctxmem_tools.chaos.pod import NOT_BUILT, POD_KINDS, WORKLOAD_DELETES
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "index": ("index_flush", "index_empty_restart", "index_old_snapshot"),
+    "lease": ("lease_lapse_delete", "lease_lapse_expire"),
+    "node": ("node_pause", "node_kill"),
+    "clock": ("clock_skew",),
+    "delete": ("delete_reput",),
+    "connect": ("cancelled_connect",),
+}
+LOCAL_KINDS = GROUPS["index"] + GROUPS["node"] + GROUPS["clock"]
+"""The run with a flash file per node (no slab leases to lapse)."""
+DEVOWN = ("issue 26 items 1-2 (helper devown: slab ownership on the device, leases no "
+          "clock or index loss breaks): until merged, a shared-flash node loses "
+          "acknowledged write-through blocks once the index or a lease lapses")
+PODELETE = ("issue 26 item 3 (helper podelete: deletes reach fetched copies): until "
+            "merged, a node that fetched a block keeps serving it after the writer's "
+            "Delete or re-put")
+SESSIONS = ("issue 26 item 4 (helper sessions: a Connect whose caller gave up creates "
+            "nothing): until merged, a cancelled Connect may leave a session")
+WAITS_ON = {"index": DEVOWN, "lease": DEVOWN, "node": DEVOWN, "clock": DEVOWN,
+            "delete": PODELETE,
+            "connect": SESSIONS}
+_reports: dict[str, dict[str, Any]] = {}
+
+
+def _campaign(tmp: Path, group: str, *args: str) -> dict[str, Any]:
+    if group not in _reports:
+        out = tmp / f"{group}.json"
+        kinds = GROUPS.get(group, LOCAL_KINDS)
+        faults = 4 if group == "connect" else len(kinds) + 1  # connects are cheap
+        rc = chaos_command(["pod", "--faults", str(faults), "--seed", "26",
+                            "--kinds", ",".join(kinds), "--working-set", "120",
+                            "--json", str(out), "--workdir", str(tmp / group), "-q", *args])
+        report: dict[str, Any] = json.loads(out.read_text())
+        assert rc == (0 if report["passed"] else 1)
+        _reports[group] = report
+    return _reports[group]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("podchaos")
+
+
+def test_the_groups_cover_every_kind() -> None:
+    assert sorted(k for g in GROUPS.values() for k in g) == sorted(POD_KINDS)
+    assert NOT_BUILT == {}  # every kind of issue 26 item 6 is built
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_every_kind_runs_and_no_wrong_byte_is_served(tmp: Path, group: str) -> None:
+    report = _campaign(tmp, group)
+    assert set(report["faults_by_kind"]) == set(GROUPS[group]), report["faults_by_kind"]
+    assert report["blocks_acked"] > 0 and report["blocks_served"] > 0
+    assert report["wrong_blocks"] == 0, report["problems"]
+    assert report["slow_faults"] == 0, report["problems"]  # each fault bounded in time
+    assert report["kinds_not_built"] == NOT_BUILT
+
+
+@pytest.mark.parametrize("group", [
+    pytest.param(g, marks=pytest.mark.xfail(strict=False, reason=WAITS_ON[g]))
+    for g in sorted(GROUPS)])
+def test_each_kind_keeps_its_invariants(tmp: Path, group: str) -> None:
+    """No stale, lost or leaked: what each group's faults are charged with (the deletes of
+    the workload are charged apart, below)."""
+    report = _campaign(tmp, group)
+    charged = {k: v for k, v in report["violations_by_kind"].items() if k != WORKLOAD_DELETES}
+    assert charged == {}, report["problems"]
+    assert report["durable_blocks_lost"] == 0 and report["sessions_leaked"] == 0
+
+
+@pytest.mark.xfail(strict=False, reason=PODELETE)
+def test_deleted_blocks_are_served_by_no_node(tmp: Path) -> None:
+    """The workload deletes keys on their writer to trim its working set; after every fault
+    each node is asked for the last 48: none may serve one."""
+    for group in sorted(GROUPS):
+        report = _campaign(tmp, group)
+        assert report["stale_after_delete"] == 0, report["problems"]
+
+
+def test_local_flash_loses_no_durable_block(tmp: Path) -> None:
+    """A pod whose nodes each have their own flash file: index loss, node pauses, kills
+    and a node's clock shifted lose no acknowledged write-through block and serve no wrong
+    byte (holds today)."""
+    report = _campaign(tmp, "local", "--flash", "local")
+    assert report["flash"] == "local"
+    assert set(report["faults_by_kind"]) == set(LOCAL_KINDS)
+    assert report["wrong_blocks"] == 0, report["problems"]
+    assert report["durable_blocks_lost"] == 0, report["problems"]
