@@ -1,11 +1,10 @@
 """The pod fault campaign in CI (issue 26 item 6): tiny ``ctxmem chaos pod`` runs, each
 against its own pod of three real service processes and a real redis-server on one
 shared flash file (and one run with a flash file per node), every pod fault kind injected
-at least once. No run may serve a wrong byte (strict); each group's own invariants (no
-stale block after a delete or re-put, no acknowledged write-through block lost, no session
-left by a cancelled Connect) are marked xfail where they wait on another helper's fix of
-issue 26, named in the reason: remove the mark once it is merged. The long campaign's
-command and figures are in docs/reliability.md, "The pod campaign"."""
+at least once. No run may serve a wrong byte; no group may leave a stale block after a
+delete or re-put, lose an acknowledged write-through block, or leave a session of a
+cancelled Connect (each fails on the code before issue 26's fixes: docs/reliability.md,
+"The pod campaign", has the figures of both). The long campaign's command is there too."""
 
 from __future__ import annotations
 
@@ -28,17 +27,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 LOCAL_KINDS = GROUPS["index"] + GROUPS["node"] + GROUPS["clock"]
 """The run with a flash file per node (no slab leases to lapse)."""
-DEVOWN = ("issue 26 items 1-2 (helper devown: slab ownership on the device, leases no "
-          "clock or index loss breaks): until merged, a shared-flash node loses "
-          "acknowledged write-through blocks once the index or a lease lapses")
-PODELETE = ("issue 26 item 3 (helper podelete: deletes reach fetched copies): until "
-            "merged, a node that fetched a block keeps serving it after the writer's "
-            "Delete or re-put")
-SESSIONS = ("issue 26 item 4 (helper sessions: a Connect whose caller gave up creates "
-            "nothing): until merged, a cancelled Connect may leave a session")
-WAITS_ON = {"index": DEVOWN, "lease": DEVOWN, "node": DEVOWN, "clock": DEVOWN,
-            "delete": PODELETE,
-            "connect": SESSIONS}
 _reports: dict[str, dict[str, Any]] = {}
 
 
@@ -76,9 +64,7 @@ def test_every_kind_runs_and_no_wrong_byte_is_served(tmp: Path, group: str) -> N
     assert report["kinds_not_built"] == NOT_BUILT
 
 
-@pytest.mark.parametrize("group", [
-    pytest.param(g, marks=pytest.mark.xfail(strict=False, reason=WAITS_ON[g]))
-    for g in sorted(GROUPS)])
+@pytest.mark.parametrize("group", sorted(GROUPS))
 def test_each_kind_keeps_its_invariants(tmp: Path, group: str) -> None:
     """No stale, lost or leaked: what each group's faults are charged with (the deletes of
     the workload are charged apart, below)."""
@@ -88,7 +74,6 @@ def test_each_kind_keeps_its_invariants(tmp: Path, group: str) -> None:
     assert report["durable_blocks_lost"] == 0 and report["sessions_leaked"] == 0
 
 
-@pytest.mark.xfail(strict=False, reason=PODELETE)
 def test_deleted_blocks_are_served_by_no_node(tmp: Path) -> None:
     """The workload deletes keys on their writer to trim its working set; after every fault
     each node is asked for the last 48: none may serve one."""
@@ -100,7 +85,7 @@ def test_deleted_blocks_are_served_by_no_node(tmp: Path) -> None:
 def test_local_flash_loses_no_durable_block(tmp: Path) -> None:
     """A pod whose nodes each have their own flash file: index loss, node pauses, kills
     and a node's clock shifted lose no acknowledged write-through block and serve no wrong
-    byte (holds today)."""
+    byte."""
     report = _campaign(tmp, "local", "--flash", "local")
     assert report["flash"] == "local"
     assert set(report["faults_by_kind"]) == set(LOCAL_KINDS)
