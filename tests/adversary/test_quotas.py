@@ -44,6 +44,16 @@ def _keys(start: int, n: int) -> list[bytes]:
     return ctxmem.chain_hashes(range(start * t, (start + n) * t), t)
 
 
+def _settle(client: ctxmem.Client, timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until the service has no block left to write back: a flood's
+    demotions otherwise race the next step on a loaded machine (the DRAM tier then reads
+    full for a moment instead of the tenant's quota)."""
+    deadline = time.monotonic() + timeout_s
+    while client.stats()["dirty_blocks"] > 0:
+        assert time.monotonic() < deadline, "write-back did not settle"
+        time.sleep(0.02)
+
+
 def _get_exact(ns: ctxmem.Namespace, keys: list[bytes], data: list[np.ndarray]) -> int:
     """How many leading blocks come back, asserting they are byte-exact."""
     out = [np.zeros_like(d) for d in data]
@@ -78,6 +88,7 @@ def test_flood_pins_and_allocations_cannot_starve_another_tenant(
                 refused += 1
         assert stored, "tenant a could not put at all"
         assert _get_exact(nb, b_keys, b_data) == 48, "the flood evicted tenant b's blocks"
+        _settle(cb)  # write-back done: what follows races no background demotion
 
         # A leases one block per DRAM slab, for as many slabs as it can.
         raw = RawSession(svc.endpoint, LAYOUT, tenant="a", model_id="m", transport="tcp")
