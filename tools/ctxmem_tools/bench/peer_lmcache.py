@@ -263,23 +263,29 @@ class LMCachePeer:
 
     def results(self, limits: dict[str, float]) -> list[Result]:
         """GB/s of the median batch and p50/p99 ms per batch, as ctxmem's rows."""
-        nbytes = self.block * self.batch
-        out: list[Result] = []
-        for name, times in self.times.items():
-            if not times:
-                continue
-            limit = limit_for(name, limits)
-            gbs = nbytes / statistics.median(times) / GB
-            cpu_per_gb = self.cpu[name] / (nbytes * len(times) / GB)
-            out.append(Result(name, gbs, "GB/s", limit, gbs / limit, None, cpu_per_gb))
-            ideal_ms = nbytes / (limit * GB) * 1e3
-            for q, label in ((0.5, "p50"), (0.99, "p99")):
-                ms = _pct(times, q) * 1e3
-                out.append(Result(f"{name}_{label}", ms, "ms/batch", ideal_ms, ideal_ms / ms))
-        return out
+        return peer_results(self.times, self.cpu, self.block * self.batch, limits)
 
     def close(self) -> None:
         self.sm.close()
+
+
+def peer_results(times: dict[str, list[float]], cpu: dict[str, float], nbytes: int,
+                 limits: dict[str, float]) -> list[Result]:
+    """A peer's rows as ctxmem's: GB/s of the median batch of ``nbytes`` (its CPU seconds
+    per GB from ``cpu``, the peer's own process) and p50/p99 ms per batch."""
+    out: list[Result] = []
+    for name, ts in times.items():
+        if not ts:
+            continue
+        limit = limit_for(name, limits)
+        gbs = nbytes / statistics.median(ts) / GB
+        cpu_per_gb = cpu[name] / (nbytes * len(ts) / GB)
+        out.append(Result(name, gbs, "GB/s", limit, gbs / limit, None, cpu_per_gb))
+        ideal_ms = nbytes / (limit * GB) * 1e3
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            ms = _pct(ts, q) * 1e3
+            out.append(Result(f"{name}_{label}", ms, "ms/batch", ideal_ms, ideal_ms / ms))
+    return out
 
 
 def check_equal(bufs: list[np.ndarray], outs: list[np.ndarray], what: str) -> None:

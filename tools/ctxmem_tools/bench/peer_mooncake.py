@@ -24,7 +24,6 @@ installed by ``deploy/setup.sh``).
 from __future__ import annotations
 
 import socket
-import statistics
 import subprocess
 import time
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ import numpy as np
 
 from ctxmem_tools.bench import peer_lmcache
 from ctxmem_tools.bench.cpu import own_cpu_seconds
-from ctxmem_tools.bench.datapath import GB, Result, _pct, limit_for
+from ctxmem_tools.bench.datapath import Result
 from ctxmem_tools.bench.peer_lmcache import Pair, PeerMismatch, PeerUnavailable, check_equal
 
 INSTALL = ("Mooncake Store is not importable here; `ctxmem bench --peer mooncake` runs its CPU "
@@ -200,20 +199,8 @@ class MooncakePeer:
 
     def results(self, limits: dict[str, float]) -> list[Result]:
         """GB/s of the median batch and p50/p99 ms per batch, as ctxmem's rows."""
-        nbytes = self.block * self.batch
-        out: list[Result] = []
-        for name, times in self.times.items():
-            if not times:
-                continue
-            limit = limit_for(name, limits)
-            gbs = nbytes / statistics.median(times) / GB
-            cpu_per_gb = self.cpu[name] / (nbytes * len(times) / GB)
-            out.append(Result(name, gbs, "GB/s", limit, gbs / limit, None, cpu_per_gb))
-            ideal_ms = nbytes / (limit * GB) * 1e3
-            for q, label in ((0.5, "p50"), (0.99, "p99")):
-                ms = _pct(times, q) * 1e3
-                out.append(Result(f"{name}_{label}", ms, "ms/batch", ideal_ms, ideal_ms / ms))
-        return out
+        return peer_lmcache.peer_results(self.times, self.cpu, self.block * self.batch,
+                                         limits)
 
     def close(self) -> None:
         for ptr in self._registered:
