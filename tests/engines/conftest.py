@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,3 +39,17 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_prometheus_dir() -> Iterator[None]:
+    """LMCache's Prometheus logger sets ``PROMETHEUS_MULTIPROC_DIR`` (a shared
+    ``/tmp/lmcache_prometheus``) in this process's environment; every engine process
+    started after it would then add its counters to those of all earlier runs. Each test
+    gets the environment back as it found it."""
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    yield
+    if before is None:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    else:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = before

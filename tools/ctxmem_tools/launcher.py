@@ -23,6 +23,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct free ports: all bound at once, then released (two
+    :func:`free_port` calls in a row may return the same port)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def local_config(workdir: Path, *, encryption: bool = True, dram_size: str = "128MiB",
                  dram_slab: str = "8MiB", flash_size: str | None = "256MiB",
                  flash_slab: str = "16MiB", flash_path: str | None = None,

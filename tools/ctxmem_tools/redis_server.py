@@ -20,7 +20,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from ctxmem_tools.launcher import free_port
+from ctxmem_tools.launcher import free_ports
+
+
+class PortTaken(RuntimeError):
+    """redis-server could not bind its port or its cluster bus port (another process
+    took it after this helper chose it)."""
 
 
 class RedisServer:
@@ -42,7 +47,11 @@ class RedisServer:
         workdir.mkdir(parents=True, exist_ok=True)
         workdir.chmod(0o700)
         self.bind = bind
-        self.port = port or free_port()
+        # Ports this helper chose (none given) may be taken by another process between
+        # the choice and redis-server's bind: start() then chooses again.
+        self._own_ports = port is None
+        self._started = False
+        self.port, bus = free_ports(2, bind) if port is None else (port, 0)
         self.password = password if password is not None else secrets.token_hex(16)
         self.log_path = workdir / "redis.log"
         self.tls = tls  # (certificate, key, CA): TLS only, no plain-TCP port
@@ -52,7 +61,7 @@ class RedisServer:
         self.cluster = cluster
         self.node_timeout_ms = node_timeout_ms  # a failed master's replica waits this long
         # The cluster bus: its own free port (the default, port + 10000, may not exist).
-        self.bus_port = free_port() if cluster else 0
+        self.bus_port = (bus or free_ports(1, bind)[0]) if cluster else 0
         self.proc: subprocess.Popen[bytes] | None = None
         if start:
             self.start()
@@ -64,6 +73,23 @@ class RedisServer:
         return f"{scheme}://:{self.password}@{self.bind}:{self.port}/0"
 
     def start(self, timeout_s: float = 20.0) -> None:
+        """Start (a no-op while running) and wait for PING. The first start of ports this
+        helper chose tries up to three pairs; a restart keeps its port (the index's URL)."""
+        tries = 3 if self._own_ports and not self._started else 1
+        for attempt in range(tries):
+            try:
+                self._start(timeout_s)
+                self._started = True
+                return
+            except PortTaken:
+                if attempt + 1 == tries:
+                    raise
+                self.port, bus = free_ports(2, self.bind)
+                self.bus_port = bus if self.cluster else 0
+                # The node never served: its generated cluster config names the old ports.
+                (self.workdir / "nodes.conf").unlink(missing_ok=True)
+
+    def _start(self, timeout_s: float) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
         args = [self.exe, "--bind", self.bind, "--port", str(self.port),
@@ -85,13 +111,23 @@ class RedisServer:
                      "--repl-diskless-sync-delay", "0"]
             if self.tls:  # the cluster bus over TLS too
                 args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
+        log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"redis-server exited with status {self.proc.returncode} on "
-                    f"{self.bind}:{self.port}; its log ({self.log_path}):\n{self.log()}")
+                log, rc = self.log(), self.proc.returncode
+                self.proc = None
+                try:
+                    with open(self.log_path, "rb") as f:  # this start's lines only
+                        f.seek(log_from)
+                        taken = b"Address already in use" in f.read()
+                except FileNotFoundError:
+                    taken = False
+                kind = PortTaken if taken else RuntimeError
+                raise kind(
+                    f"redis-server exited with status {rc} on {self.bind}:{self.port} (cluster "
+                    f"bus {self.bus_port}); its log ({self.log_path}):\n{log}")
             if self._ping():
                 return
             if time.monotonic() > deadline:

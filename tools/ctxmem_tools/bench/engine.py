@@ -135,6 +135,11 @@ class VllmServer:
                     "VLLM_CPU_KVCACHE_SPACE": "1",
                     "PYTHONPATH": os.pathsep.join(ROOTS if path is None else path)}
         self.env.pop("VLLM_PLUGINS", None)
+        # Prometheus' multiprocess directory sums the counters of every process that ever
+        # wrote to it: LMCache sets /tmp/lmcache_prometheus in its importer's environment,
+        # and a server started from there reported earlier runs' blocks as its own (a
+        # "cold" request loaded 158 blocks in CI). vLLM makes a fresh one when unset.
+        self.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         if cpus:
             self.env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
         self.env.update(env or {})
