@@ -29,6 +29,7 @@ from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu import grpclog, sdnotify
 from ctxmem_dpu.control.auth import SessionAuthInterceptor, end_untrusted_sessions
+from ctxmem_dpu.control.localpeer import LocalUsers
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.gctune import tune_gc
 from ctxmem_dpu.listenguard import FdReserve, raise_nofile_limit
@@ -103,8 +104,9 @@ class Service:
         if mode == "insecure":
             log.warning(
                 "service.insecure: true: the tenant name clients send is trusted (no "
-                "tenant tokens); acceptable only with every client on this host (listening "
-                "on %s). Set service.tenant_tokens for anything else.",
+                "tenant tokens) within each local user (service.local_users: %s); "
+                "acceptable only with every client on this host (listening on %s). Set "
+                "service.tenant_tokens for anything else.", cfg.service.local_users,
                 ", ".join(addr for _key, addr in network_listens(cfg)))
         soft, _hard = raise_nofile_limit()
         held = (cfg.service.grpc_max_connections + cfg.metrics.max_connections
@@ -205,6 +207,8 @@ class Service:
         servicer = ContextMemoryServicer(self.store, self.instance_id, shm_path, data_endpoint,
                                          self.health)
         self.servicer = servicer
+        if mode == "insecure" and cfg.service.local_users != "shared":
+            servicer.local_users = LocalUsers(cfg.service.local_users, cfg.service.listen)
         pb_grpc.add_ContextMemoryServicer_to_server(servicer, self.server)
         servicer.rdma = self.rdma  # RdmaInfo/RdmaAttach answer UNAVAILABLE without it
         if cfg.pod.enabled:  # the pod tier (docs/pod.md): index, heartbeat, peer fetch
@@ -242,11 +246,21 @@ class Service:
         listen = cfg.service.listen
         if self.tls is not None:
             self.grpc_port = self.server.add_secure_port(listen, self.tls.grpc_credentials())
+        elif servicer.local_users is not None and servicer.local_users.unix:
+            # A Unix socket's caller is this service's user: the file is made 0600 before
+            # any other user could connect (umask around the bind, at start-up).
+            old_mask = os.umask(0o177)
+            try:
+                self.grpc_port = self.server.add_insecure_port(listen)
+            finally:
+                os.umask(old_mask)
         else:
             self.grpc_port = self.server.add_insecure_port(listen)
         if self.grpc_port == 0:
             raise ConfigError(f"service.listen: cannot bind {listen!r} (in use, or bad address)")
         await self.server.start()
+        if servicer.local_users is not None:
+            servicer.local_users.port = self.grpc_port
         if cfg.metrics.listen:
             host, port = split_hostport(cfg.metrics.listen, "metrics.listen")
             self.http = HttpEndpoint(self.store, host, port, lambda: self.ready,

@@ -113,8 +113,11 @@ class _Ending(NamedTuple):
 
 class _Session:
     def __init__(self, tenant: str, session_id: bytes, token: bytes, channel: DataChannel,
-                 epoch: int, hold: Any = None) -> None:
+                 epoch: int, hold: Any = None, acting: str = "") -> None:
         self.tenant = tenant
+        # The tenant the service says this session acts for (ConnectResponse.tenant): the
+        # requested one, or NAME@uidN for another local user of an insecure-mode service.
+        self.acting = acting or tenant
         self.id = session_id
         self.token = token
         self.channel = channel
@@ -338,7 +341,7 @@ class Client:
                 raise
             self._epoch += 1
             s = _Session(tenant, resp.session_id, resp.session_token, channel, self._epoch,
-                         hold)
+                         hold, acting=resp.tenant)
             self._sessions[tenant] = s
             self.transport_in_use = name
             return s

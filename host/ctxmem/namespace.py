@@ -139,9 +139,6 @@ class Namespace:
         self.tenant = tenant
         self.tags = tags
         self.weights_revision = weights_revision
-        # With a revision, the digest the service must answer (checked at open).
-        self._want_digest = (namespace_digest(tenant, model_id, layout, tags, weights_revision)
-                             if weights_revision else b"")
         self.block_nbytes = layout.block_nbytes
         self.handle = 0
         self.digest = b""
@@ -157,7 +154,10 @@ class Namespace:
         if resp.block_nbytes != self.block_nbytes:
             raise CtxmemError(f"service computes {resp.block_nbytes} bytes per block for this "
                               f"layout, the shim {self.block_nbytes}: version mismatch")
-        if self._want_digest and resp.namespace_digest != self._want_digest:
+        # With a revision, the digest the service must answer, under the tenant the
+        # service says the session acts for (another local user's is NAME@uidN).
+        if self.weights_revision and resp.namespace_digest != namespace_digest(
+                s.acting, self.model_id, self.layout, self.tags, self.weights_revision):
             raise CtxmemError(
                 f"model {self.model_id!r}: the service's namespace does not include "
                 f"weights_revision {self.weights_revision!r} (a service older than the "
@@ -197,6 +197,13 @@ class Namespace:
         return decode_lookup_reply(body, len(keys))
 
     # -- API -------------------------------------------------------------------------
+    @property
+    def acting_tenant(self) -> str:
+        """The tenant the service says this namespace's session acts for: :attr:`tenant`,
+        or ``TENANT@uidN`` where an insecure-mode service scoped the name to this local
+        user (``service.local_users: separate``, docs/security.md)."""
+        return self._open().acting
+
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """How many leading ``keys`` are stored, and in which tier. Side-effect free.
 

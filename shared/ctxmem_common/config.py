@@ -45,6 +45,7 @@ from ctxmem_common.errors import ConfigError
 
 Transport = Literal["shm", "tcp", "rdma"]
 RdmaAccess = Literal["auto", "mw", "mr"]
+LocalUsers = Literal["separate", "owner", "shared"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,13 @@ class ServiceConfig:
     # sessions under thousands of names and shrink every tenant's fair share to nothing
     # (issue 25); a Connect under a new name past it is refused (RESOURCE_EXHAUSTED).
     insecure_max_tenants: int = 64
+    # Insecure mode only: how local users are told apart (issue 25). The kernel names the
+    # user behind each loopback connection (ctxmem_dpu.control.localpeer). "separate":
+    # a user other than the service's own acts under its own tenants, NAME@uidN (it can
+    # neither read nor delete nor replace the service user's NAME), and the tenant-name cap
+    # counts per user; "owner": only the service's own user may connect; "shared": any
+    # local user may act as any tenant (one trust domain: a single-user machine).
+    local_users: LocalUsers = "separate"
     # Shared-memory socket (issue 12). MAP replies (each carries a slab fd) queued per
     # connection while the client is not reading; a connection whose queue overflows, or
     # that reads none of it for shm_reply_deadline_s, is disconnected so it can never

@@ -108,4 +108,27 @@ def check_identity_mode(cfg: Config) -> IdentityMode:
             f"refused on a non-loopback address ({', '.join(exposed)}), with or without "
             f"server-only TLS (which encrypts but does not identify the client); listen on "
             f"127.0.0.1, or set tls.client_ca_file (mutual TLS) or service.tenant_tokens")
+    abstract = [f"{key}={addr!r}" for key, addr in network_listens(cfg)
+                if addr.strip().startswith("unix-abstract:")]
+    if abstract and svc.local_users != "shared":
+        raise ConfigError(
+            f"service.insecure: true with service.local_users: {svc.local_users} needs to "
+            f"know which local user calls, and an abstract Unix socket ({', '.join(abstract)}) "
+            f"has no file mode to restrict it: listen on 127.0.0.1 or a unix: path, or set "
+            f"service.local_users: shared (any local user may act as any tenant)")
     return "insecure"
+
+
+UID_SCOPE = "@uid"
+"""What separates a tenant name from its user's uid in insecure mode (``NAME@uidN``)."""
+
+
+def scoped_tenant(name: str, uid: int) -> str:
+    """The tenant a local user other than the service's acts as: ``NAME@uidN``."""
+    return f"{name}{UID_SCOPE}{uid}"
+
+
+def tenant_scope(tenant: str) -> str:
+    """The local user a tenant belongs to: ``"uidN"`` for ``NAME@uidN``, ``""`` for the
+    service's own user (and every tenant of the tokens and mtls modes)."""
+    return tenant.rpartition("@")[2] if UID_SCOPE in tenant else ""

@@ -5,7 +5,8 @@ made by the session it names.
   context. It is the one hook for identity: mtls mode takes the tenant from the verified
   client certificate (``context.auth_context()``; a request naming another tenant is
   refused), tokens mode checks the tenant's token, the insecure mode (loopback only)
-  trusts the name.
+  trusts the name within one local user (``service.local_users``: the kernel names the
+  caller's uid, ``control/localpeer.py``).
 * :class:`SessionAuthInterceptor` is the one check of every call after Connect: the
   request's ``session_id`` must name a live session whose token the call carries as the
   metadata ``ctxmem-session-token-bin``. An unknown session id and a wrong token get the
@@ -31,6 +32,7 @@ from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY, check_identity_mo
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.tlsident import tenant_of_pem
 from ctxmem_dpu.blocks import Session
+from ctxmem_dpu.control.localpeer import LocalUsers
 
 if TYPE_CHECKING:
     from ctxmem_dpu.store.blockstore import BlockStore
@@ -43,14 +45,17 @@ log = logging.getLogger(__name__)
 OPEN_METHODS = frozenset({"Health", "Connect", "Stats"})
 
 
-def connect_tenant(cfg: Config, request: pb.ConnectRequest, context: Any) -> str:
+def connect_tenant(cfg: Config, request: pb.ConnectRequest, context: Any,
+                   local_users: LocalUsers | None = None) -> str:
     """The tenant a Connect opens its session for, or PermissionDenied.
 
     In mtls mode the tenant is the one the verified client certificate names
     (:func:`ctxmem_common.tlsident.tenant_of_certificate`: URI SAN
     ``ctxmem://tenant/NAME``, else the subject CN), read from ``context`` (the call's
     ``grpc.aio.ServicerContext``); a request naming another tenant is refused, and with
-    ``service.tenant_tokens`` also set the token is checked too.
+    ``service.tenant_tokens`` also set the token is checked too. In insecure mode
+    ``local_users`` (``service.local_users``) tells the local users apart: the caller's
+    uid, asked of the kernel, scopes the name (:class:`LocalUsers`).
     """
     tenant = request.tenant
     if not tenant:
@@ -69,7 +74,12 @@ def connect_tenant(cfg: Config, request: pb.ConnectRequest, context: Any) -> str
         if not cfg.service.tenant_tokens:
             return tenant
     if mode == "insecure":
-        return tenant
+        if local_users is None:
+            return tenant
+        try:
+            return local_users.tenant(tenant, context.peer())
+        except PermissionError as exc:
+            raise PermissionDenied(str(exc)) from exc
     want = cfg.service.tenant_tokens.get(tenant, "")
     # Compare even for an unknown tenant (against itself), so timing tells nothing.
     ok = hmac.compare_digest(want.encode() or b"\0", request.tenant_token.encode())

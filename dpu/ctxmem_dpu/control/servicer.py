@@ -25,6 +25,7 @@ from ctxmem_common.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from ctxmem_common.identity import tenant_scope
 from ctxmem_common.packed_slots import pack_acquire
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
@@ -44,6 +45,7 @@ from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Session
 from ctxmem_dpu.control import block_ops
 from ctxmem_dpu.control.auth import connect_tenant, peer_cert
+from ctxmem_dpu.control.localpeer import LocalUsers
 from ctxmem_dpu.control.locate import locate_response
 from ctxmem_dpu.control.lookup_wire import key_list, lookup_response, request_keys
 from ctxmem_dpu.store import BlockStore
@@ -155,6 +157,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         self.health = health
         self.rdma: RdmaServer | None = None  # set by the app when 'rdma' is enabled
         self.pod: PodNode | None = None  # set by the app when 'pod.enabled'
+        # Insecure mode: who a loopback caller is (set by the app once gRPC has bound).
+        self.local_users: LocalUsers | None = None
         # Session id -> an event per open Hold call, set when the session ends.
         self._holds: dict[bytes, set[asyncio.Event]] = {}
         self._closing = False  # the service is stopping: a new Hold ends at once
@@ -201,7 +205,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         transport = transport_from_pb(request.transport)
         if transport is None:
             raise InvalidArgument("Connect.transport must be SHM, TCP or RDMA")
-        tenant = connect_tenant(self.store.cfg, request, context)
+        tenant = connect_tenant(self.store.cfg, request, context, self.local_users)
         # A caller that gave up (its deadline passed while the call waited, e.g. on a busy
         # service) gets no session: nobody would use or end it, and it would count against
         # the tenant's cap until it idled out (issue 26). Nothing in between yields to the
@@ -225,7 +229,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         return pb.ConnectResponse(
             session_id=s.id, session_token=s.token, instance_id=self.instance_id,
             lease_ttl_ms=int(cfg.lease_ttl_s * 1000),
-            allocation_ttl_ms=int(cfg.allocation_ttl_s * 1000),
+            allocation_ttl_ms=int(cfg.allocation_ttl_s * 1000), tenant=s.tenant,
         )
 
     @_rpc
@@ -415,7 +419,24 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         values = self.store.stats()
         if not self.store.cfg.service.insecure:
             values = {k: v for k, v in values.items() if not k.startswith("tenant.")}
+        elif self.local_users is not None and self.local_users.policy != "shared":
+            values = self._own_user_stats(values, context)
         return pb.StatsResponse(values=values)
+
+    def _own_user_stats(self, values: dict[str, float], context: Any) -> dict[str, float]:
+        """Insecure mode with local users told apart: another local user sees only its
+        own tenants' entries (the service's own user, the operator, sees all)."""
+        lu = self.local_users
+        assert lu is not None
+        try:
+            uid = lu.uid_of(context.peer())
+        except OSError:
+            uid = -1  # unknown: no tenant's entries
+        if uid == lu.own_uid:
+            return values
+        mine = f"uid{uid}"
+        return {k: v for k, v in values.items() if not k.startswith("tenant.")
+                or tenant_scope(k[len("tenant."):].rpartition(".")[0]) == mine}
 
     # -- RDMA connection exchange ----------------------------------------------------
     def _rdma(self, call: str, session_id: bytes) -> RdmaServer:

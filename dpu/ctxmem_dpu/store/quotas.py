@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from ctxmem_common.config import TenantQuota
 from ctxmem_common.errors import ConfigError, ResourceExhausted
-from ctxmem_common.identity import check_identity_mode
+from ctxmem_common.identity import check_identity_mode, tenant_scope
 from ctxmem_dpu.blocks import Block
 from ctxmem_dpu.store.ns_tenants import NamespaceTenants
 from ctxmem_dpu.tiers.dram import owner_tenant
@@ -330,18 +330,22 @@ class Quotas:
         ``service.insecure_max_tenants`` names already have open sessions: the names are
         not authenticated, so without a cap one client could open sessions under
         thousands of them and shrink every tenant's fair share (and guarantee) to nothing.
-        A name that already has a session is never refused by this cap."""
+        A name that already has a session is never refused by this cap. The names are
+        counted per local user (``NAME@uidN`` are user N's, ``service.local_users``), so
+        another user's names never keep the service's own user (or a third) out."""
         if not self._insecure:
             return
-        live = self.active_tenants()
+        scope = tenant_scope(tenant)
+        live = {t for t in self.active_tenants() if tenant_scope(t) == scope}
         limit = self._ctx.cfg.service.insecure_max_tenants
         if tenant not in live and len(live) >= limit:
             self._ctx.counters["quota_refusals"] += 1
             log.debug("quota refusal: tenant %r, insecure_max_tenants", tenant)
+            whose = f"local user {scope}" if scope else "this local user"
             raise ResourceExhausted(
-                f"tenant {tenant!r} refused: {len(live)} tenant names already have open "
-                f"sessions, the limit in insecure mode (service.insecure_max_tenants="
-                f"{limit}); tenant names are not authenticated in insecure mode, so their "
+                f"tenant {tenant!r} refused: {len(live)} tenant names of {whose} already "
+                f"have open sessions, the limit in insecure mode (service.insecure_max_"
+                f"tenants={limit}); tenant names are not authenticated in insecure mode, so their "
                 f"number is capped to keep each tenant's fair share: reuse a tenant name "
                 f"that has a session, close sessions of names no longer used (idle ones "
                 f"end after service.session_idle_s), raise the limit, or authenticate "

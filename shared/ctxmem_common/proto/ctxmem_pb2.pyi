@@ -108,18 +108,20 @@ class ConnectRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., tenant: _Optional[str] = ..., tenant_token: _Optional[str] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
-    __slots__ = ("session_id", "session_token", "instance_id", "lease_ttl_ms", "allocation_ttl_ms")
+    __slots__ = ("session_id", "session_token", "instance_id", "lease_ttl_ms", "allocation_ttl_ms", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     session_token: bytes
     instance_id: str
     lease_ttl_ms: int
     allocation_ttl_ms: int
-    def __init__(self, session_id: _Optional[bytes] = ..., session_token: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., allocation_ttl_ms: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id: _Optional[bytes] = ..., session_token: _Optional[bytes] = ..., instance_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., allocation_ttl_ms: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("session_id", "model_id", "layout", "tags", "weights_revision")
