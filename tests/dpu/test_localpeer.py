@@ -16,6 +16,7 @@ from ctxmem_dpu.control.localpeer import (
     PeerUnknown,
     loopback_peer_uid,
     parse_grpc_peer,
+    proc_net_uid,
 )
 
 
@@ -44,6 +45,10 @@ def test_the_uid_of_a_loopback_client_is_this_process_user(family: int) -> None:
             conn, addr = srv.accept()
             with conn:
                 assert loopback_peer_uid(addr[:2], (host, port)) == os.geteuid()
+                # The fallback where sock_diag is missing reads the same fact.
+                ip = ipaddress.ip_address(host)
+                assert proc_net_uid((ip, addr[1]), (ip, port)) == os.geteuid()
+                assert proc_net_uid((ip, 1), (ip, port)) is None
                 users = LocalUsers("separate", f"{host}:{port}" if family == socket.AF_INET
                                    else f"[{host}]:{port}")
                 users.port = port
@@ -73,3 +78,30 @@ def test_scoped_names() -> None:
     assert scoped_tenant("alice", 1000) == "alice@uid1000"
     assert tenant_scope("alice@uid1000") == "uid1000"
     assert tenant_scope("alice") == "" and tenant_scope("a@b") == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a client of another uid needs root to drop "
+                    "to uid 65534; run the suite as root (CI does)")
+def test_a_client_of_another_user_is_named_by_both_sources() -> None:
+    """sock_diag and the /proc/net/tcp fallback both name uid 65534 for a socket a process
+    of that user made (uid 0 would not tell a wrong column from the right one)."""
+    import subprocess
+    import sys
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        srv.settimeout(60)
+        port = srv.getsockname()[1]
+        code = ("import os, socket, sys; os.setgroups([]); os.setgid(65534); "
+                "os.setuid(65534); s = socket.socket(); "
+                f"s.connect(('127.0.0.1', {port})); sys.stdin.read()")
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+        try:
+            conn, addr = srv.accept()
+            with conn:
+                ip = ipaddress.ip_address("127.0.0.1")
+                assert loopback_peer_uid(addr, ("127.0.0.1", port)) == 65534
+                assert proc_net_uid((ip, addr[1]), (ip, port)) == 65534
+        finally:
+            child.communicate(b"", timeout=30)

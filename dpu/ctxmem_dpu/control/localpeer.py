@@ -76,10 +76,26 @@ def loopback_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int:
     msg = _NLMSGHDR.pack(_NLMSGHDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST,
                          1, 0) + body
     where = f"{src}:{peer[1]} -> {dst}:{local[1]}"
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
-        nl.settimeout(_REPLY_TIMEOUT_S)
-        nl.sendto(msg, (0, 0))
-        reply = nl.recv(65536)
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+            nl.settimeout(_REPLY_TIMEOUT_S)
+            nl.sendto(msg, (0, 0))
+            reply = nl.recv(65536)
+        return _diag_uid(reply, where)
+    except OSError as exc:
+        # No sock_diag (a kernel without tcp_diag answers ENOENT too, a sandbox may refuse
+        # netlink): the same fact from /proc/net/tcp[6], one scan of its lines.
+        uid = proc_net_uid((src, peer[1]), (dst, local[1]))
+        if uid is not None:
+            return uid
+        if isinstance(exc, PeerUnknown):
+            raise
+        raise PeerUnknown(exc.errno or errno.EPROTO,
+                          f"sock_diag for {where}: {exc}; not in /proc/net/tcp either") from exc
+
+
+def _diag_uid(reply: bytes, where: str) -> int:
+    """``idiag_uid`` of a SOCK_DIAG_BY_FAMILY reply, or PeerUnknown with its errno."""
     if len(reply) < _NLMSGHDR.size:
         raise PeerUnknown(errno.EPROTO, f"sock_diag: short reply ({len(reply)} bytes) for "
                           f"{where}")
@@ -93,6 +109,32 @@ def loopback_peer_uid(peer: tuple[str, int], local: tuple[str, int]) -> int:
                           f"{where}")
     (uid,) = struct.unpack_from("=I", reply, _UID_OFFSET)
     return int(uid)
+
+
+def _proc_hex(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
+    """``addr:port`` as /proc/net/tcp[6] prints it: each 32-bit word of the address in
+    host byte order, ``%08X``, then ``:%04X`` of the port."""
+    words = struct.unpack(f"={len(addr.packed) // 4}I", addr.packed)
+    return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
+
+
+def proc_net_uid(peer: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int],
+                 local: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
+                 ) -> int | None:
+    """The uid of the socket from ``peer`` to ``local`` as /proc/net/tcp[6] lists it
+    (its ``uid`` column), or None when no line matches or the file cannot be read."""
+    want = (_proc_hex(*peer), _proc_hex(*local))
+    name = "/proc/net/tcp" if peer[0].version == 4 else "/proc/net/tcp6"
+    try:
+        with open(name) as f:
+            next(f, None)  # the header
+            for line in f:
+                cols = line.split()
+                if len(cols) > 7 and (cols[1], cols[2]) == want:
+                    return int(cols[7])
+    except OSError:
+        return None
+    return None
 
 
 class LocalUsers:
