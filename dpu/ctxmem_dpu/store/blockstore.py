@@ -259,7 +259,13 @@ class BlockStore:
         ctx.dram.close()
 
     async def __aenter__(self) -> BlockStore:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # What started is closed (the devices' locks and owner records, the I/O
+            # threads): ``async with`` never reaches __aexit__ after a failed enter.
+            await self.close()
+            raise
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
