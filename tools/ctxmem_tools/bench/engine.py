@@ -146,7 +146,25 @@ class VllmServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 300.0) -> float:
-        """Start and poll ``/health`` until it answers 200; the seconds it took."""
+        """Start and poll ``/health`` until it answers 200; the seconds it took. The port
+        was chosen free before the start: if another process took it meanwhile, the
+        server is started again on another (twice at most)."""
+        for attempt in range(3):
+            log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
+            try:
+                return self._start(timeout_s)
+            except RuntimeError:
+                with open(self.log_path, "rb") as f:
+                    f.seek(log_from)
+                    taken = b"Address already in use" in f.read()
+                if not taken or attempt == 2:
+                    raise
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.args[-1] = str(self.port)
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> float:
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
