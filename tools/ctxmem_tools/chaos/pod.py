@@ -586,8 +586,11 @@ class PodCampaign:
         c = self.clients[i]
         assert c is not None
         tenant = self.rng.choice(TENANTS)
-        self.namespace(i, tenant)  # the tenant has its session already
-        before = int(c.stats().get("sessions", 0))
+        try:  # the tenant has its session already (a busy node may refuse it: not applied)
+            self.namespace(i, tenant)
+            before = int(c.stats().get("sessions", 0))
+        except IO_ERRORS:
+            return False
         channel = grpc.insecure_channel(self.nodes[i].endpoint)
         try:
             stub = pb_grpc.ContextMemoryStub(channel)
@@ -612,7 +615,12 @@ class PodCampaign:
         finally:
             channel.close()
         time.sleep(0.5)
-        after = int(c.stats().get("sessions", 0))
+        try:
+            after = int(c.stats().get("sessions", 0))
+        except IO_ERRORS as exc:  # the node stopped answering: the count is unknown
+            self.st.note(f"node{i + 1}: sessions not counted after the cancelled Connects "
+                         f"({exc})")
+            return True
         if after > before:
             self.st.sessions_leaked += after - before
             self.charge("sessions", after - before)
