@@ -13,9 +13,11 @@ from collections import Counter
 
 from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Block
+from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.tiers.flash import Extent, FlashIOError
+from ctxmem_dpu.tiers.flash_fence import SlabFenced
 
 log = logging.getLogger("ctxmem_dpu.store")
 
@@ -111,9 +113,19 @@ class Invalidator:
             if free:
                 self.end(extents)
         for d, exc in failed.items():
-            log.error("invalidating %d flash records on %s failed: %s", len(by_dev[d]),
-                      flash.devices[d].name, exc)
-            self._health.write_failed(d, exc)  # a full filesystem is not a failed device
+            if isinstance(exc, SlabFenced):
+                # Shared flash: this node's lease on a slab lapsed (the index was out of
+                # reach) or the slab is not leased to it. Not a failed device: marking it
+                # failed took every write off the device until a probe, writes that free
+                # slabs could take (issue 26). Parked: the reaper zeroes them once the
+                # lease is renewed; a slab lost meanwhile is skipped (its new owner's).
+                throttled(log, logging.WARNING, f"invalidate.fenced.{d}",
+                          "invalidating %d flash records on %s waits for its slab lease: "
+                          "%s", len(by_dev[d]), flash.devices[d].name, exc)
+            else:
+                log.error("invalidating %d flash records on %s failed: %s", len(by_dev[d]),
+                          flash.devices[d].name, exc)
+                self._health.write_failed(d, exc)  # a full filesystem is not a failed device
             if free:
                 self.parked.setdefault(d, []).extend(by_dev[d])
         if free:

@@ -304,3 +304,39 @@ async def test_shared_device_is_never_formatted_implicitly(redis_server: Any,
     image = path.read_bytes()  # no superblock, no slab: only the owner sector written
     assert image[:OWNER_OFFSET] == bytes(OWNER_OFFSET)
     assert image[OWNER_OFFSET + SECTOR:] == bytes(4 * MIB - OWNER_OFFSET - SECTOR)
+
+
+async def test_a_delete_under_a_lapsed_lease_waits_and_keeps_the_device_in_service(
+        redis_server: Any, shared: str) -> None:
+    """Found by a 1,000-fault `ctxmem chaos pod` run: after an index restart, a delete's
+    header zeroing under a slab lease that had lapsed meanwhile marked the whole shared
+    device failed, which took every write off it until a probe (write-through puts
+    refused, where free slabs could take them). Now the zeroing waits for the lease (the
+    extents parked), the device stays in service, and once the lease is renewed the
+    headers are zeroed and the extents freed."""
+    url = redis_server.url
+    async with node(url, "a", shared, SLAB, LEASE_S) as a:
+        s, ns = session(a, 64)
+        keys = [b"k1", b"k2"]
+        assert len(await put_durable(a, "a", s, ns, keys)) == 2
+        dev = a.flash.devices[0]
+        where = [a.index[ns.digest][k].flash for k in keys]
+        slab = where[0].slot.slab  # type: ignore[union-attr]
+        redis_server.stop()  # renewals cannot reach the index: the lease lapses here
+        dev.fence.grant(slab, dev.fence.epoch(slab), time.monotonic() - 1.0)
+        assert await a.delete(ns, keys) == 2
+        assert dev.healthy, "a lapsed lease marked the shared device failed"
+        parked = sum(len(v) for v in a._invalidator.parked.values())
+        assert parked == 2, parked
+        redis_server.start()  # the keeper renews the lease; the reaper zeroes the headers
+        deadline = time.monotonic() + 20 * LEASE_S
+        while a._invalidator.parked:
+            assert time.monotonic() < deadline, "the parked headers were never zeroed"
+            await asyncio.sleep(0.1)
+        assert dev.healthy
+        for ext in where:
+            assert ext is not None
+            with open(shared, "rb") as f:
+                f.seek(dev.header_offset(ext.slot))
+                assert f.read(SECTOR) == bytes(SECTOR), "a deleted record's header lives"
+        assert len(await put_durable(a, "a", s, ns, [b"after"])) == 1  # writes go on
