@@ -57,6 +57,23 @@ def test_the_uid_of_a_loopback_client_is_this_process_user(family: int) -> None:
                 assert users.tenant("alice", f"{kind}:{shown}:{addr[1]}") == "alice"
 
 
+def test_a_dual_stack_client_of_an_ipv4_listener_is_found_in_tcp6() -> None:
+    """gRPC's client connects to 127.0.0.1 from an IPv6 socket (IPv4-mapped): where
+    sock_diag is missing, /proc/net/tcp6 lists it, under ::ffff:127.0.0.1."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port = srv.getsockname()[1]
+        with socket.socket(socket.AF_INET6) as c:
+            c.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            c.connect(("::ffff:127.0.0.1", port))
+            conn, addr = srv.accept()
+            with conn:
+                ip = ipaddress.ip_address("127.0.0.1")
+                assert proc_net_uid((ip, addr[1]), (ip, port)) == os.geteuid()
+                assert loopback_peer_uid(addr, ("127.0.0.1", port)) == os.geteuid()
+
+
 def test_no_such_connection_is_enoent_naming_it() -> None:
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))

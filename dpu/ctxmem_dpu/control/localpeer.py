@@ -122,18 +122,26 @@ def proc_net_uid(peer: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
                  local: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
                  ) -> int | None:
     """The uid of the socket from ``peer`` to ``local`` as /proc/net/tcp[6] lists it
-    (its ``uid`` column), or None when no line matches or the file cannot be read."""
-    want = (_proc_hex(*peer), _proc_hex(*local))
-    name = "/proc/net/tcp" if peer[0].version == 4 else "/proc/net/tcp6"
-    try:
-        with open(name) as f:
-            next(f, None)  # the header
-            for line in f:
-                cols = line.split()
-                if len(cols) > 7 and (cols[1], cols[2]) == want:
-                    return int(cols[7])
-    except OSError:
-        return None
+    (its ``uid`` column), or None when no line matches or the files cannot be read. An
+    IPv4 connection may be made by a dual-stack IPv6 socket (gRPC's client does that):
+    it is listed in tcp6 under IPv4-mapped addresses, so both files are read."""
+    tables: list[tuple[str, tuple[str, str]]] = []
+    if peer[0].version == 4 and local[0].version == 4:
+        tables.append(("/proc/net/tcp", (_proc_hex(*peer), _proc_hex(*local))))
+        mapped = [(ipaddress.IPv6Address(f"::ffff:{a}"), p) for a, p in (peer, local)]
+        tables.append(("/proc/net/tcp6", (_proc_hex(*mapped[0]), _proc_hex(*mapped[1]))))
+    else:
+        tables.append(("/proc/net/tcp6", (_proc_hex(*peer), _proc_hex(*local))))
+    for name, want in tables:
+        try:
+            with open(name) as f:
+                next(f, None)  # the header
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 7 and (cols[1], cols[2]) == want:
+                        return int(cols[7])
+        except OSError:
+            continue
     return None
 
 

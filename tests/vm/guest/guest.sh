@@ -80,6 +80,11 @@ for m in virtio_net crc32_generic rdma_rxe ib_uverbs rdma_ucm configfs \
          nvmet nvmet-rdma nvmet-tcp nvme-rdma nvme-tcp; do
   modprobe -d /run/kmod "$m" || fail "modprobe $m"
 done
+# sock_diag for TCP (ss -e; the service asks it which local user made a loopback
+# connection: ctxmem_dpu.control.localpeer). A normal host loads it on first use; here the
+# modules live in /run/kmod, where the kernel's own autoload does not look. Without it the
+# service reads /proc/net/tcp[6] instead.
+modprobe -d /run/kmod tcp_diag || echo "ctxmem-vm guest: modprobe tcp_diag failed (the service falls back to /proc/net/tcp)"
 # Block drivers SPDK exposes bdevs through (ctxmem_tools.spdk_app): nbd on every
 # kernel; ublk_drv only on the backports kernel (Debian 12's 6.1 has no ublk).
 modprobe -d /run/kmod nbd || fail "modprobe nbd"
