@@ -576,7 +576,7 @@ class HttpEndpoint(AsyncResource):
             if code.startswith("405"):
                 headers.append(("Allow", "POST"))
             start_response(code, headers)
-            return [body]
+            return [b"" if method == "HEAD" else body]
         if method not in ("GET", "HEAD"):
             code, body = "405 Method Not Allowed", b"only GET and HEAD\n"
         elif path == "/metrics":
