@@ -30,6 +30,7 @@ from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_dpu import grpclog, sdnotify
 from ctxmem_dpu.control.auth import SessionAuthInterceptor, end_untrusted_sessions
 from ctxmem_dpu.control.localpeer import LocalUsers
+from ctxmem_dpu.control.locate_http import authenticated_locate
 from ctxmem_dpu.control.servicer import ContextMemoryServicer
 from ctxmem_dpu.gctune import tune_gc
 from ctxmem_dpu.listenguard import FdReserve, raise_nofile_limit
@@ -268,7 +269,11 @@ class Service:
                                      max_connections=cfg.metrics.max_connections,
                                      head_timeout_s=cfg.metrics.head_timeout_s,
                                      max_per_source=cfg.metrics.max_connections_per_source,
-                                     fd_reserve=self.fd_reserve)
+                                     fd_reserve=self.fd_reserve,
+                                     locate=functools.partial(authenticated_locate, self.store,
+                                                              self.pod),
+                                     locate_refusal=_locate_refusal(cfg.metrics.listen,
+                                                                   self.tls is not None))
             await self.http.start()
         self.ready = True
         log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s), "
@@ -332,6 +337,17 @@ class Service:
                 backend.detach()
             except Exception:
                 log.exception("detaching flash device %s failed", backend.spec.name)
+
+
+def _locate_refusal(metrics_listen: str, tls: bool) -> str:
+    """Why the metrics port must refuse session tokens (``POST /v1/locate``), or "": when
+    gRPC has TLS, a token must not cross the network in the metrics port's plaintext, so
+    there it is served on loopback only."""
+    if not tls or is_local_listen(metrics_listen):
+        return ""
+    return (f"session tokens are not accepted on the metrics port beyond loopback "
+            f"(metrics.listen {metrics_listen!r} is plaintext HTTP while the gRPC port has "
+            f"TLS); ask gRPC Locate, or bind metrics.listen to loopback and ask there")
 
 
 def apply_cpu_affinity(cfg: Config) -> None:

@@ -3,7 +3,9 @@
 The store keeps plain integer counters on its hot paths; this collector turns them into
 Prometheus families only when scraped, so metrics cost nothing per block.
 ``/metrics`` (Prometheus text), ``/healthz`` (the process is alive: 200), ``/readyz``
-(200 once serving, 503 while starting or draining).
+(200 once serving, 503 while starting or draining), and ``POST /v1/locate``: gRPC
+Locate as JSON for routers, authenticated by the session's token
+(:mod:`ctxmem_dpu.control.locate_http`).
 
 The endpoint is served by the standard library's HTTP server (``wsgiref``, the server
 prometheus-client's own ``start_http_server`` uses), never a hand-written parser: a
@@ -29,14 +31,16 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ctxmem_common.errors import ConfigError
+from ctxmem_common.errors import ConfigError, CtxmemError, ErrorCode
+from ctxmem_common.proto import ctxmem_pb2 as pb
+from ctxmem_dpu.control import locate_http
 from ctxmem_dpu.lifetime import AsyncResource
 from ctxmem_dpu.listenguard import FdReserve, Ticket, Unauthenticated
 from ctxmem_dpu.logthrottle import throttled
@@ -224,16 +228,39 @@ class _QuietHandler(WSGIRequestHandler):
 
     A request line it cannot parse is answered ``HTTP/1.0 400`` (the stdlib default,
     HTTP/0.9, would send the error page with no status line). The request head was read
-    already (:class:`_BoundedWSGIServer`): the handler parses it from memory."""
+    already (:class:`_BoundedWSGIServer`): the handler parses it from memory, and a body
+    (``POST /v1/locate``) is read on from the socket after what came with the head,
+    under the request's socket timeout and deadline."""
 
     default_request_version = "HTTP/1.0"
 
     def setup(self) -> None:
         super().setup()
-        self.rfile = io.BytesIO(self.server.take_head(self.request))  # type: ignore[attr-defined]
+        head = self.server.take_head(self.request)  # type: ignore[attr-defined]
+        self.rfile = io.BufferedReader(_HeadThenSocket(head, self.request))
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("metrics HTTP %s: " + format, self.address_string(), *args)
+
+
+class _HeadThenSocket(io.RawIOBase):
+    """Reads the bytes already received with the head, then the socket. The head ends in
+    memory, so parsing it never waits on the socket; only a body read does."""
+
+    def __init__(self, head: bytes, sock: socket.socket) -> None:
+        self._head = memoryview(head)
+        self._sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self._head:
+            n = min(len(b), len(self._head))
+            b[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        return self._sock.recv_into(b)
 
 
 _MAX_HEAD = 16 << 10  # a request head larger than this is closed unanswered
@@ -264,8 +291,8 @@ class _BoundedWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
     slow-loris flood churns among itself while a probe that sends its head at once is
     answered). A complete head is answered on a thread by wsgiref: ``/healthz`` and
     ``/readyz`` at once (tiny answers), ``/metrics`` by at most ``metrics_workers``
-    threads (503 over it). Each answering thread has a watchdog that shuts its socket at
-    ``request_timeout_s`` from accept.
+    threads (503 over it; ``POST /v1/locate`` shares them). Each answering thread has a
+    watchdog that shuts its socket at ``request_timeout_s`` from accept.
     """
 
     daemon_threads = True
@@ -460,19 +487,27 @@ def _shut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
+Locator = Callable[[pb.LookupRequest, bytes], Coroutine[Any, Any, pb.LocateResponse]]
+
+
 class HttpEndpoint(AsyncResource):
-    """The HTTP endpoint: /metrics, /healthz, /readyz, on a bounded threading server.
+    """The HTTP endpoint: /metrics, /healthz, /readyz and /v1/locate, on a bounded
+    threading server.
 
     ``start()`` binds ``host:port`` (port 0: any; the bound one is in :attr:`port`
     after), ``close()`` stops serving and drops open connections; both idempotent, and
     ``async with`` pairs them. Must be started on the service's event loop: metrics are
-    rendered there.
+    rendered there. ``locate`` (a request and the token its caller sent → the answer;
+    :func:`ctxmem_dpu.control.locate_http.authenticated_locate`) serves ``POST
+    /v1/locate`` on that loop; without it the path answers 404. ``locate_refusal``, when
+    set, is why this endpoint refuses session tokens (403 with it).
     """
 
     def __init__(self, store: BlockStore, host: str, port: int, ready: Callable[[], bool],
                  *, request_timeout_s: float = 5.0, max_connections: int = 128,
                  head_timeout_s: float = 2.0, max_per_source: int = 64,
-                 fd_reserve: FdReserve | None = None) -> None:
+                 fd_reserve: FdReserve | None = None, locate: Locator | None = None,
+                 locate_refusal: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StoreCollector(store))
         # process_cpu_seconds_total and friends: the service's own CPU, beside its bytes.
@@ -485,6 +520,8 @@ class HttpEndpoint(AsyncResource):
         self.head_timeout_s = head_timeout_s
         self.max_per_source = max_per_source
         self.fd_reserve = fd_reserve
+        self.locate = locate
+        self.locate_refusal = locate_refusal
         self._server: _BoundedWSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -532,6 +569,14 @@ class HttpEndpoint(AsyncResource):
         path = environ.get("PATH_INFO", "/")
         method = environ.get("REQUEST_METHOD", "GET")
         ctype = "text/plain; charset=utf-8"
+        if path == locate_http.LOCATE_PATH:
+            code, body = self._locate(environ, method)
+            headers = [("Content-Type", "application/json"),
+                       ("Content-Length", str(len(body)))]
+            if code.startswith("405"):
+                headers.append(("Allow", "POST"))
+            start_response(code, headers)
+            return [b"" if method == "HEAD" else body]
         if method not in ("GET", "HEAD"):
             code, body = "405 Method Not Allowed", b"only GET and HEAD\n"
         elif path == "/metrics":
@@ -551,6 +596,82 @@ class HttpEndpoint(AsyncResource):
             code, body = "404 Not Found", b"not found\n"
         start_response(code, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
         return [b"" if method == "HEAD" else body]
+
+    def _locate(self, environ: dict[str, Any], method: str) -> tuple[str, bytes]:
+        """``POST /v1/locate`` (on an HTTP thread): the status line and JSON body. The
+        body is refused from its header when over the cap, else read (the socket's
+        timeout and the request's watchdog bound the wait) and parsed here; the query
+        runs on the service's loop, within the request timeout."""
+        def refuse(code: str, err: ErrorCode | str, message: str) -> tuple[str, bytes]:
+            log.debug("metrics HTTP %s refused %s: %s", locate_http.LOCATE_PATH, code,
+                      message)
+            return code, locate_http.error_body(err, message)
+
+        if self.locate is None:
+            return refuse("404 Not Found", "NOT_FOUND", "Locate is not served here")
+        if method != "POST":
+            return refuse("405 Method Not Allowed", "METHOD_NOT_ALLOWED",
+                          f"{locate_http.LOCATE_PATH} takes POST with a JSON body")
+        if self.locate_refusal:
+            return refuse("403 Forbidden", ErrorCode.PERMISSION_DENIED, self.locate_refusal)
+        token = locate_http.token_of(
+            environ.get("HTTP_" + locate_http.TOKEN_HEADER.upper().replace("-", "_")))
+        if token is None:
+            return refuse("401 Unauthorized", ErrorCode.PERMISSION_DENIED,
+                          f"no session token; send the session_token from Connect, hex, as "
+                          f"the header {locate_http.TOKEN_HEADER!r}")
+        length = environ.get("CONTENT_LENGTH") or ""
+        if not length.isdigit():
+            return refuse("411 Length Required", ErrorCode.INVALID_ARGUMENT,
+                          f"{locate_http.LOCATE_PATH}: send the body with a Content-Length "
+                          f"(got {length[:32]!r})")
+        n = int(length)
+        if n > locate_http.MAX_BODY_BYTES:
+            return refuse("413 Content Too Large", ErrorCode.INVALID_ARGUMENT,
+                          f"{locate_http.LOCATE_PATH}: a body of {n} bytes is over "
+                          f"{locate_http.MAX_BODY_BYTES}; ask fewer keys, or gRPC Locate "
+                          f"with packed keys")
+        try:
+            data = environ["wsgi.input"].read(n)
+        except OSError as exc:  # the socket timed out or was shut at the deadline
+            return refuse("408 Request Timeout", ErrorCode.INVALID_ARGUMENT,
+                          f"{locate_http.LOCATE_PATH}: the body did not arrive within "
+                          f"metrics.request_timeout_s ({exc!r})")
+        if len(data) != n:
+            return refuse("400 Bad Request", ErrorCode.INVALID_ARGUMENT,
+                          f"{locate_http.LOCATE_PATH}: the body ended after {len(data)} of "
+                          f"its {n} bytes (Content-Length)")
+        try:
+            request = locate_http.parse_request(data)
+            del data
+            resp = self._on_loop_async(self.locate(request, token))
+        except CtxmemError as exc:
+            return refuse(locate_http.error_status(exc), exc.code, exc.message)
+        except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+            return refuse("503 Service Unavailable", ErrorCode.UNAVAILABLE,
+                          f"{locate_http.LOCATE_PATH}: the service did not answer within "
+                          f"metrics.request_timeout_s ({exc!r}); retry")
+        except Exception as exc:
+            log.warning("metrics: %s failed: %r", locate_http.LOCATE_PATH, exc)
+            return refuse("500 Internal Server Error", ErrorCode.INTERNAL,
+                          f"{locate_http.LOCATE_PATH}: internal error ({type(exc).__name__})"
+                          f"; see the service's log")
+        return "200 OK", locate_http.response_body(resp)
+
+    def _on_loop_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro`` run on the service's loop (from an HTTP thread), within the request
+        timeout (then cancelled there)."""
+        assert self._loop is not None
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop is closed
+            coro.close()
+            raise
+        try:
+            return fut.result(timeout=self.request_timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
 
     async def close(self) -> None:
         server, self._server = self._server, None

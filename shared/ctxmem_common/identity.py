@@ -21,7 +21,8 @@ insecure mode acceptable beyond loopback: that takes mTLS or tokens.
 :func:`check_identity_mode` is the one place that decides.
 
 After Connect, every call proves its session with the session token as the call
-metadata :data:`SESSION_TOKEN_METADATA_KEY` (binary: the ``-bin`` suffix).
+metadata :data:`SESSION_TOKEN_METADATA_KEY` (binary: the ``-bin`` suffix), or, on the
+metrics port's JSON Locate, as the header :data:`SESSION_TOKEN_HTTP_HEADER` (hex).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from ctxmem_common.config import Config
 
 SESSION_TOKEN_METADATA_KEY = "ctxmem-session-token-bin"
+#: The same token, hex, as an HTTP header: the metrics port's ``POST`` :data:`LOCATE_PATH`.
+SESSION_TOKEN_HTTP_HEADER = "ctxmem-session-token"
+#: Locate as JSON on the metrics port (docs/operations.md, "Routers").
+LOCATE_PATH = "/v1/locate"
 
 IdentityMode = Literal["mtls", "tokens", "insecure"]
 

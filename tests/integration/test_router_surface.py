@@ -17,6 +17,7 @@ import zmq
 
 import ctxmem
 from ctxmem_tools.launcher import free_port
+from ctxmem_tools.locate_http import locate_http
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
@@ -46,6 +47,37 @@ def test_locate_names_the_leading_blocks_and_their_tier(service_factory: Any) ->
         # Bad keys are refused as Lookup refuses them.
         with pytest.raises(ctxmem.InvalidArgument):
             ns.locate([b""])
+
+
+def test_locate_over_the_metrics_port_answers_as_grpc_locate(service_factory: Any) -> None:
+    """POST /v1/locate on the metrics port (the session's token as a header) answers what
+    gRPC Locate answers, as JSON: a prefix beyond what is held, a whole hit, a miss."""
+    svc = service_factory()
+    keys = ctxmem.chain_hashes(range(16 * 6), 16)
+    with ctxmem.Client(svc.endpoint) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        assert ns.put(keys[:4], _blocks(4, 2)).stored == 4
+        ns.evict(keys[:2])
+        s = ns._open()
+        for ask, hits in ((keys, 4), (keys[:3], 3), (keys[4:], 0), (keys[2:], 2)):
+            want = ns.locate(ask)
+            status, got = locate_http(svc.metrics_listen, s.id, s.token, ns.handle, ask)
+            assert status == 200, got
+            assert got == {"num_hits": want.num_hits, "tiers": want.tiers,
+                           "nodes": want.nodes, "node_id": want.node_id}
+            assert got["num_hits"] == hits
+        assert got["tiers"] == ["dram", "dram"]
+        # Another tenant's session and namespace see nothing over HTTP either.
+        other = c.open_namespace(LAYOUT, model_id="m", tenant="someone-else")
+        so = other._open()
+        status, got = locate_http(svc.metrics_listen, so.id, so.token, other.handle, keys)
+        assert (status, got["num_hits"]) == (200, 0)
+        # Bad keys are refused as gRPC Locate refuses them (400 with its message).
+        status, got = locate_http(svc.metrics_listen, s.id, s.token, ns.handle, [b"k", b"k"])
+        assert status == 400 and got["error"] == "INVALID_ARGUMENT", got
+        with pytest.raises(ctxmem.InvalidArgument) as refused:
+            ns.locate([b"k", b"k"])
+        assert got["message"] in str(refused.value)
 
 
 def _subscribe(endpoint: str) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import ctxmem
+from ctxmem_tools.locate_http import locate_http
 from ctxmem_tools.pod_launcher import LocalPod
 from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
 
@@ -61,7 +62,8 @@ def test_prefetch_pulls_remote_blocks_ahead_of_need(pod: LocalPod, clients: Clie
 
 
 def test_locate_names_the_holding_node_of_each_leading_block(pod: LocalPod) -> None:
-    """Issue 29 item 3: a router asks any node where a request's prefix is held."""
+    """Issue 29 item 3: a router asks any node where a request's prefix is held, over gRPC
+    and as JSON on the metrics port (POST /v1/locate)."""
     n1, n2, n3 = pod.nodes
     keys = ctxmem.chain_hashes(range(16 * 8), 16)
     data = blocks(len(keys), 5)
@@ -78,6 +80,12 @@ def test_locate_names_the_holding_node_of_each_leading_block(pod: LocalPod) -> N
         assert loc.num_hits == 6 and loc.node_id not in (id1, id2, "")
         assert loc.nodes == [id1] * 4 + [id2] * 2
         assert loc.tiers == ["dram"] * 6
+        # The same answer as JSON on node 3's metrics port, from the same cluster index.
+        s3 = ns3._open()
+        status, got = locate_http(n3.metrics_listen, s3.id, s3.token, ns3.handle, keys)
+        assert status == 200, got
+        assert got == {"num_hits": 6, "tiers": ["dram"] * 6, "nodes": [id1] * 4 + [id2] * 2,
+                       "node_id": loc.node_id}
         assert ns3.lookup(keys).tiers == ["remote"] * 6, "Locate fetched nothing"
         # node 3 holds the first two itself once it has read them
         out = [np.zeros_like(d) for d in data[:2]]

@@ -154,6 +154,20 @@ def peer_tenant(context: Any) -> str | None:
     return tenant_of_pem(pem) if pem is not None else None
 
 
+def session_with_token(sessions: Callable[[bytes], Session | None], session_id: Any,
+                       token: bytes) -> Session | None:
+    """The live session ``session_id`` when ``token`` is its token, else None: the one
+    check of a session token, for gRPC calls (:class:`SessionAuthInterceptor`) and the
+    metrics port's JSON Locate (:mod:`ctxmem_dpu.control.locate_http`). The token is
+    compared in constant time, against a dummy when the session is unknown (same work,
+    same answer), so an answer tells nothing about which session ids exist."""
+    s = sessions(session_id) if isinstance(session_id, bytes) else None
+    want = s.token if s is not None else b"\0" * 16
+    if not hmac.compare_digest(want, token) or s is None:
+        return None
+    return s
+
+
 class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses any call after Connect that does not carry its session's token.
 
@@ -252,10 +266,7 @@ class SessionAuthInterceptor(grpc.aio.ServerInterceptor):
                         f"{method}: no session token; send the session_token from Connect as "
                         f"the call metadata {SESSION_TOKEN_METADATA_KEY!r} (the ctxmem shim "
                         f"does this)")
-        s = self._sessions(session_id) if isinstance(session_id, bytes) else None
-        # Compare against a dummy when the session is unknown: same work, same answer.
-        want = s.token if s is not None else b"\0" * 16
-        if not hmac.compare_digest(want, token) or s is None:
+        if session_with_token(self._sessions, session_id, token) is None:
             await _deny(context, grpc.StatusCode.UNAUTHENTICATED, ErrorCode.UNKNOWN_SESSION,
                         f"{method}: unknown session or wrong session token (the service "
                         f"restarted or the session closed); reconnect")

@@ -7,15 +7,25 @@ first, then (in a pod) the cluster index for this node's misses, in the one HMGE
 pod Lookup already makes (:meth:`ctxmem_dpu.pod.fetch.RemoteFetch.merged`). The answer
 stops at the first key no live member holds, as a prefix Lookup does. It is what the
 index says (where to look), not a promise: a block can leave a node right after.
+
+:func:`locate` is the whole query, served by gRPC ``Locate`` (the servicer) and by the
+metrics port's ``POST /v1/locate`` (:mod:`ctxmem_dpu.control.locate_http`) alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_dpu.blocks import Block
+from ctxmem_dpu.control import block_ops
+from ctxmem_dpu.control.lookup_wire import key_list, request_keys
 from ctxmem_dpu.pod.entries import unpack_entry
+
+if TYPE_CHECKING:
+    from ctxmem_dpu.pod.node import PodNode
+    from ctxmem_dpu.store import BlockStore
 
 _TIERS = {"dram": pb.TIER_DRAM, "flash": pb.TIER_FLASH}
 
@@ -39,3 +49,18 @@ def locate_response(keys: Sequence[bytes], local: Sequence[Block | None],
         locs.add(tier=_TIERS[e.tier], node_id=e.node_id)
     out.num_hits = len(locs)
     return out
+
+
+async def locate(store: BlockStore, pod: PodNode | None, request: pb.LookupRequest
+                 ) -> pb.LocateResponse:
+    """Locate ``request`` (a LookupRequest; ``prefix`` and ``want_tier_codes`` ignored) in
+    its session's namespace: this node's index, then in a pod the cluster index for the
+    rest, in one round trip. The caller has authenticated the session (its token)."""
+    _s, ns = block_ops.open_namespace(store, request.session_id, request.namespace_handle)
+    keys, checked = request_keys(request)  # validated by the index's lookup
+    if pod is None:
+        local = store.lookup_blocks(ns, keys, prefix=True, checked=checked)
+        return locate_response(key_list(keys[:len(local)]), local, [None] * len(local), "")
+    keys = key_list(keys)
+    local, remote = await pod.fetch.merged(ns, keys)
+    return locate_response(keys, local, remote, pod.pod.node_id)

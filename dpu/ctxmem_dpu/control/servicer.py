@@ -46,7 +46,7 @@ from ctxmem_dpu.blocks import Session
 from ctxmem_dpu.control import block_ops
 from ctxmem_dpu.control.auth import connect_tenant, peer_cert
 from ctxmem_dpu.control.localpeer import LocalUsers
-from ctxmem_dpu.control.locate import locate_response
+from ctxmem_dpu.control.locate import locate
 from ctxmem_dpu.control.lookup_wire import key_list, lookup_response, request_keys
 from ctxmem_dpu.store import BlockStore
 
@@ -255,15 +255,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
 
     @_rpc
     async def Locate(self, request: pb.LookupRequest, context: Any) -> pb.LocateResponse:
-        _s, ns = block_ops.open_namespace(self.store, request.session_id,
-                                          request.namespace_handle)
-        keys, checked = request_keys(request)  # validated by the index's lookup
-        if self.pod is None:
-            local = self.store.lookup_blocks(ns, keys, prefix=True, checked=checked)
-            return locate_response(key_list(keys[:len(local)]), local, [None] * len(local), "")
-        keys = key_list(keys)
-        local, remote = await self.pod.fetch.merged(ns, keys)
-        return locate_response(keys, local, remote, self.pod.pod.node_id)
+        return await locate(self.store, self.pod, request)
 
     async def _pod_lookup(self, ns: Any, keys: list[bytes], prefix: bool, packed: bool
                           ) -> pb.LookupResponse:
