@@ -112,7 +112,7 @@ async def test_a_shifted_clock_never_takes_a_live_owners_slabs(
                 with SharedFlashSource([path], MASTER) as src:  # any node's read path
                     assert await _lost(src, acked) == 0
                     served = len(pb) - await _lost(src, pb)  # b's: exact or a miss
-                    assert served >= 3 * PER_SLAB
+                    assert served >= 2 * PER_SLAB  # (b filled its room)
                 assert {p.key for p in acked} <= set(a.index[nsa.digest])
                 assert proc.poll() is None, "b exited"
             finally:
