@@ -207,4 +207,4 @@ def test_a_node_stopped_past_its_lease_keeps_its_slabs_and_goes_on(
     for node in (n1, n2):
         for keys, data in ((k1, d1), (k2, d2), (k3, d3)):
             assert clients.get(node.endpoint, keys, data) == 6
-    assert clients.stats(n1.endpoint).get("flash_fenced_writes", 0) == 0
+    assert clients.stats(n1.endpoint)["flash_fenced_writes"] == 0
