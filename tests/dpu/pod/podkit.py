@@ -151,14 +151,25 @@ async def put_durable(store: BlockStore, node_id: str, s: Session, ns: Namespace
 
 @contextlib.contextmanager
 def node_process(url: str, node_id: str, path: str, slab_size: int, lease_s: float,
-                 blocks: int, kib: int) -> Iterator[tuple[subprocess.Popen[str],
-                                                         list[Published]]]:
-    """:func:`_node_main` as a child process; yields it (running) and its blocks."""
+                 blocks: int, kib: int, rounds: int = 1, pause_s: float = 0.0,
+                 env: dict[str, str] | None = None, check: list[Published] | None = None
+                 ) -> Iterator[tuple[subprocess.Popen[str], list[Published]]]:
+    """:func:`_node_main` as a child process; yields it (running) and its blocks.
+    ``rounds``: puts ``blocks`` blocks that many times, ``pause_s`` apart (the pressure
+    spans that long); ``env``: added to its environment (a shifted clock); ``check``:
+    blocks of other nodes it reads from the shared device after its puts (it fails unless
+    each reads back exactly)."""
     cmd = [sys.executable, "-m", "tests.dpu.pod.podkit", "node", "--url", url, "--node",
            node_id, "--path", path, "--slab-size", str(slab_size), "--lease", str(lease_s),
-           "--blocks", str(blocks), "--kib", str(kib)]
+           "--blocks", str(blocks), "--kib", str(kib), "--rounds", str(rounds),
+           "--pause", str(pause_s)]
+    if check is not None:
+        listing = Path(path).with_name(f"check-{node_id}.jsonl")
+        listing.write_text("".join(p.to_json() + "\n" for p in check))
+        cmd += ["--check", str(listing)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[3])
+                            cwd=Path(__file__).resolve().parents[3],
+                            env={**os.environ, **(env or {})})
     try:
         assert proc.stdout is not None
         published: list[Published] = []
@@ -180,12 +191,29 @@ def node_process(url: str, node_id: str, path: str, slab_size: int, lease_s: flo
         proc.wait(10)
 
 
+async def _check(path: str, lines: list[str]) -> None:
+    """Read other nodes' blocks from the shared device, as this node's pod fetch does."""
+    from ctxmem_dpu.pod.shared_flash import SharedFlashSource
+
+    with SharedFlashSource([path], MASTER) as src:
+        for p in map(Published.from_json, lines):
+            got = (await src.fetch(p.ns, [p.entry], [p.key]))[0]
+            if got is None or bytes(got) != block_bytes(p.key, p.entry.nbytes):
+                raise SystemExit(f"block {p.key!r} of node {p.entry.node_id} does not read "
+                                 f"back: {'a miss' if got is None else 'WRONG bytes'}")
+
+
 async def _node_main(a: argparse.Namespace) -> None:
     async with node(a.url, a.node, a.path, a.slab_size, a.lease) as store:
         s, ns = session(store, a.kib)
-        keys = [f"{a.node}-{i}".encode() for i in range(a.blocks)]
-        for p in await put_durable(store, a.node, s, ns, keys):
-            print(p.to_json(), flush=True)
+        for r in range(a.rounds):
+            if r:
+                await asyncio.sleep(a.pause)
+            keys = [f"{a.node}-{i}".encode() for i in range(r * a.blocks, (r + 1) * a.blocks)]
+            for p in await put_durable(store, a.node, s, ns, keys):
+                print(p.to_json(), flush=True)
+        if a.check:
+            await _check(a.path, Path(a.check).read_text().splitlines())
         print("ready", flush=True)
         await asyncio.sleep(3600)  # until killed
 
@@ -197,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, tp in (("--url", str), ("--node", str), ("--path", str), ("--slab-size", int),
                      ("--lease", float), ("--blocks", int), ("--kib", int)):
         n.add_argument(name, type=tp, required=True)
+    n.add_argument("--rounds", type=int, default=1)
+    n.add_argument("--pause", type=float, default=0.0)
+    n.add_argument("--check", default="")
     a: Any = ap.parse_args(argv)
     asyncio.run(_node_main(a))
 
