@@ -217,9 +217,12 @@ class SlabLeases:
 
 class Liveness:
     """Which pod nodes are dead, by what this node observed of their heartbeats on one
-    device: a node is dead once its counter has not changed for ``lease_s`` on this
-    node's monotonic clock (measured from the first time this node saw that value), or at
-    once when it ran on this host and its process is gone."""
+    device. A node that ran on this host is checked first, by what can be checked: dead
+    at once when its process is gone (or the host rebooted since), alive while its process
+    runs with its start time, whatever its heartbeat says (paused by SIGSTOP, stalled: a
+    lease that lapses while its owner lives is renewed, never taken; issue 26). A node of
+    another host is dead once its counter has not changed for ``lease_s`` on this node's
+    monotonic clock (measured from the first time this node saw that value)."""
 
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
@@ -237,9 +240,10 @@ class Liveness:
     def dead(self, node: str, beats: dict[str, NodeBeat], now: float) -> str:
         """Why ``node`` counts as dead (``""``: alive, or not yet known to be dead)."""
         b = beats.get(node)
-        if b is not None and b.host == socket.gethostname() and (
-                b.boot_id != boot_id() or process_start(b.pid) != b.start_ticks):
-            return "its process is gone"
+        if b is not None and b.host == socket.gethostname():
+            if b.boot_id != boot_id() or process_start(b.pid) != b.start_ticks:
+                return "its process is gone"
+            return ""  # its process runs here: alive, even with its heartbeat stopped
         seen = self._seen.get(node)
         if seen is None or now - seen[1] < self.lease_s:
             return ""
