@@ -45,6 +45,7 @@ from ctxmem_dpu.transport.tcp import TcpDataServer
 
 if TYPE_CHECKING:
     from ctxmem_dpu import kv_events
+    from ctxmem_dpu.s3.server import S3Door
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Service:
         self.tcp: TcpDataServer | None = None
         self.rdma: RdmaServer | None = None
         self.http: HttpEndpoint | None = None
+        self.s3: S3Door | None = None
         self.tls: ServerTls | None = None
         self._tls_watch: asyncio.Task[None] | None = None
         self.pod: PodNode | None = None
@@ -270,6 +272,11 @@ class Service:
                                      max_per_source=cfg.metrics.max_connections_per_source,
                                      fd_reserve=self.fd_reserve)
             await self.http.start()
+        if cfg.s3.listen:  # the S3 door (docs/s3.md); botocore only when configured
+            from ctxmem_dpu.s3.server import S3Door
+
+            self.s3 = S3Door(self.store, cfg, self.tls, self.fd_reserve)
+            await self.s3.start()
         self.ready = True
         log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s), "
                  "identity %s, TLS %s, AES-XTS %s, CRC32C %s", cfg.mode, listen,
@@ -319,7 +326,7 @@ class Service:
             await self.events.close()
         if self.server is not None:
             await self.server.stop(grace_s)
-        for srv in (self.http, self.tcp, self.shm):
+        for srv in (self.s3, self.http, self.tcp, self.shm):
             if srv is not None:
                 await srv.close()
         if self.store is not None:
