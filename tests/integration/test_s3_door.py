@@ -58,8 +58,8 @@ class S3Service:
     def used(self, tenant: str, tier: str = "dram") -> float:
         url = f"http://{self.svc.metrics_listen}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
-        m = re.search(r'^ctxmem_tenant_used_bytes\{tenant="%s",tier="%s"\} (\S+)$'
-                      % (tenant, tier), text, re.M)
+        series = f'ctxmem_tenant_used_bytes{{tenant="{tenant}",tier="{tier}"}} '
+        m = re.search("^" + re.escape(series) + r"(\S+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
 
 

@@ -1,0 +1,201 @@
+"""Issue 30 item 1: what the S3 endpoint refuses, against a REAL service.
+
+An unsigned request, a bad signature, an unknown access key, a request signed 20 minutes
+ago, a body that is not the one signed, a body over s3.max_put_bytes: each gets its S3
+XML error (never a traceback), nothing is stored, and the service keeps serving. The
+listener is bounded like the others (docs/security.md, "Listeners"): a slow-loris head
+is cut off at s3.head_timeout_s, and over s3.max_unauthenticated silent connections the
+oldest is closed while a signed request is still served.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import io
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ctxmem_tools.launcher import ServiceProcess, free_port, local_config
+
+boto3 = pytest.importorskip("boto3")
+from botocore.auth import S3SigV4Auth  # noqa: E402
+from botocore.awsrequest import AWSRequest  # noqa: E402
+from botocore.config import Config as BotoConfig  # noqa: E402
+from botocore.credentials import Credentials  # noqa: E402
+from botocore.exceptions import ClientError  # noqa: E402
+
+KEY_ID, SECRET = "AKIAREFUSALS1", "refusal-tests-secret-0123456789abcdef"
+HEAD_TIMEOUT_S = 2.0
+MAX_UNAUTH = 4
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServiceProcess, int]]:
+    workdir = tmp_path_factory.mktemp("s3refusals")
+    port = free_port()
+    cfg = local_config(workdir, flash_size=None, s3={
+        "listen": f"127.0.0.1:{port}", "chunk_size": "1MiB", "max_put_bytes": "2MiB",
+        "head_timeout_s": HEAD_TIMEOUT_S, "max_unauthenticated": MAX_UNAUTH,
+        "max_unauthenticated_per_source": MAX_UNAUTH,
+        "access_keys": {KEY_ID: {"tenant": "t1", "secret": SECRET}}})
+    with ServiceProcess(workdir, cfg) as svc:
+        yield svc, port
+
+
+def client(port: int, key_id: str = KEY_ID, secret: str = SECRET) -> Any:
+    return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}",
+                        region_name="us-east-1", aws_access_key_id=key_id,
+                        aws_secret_access_key=secret,
+                        config=BotoConfig(s3={"addressing_style": "path"},
+                                          retries={"max_attempts": 1, "mode": "standard"}))
+
+
+def still_serves(port: int) -> None:
+    c = client(port)
+    c.put_object(Bucket="okb", Key="probe", Body=b"alive")
+    assert c.get_object(Bucket="okb", Key="probe")["Body"].read() == b"alive"
+
+
+def signed(port: int, method: str, path: str, body: bytes = b"", *,
+           when: datetime.datetime | None = None, payload_sha: str | None = None
+           ) -> urllib.request.Request:
+    """A request signed by botocore's own signer, at ``when`` (default now), claiming
+    ``payload_sha`` for its body (default the body's real SHA-256)."""
+    stamp = (when or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    url = f"http://127.0.0.1:{port}{path}"
+    sha = payload_sha or hashlib.sha256(body).hexdigest()
+    req = AWSRequest(method=method, url=url, data=body,
+                     headers={"host": f"127.0.0.1:{port}", "x-amz-date": stamp,
+                              "x-amz-content-sha256": sha})
+    req.context["timestamp"] = stamp
+    signer = S3SigV4Auth(Credentials(KEY_ID, SECRET), "s3", "us-east-1")
+    canonical = signer.canonical_request(req)
+    sig = signer.signature(signer.string_to_sign(req, canonical), req)
+    headers = dict(req.headers.items())
+    headers["Authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={signer.scope(req)}, SignedHeaders="
+        f"{signer.signed_headers(signer.headers_to_sign(req))}, Signature={sig}")
+    return urllib.request.Request(url, data=body or None, method=method, headers=headers)
+
+
+def answer(req: urllib.request.Request) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_unsigned_request_is_refused_with_xml(s3: tuple[ServiceProcess, int]) -> None:
+    _, port = s3
+    code, body = answer(urllib.request.Request(f"http://127.0.0.1:{port}/ok/probe"))
+    assert code == 403
+    assert "<Code>AccessDenied</Code>" in body and "Traceback" not in body
+    still_serves(port)
+
+
+@pytest.mark.parametrize(("key_id", "secret", "code"), [
+    (KEY_ID, "not-the-secret-at-all-0123456789abcd", "SignatureDoesNotMatch"),
+    ("AKIANOSUCHKEY", SECRET, "InvalidAccessKeyId"),
+])
+def test_bad_signature_and_unknown_key_get_403(s3: tuple[ServiceProcess, int], key_id: str,
+                                               secret: str, code: str) -> None:
+    _, port = s3
+    bad = client(port, key_id, secret)
+    for call in (lambda: bad.put_object(Bucket="okb", Key="forged", Body=b"x"),
+                 lambda: bad.get_object(Bucket="okb", Key="probe"),
+                 lambda: bad.list_objects_v2(Bucket="okb")):
+        with pytest.raises(ClientError) as exc:
+            call()
+        assert exc.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
+        assert exc.value.response["Error"]["Code"] == code
+    with pytest.raises(ClientError):
+        client(port).head_object(Bucket="okb", Key="forged")  # nothing was stored
+    still_serves(port)
+
+
+def test_hand_signed_request_is_served_and_a_skewed_one_refused(
+        s3: tuple[ServiceProcess, int]) -> None:
+    _, port = s3
+    code, _ = answer(signed(port, "PUT", "/okb/hand", b"by hand"))
+    assert code == 200
+    assert answer(signed(port, "GET", "/okb/hand")) == (200, "by hand")
+    old = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=20)
+    code, body = answer(signed(port, "GET", "/okb/hand", when=old))
+    assert code == 403 and "<Code>RequestTimeTooSkewed</Code>" in body
+
+
+def test_a_body_other_than_the_signed_one_is_not_stored(
+        s3: tuple[ServiceProcess, int]) -> None:
+    _, port = s3
+    req = signed(port, "PUT", "/okb/swapped", b"forged body",
+                 payload_sha=hashlib.sha256(b"signed body").hexdigest())
+    code, body = answer(req)
+    assert code == 400 and "<Code>XAmzContentSHA256Mismatch</Code>" in body
+    with pytest.raises(ClientError):
+        client(port).head_object(Bucket="okb", Key="swapped")
+    still_serves(port)
+
+
+def test_oversized_body_is_refused(s3: tuple[ServiceProcess, int]) -> None:
+    _, port = s3
+    c = client(port)
+    with pytest.raises(ClientError) as exc:  # a file-like body: Expect: 100-continue
+        c.put_object(Bucket="okb", Key="big", Body=io.BytesIO(bytes(3 * MiB)))
+    assert exc.value.response["Error"]["Code"] == "EntityTooLarge"
+    with pytest.raises(ClientError):
+        c.head_object(Bucket="okb", Key="big")
+    still_serves(port)
+
+
+def test_slow_loris_is_cut_at_the_head_deadline(s3: tuple[ServiceProcess, int]) -> None:
+    _, port = s3
+    loris = socket.create_connection(("127.0.0.1", port))
+    t0 = time.monotonic()
+    closed_after = None
+    try:
+        loris.sendall(b"GET /ok/probe HTTP/1.1\r\nHost: x\r\n")
+        loris.settimeout(0.3)
+        while time.monotonic() - t0 < HEAD_TIMEOUT_S + 5:
+            try:
+                loris.sendall(b"X-Slow: 1\r\n")
+                if loris.recv(4096) == b"":
+                    closed_after = time.monotonic() - t0
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed_after = time.monotonic() - t0
+                break
+    finally:
+        loris.close()
+    assert closed_after is not None, "a client trickling header lines was never cut off"
+    assert closed_after < HEAD_TIMEOUT_S + 2
+    still_serves(port)
+
+
+def test_over_the_cap_the_oldest_silent_connection_is_closed(
+        s3: tuple[ServiceProcess, int]) -> None:
+    _, port = s3
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_UNAUTH)]
+    try:
+        time.sleep(0.3)
+        still_serves(port)  # a new connection, signed at once: served
+        held[0].settimeout(5)
+        try:
+            assert held[0].recv(4096) == b"", "the oldest silent connection was answered"
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail("the oldest silent connection was kept over s3.max_unauthenticated")
+    finally:
+        for s in held:
+            s.close()
