@@ -12,7 +12,6 @@ tests/adversary/test_s3_refusals.py.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import socket
 import urllib.request
@@ -67,10 +66,11 @@ class S3Service:
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Service]:
     workdir = tmp_path_factory.mktemp("s3door")
     port = free_port()
-    os.environ["CTXMEM_TEST_S3"] = OTHER_SECRET
     cfg = local_config(workdir, s3=s3_section(port))
-    with ServiceProcess(workdir, cfg) as svc:
-        yield S3Service(svc, port)
+    with pytest.MonkeyPatch.context() as mp:  # the second key's secret_env
+        mp.setenv("CTXMEM_TEST_S3", OTHER_SECRET)
+        with ServiceProcess(workdir, cfg) as svc:
+            yield S3Service(svc, port)
 
 
 def payload(n: int, seed: int = 0) -> bytes:
@@ -222,3 +222,44 @@ def test_tenants_are_apart_and_counted(s3: S3Service) -> None:
     theirs.delete_object(Bucket="shared-name", Key="k")
     assert s3.used("other") <= before
     assert mine.get_object(Bucket="shared-name", Key="k")["Body"].read() == b"mine"
+
+
+def test_tls_and_the_sdks_aws_chunked_upload(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TLS (the tls: section's certificate) boto3 sends PutObject and UploadPart as
+    aws-chunked with a trailing CRC32 (its default): accepted, decoded, checked."""
+    from ctxmem_tools.bench.security_pki import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    monkeypatch.setenv("CTXMEM_TEST_S3", OTHER_SECRET)
+    port = free_port()
+    workdir = tmp_path / "svc"
+    cfg = local_config(workdir, flash_size=None, transports=["tcp"], s3=s3_section(port),
+                       tls={"cert_file": str(pki.server_cert),
+                            "key_file": str(pki.server_key)})
+    with ServiceProcess(workdir, cfg):
+        c = boto3.client("s3", endpoint_url=f"https://127.0.0.1:{port}",
+                         region_name="us-east-1", aws_access_key_id=KEY_ID,
+                         aws_secret_access_key=SECRET, verify=str(pki.ca),
+                         config=BotoConfig(s3={"addressing_style": "path"},
+                                           retries={"max_attempts": 1, "mode": "standard"}))
+        sent: list[str] = []
+        c.meta.events.register("before-send.s3.*", lambda request, **_: sent.append(
+            request.headers.get("x-amz-content-sha256", b"").decode()
+            if isinstance(request.headers.get("x-amz-content-sha256"), bytes)
+            else str(request.headers.get("x-amz-content-sha256"))))
+        data = payload(2 * MiB + 5, 40)
+        c.put_object(Bucket="tls", Key="chunked", Body=data)
+        assert "STREAMING-UNSIGNED-PAYLOAD-TRAILER" in sent, sent
+        assert c.get_object(Bucket="tls", Key="chunked")["Body"].read() == data
+        up = c.create_multipart_upload(Bucket="tls", Key="mp")
+        r = c.upload_part(Bucket="tls", Key="mp", UploadId=up["UploadId"], PartNumber=1,
+                          Body=data)
+        c.complete_multipart_upload(Bucket="tls", Key="mp", UploadId=up["UploadId"],
+                                    MultipartUpload={"Parts": [{"PartNumber": 1,
+                                                                "ETag": r["ETag"]}]})
+        assert c.get_object(Bucket="tls", Key="mp")["Body"].read() == data
+        # Plain HTTP on the TLS port is not served.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            raw.sendall(b"GET /tls/chunked HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"chunked" not in raw.recv(4096)
