@@ -10,6 +10,7 @@ oldest is closed while a signed request is still served.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import hashlib
 import io
@@ -17,6 +18,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,8 +67,8 @@ def still_serves(port: int) -> None:
 
 
 def signed(port: int, method: str, path: str, body: bytes = b"", *,
-           when: datetime.datetime | None = None, payload_sha: str | None = None
-           ) -> urllib.request.Request:
+           when: datetime.datetime | None = None, payload_sha: str | None = None,
+           extra: dict[str, str] | None = None) -> urllib.request.Request:
     """A request signed by botocore's own signer, at ``when`` (default now), claiming
     ``payload_sha`` for its body (default the body's real SHA-256)."""
     stamp = (when or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
@@ -74,7 +76,7 @@ def signed(port: int, method: str, path: str, body: bytes = b"", *,
     sha = payload_sha or hashlib.sha256(body).hexdigest()
     req = AWSRequest(method=method, url=url, data=body,
                      headers={"host": f"127.0.0.1:{port}", "x-amz-date": stamp,
-                              "x-amz-content-sha256": sha})
+                              "x-amz-content-sha256": sha, **(extra or {})})
     req.context["timestamp"] = stamp
     signer = S3SigV4Auth(Credentials(KEY_ID, SECRET), "s3", "us-east-1")
     canonical = signer.canonical_request(req)
@@ -142,6 +144,36 @@ def test_a_body_other_than_the_signed_one_is_not_stored(
     assert code == 400 and "<Code>XAmzContentSHA256Mismatch</Code>" in body
     with pytest.raises(ClientError):
         client(port).head_object(Bucket="okb", Key="swapped")
+    still_serves(port)
+
+
+def aws_chunked(data: bytes, crc: int, chunk: int = 4) -> bytes:
+    """``data`` in the SDKs' aws-chunked framing, a trailing x-amz-checksum-crc32."""
+    out = b"".join(b"%x\r\n%s\r\n" % (len(data[i:i + chunk]), data[i:i + chunk])
+                   for i in range(0, len(data), chunk))
+    crc64 = base64.b64encode(crc.to_bytes(4, "big"))
+    return out + b"0\r\nx-amz-checksum-crc32:" + crc64 + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_aws_chunked_trailer_checksum_is_checked(s3: tuple[ServiceProcess, int],
+                                                 good: bool) -> None:
+    _, port = s3
+    data = b"hello, chunked world"
+    crc = zlib.crc32(data) ^ (0 if good else 1)
+    key = f"/okb/chunked-{good}"
+    req = signed(port, "PUT", key, aws_chunked(data, crc),
+                 payload_sha="STREAMING-UNSIGNED-PAYLOAD-TRAILER",
+                 extra={"content-encoding": "aws-chunked",
+                        "x-amz-decoded-content-length": str(len(data)),
+                        "x-amz-trailer": "x-amz-checksum-crc32"})
+    code, body = answer(req)
+    if good:
+        assert code == 200, body
+        assert answer(signed(port, "GET", key)) == (200, data.decode())
+    else:
+        assert code == 400 and "<Code>BadDigest</Code>" in body
+        assert answer(signed(port, "GET", key))[0] == 404  # nothing stored
     still_serves(port)
 
 
