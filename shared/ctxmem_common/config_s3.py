@@ -46,7 +46,8 @@ class S3Config:
     # One PutObject or UploadPart body at most this large (EntityTooLarge over it): it is
     # staged in DRAM whole before it is committed.
     max_put_bytes: Size = Size(256 << 20)
-    # Parts of one multipart upload, and multipart uploads in progress (all tenants).
+    # Parts of one multipart upload, and multipart uploads in progress per tenant (kept in
+    # memory until completed or aborted; a restart forgets them).
     max_parts: int = 1000
     max_uploads: int = 1000
     # A request signed more than this many seconds from the service's clock is refused.

@@ -22,7 +22,7 @@ import hashlib
 import json
 import secrets
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from ctxmem_common.config import Config
@@ -264,7 +264,7 @@ class ObjectStore:
         return out
 
     async def read_spans(self, s: Session, data: Namespace,
-                         spans: list[tuple[bytes, int, int]]) -> AsyncIterator[bytes]:
+                         spans: list[tuple[bytes, int, int]]) -> AsyncGenerator[bytes, None]:
         """The bytes of ``spans`` in order, a chunk at a time, read through the store's
         get path (flash blocks promoted); S3Error NoSuchKey when a chunk is gone."""
         store = self.store

@@ -260,27 +260,31 @@ class Operations:
                 return resp
             spans = self.objects.spans(m, start, end)
             chunks = self.objects.read_spans(s, data, spans)
-            first = await anext(chunks, None) if spans else None  # a gone chunk: 404
-            await resp.prepare(request)
             try:
+                first = await anext(chunks, None) if spans else None  # a gone chunk: 404
+                await resp.prepare(request)
+                request[STREAMING] = resp  # from here an error can only close the connection
                 if first is not None:
                     await resp.write(first)
                 async for chunk in chunks:
                     await resp.write(chunk)
-            except S3Error:  # headers are out: only the connection can say so
-                if request.transport is not None:
-                    request.transport.close()
-                return resp
-            await resp.write_eof()
+                await resp.write_eof()
+            except S3Error:
+                if not resp.prepared:
+                    raise
+                cut_short(request)
+            finally:
+                await chunks.aclose()  # unpins what it still holds
             return resp
 
     # -- multipart ---------------------------------------------------------------------
     def _create_upload(self, request: web.BaseRequest, tenant: str, bucket: str, key: str
                        ) -> web.Response:
         ups = self.objects.uploads
-        if len(ups) >= self.objects.max_uploads:
-            raise S3Error(503, "SlowDown", f"{len(ups)} multipart uploads are in progress "
-                          f"(s3.max_uploads); complete or abort some")
+        mine = sum(1 for u in ups.values() if u.tenant == tenant)
+        if mine >= self.objects.max_uploads:
+            raise S3Error(503, "SlowDown", f"tenant {tenant!r} has {mine} multipart uploads "
+                          f"in progress (s3.max_uploads); complete or abort some")
         upload_id = secrets.token_urlsafe(24)
         ups[upload_id] = Upload(tenant, bucket, key, time.time(),
                                 request.headers.get("Content-Type", "binary/octet-stream"))
@@ -382,6 +386,15 @@ class Operations:
         with self.objects.session(tenant) as s:
             await self.objects.drop_upload(s, upload_id)
         return web.Response(status=204)
+
+
+STREAMING = "ctxmem.s3.streaming"
+
+
+def cut_short(request: web.BaseRequest) -> None:
+    """End a GET whose headers are out: close the connection short of its length."""
+    if request.transport is not None:
+        request.transport.close()
 
 
 def _keys(objects: ObjectStore, pid: bytes, size: int) -> list[bytes]:

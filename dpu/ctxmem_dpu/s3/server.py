@@ -43,7 +43,7 @@ from ctxmem_dpu.lifetime import AsyncResource
 from ctxmem_dpu.listenguard import FdReserve, Ticket, Unauthenticated
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.s3.objects import ObjectStore, S3Error
-from ctxmem_dpu.s3.ops import Operations, xml_response
+from ctxmem_dpu.s3.ops import STREAMING, Operations, cut_short, xml_response
 from ctxmem_dpu.s3.sigv4 import AuthError, verify
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.tls import ServerTls
@@ -145,6 +145,8 @@ class S3Door(AsyncResource):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for t in list(self._tasks):  # connections still in their TLS handshake
+            t.cancel()
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
@@ -241,6 +243,17 @@ class S3Door(AsyncResource):
         rid = secrets.token_hex(8)
         conn = self._conns.get(request.protocol)
         try:
+            return await self._handle(request, conn, rid)
+        except Exception:
+            streaming = request.get(STREAMING)
+            if streaming is None:
+                raise
+            cut_short(request)  # headers out already: no error answer can follow them
+            return streaming
+
+    async def _handle(self, request: web.BaseRequest, conn: _Conn | None, rid: str
+                      ) -> web.StreamResponse:
+        try:
             signed = verify(request.method, request.raw_path, request.headers.items(),
                             request.headers, self.secrets, self.cfg.region,
                             self.cfg.max_clock_skew_s)
@@ -257,28 +270,36 @@ class S3Door(AsyncResource):
             return await asyncio.wait_for(
                 self.ops.dispatch(request, tenant, bucket, key, signed.content_sha256),
                 self.cfg.request_timeout_s)
-        except S3Error as exc:
+        except Exception as exc:
+            if request.get(STREAMING) is not None:
+                raise  # headers out already: handle() cuts the connection short
+            return self._failed(request, exc, tenant, rid)
+
+    def _failed(self, request: web.BaseRequest, exc: Exception, tenant: str, rid: str
+                ) -> web.StreamResponse:
+        """The S3 error answer for ``exc``, raised while serving ``request``."""
+        if isinstance(exc, S3Error):
             # A body left unread is not drained: the connection closes after the answer.
             return self._error(request, exc.status, exc.code, str(exc), rid,
                                close=not request.content.is_eof())
-        except asyncio.TimeoutError:
+        if isinstance(exc, asyncio.TimeoutError):
             return self._error(request, 400, "RequestTimeout", f"the request took over "
                                f"{self.cfg.request_timeout_s:g} s (s3.request_timeout_s)",
                                rid, close=True)
-        except ResourceExhausted as exc:
+        if isinstance(exc, ResourceExhausted):
             return self._error(request, 503, "SlowDown", str(exc), rid)
-        except PermissionDenied as exc:
+        if isinstance(exc, PermissionDenied):
             return self._error(request, 403, "AccessDenied", str(exc), rid)
-        except InvalidArgument as exc:
+        if isinstance(exc, InvalidArgument):
             return self._error(request, 400, "InvalidArgument", str(exc), rid)
-        except CtxmemError as exc:
+        if isinstance(exc, CtxmemError):
             log.warning("S3 %s %s of tenant %r failed: %s", request.method, request.path,
                         tenant, exc)
             return self._error(request, 503, "ServiceUnavailable", str(exc), rid)
-        except Exception:
-            log.exception("S3 %s %s of tenant %r failed", request.method, request.path, tenant)
-            return self._error(request, 500, "InternalError", f"internal error (request "
-                               f"{rid}: see the service log)", rid, close=True)
+        log.error("S3 %s %s of tenant %r failed", request.method, request.path, tenant,
+                  exc_info=exc)
+        return self._error(request, 500, "InternalError", f"internal error (request {rid}: "
+                           f"see the service log)", rid, close=True)
 
     def _error(self, request: web.BaseRequest, status: int, code: str, message: str,
                rid: str, close: bool = False) -> web.StreamResponse:
