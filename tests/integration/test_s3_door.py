@@ -263,3 +263,28 @@ def test_tls_and_the_sdks_aws_chunked_upload(tmp_path: Path,
         with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
             raw.sendall(b"GET /tls/chunked HTTP/1.1\r\nHost: x\r\n\r\n")
             assert b"chunked" not in raw.recv(4096)
+
+
+def test_the_tenants_quota_applies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant held to a quarter of DRAM (no flash) stays within it: its older objects
+    are evicted for its newer ones (a GET then answers NoSuchKey), while another
+    tenant's object stays."""
+    monkeypatch.setenv("CTXMEM_TEST_S3", OTHER_SECRET)
+    port = free_port()
+    workdir = tmp_path / "svc"
+    cfg = local_config(workdir, flash_size=None, dram_size="64MiB", dram_slab="8MiB",
+                       s3=s3_section(port),
+                       quotas={"tenants": {"s3t": {"dram_max": 0.25}}})
+    with ServiceProcess(workdir, cfg) as svc:
+        s3 = S3Service(svc, port)
+        mine, theirs = s3.client(), s3.client(OTHER_ID, OTHER_SECRET)
+        theirs.put_object(Bucket="quota", Key="keep", Body=payload(4 * MiB, 50))
+        for i in range(8):
+            mine.put_object(Bucket="quota", Key=f"o{i}", Body=payload(3 * MiB, 60 + i))
+            assert s3.used("s3t") <= 16 * MiB
+        assert mine.get_object(Bucket="quota", Key="o7")["Body"].read() == payload(3 * MiB, 67)
+        with pytest.raises(ClientError) as exc:
+            mine.get_object(Bucket="quota", Key="o0")
+        assert exc.value.response["Error"]["Code"] == "NoSuchKey"
+        assert theirs.get_object(Bucket="quota", Key="keep")["Body"].read() == \
+            payload(4 * MiB, 50)
