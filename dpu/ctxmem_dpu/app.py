@@ -112,14 +112,15 @@ class Service:
                 ", ".join(addr for _key, addr in network_listens(cfg)))
         soft, _hard = raise_nofile_limit()
         held = (cfg.service.grpc_max_connections + cfg.metrics.max_connections
-                + cfg.service.fd_reserve + 2 * cfg.data_plane.max_connections)
+                + cfg.service.fd_reserve + 2 * cfg.data_plane.max_connections
+                + (cfg.s3.max_connections if cfg.s3.listen else 0))
         if soft < held:
             log.warning("open-files limit %d is below what the listeners' caps may hold "
                         "with the fd reserve (%d: service.grpc_max_connections, "
                         "metrics.max_connections, 2 x data_plane.max_connections, "
-                        "service.fd_reserve); a flood can then reach the reserve, and new "
-                        "unauthenticated connections are refused until it ends: raise "
-                        "LimitNOFILE", soft, held)
+                        "s3.max_connections, service.fd_reserve); a flood can then reach "
+                        "the reserve, and new unauthenticated connections are refused until "
+                        "it ends: raise LimitNOFILE", soft, held)
         master_key = load_service_key(cfg.encryption, create=True)
         specs = self._device_specs()
         flash_paths: list[tuple[str, str]] = []
@@ -274,6 +275,12 @@ class Service:
             await self.http.start()
         if cfg.s3.listen:  # the S3 door (docs/s3.md); botocore only when configured
             from ctxmem_dpu.s3.server import S3Door
+
+            if self.tls is None and not is_local_listen(cfg.s3.listen):
+                log.warning("s3.listen %s: object bytes cross the network in clear (no tls: "
+                            "section; SigV4 signs requests, it does not encrypt them); set "
+                            "tls.cert_file/key_file unless this network is trusted",
+                            cfg.s3.listen)
 
             self.s3 = S3Door(self.store, cfg, self.tls, self.fd_reserve)
             await self.s3.start()
