@@ -274,7 +274,13 @@ class Service:
                                      fd_reserve=self.fd_reserve)
             await self.http.start()
         if cfg.s3.listen:  # the S3 door (docs/s3.md); botocore only when configured
-            from ctxmem_dpu.s3.server import S3Door
+            try:
+                from ctxmem_dpu.s3.server import S3Door
+            except ImportError as exc:
+                raise ConfigError(f"s3.listen is set but the S3 endpoint's packages are "
+                                  f"missing ({exc}); install them with pip install "
+                                  f"'ctxmem-kv[s3]' (aiohttp, botocore), or set "
+                                  f"s3.listen: \"\"") from None
 
             if self.tls is None and not is_local_listen(cfg.s3.listen):
                 log.warning("s3.listen %s: object bytes cross the network in clear (no tls: "
