@@ -10,6 +10,7 @@ it is a namespace), DeleteBucket (refused while it holds objects). Anything else
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import email.utils
 import hashlib
@@ -332,9 +333,15 @@ class Operations:
     async def _complete(self, request: web.BaseRequest, tenant: str, bucket: str, key: str,
                         upload_id: str) -> web.Response:
         up = self._upload(tenant, bucket, key, upload_id)
-        if (request.content_length or 0) > _MAX_COMPLETE_XML:
-            raise S3Error(400, "MalformedXML", "the CompleteMultipartUpload body is too large")
-        raw = await request.content.read(_MAX_COMPLETE_XML + 1)
+        n = request.content_length
+        if n is None or n > _MAX_COMPLETE_XML:
+            raise S3Error(400, "MalformedXML", f"the CompleteMultipartUpload body must have a "
+                          f"Content-Length of at most {_MAX_COMPLETE_XML} bytes")
+        try:
+            raw = await request.content.readexactly(n)
+        except asyncio.IncompleteReadError:
+            raise S3Error(400, "IncompleteBody", "the CompleteMultipartUpload body ended "
+                          "early") from None
         try:
             doc = ET.fromstring(raw)
         except ET.ParseError as exc:
