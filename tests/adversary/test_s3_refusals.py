@@ -231,3 +231,39 @@ def test_over_the_cap_the_oldest_silent_connection_is_closed(
     finally:
         for s in held:
             s.close()
+
+
+def test_mutual_tls_certificate_must_name_the_keys_tenant(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With tls.client_ca_file the S3 port requires a client certificate, and the tenant
+    it names must be the access key's: alice's key with bob's certificate is refused."""
+    from ctxmem_tools.bench.security_pki import make_pki
+
+    root = tmp_path_factory.mktemp("s3mtls")
+    pki = make_pki(root / "pki")
+    port = free_port()
+    cfg = local_config(root / "svc", flash_size=None, transports=["tcp"], s3={
+        "listen": f"127.0.0.1:{port}", "access_keys": {KEY_ID: {"tenant": "alice",
+                                                                "secret": SECRET}}},
+        tls={"cert_file": str(pki.server_cert), "key_file": str(pki.server_key),
+             "client_ca_file": str(pki.ca)})
+    with ServiceProcess(root / "svc", cfg):
+        def tls_client(tenant: str | None) -> Any:
+            return boto3.client(
+                "s3", endpoint_url=f"https://127.0.0.1:{port}", region_name="us-east-1",
+                aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET, verify=str(pki.ca),
+                config=BotoConfig(s3={"addressing_style": "path"},
+                                  retries={"max_attempts": 1, "mode": "standard"},
+                                  client_cert=tuple(map(str, pki.client[tenant]))
+                                  if tenant else None))
+
+        alice = tls_client("alice")
+        alice.put_object(Bucket="mtls", Key="k", Body=b"alice's")
+        assert alice.get_object(Bucket="mtls", Key="k")["Body"].read() == b"alice's"
+        with pytest.raises(ClientError) as exc:
+            tls_client("bob").get_object(Bucket="mtls", Key="k")
+        assert exc.value.response["Error"]["Code"] == "AccessDenied"
+        with pytest.raises(Exception) as no_cert:  # the TLS layer refuses it
+            tls_client(None).get_object(Bucket="mtls", Key="k")
+        assert not isinstance(no_cert.value, ClientError)  # no HTTP answer at all
+        assert alice.get_object(Bucket="mtls", Key="k")["Body"].read() == b"alice's"

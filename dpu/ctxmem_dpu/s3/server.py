@@ -39,6 +39,7 @@ from ctxmem_common.errors import (
     ResourceExhausted,
 )
 from ctxmem_common.netaddr import split_hostport
+from ctxmem_common.tlsident import tenant_of_der
 from ctxmem_dpu.lifetime import AsyncResource
 from ctxmem_dpu.listenguard import FdReserve, Ticket, Unauthenticated
 from ctxmem_dpu.logthrottle import throttled
@@ -262,9 +263,18 @@ class S3Door(AsyncResource):
             throttled(log, logging.WARNING, "s3.auth", "S3 request from %s refused: %s %s",
                       conn.peer if conn else "?", exc.code, exc)
             return self._error(request, exc.status, exc.code, str(exc), rid, close=True)
+        tenant = self.tenants[signed.access_key]
+        named = self._certificate_tenant(request)
+        if named is not None and named != tenant:  # mutual TLS: the certificate names it too
+            self.refused += 1
+            throttled(log, logging.WARNING, "s3.auth", "S3 request from %s refused: its "
+                      "client certificate names tenant %r, its access key %s is tenant %r",
+                      conn.peer if conn else "?", named, signed.access_key, tenant)
+            return self._error(request, 403, "AccessDenied", f"the client certificate names "
+                               f"tenant {named!r}; access key {signed.access_key} belongs to "
+                               f"another tenant", rid, close=True)
         if conn is not None:
             conn.authenticated()
-        tenant = self.tenants[signed.access_key]
         try:
             bucket, key = self._address(request)
             return await asyncio.wait_for(
@@ -274,6 +284,14 @@ class S3Door(AsyncResource):
             if request.get(STREAMING) is not None:
                 raise  # headers out already: handle() cuts the connection short
             return self._failed(request, exc, tenant, rid)
+
+    def _certificate_tenant(self, request: web.BaseRequest) -> str | None:
+        """The tenant a mutual-TLS client certificate names (None without mutual TLS)."""
+        if self.tls is None or not self.tls.mutual or request.transport is None:
+            return None
+        obj = request.transport.get_extra_info("ssl_object")
+        der = obj.getpeercert(binary_form=True) if obj is not None else None
+        return (tenant_of_der(der) or "") if der else ""
 
     def _failed(self, request: web.BaseRequest, exc: Exception, tenant: str, rid: str
                 ) -> web.StreamResponse:
