@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 class _Conn:
     """One accepted connection: its ticket until its first request authenticates."""
 
-    __slots__ = ("peer", "sock", "ticket", "timer", "transport")
+    __slots__ = ("handler", "peer", "sock", "ticket", "timer", "transport")
 
     def __init__(self, sock: socket.socket, peer: str, ticket: Ticket | None) -> None:
         self.sock = sock
@@ -65,6 +65,7 @@ class _Conn:
         self.ticket: Ticket | None = ticket
         self.timer: asyncio.TimerHandle | None = None
         self.transport: asyncio.BaseTransport | None = None
+        self.handler: RequestHandler | None = None
 
     def authenticated(self) -> None:
         if self.ticket is not None:
@@ -206,6 +207,7 @@ class S3Door(AsyncResource):
         def protocol() -> RequestHandler:
             h = server()
             self._conns[h] = conn
+            conn.handler = h
             return h
 
         try:
@@ -214,9 +216,11 @@ class S3Door(AsyncResource):
                 ssl=self.tls.ssl_context() if self.tls is not None else None,
                 ssl_handshake_timeout=self.cfg.head_timeout_s if self.tls else None)
             conn.transport = transport
-        except (OSError, asyncio.TimeoutError, ValueError) as exc:
+        except Exception as exc:  # a failed or cut TLS handshake: never connected
             throttled(log, logging.INFO, "s3.handshake", "S3 connection from %s ended "
-                      "before its first request: %s", conn.peer, exc)
+                      "before its first request: %r", conn.peer, exc)
+            if conn.handler is not None:
+                self._conns.pop(conn.handler, None)
             self._drop(conn)
             conn.sock.close()
 
