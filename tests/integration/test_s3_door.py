@@ -152,6 +152,16 @@ def test_long_keys_are_hashed_and_listed(s3: S3Service) -> None:
     assert keys == sorted(["a/1", "a/2", "a/sub/3", "b/1", "a+plus sign", long_key])
 
 
+def test_delete_objects_in_one_request(s3: S3Service) -> None:
+    c = s3.client()
+    for k in ("x/1", "x/2", "x/3"):
+        c.put_object(Bucket="batch", Key=k, Body=k.encode())
+    r = c.delete_objects(Bucket="batch", Delete={"Objects": [
+        {"Key": "x/1"}, {"Key": "x/3"}, {"Key": "x/absent"}]})
+    assert sorted(d["Key"] for d in r["Deleted"]) == ["x/1", "x/3", "x/absent"]
+    assert [o["Key"] for o in c.list_objects_v2(Bucket="batch")["Contents"]] == ["x/2"]
+
+
 def test_multipart_complete_and_abort(s3: S3Service) -> None:
     c = s3.client()
     parts_data = [payload(5 * MiB, 10), payload(5 * MiB + 7, 11), payload(MiB // 2, 12)]

@@ -78,7 +78,7 @@ class Operations:
             raise S3Error(405, "MethodNotAllowed", f"{m} / is not an S3 operation")
         check_names(bucket, key)
         if not key:
-            return await self._bucket_op(request, tenant, bucket)
+            return await self._bucket_op(request, tenant, bucket, sha)
         if "x-amz-copy-source" in request.headers:
             raise S3Error(501, "NotImplemented", "CopyObject and UploadPartCopy are not "
                           "supported by this endpoint (docs/s3.md)")
@@ -98,7 +98,7 @@ class Operations:
         if m == "POST" and "uploads" in q:
             return self._create_upload(request, tenant, bucket, key)
         if m == "POST" and "uploadId" in q:
-            return await self._complete(request, tenant, bucket, key, q["uploadId"])
+            return await self._complete(request, tenant, bucket, key, q["uploadId"], sha)
         raise S3Error(501, "NotImplemented", f"{m} on an object with "
                       f"{sorted(q)} is not supported by this endpoint (docs/s3.md)")
 
@@ -117,9 +117,11 @@ class Operations:
             _sub(b, "CreationDate", _iso(0))
         return xml_response(root)
 
-    async def _bucket_op(self, request: web.BaseRequest, tenant: str, bucket: str
+    async def _bucket_op(self, request: web.BaseRequest, tenant: str, bucket: str, sha: str
                          ) -> web.StreamResponse:
         m, q = request.method, request.query
+        if m == "POST" and "delete" in q:
+            return await self._delete_objects(request, tenant, bucket, sha)
         if m == "PUT" and not q:
             with self.objects.session(tenant) as s:
                 self.objects.namespaces(s, bucket)
@@ -141,6 +143,34 @@ class Operations:
             return web.Response(status=204)
         raise S3Error(501, "NotImplemented", f"{m} on a bucket with {sorted(q)} is not "
                       f"supported by this endpoint (ListObjectsV2 is: list-type=2)")
+
+    async def _delete_objects(self, request: web.BaseRequest, tenant: str, bucket: str,
+                              sha: str) -> web.Response:
+        """DeleteObjects: up to 1000 keys; each answered Deleted (present or not)."""
+        doc = await _xml_body(request, sha, "DeleteObjects")
+        keys = [(c.text or "") for o in doc.iter() if _tag(o) == "Object"
+                for c in o if _tag(c) == "Key"]
+        quiet = any(_tag(e) == "Quiet" and (e.text or "").strip() == "true"
+                    for e in doc.iter())
+        if not 1 <= len(keys) <= 1000:
+            raise S3Error(400, "MalformedXML", f"DeleteObjects names {len(keys)} keys; "
+                          f"1 to 1000")
+        root = ET.Element("DeleteResult")
+        with self.objects.session(tenant) as s:
+            for key in keys:
+                try:
+                    check_names(bucket, key)
+                    async with self.objects.locked(tenant, bucket, key):
+                        await self.objects.delete_object(s, bucket, key)
+                except S3Error as exc:
+                    err = ET.SubElement(root, "Error")
+                    _sub(err, "Key", key)
+                    _sub(err, "Code", exc.code)
+                    _sub(err, "Message", str(exc))
+                    continue
+                if not quiet:
+                    _sub(ET.SubElement(root, "Deleted"), "Key", key)
+        return xml_response(root)
 
     async def _list_v2(self, tenant: str, bucket: str, q: Mapping[str, str]) -> web.Response:
         prefix = q.get("prefix", "")
@@ -331,26 +361,14 @@ class Operations:
         return web.Response(status=200, headers={"ETag": f'"{body.md5.hexdigest()}"'})
 
     async def _complete(self, request: web.BaseRequest, tenant: str, bucket: str, key: str,
-                        upload_id: str) -> web.Response:
+                        upload_id: str, sha: str) -> web.Response:
         up = self._upload(tenant, bucket, key, upload_id)
-        n = request.content_length
-        if n is None or n > _MAX_COMPLETE_XML:
-            raise S3Error(400, "MalformedXML", f"the CompleteMultipartUpload body must have a "
-                          f"Content-Length of at most {_MAX_COMPLETE_XML} bytes")
-        try:
-            raw = await request.content.readexactly(n)
-        except asyncio.IncompleteReadError:
-            raise S3Error(400, "IncompleteBody", "the CompleteMultipartUpload body ended "
-                          "early") from None
-        try:
-            doc = ET.fromstring(raw)
-        except ET.ParseError as exc:
-            raise S3Error(400, "MalformedXML", f"CompleteMultipartUpload: {exc}") from None
+        doc = await _xml_body(request, sha, "CompleteMultipartUpload")
         listed: list[tuple[int, str]] = []
         for part in doc.iter():
-            if part.tag.rsplit("}", 1)[-1] != "Part":
+            if _tag(part) != "Part":
                 continue
-            fields = {c.tag.rsplit("}", 1)[-1]: (c.text or "").strip() for c in part}
+            fields = {_tag(c): (c.text or "").strip() for c in part}
             try:
                 listed.append((int(fields.get("PartNumber", "")),
                                fields.get("ETag", "").strip('"')))
@@ -396,6 +414,30 @@ class Operations:
 
 
 STREAMING = "ctxmem.s3.streaming"
+
+
+def _tag(e: ET.Element) -> str:
+    return e.tag.rsplit("}", 1)[-1]
+
+
+async def _xml_body(request: web.BaseRequest, sha: str, what: str) -> ET.Element:
+    """The request's small XML body (at most 1 MiB, its Content-Length read whole, its
+    SHA-256 checked when the request signed it), parsed."""
+    n = request.content_length
+    if n is None or n > _MAX_COMPLETE_XML:
+        raise S3Error(400, "MalformedXML", f"the {what} body must have a Content-Length of "
+                      f"at most {_MAX_COMPLETE_XML} bytes")
+    try:
+        raw = await request.content.readexactly(n)
+    except asyncio.IncompleteReadError:
+        raise S3Error(400, "IncompleteBody", f"the {what} body ended early") from None
+    if len(sha) == 64 and hashlib.sha256(raw).hexdigest() != sha:
+        raise S3Error(400, "XAmzContentSHA256Mismatch", f"the {what} body's SHA-256 does not "
+                      f"match x-amz-content-sha256")
+    try:
+        return ET.fromstring(raw)
+    except ET.ParseError as exc:
+        raise S3Error(400, "MalformedXML", f"{what}: {exc}") from None
 
 
 def cut_short(request: web.BaseRequest) -> None:
