@@ -50,3 +50,15 @@ def test_secret_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         s3_secret("AKIA1", key)
     monkeypatch.setenv("CTXMEM_S3_TEST_SECRET", "from-env")
     assert s3_secret("AKIA1", key) == "from-env"
+
+
+def test_the_docs_example_loads() -> None:
+    """docs/s3.md's configuration block is a valid config."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "s3.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", doc, re.S)
+    assert blocks, "docs/s3.md lost its configuration example"
+    cfg = parse_config(blocks[0])
+    assert cfg.s3.listen and len(cfg.s3.access_keys) == 2
