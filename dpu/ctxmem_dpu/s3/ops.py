@@ -71,7 +71,7 @@ class Operations:
 
     async def dispatch(self, request: web.BaseRequest, tenant: str, bucket: str, key: str,
                        sha: str) -> web.StreamResponse:
-        m, q = request.method, request.query
+        m, q = request.method, query(request)
         if not bucket:
             if m == "GET":
                 return self._list_buckets(tenant)
@@ -119,7 +119,7 @@ class Operations:
 
     async def _bucket_op(self, request: web.BaseRequest, tenant: str, bucket: str, sha: str
                          ) -> web.StreamResponse:
-        m, q = request.method, request.query
+        m, q = request.method, query(request)
         if m == "POST" and "delete" in q:
             return await self._delete_objects(request, tenant, bucket, sha)
         if m == "PUT" and not q:
@@ -334,7 +334,7 @@ class Operations:
 
     async def _upload_part(self, request: web.BaseRequest, tenant: str, bucket: str,
                            key: str, sha: str) -> web.Response:
-        q = request.query
+        q = query(request)
         up = self._upload(tenant, bucket, key, q["uploadId"])
         try:
             number = int(q.get("partNumber", ""))
@@ -414,6 +414,11 @@ class Operations:
 
 
 STREAMING = "ctxmem.s3.streaming"
+
+
+def query(request: web.BaseRequest) -> dict[str, str]:
+    """The request's query parameters less a presigned URL's own (``X-Amz-*``)."""
+    return {k: v for k, v in request.query.items() if not k.startswith("X-Amz-")}
 
 
 def _tag(e: ET.Element) -> str:
