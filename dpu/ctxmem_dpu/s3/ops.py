@@ -1,7 +1,7 @@
 """The S3 operations the door serves, one request each, for an authenticated tenant.
 
 Objects: PutObject, GetObject (whole or one ``Range``: 206), HeadObject (404 without a
-body), DeleteObject, ListObjectsV2 (prefix, delimiter, start-after, continuation);
+body), DeleteObject, DeleteObjects, ListObjectsV2 (prefix, delimiter, start-after, continuation);
 multipart: CreateMultipartUpload, UploadPart, CompleteMultipartUpload,
 AbortMultipartUpload; buckets: CreateBucket and HeadBucket (a bucket exists once named:
 it is a namespace), DeleteBucket (refused while it holds objects). Anything else answers
