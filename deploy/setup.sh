@@ -55,7 +55,7 @@ install_python() {
     want=$(cat pyproject.toml setup.py shared/ctxmem_common/codecs/*.c deploy/setup.sh \
         | sha256sum | cut -c1-16)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-        log "pip install -e .[dev,tools,spdk]"
+        log "pip install -e .[dev,tools,spdk,s3]"
         "$VENV/bin/pip" install -q --upgrade pip
         # The distribution was called "ctxmem" before it became "ctxmem-kv": drop an old
         # editable install of it, or its entry points would be registered twice.
@@ -64,7 +64,7 @@ install_python() {
         fi
         # torch is pinned to 2.13.0 (the CPU build this project's machines carry); a loose
         # torch requirement would pull a multi-GB CUDA build.
-        "$VENV/bin/pip" install -q -e ".[dev,tools,spdk]" "torch==2.13.0"
+        "$VENV/bin/pip" install -q -e ".[dev,tools,spdk,s3]" "torch==2.13.0"
         # LMCache, for the tests that drive ctxmem from LMCache's own engine and from a
         # real `lmcache server` (its MP server: OpenTelemetry, FastAPI/uvicorn, httpx and
         # blake3 are what its CLI and server import). A plain `pip install lmcache`

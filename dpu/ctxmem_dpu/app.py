@@ -46,6 +46,7 @@ from ctxmem_dpu.transport.tcp import TcpDataServer
 
 if TYPE_CHECKING:
     from ctxmem_dpu import kv_events
+    from ctxmem_dpu.s3.server import S3Door
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class Service:
         self.tcp: TcpDataServer | None = None
         self.rdma: RdmaServer | None = None
         self.http: HttpEndpoint | None = None
+        self.s3: S3Door | None = None
         self.tls: ServerTls | None = None
         self._tls_watch: asyncio.Task[None] | None = None
         self.pod: PodNode | None = None
@@ -111,14 +113,15 @@ class Service:
                 ", ".join(addr for _key, addr in network_listens(cfg)))
         soft, _hard = raise_nofile_limit()
         held = (cfg.service.grpc_max_connections + cfg.metrics.max_connections
-                + cfg.service.fd_reserve + 2 * cfg.data_plane.max_connections)
+                + cfg.service.fd_reserve + 2 * cfg.data_plane.max_connections
+                + (cfg.s3.max_connections if cfg.s3.listen else 0))
         if soft < held:
             log.warning("open-files limit %d is below what the listeners' caps may hold "
                         "with the fd reserve (%d: service.grpc_max_connections, "
                         "metrics.max_connections, 2 x data_plane.max_connections, "
-                        "service.fd_reserve); a flood can then reach the reserve, and new "
-                        "unauthenticated connections are refused until it ends: raise "
-                        "LimitNOFILE", soft, held)
+                        "s3.max_connections, service.fd_reserve); a flood can then reach "
+                        "the reserve, and new unauthenticated connections are refused until "
+                        "it ends: raise LimitNOFILE", soft, held)
         master_key = load_service_key(cfg.encryption, create=True)
         specs = self._device_specs()
         flash_paths: list[tuple[str, str]] = []
@@ -275,6 +278,23 @@ class Service:
                                      locate_refusal=_locate_refusal(cfg.metrics.listen,
                                                                    self.tls is not None))
             await self.http.start()
+        if cfg.s3.listen:  # the S3 door (docs/s3.md); botocore only when configured
+            try:
+                from ctxmem_dpu.s3.server import S3Door
+            except ImportError as exc:
+                raise ConfigError(f"s3.listen is set but the S3 endpoint's packages are "
+                                  f"missing ({exc}); install them with pip install "
+                                  f"'ctxmem-kv[s3]' (aiohttp, botocore), or set "
+                                  f"s3.listen: \"\"") from None
+
+            if self.tls is None and not is_local_listen(cfg.s3.listen):
+                log.warning("s3.listen %s: object bytes cross the network in clear (no tls: "
+                            "section; SigV4 signs requests, it does not encrypt them); set "
+                            "tls.cert_file/key_file unless this network is trusted",
+                            cfg.s3.listen)
+
+            self.s3 = S3Door(self.store, cfg, self.tls, self.fd_reserve)
+            await self.s3.start()
         self.ready = True
         log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s), "
                  "identity %s, TLS %s, AES-XTS %s, CRC32C %s", cfg.mode, listen,
@@ -324,7 +344,7 @@ class Service:
             await self.events.close()
         if self.server is not None:
             await self.server.stop(grace_s)
-        for srv in (self.http, self.tcp, self.shm):
+        for srv in (self.s3, self.http, self.tcp, self.shm):
             if srv is not None:
                 await srv.close()
         if self.store is not None:

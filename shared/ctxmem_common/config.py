@@ -33,6 +33,7 @@ from ctxmem_common.config_defaults import (
     default_shm_socket,
 )
 from ctxmem_common.config_pod import PodConfig, check_pod
+from ctxmem_common.config_s3 import S3AccessKey, S3Config, check_s3
 from ctxmem_common.config_schema import Size, build, reference_rows
 from ctxmem_common.cpuset import CpuList, check_cpus
 from ctxmem_common.device_settings import (
@@ -354,6 +355,7 @@ class Config:
     tls: TlsConfig = field(default_factory=TlsConfig)
     pod: PodConfig = field(default_factory=PodConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    s3: S3Config = field(default_factory=S3Config)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def replace(self, **sections: Any) -> Config:
@@ -461,6 +463,7 @@ def _check(cfg: Config) -> None:
         raise ConfigError("tls.reload_interval_s: must be > 0 (seconds)")
     check_pod(cfg.pod)
     _check_events(cfg.events)
+    check_s3(cfg.s3, cfg.dram.slab_size)
     if not 0.0 <= cfg.eviction.protected_fraction <= 1.0:
         raise ConfigError("eviction.protected_fraction: must be between 0 and 1")
     if cfg.eviction.protect_after_hits < 1:
@@ -580,6 +583,13 @@ def reference_markdown() -> str:
         "| key | type | default |",
         "|---|---|---|",
     ]
+    keys = [
+        "",
+        "Each `s3.access_keys` entry (`ACCESS_KEY_ID: {...}`, docs/s3.md):",
+        "",
+        "| key | type | default |",
+        "|---|---|---|",
+    ]
     tail = [
         "",
         "The `kernel:` and `spdk:` sections of a device are typed "
@@ -588,4 +598,5 @@ def reference_markdown() -> str:
         "",
     ]
     return "\n".join(head + reference_rows(Config, "") + dev
-                     + reference_rows(FlashDeviceConfig, "flash.devices[].") + tail)
+                     + reference_rows(FlashDeviceConfig, "flash.devices[].") + keys
+                     + reference_rows(S3AccessKey, "s3.access_keys.ID.") + tail)

@@ -133,7 +133,8 @@ def _type_label(tp: Any) -> str:
         return f"mapping ({typed[0].__name__}, see docs/storage.md)"
     if isinstance(tp, type):
         return tp.__name__
-    return str(tp).replace("typing.", "").replace("ctxmem_common.config.", "")
+    return (str(tp).replace("typing.", "").replace("ctxmem_common.config.", "")
+            .replace("ctxmem_common.config_s3.", ""))
 
 
 def reference_rows(cls: type[Any], prefix: str) -> list[str]:
