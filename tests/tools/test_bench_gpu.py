@@ -73,8 +73,7 @@ def test_without_torch_exits_2_naming_it(capsys: pytest.CaptureFixture[str],
      "--lengths: [100]: expected positive multiples of 256 tokens (bench ttft's block)"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--ttft-repeats", "0"], "--ttft-repeats must be at least 1"),
-    (["--vllm-python", "/usr/bin/python3"],
-     "--vllm-python and --vllm-model go together"),
+    (["--vllm-model", "/models/m"], "--vllm-model needs --vllm-python (a CUDA vLLM's python)"),
     (["--workdir", "/nonexistent/ctxmem-gpu"],
      "--workdir /nonexistent/ctxmem-gpu: not a directory"),
     (["--no-copy", "--no-ttft"], "--no-copy and --no-ttft leave nothing to measure"),
@@ -190,6 +189,8 @@ def test_child_commands_are_what_the_benches_accept() -> None:
                         "--model", "/models/m", "--lengths", "8192", "--rounds", "2",
                         "--configs", "no cache,ctxmem,LMCache", "--cpus", "", "--json",
                         "/tmp/e.json"]
+    argv = gpu.engine_command([8192, 32768], "/opt/vllm/bin/python", "", "/tmp/e.json", 1)
+    assert "--model" not in argv and argv[argv.index("--lengths") + 1] == "8192,32768"
 
 
 def test_the_shims_mapping_of_a_real_service_slab_holds_the_stored_blocks(
@@ -256,3 +257,18 @@ def test_run_on_cuda_writes_json(tmp_path: Path) -> None:
                           "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "gpu" and doc["results"]
+
+
+def test_engines_tiny_model_has_room_for_bench_gpus_lengths(tmp_path: Path) -> None:
+    """bench gpu's engine rows run bench engine at 8K-32K tokens: its tiny model is built
+    with the positions asked (4096 unless more are needed), so vLLM's max-model-len fits."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from ctxmem_tools.bench.engine import TINY_POSITIONS, build_tiny_model
+
+    assert TINY_POSITIONS == 4096
+    path = build_tiny_model(sys.executable, tmp_path / "tiny", positions=32768 + 64)
+    cfg = json.loads((path / "config.json").read_text())
+    tok = json.loads((path / "tokenizer_config.json").read_text())
+    assert cfg["max_position_embeddings"] == 32832
+    assert tok["model_max_length"] == 32832

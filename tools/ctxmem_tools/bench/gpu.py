@@ -33,8 +33,8 @@ built); the row's note says so.
 TTFT rows: ``ctxmem bench ttft --device cuda`` at ``--lengths`` (8K, 16K, 32K tokens by
 default) run as a child process (recompute against a load from ctxmem's DRAM tier, with
 the new-tokens-only prefill as the floor); and, with ``--vllm-python`` (a CUDA vLLM's
-interpreter) and ``--vllm-model`` (a model allowing the longest length),
-``ctxmem bench engine`` at the same lengths: vLLM with no cache, with ctxmem's connector
+interpreter; ``--vllm-model``, else bench engine's tiny model with room for the longest
+length), ``ctxmem bench engine`` at the same lengths: vLLM with no cache, with ctxmem's connector
 and with LMCache's (skipped, with its reason, where LMCache does not import there). Each
 row carries the command that produced it.
 
@@ -252,9 +252,10 @@ def ttft_command(lengths: Sequence[int], model_config: str, json_path: str,
 
 def engine_command(lengths: Sequence[int], python: str, model: str, json_path: str,
                    rounds: int) -> list[str]:
-    """``ctxmem bench engine`` on a CUDA vLLM at ``lengths``, as a child's argv."""
+    """``ctxmem bench engine`` on a CUDA vLLM at ``lengths``, as a child's argv (no
+    ``model``: bench engine's tiny model, built with room for the longest length)."""
     return [sys.executable, "-m", "ctxmem_tools.bench.engine", "--python", python,
-            "--model", model, "--lengths", ",".join(map(str, lengths)),
+            *(["--model", model] if model else []), "--lengths", ",".join(map(str, lengths)),
             "--rounds", str(rounds), "--configs", "no cache,ctxmem,LMCache", "--cpus", "",
             "--json", json_path]
 
@@ -279,8 +280,9 @@ class RegisteredHost:
         err = cudart.cudaHostRegister(self.ptr, self.nbytes, 0)  # cudaHostRegisterDefault
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister({self.what}: {self.nbytes} bytes at "
-                               f"{self.ptr:#x}) failed with cudaError {int(err)}; is the "
-                               f"memory locked-page limit (ulimit -l) large enough?")
+                               f"{self.ptr:#x}) failed with cudaError {int(err)} (an "
+                               f"earlier asynchronous CUDA error can surface here: rerun "
+                               f"with CUDA_LAUNCH_BLOCKING=1 to tell)")
         self.registered = True
         return self
 
@@ -498,9 +500,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-repeats", type=int, default=2)
     p.add_argument("--vllm-python", default="",
                    help="a CUDA vLLM's python: adds bench engine's rows (no cache, ctxmem, "
-                        "LMCache); needs --vllm-model")
+                        "LMCache)")
     p.add_argument("--vllm-model", default="",
-                   help="a local model directory allowing the longest --lengths")
+                   help="with --vllm-python: a local model directory allowing the longest "
+                        "--lengths (default: bench engine's tiny model; a real model's "
+                        "tokenizer makes bench engine's word prompts longer than --lengths)")
     p.add_argument("--engine-rounds", type=int, default=2)
     p.add_argument("--no-copy", action="store_true", help="skip the copy rows")
     p.add_argument("--no-ttft", action="store_true", help="skip the TTFT rows")
@@ -527,9 +531,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], i
     for name in ("repeats", "ttft_repeats", "engine_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if bool(args.vllm_python) != bool(args.vllm_model):
-        p.error("--vllm-python and --vllm-model go together (a CUDA vLLM's python and a "
-                "model allowing the longest --lengths)")
+    if args.vllm_model and not args.vllm_python:
+        p.error("--vllm-model needs --vllm-python (a CUDA vLLM's python)")
     if args.workdir and not Path(args.workdir).is_dir():
         p.error(f"--workdir {args.workdir}: not a directory")
     if args.no_copy and args.no_ttft:
@@ -566,7 +569,7 @@ def run(argv: list[str] | None = None) -> int:
                                     shlex.join(argv_e[1:]))
             else:
                 rows.append(GpuRow("engine_lmcache", None, "ms", note="not run: give "
-                                   "--vllm-python (a CUDA vLLM) and --vllm-model"))
+                                   "--vllm-python (a CUDA vLLM's python)"))
     finally:
         if not args.workdir:
             import shutil
