@@ -577,6 +577,8 @@ def run(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     print()
     print(table(rows))
+    for command in dict.fromkeys(r.command for r in rows if r.command):
+        print(f"command: {command}")
     if args.json_path:
         doc = {
             "benchmark": "gpu",
