@@ -227,6 +227,7 @@ class Liveness:
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self._seen: dict[str, tuple[int, float]] = {}
+        self._dead_since: dict[str, float] = {}  # node -> when this node first found it dead
 
     def observe(self, beats: dict[str, NodeBeat], nodes: set[str], now: float) -> None:
         """Record what the device says now for ``nodes`` (and every node with a beat)."""
@@ -238,7 +239,21 @@ class Liveness:
                 self._seen[node] = (value, now)
 
     def dead(self, node: str, beats: dict[str, NodeBeat], now: float) -> str:
-        """Why ``node`` counts as dead (``""``: alive, or not yet known to be dead)."""
+        """Why ``node`` counts as dead (``""``: alive, or not yet known to be dead); also
+        notes since when (:meth:`dead_for`)."""
+        why = self._dead(node, beats, now)
+        if not why:
+            self._dead_since.pop(node, None)
+        else:
+            self._dead_since.setdefault(node, now)
+        return why
+
+    def dead_for(self, node: str, now: float) -> float:
+        """Seconds since this node first found ``node`` dead (0 while it is not)."""
+        since = self._dead_since.get(node)
+        return 0.0 if since is None else now - since
+
+    def _dead(self, node: str, beats: dict[str, NodeBeat], now: float) -> str:
         b = beats.get(node)
         if b is not None and b.host == socket.gethostname():
             if b.boot_id != boot_id() or process_start(b.pid) != b.start_ticks:
@@ -258,8 +273,10 @@ class SlabLeaseKeeper:
     I/O goes through ``run`` (the store's I/O threads)."""
 
     def __init__(self, leases: SlabLeases, devices: list[FlashDevice],
-                 run: Callable[..., Awaitable[Any]], spare: int = 2) -> None:
+                 run: Callable[..., Awaitable[Any]], spare: int = 2,
+                 dead_grace_s: float = 60.0) -> None:
         self.leases = leases
+        self.dead_grace_s = dead_grace_s  # pod.dead_slab_grace_s
         self.devices = [d for d in devices if d.fence is not None]
         self._run = run
         self.spare = spare
@@ -367,9 +384,14 @@ class SlabLeaseKeeper:
             if not owner:
                 blank.append(s)  # (a header of the device's non-shared past counts too)
             elif owner != fence.node_id and live.dead(owner, beats, now):
-                (dead_full if records else dead_empty).append(s)
+                if not records:
+                    dead_empty.append(s)
+                elif live.dead_for(owner, now) >= self.dead_grace_s:
+                    dead_full.append(s)
         # A dead node's slab with records is taken only when the allocator is out of room
-        # (``more``), never as a spare: its blocks stay served as long as possible.
+        # (``more``), never as a spare, and only once the node has been dead for
+        # pod.dead_slab_grace_s (a killed node restarting takes its slabs back): its
+        # acknowledged durable blocks stay served as long as possible.
         order = blank + dead_empty + (dead_full if more > 0 else [])
         uuid = dev.superblock.device_uuid
         got = 0

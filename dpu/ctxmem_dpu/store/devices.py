@@ -41,7 +41,8 @@ async def open_devices(cfg: Config, io: IOPool, flash_paths: Sequence[tuple[str,
         if leases is not None and any(d.fence is not None for d in devices):
             from ctxmem_dpu.pod.slab_leases import SlabLeaseKeeper
 
-            keeper = SlabLeaseKeeper(leases, devices, io.run, cfg.pod.shared_spare_slabs)
+            keeper = SlabLeaseKeeper(leases, devices, io.run, cfg.pod.shared_spare_slabs,
+                                     cfg.pod.dead_slab_grace_s)
             await keeper.attach()
     except BaseException:
         for dev in devices:
