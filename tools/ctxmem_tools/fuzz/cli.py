@@ -7,7 +7,7 @@ import json
 import random
 from pathlib import Path
 
-from ctxmem_tools.fuzz.runner import FuzzOptions, FuzzRun, summary
+from ctxmem_tools.fuzz.runner import DEFAULT_TARGETS, FuzzOptions, FuzzRun, summary
 
 
 def fuzz_command(argv: list[str]) -> int:
@@ -25,8 +25,9 @@ def fuzz_command(argv: list[str]) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
     p.add_argument("--max-seconds", type=float, default=3600.0,
                    help="stop after this long (3600)")
-    p.add_argument("--targets", default="rpc,tcp,shm",
-                   help="comma-separated targets: rpc, tcp, shm (all)")
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                   help="comma-separated targets: rpc, tcp, shm (the default), and peer: "
+                        "a pod of two nodes (needs redis-server) and one node's peer port")
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
