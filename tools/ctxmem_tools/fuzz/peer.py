@@ -58,7 +58,7 @@ def mutate(rng: random.Random, raw: bytes) -> bytes:
     return bytes(b)
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def read_exactly(sock: socket.socket, n: int) -> bytes:
     out = b""
     while len(out) < n:
         got = sock.recv(n - len(out))
@@ -75,13 +75,13 @@ def handshake(sock: socket.socket, peer_key: bytes, node_id: str, expect_id: str
     ``AssertionError`` when the server's challenge or proof is wrong."""
     nonce = w.new_nonce()
     sock.sendall(w.pack_hello(w.HELLO_MAGIC, nonce, node_id))
-    magic, version, s_nonce, n = w.HELLO.unpack(_read_exactly(sock, w.HELLO.size))
+    magic, version, s_nonce, n = w.HELLO.unpack(read_exactly(sock, w.HELLO.size))
     assert (magic, version) == (w.CHALLENGE_MAGIC, w.VERSION), (magic, version)
-    s_id = _read_exactly(sock, n).decode()
+    s_id = read_exactly(sock, n).decode()
     assert s_id == expect_id, (s_id, expect_id)
     t = w.Transcript(nonce, node_id, s_nonce, s_id)
     sock.sendall(t.proof(peer_key, b"c2s"))
-    ok = _read_exactly(sock, 1 + w.PROOF_BYTES)
+    ok = read_exactly(sock, 1 + w.PROOF_BYTES)
     assert ok[:1] == b"\x01" and w.check(t.proof(peer_key, b"s2c"), ok[1:]), \
         "the node's handshake proof does not verify under the pod's peer key"
     return t
@@ -242,8 +242,17 @@ class PeerFuzz:
         if stored != len(keys):
             raise RuntimeError(f"peer target: node 1 stored {stored} of {len(keys)} blocks")
 
-    def case(self) -> str:
-        return self.target.case()
+    def case(self, at: int) -> str:
+        """One case of :class:`PeerTarget`; a correct handshake the node refused (or
+        answered with a wrong challenge or proof) is a failure."""
+        try:
+            label = self.target.case()
+        except AssertionError as exc:
+            self.fail(f"case {at}: the node's side of a correct handshake is wrong: {exc}")
+            return "request:bad_handshake"
+        if label.startswith("request:conn_"):
+            self.fail(f"case {at}: the node refused a correct handshake ({label})")
+        return label
 
     def _alive(self, at: int) -> bool:
         for node in self.pod.nodes:

@@ -278,7 +278,7 @@ class FuzzRun:
                         self.per_target[f"rpc.{method}"][outcome] += 1
                     elif target == "peer":
                         assert peer is not None
-                        self.per_target["peer"][peer.case()] += 1
+                        self.per_target["peer"][peer.case(done)] += 1
                     else:
                         outcome = frames[target].case()
                         self.per_target[target][outcome] += 1
