@@ -5,7 +5,9 @@ small DRAM and flash, tenant tokens for two tenants). Tenant "victim" holds two
 legitimate sessions (shared memory and TCP) with committed blocks; tenant "attacker"
 holds the fuzzer's sessions, which also commit blocks so cases reach real allocations,
 leases and slabs. Cases are drawn from one seeded RNG over three targets: the gRPC
-methods (:mod:`.rpc`), the TCP data port and the shared-memory socket (:mod:`.frames`).
+methods (:mod:`.rpc`), the TCP data port and the shared-memory socket (:mod:`.frames`);
+and, when asked for (``peer``), a fourth: the peer port of a pod of two nodes
+(:mod:`.peer`, with its own checks after every batch, :meth:`.peer.PeerFuzz.check`).
 
 After every batch: the process is alive (else a crash), ``Health`` answers within a
 deadline (else a hang), and every victim block reads back byte-exact through its
