@@ -9,8 +9,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import socket
+import subprocess
+import sys
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -157,3 +161,31 @@ def test_tcp_write_of_a_huge_length_closes_without_allocating(service: Any,
     assert len(got) == 2 * TCP_RESP.size
     assert TCP_RESP.unpack(got[TCP_RESP.size:])[1] == Status.EXPIRED
     assert "Traceback" not in service.log()
+
+
+def test_fuzz_cli_peer_target(tmp_path: Path) -> None:
+    """``ctxmem fuzz --targets peer`` end to end (issue 25): a pod of two nodes and a real
+    redis-server, 120 seeded cases against node 1's peer port in batches of 40 (random
+    bytes, mutated hellos and proofs, unproven requests after a correct handshake); after
+    each batch and at the end a cross-node get, byte-exact, and nothing served to a case;
+    no traceback in either node's log. The report carries the peer target's counts."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        str(root / d) for d in ("shared", "dpu", "host", "tools"))}
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ctxmem_common.cli", "fuzz", "--targets", "peer", "--cases",
+         "120", "--batch", "40", "--seed", "25", "--json", str(out), "--workdir",
+         str(tmp_path / "fuzz"), "-q"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["cases"] == 120, report["failures"]
+    assert report["cases_per_target"] == {"peer": 120}
+    outcomes = report["outcomes_by_target"]["peer"]
+    assert {label.split(":")[0] for label in outcomes} == {"random", "hello", "request"}
+    assert not any("conn_" in label or "SERVED" in label for label in outcomes), outcomes
+    peer = report["peer"]
+    assert peer["cross_node_gets"] == 4, peer  # after each of 3 batches, and at the end
+    assert peer["cross_node_wrong_blocks"] == peer["cross_node_misses"] == 0, peer
+    assert peer["served_unproven"] == 0 and peer["tracebacks"] == 0, peer
+    assert "peer: 4 cross-node gets" in proc.stdout, proc.stdout

@@ -1,18 +1,21 @@
 """Helpers of the tests that speak the peer wire or read the index themselves: the pod's
-keys from its master key and token, a blocking client handshake, and the index's keyed
-names of a namespace's blocks."""
+keys from its master key and token, a blocking client handshake (``ctxmem fuzz``'s own,
+:mod:`ctxmem_tools.fuzz.peer`, re-exported), and the index's keyed names of a namespace's
+blocks."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 
 from ctxmem_common.keys import namespace_digest
-from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.entries import blocks_key
 from ctxmem_dpu.pod.podkeys import PodKeys
+from ctxmem_tools.fuzz.peer import handshake, read_exactly
 from ctxmem_tools.pod_launcher import LocalPod
 from tests.pod.podtest import LAYOUT
+
+__all__ = ["FIXED_MASTER", "handshake", "index_keys", "index_names", "pod_keys",
+           "read_exactly"]
 
 
 def pod_keys(pod: LocalPod) -> PodKeys:
@@ -36,31 +39,3 @@ def index_names(keys: PodKeys, block_keys: Sequence[bytes], model: str = "m",
     digest = namespace_digest(tenant, model, LAYOUT)
     return (blocks_key(keys.index_tag(digest)),
             keys.index_fields(digest, list(block_keys)))
-
-
-def read_exactly(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = sock.recv(n - len(out))
-        if not got:
-            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-        out += got
-    return out
-
-
-def handshake(sock: socket.socket, peer_key: bytes, node_id: str, expect_id: str
-              ) -> w.Transcript:
-    """The client's side of the peer handshake on a blocking socket; raises
-    ``ConnectionError`` when the server closes (it refused this node's proof) or
-    ``AssertionError`` when the server's proof is wrong."""
-    nonce = w.new_nonce()
-    sock.sendall(w.pack_hello(w.HELLO_MAGIC, nonce, node_id))
-    magic, version, s_nonce, n = w.HELLO.unpack(read_exactly(sock, w.HELLO.size))
-    assert (magic, version) == (w.CHALLENGE_MAGIC, w.VERSION)
-    s_id = read_exactly(sock, n).decode()
-    assert s_id == expect_id
-    t = w.Transcript(nonce, node_id, s_nonce, s_id)
-    sock.sendall(t.proof(peer_key, b"c2s"))
-    ok = read_exactly(sock, 1 + w.PROOF_BYTES)
-    assert ok[:1] == b"\x01" and w.check(t.proof(peer_key, b"s2c"), ok[1:])
-    return t

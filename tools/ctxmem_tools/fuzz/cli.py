@@ -7,7 +7,13 @@ import json
 import random
 from pathlib import Path
 
-from ctxmem_tools.fuzz.runner import FuzzOptions, FuzzRun, summary
+from ctxmem_tools.fuzz.runner import (
+    DEFAULT_TARGETS,
+    TARGET_WEIGHTS,
+    FuzzOptions,
+    FuzzRun,
+    summary,
+)
 
 
 def fuzz_command(argv: list[str]) -> int:
@@ -25,17 +31,23 @@ def fuzz_command(argv: list[str]) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
     p.add_argument("--max-seconds", type=float, default=3600.0,
                    help="stop after this long (3600)")
-    p.add_argument("--targets", default="rpc,tcp,shm",
-                   help="comma-separated targets: rpc, tcp, shm (all)")
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                   help="comma-separated targets: rpc, tcp, shm (the default), and peer: "
+                        "a pod of two nodes (needs redis-server) and one node's peer port")
     p.add_argument("-q", "--quiet", action="store_true")
     args = p.parse_args(argv)
+    targets = tuple(t for t in args.targets.split(",") if t)
+    unknown = sorted(set(targets) - set(TARGET_WEIGHTS))
+    if unknown or not targets:
+        p.error(f"--targets: unknown {unknown or 'none given'}; choose from "
+                f"{', '.join(TARGET_WEIGHTS)}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     if not args.quiet:
         print(f"ctxmem fuzz: {args.cases} cases, seed {seed}", flush=True)
     opts = FuzzOptions(cases=args.cases, seed=seed, batch=args.batch,
                        workdir=Path(args.workdir) if args.workdir else None, keep=args.keep,
                        max_seconds=args.max_seconds,
-                       targets=tuple(t for t in args.targets.split(",") if t))
+                       targets=targets)
     report = FuzzRun(opts, None if args.quiet else
                      (lambda msg: print(msg, flush=True))).run()
     if args.json:

@@ -5,7 +5,9 @@ small DRAM and flash, tenant tokens for two tenants). Tenant "victim" holds two
 legitimate sessions (shared memory and TCP) with committed blocks; tenant "attacker"
 holds the fuzzer's sessions, which also commit blocks so cases reach real allocations,
 leases and slabs. Cases are drawn from one seeded RNG over three targets: the gRPC
-methods (:mod:`.rpc`), the TCP data port and the shared-memory socket (:mod:`.frames`).
+methods (:mod:`.rpc`), the TCP data port and the shared-memory socket (:mod:`.frames`);
+and, when asked for (``peer``), a fourth: the peer port of a pod of two nodes
+(:mod:`.peer`, with its own checks after every batch, :meth:`.peer.PeerFuzz.check`).
 
 After every batch: the process is alive (else a crash), ``Health`` answers within a
 deadline (else a hang), and every victim block reads back byte-exact through its
@@ -40,13 +42,16 @@ from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_tools.fuzz.frames import FrameTarget
 from ctxmem_tools.fuzz.messages import Identity, MessageFuzzer, Pools
+from ctxmem_tools.fuzz.peer import PeerFuzz
 from ctxmem_tools.fuzz.rpc import RpcTarget
 from ctxmem_tools.launcher import ServiceProcess, local_config
 from ctxmem_tools.rawclient import RawSession
 
 LAYOUT = KVLayout(dtype="float16", num_layers=2, num_kv_heads=1, head_dim=64, tokens_per_block=16)
 TOKENS = {"victim": "victim-token-" + "v" * 20, "attacker": "attacker-token-" + "a" * 20}
-TARGET_WEIGHTS = {"rpc": 0.5, "tcp": 0.25, "shm": 0.25}
+TARGET_WEIGHTS = {"rpc": 0.5, "tcp": 0.25, "shm": 0.25, "peer": 0.25}
+#: The targets a run has unless told otherwise (``peer`` starts a pod: opt in).
+DEFAULT_TARGETS = ("rpc", "tcp", "shm")
 
 
 @dataclass
@@ -65,7 +70,7 @@ class FuzzOptions:
     max_repeated: int = 20_000
     service_env: dict[str, str] = field(default_factory=dict)
     victim_blocks: int = 8
-    targets: tuple[str, ...] = ("rpc", "tcp", "shm")
+    targets: tuple[str, ...] = DEFAULT_TARGETS
 
 
 @dataclass
@@ -251,7 +256,13 @@ class FuzzRun:
         host, port = split_hostport(health.data_endpoint, "data_endpoint")
         frames = {"tcp": FrameTarget("tcp", (host, port), self.rng, pools, fuzzer),
                   "shm": FrameTarget("shm", health.shm_socket, self.rng, pools, fuzzer)}
+        unknown = set(opts.targets) - set(TARGET_WEIGHTS)
+        if unknown:
+            raise ValueError(f"fuzz: unknown target(s) {sorted(unknown)}; the targets are "
+                             f"{', '.join(TARGET_WEIGHTS)}")
         names = [n for n in TARGET_WEIGHTS if n in opts.targets]
+        peer = PeerFuzz(workdir / "pod", self.rng, opts.seed, self.failures.append) \
+            if "peer" in names else None
         weights = [TARGET_WEIGHTS[n] for n in names]
         rss_before: dict[str, int] = {}
         warmup = self.warmup = max(opts.batch, min(20_000, opts.cases // 3))
@@ -267,12 +278,16 @@ class FuzzRun:
                     if target == "rpc":
                         method, outcome = rpc.case()
                         self.per_target[f"rpc.{method}"][outcome] += 1
+                    elif target == "peer":
+                        assert peer is not None
+                        self.per_target["peer"][peer.case(done)] += 1
                     else:
                         outcome = frames[target].case()
                         self.per_target[target][outcome] += 1
                     self.cases[target] += 1
                     done += 1
-                if not self._check(svc, stub, victims, done):
+                if not self._check(svc, stub, victims, done) or (
+                        peer is not None and not peer.check(done)):
                     stopped = self.failures[-1]
                     break
                 if not rss_before and done >= warmup:  # once the heap has warmed up
@@ -283,15 +298,19 @@ class FuzzRun:
                     self.progress(f"fuzz: {done}/{opts.cases} cases, "
                                   f"{time.monotonic() - started:.0f} s, RSS "
                                   f"{rss['rss'] // 1024} MiB (anon {rss['anon'] // 1024})")
+            rss_after: dict[str, int] = {}
+            if not stopped:
+                time.sleep(opts.settle_s)  # grants expire, stalled connections are reaped
+                self._check(svc, stub, victims, done)
+                if peer is not None:
+                    peer.check(done)
+                if svc.proc is not None and svc.proc.poll() is None:
+                    rss_after = _settled_rss(pid, opts.settle_s, self.ctl, 2)
         finally:
             for t in frames.values():
                 t.close()
-        rss_after: dict[str, int] = {}
-        if not stopped:
-            time.sleep(opts.settle_s)  # grants expire, stalled connections are reaped
-            self._check(svc, stub, victims, done)
-            if svc.proc is not None and svc.proc.poll() is None:
-                rss_after = _settled_rss(pid, opts.settle_s, self.ctl, 2)
+            if peer is not None:
+                peer.close()
         for s in [v.session for v in victims] + attackers:
             with contextlib.suppress(Exception):
                 s.close()
@@ -305,9 +324,22 @@ class FuzzRun:
                                     flags=re.M))
         report = self._report(done, time.monotonic() - started, rss_before, rss_after,
                               tracebacks, log_text, stopped, frames, svc.log_path)
+        if peer is not None:
+            report["peer"] = self._peer_report(peer, report)
         if not opts.keep and opts.workdir is None and report["ok"]:
             shutil.rmtree(workdir, ignore_errors=True)
         return report
+
+    def _peer_report(self, peer: PeerFuzz, report: dict[str, Any]) -> dict[str, Any]:
+        """The peer target's figures; its failures fail the run (``ok``)."""
+        tracebacks, samples = peer.tracebacks()
+        if tracebacks:
+            report["failures"].append(f"{tracebacks} Traceback(s) in the pod nodes' logs")
+        got = {**peer.report(), "tracebacks": tracebacks, "traceback_samples": samples[:5],
+               "pod": str(peer.pod.workdir)}
+        if peer.failed or tracebacks:
+            report["ok"] = False
+        return got
 
     def _report(self, done: int, duration: float, rss_before: dict[str, int],
                 rss_after: dict[str, int],
@@ -360,4 +392,14 @@ def summary(report: dict[str, Any]) -> str:
             f"{report['duration_s']} s: crashes {report['crashes']}, hangs {report['hangs']}, "
             f"tracebacks {report['tracebacks']}, wrong blocks {report['wrong_blocks']}, "
             f"readback errors {report['readback_errors']}, misses "
-            f"{report['readback_misses']}; {rss}: {'PASS' if report['ok'] else 'FAIL'}")
+            f"{report['readback_misses']}; {rss}{_peer_summary(report)}: "
+            f"{'PASS' if report['ok'] else 'FAIL'}")
+
+
+def _peer_summary(report: dict[str, Any]) -> str:
+    peer = report.get("peer")
+    if peer is None:
+        return ""
+    return (f"; peer: {peer['cross_node_gets']} cross-node gets, wrong blocks "
+            f"{peer['cross_node_wrong_blocks']}, misses {peer['cross_node_misses']}, served "
+            f"unproven {peer['served_unproven']}, node tracebacks {peer['tracebacks']}")
