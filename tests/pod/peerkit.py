@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ctxmem_common.keys import namespace_digest
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.pod.entries import blocks_key
-from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_tools.fuzz.peer import handshake, read_exactly
 from ctxmem_tools.pod_launcher import LocalPod
 from tests.pod.podtest import LAYOUT

@@ -19,9 +19,9 @@ import redis
 
 import ctxmem
 from ctxmem_common.config import PodConfig
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.pod.entries import RemoteEntry, node_prefix, pack_entry
 from ctxmem_dpu.pod.index import ClusterIndex
-from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.pod.publisher import Publisher
 from ctxmem_dpu.pod.redis_conn import connect
 from ctxmem_tools.pod_launcher import LocalPod

@@ -14,14 +14,14 @@ import redis
 from crc32c import crc32c
 
 import ctxmem
-from ctxmem_dpu.pod import peer_wire as w
+from ctxmem_common import peer_wire as w
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.pod.entries import (
     NODES_KEY,
     RemoteEntry,
     alive_key,
     pack_entry,
 )
-from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_tools.pod_launcher import LocalPod
 from tests.pod.peerkit import handshake, index_names, pod_keys, read_exactly
 from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for

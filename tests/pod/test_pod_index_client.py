@@ -16,9 +16,9 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
 from ctxmem_common.config import PodConfig
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.pod.entries import NODES_KEY, RemoteEntry, alive_key, blocks_key, pack_entry
 from ctxmem_dpu.pod.index import ClusterIndex
-from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.pod.redis_conn import connect
 from ctxmem_dpu.pod.resp_pack import FastConnection, FastSSLConnection, pack_command
 from ctxmem_tools.redis_server import RedisClusterServers, RedisServer

@@ -248,8 +248,8 @@ def test_the_pod_token_or_the_peer_key_alone_reads_no_victim_block(
     assert data[0].tobytes()[:4096] not in got and len(got) < LAYOUT.block_nbytes
     assert clients.stats(n1.endpoint).get("pod_served_blocks", 0) == 0
 
-    from ctxmem_dpu.pod import peer_wire as w
-    from ctxmem_dpu.pod.podkeys import PodKeys
+    from ctxmem_common import peer_wire as w
+    from ctxmem_common.podkeys import PodKeys
     from tests.pod.peerkit import handshake, pod_keys
 
     # The new handshake with the token but another master key: refused at the proof.

@@ -29,15 +29,15 @@ import pytest
 from crc32c import crc32c
 
 import ctxmem
+from ctxmem_common import peer_wire as w
 from ctxmem_common import rdma_wire as rw
 from ctxmem_common.config import PodConfig
 from ctxmem_common.config_pod import check_pod
 from ctxmem_common.errors import ConfigError, InvalidArgument
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.pod import peer_client
-from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.entries import RemoteEntry
 from ctxmem_dpu.pod.peer_rdma import RdmaTransferError
-from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_tools.pod_launcher import LocalPod
 from tests.pod.peerkit import handshake, pod_keys
 from tests.pod.podtest import Clients, blocks, wait_for

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import ctxmem
-from ctxmem_dpu.pod import peer_wire as w
+from ctxmem_common import peer_wire as w
 from ctxmem_tools.bench.security_pki import make_pki, member_cert
 from ctxmem_tools.launcher import ServiceProcess, local_config
 from ctxmem_tools.pod_launcher import LocalPod, pod_section

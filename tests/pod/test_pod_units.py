@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from ctxmem_common.config import load_config, parse_config
 from ctxmem_common.errors import ConfigError
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.pod.entries import (
     RemoteEntry,
     SharedLocation,
@@ -22,7 +23,6 @@ from ctxmem_dpu.pod.entries import (
     unpack_entry,
 )
 from ctxmem_dpu.pod.fetch import RemoteFetch
-from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.pod.sources import RemoteSource
 
 entries = st.builds(

@@ -112,7 +112,7 @@ class Fetcher:
     with an attached queue pair (the node's own ``FetchLink``), raw requests."""
 
     def __init__(self, addr: str, pod: Pod, node: str = "node1") -> None:
-        from ctxmem_dpu.pod.podkeys import PodKeys
+        from ctxmem_common.podkeys import PodKeys
 
         self.addr, self.node = addr, node
         self.keys = PodKeys(pod.master_key, pod.token.encode())
@@ -122,8 +122,8 @@ class Fetcher:
         self.link: Any = None
 
     async def __aenter__(self) -> Fetcher:
+        from ctxmem_common import peer_wire as w
         from ctxmem_common import rdma_wire as rw
-        from ctxmem_dpu.pod import peer_wire as w
         from ctxmem_dpu.transport.rdma_device import RdmaDevice
 
         self.dev = RdmaDevice(rw.find_gid(os.environ["CTXMEM_RDMA_IP"],
@@ -137,7 +137,7 @@ class Fetcher:
         return self
 
     async def attach(self) -> None:
-        from ctxmem_dpu.pod import peer_wire as w
+        from ctxmem_common import peer_wire as w
         from ctxmem_dpu.pod.peer_rdma import FetchLink
 
         assert self.reader is not None and self.writer is not None
@@ -148,7 +148,7 @@ class Fetcher:
 
     async def grant(self, ns_digest: bytes, keys: list[bytes]) -> list[tuple[int, int, int]]:
         """(address, rkey, length) per key, all hits; the holder's lease starts."""
-        from ctxmem_dpu.pod import peer_wire as w
+        from ctxmem_common import peer_wire as w
 
         assert self.reader is not None and self.writer is not None
         proof = self.transcript.ns_proof(self.keys.namespace(ns_digest).request_key,
@@ -165,7 +165,7 @@ class Fetcher:
         return out
 
     def done(self) -> None:
-        from ctxmem_dpu.pod import peer_wire as w
+        from ctxmem_common import peer_wire as w
 
         assert self.writer is not None
         self.writer.write(w.DONE)

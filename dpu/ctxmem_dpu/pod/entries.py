@@ -3,7 +3,7 @@
 Redis layout (every key of one namespace shares the hash tag ``{NS}``, so a namespace's
 keys sit in one Redis Cluster slot and batch in one command). The index holds no secret
 and no oracle: ``NS`` and the fields are keyed hashes under the pod's index key
-(:class:`~ctxmem_dpu.pod.podkeys.PodKeys`), never a namespace digest (guessable from a
+(:class:`~ctxmem_common.podkeys.PodKeys`), never a namespace digest (guessable from a
 tenant name) or a block key (a prompt's chain hash):
 
 * ``ctxmem:{NS}:blocks`` — a hash, NS = :meth:`PodKeys.index_tag` of the namespace
@@ -65,7 +65,7 @@ class RemoteEntry:
 
 def blocks_key(tag: str) -> str:
     """The Redis hash of a namespace's blocks, by its keyed tag
-    (:meth:`~ctxmem_dpu.pod.podkeys.PodKeys.index_tag`)."""
+    (:meth:`~ctxmem_common.podkeys.PodKeys.index_tag`)."""
     return f"ctxmem:{{{tag}}}:blocks"
 
 

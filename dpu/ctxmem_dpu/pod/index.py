@@ -8,7 +8,7 @@ nodes are alive; entries of a node not alive are ignored by :meth:`lookup` and d
 lazily (:meth:`drop_stale`, a conditional delete: only the value that was judged stale).
 
 Names: every namespace and block key is stored under a keyed hash
-(:class:`~ctxmem_dpu.pod.podkeys.PodKeys`: the hash tag, and the hash fields computed in
+(:class:`~ctxmem_common.podkeys.PodKeys`: the hash tag, and the hash fields computed in
 C for a whole request), so what the index reveals to whoever reads it is node ids,
 addresses, sizes and counts, never a block key or a namespace digest.
 """
@@ -24,6 +24,7 @@ from operator import getitem, is_not
 from typing import TYPE_CHECKING, Any
 
 from ctxmem_common.config import PodConfig
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.pod.entries import (
     NODES_KEY,
     RemoteEntry,
@@ -33,7 +34,6 @@ from ctxmem_dpu.pod.entries import (
     pack_entry,
     unpack_entry,
 )
-from ctxmem_dpu.pod.podkeys import PodKeys
 
 if TYPE_CHECKING:
     from ctxmem_dpu.pod.redis_conn import IndexClient

@@ -13,6 +13,8 @@ from dataclasses import replace
 from ctxmem_common.config import Config
 from ctxmem_common.errors import ConfigError, Unavailable
 from ctxmem_common.keyfile import load_master_key
+from ctxmem_common.peer_wire import pod_token
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.pod.entries import RemoteEntry, SharedLocation
@@ -21,8 +23,6 @@ from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
 from ctxmem_dpu.pod.peer_client import PeerSource
 from ctxmem_dpu.pod.peer_rdma import open_device
 from ctxmem_dpu.pod.peer_server import PeerServer
-from ctxmem_dpu.pod.peer_wire import pod_token
-from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.pod.publisher import Publisher
 from ctxmem_dpu.pod.redis_conn import connect
 from ctxmem_dpu.pod.sources import RemoteSource

@@ -3,7 +3,7 @@ server for blocks and checks every answer.
 
 A peer is trusted for nothing, and neither is the index that named it: a connection is
 used only once the peer proved, in the challenge-response handshake
-(:func:`~ctxmem_dpu.pod.peer_wire.connect`), that it holds the pod's peer key and is the
+(:func:`~ctxmem_common.peer_wire.connect`), that it holds the pod's peer key and is the
 node the index named; this node's proof is an HMAC over fresh nonces, so an impostor
 learns nothing it could guess offline, and no token is sent. An answer is used only when
 its authenticator verifies under this node's own key of the namespace
@@ -34,14 +34,14 @@ from dataclasses import dataclass
 
 from crc32c import crc32c
 
+from ctxmem_common import peer_wire as w
 from ctxmem_common.config import PodConfig
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.netaddr import split_hostport
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.logthrottle import throttled
-from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.entries import RemoteEntry
 from ctxmem_dpu.pod.peer_rdma import FetchLink, RdmaTransferError
-from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.pod.sources import RemoteSource
 from ctxmem_dpu.transport.rdma_device import RdmaDevice
 

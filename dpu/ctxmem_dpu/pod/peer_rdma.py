@@ -1,7 +1,7 @@
 """Peer fetch over RDMA: the verbs resources of both ends (docs/pod.md).
 
 The exchange (attach, request, grant, done) rides the authenticated, encrypted peer
-connection (:mod:`ctxmem_dpu.pod.peer_wire`); only the block bytes move over RDMA, by
+connection (:mod:`ctxmem_common.peer_wire`); only the block bytes move over RDMA, by
 one-sided READ from the holder's DRAM slots into the fetcher's registered landing
 buffer. Those bytes are not encrypted (the same documented exception as the host RDMA
 transport); every block is checked against its index entry's CRC32C before it is stored.

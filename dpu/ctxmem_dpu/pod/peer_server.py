@@ -1,8 +1,8 @@
 """The peer-fetch server: serves this node's blocks to authenticated pod members.
 
 Only pod members reach it: every connection starts with a challenge-response handshake
-under the pod's peer key (derived from the master key, :mod:`.podkeys`; the server sends
-nothing but its challenge until the client proved itself) and, off loopback, mutual TLS
+under the pod's peer key (derived from the master key, :mod:`ctxmem_common.podkeys`; the
+server sends nothing but its challenge until the client proved itself) and, off loopback, mutual TLS
 with the pod CA; tenants' session tokens are not accepted here. A request names a
 namespace digest (which covers the tenant) and proves that the requester holds that
 namespace's key, so a block is only ever served to the same namespace on the other node,
@@ -29,16 +29,16 @@ import secrets
 from collections import Counter
 from collections.abc import Callable
 
+from ctxmem_common import peer_wire as w
 from ctxmem_common.codecs.blockauth import BlockAuthenticator
 from ctxmem_common.config import PodConfig
 from ctxmem_common.errors import ConfigError, CtxmemError
 from ctxmem_common.identity import is_local_listen
 from ctxmem_common.netaddr import split_hostport
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.listenguard import FdReserve, Unauthenticated
 from ctxmem_dpu.logthrottle import throttled
-from ctxmem_dpu.pod import peer_wire as w
 from ctxmem_dpu.pod.peer_rdma import grant_blocks, holder_endpoint
-from ctxmem_dpu.pod.podkeys import PodKeys
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.transport.rdma_device import RdmaDevice
 from ctxmem_dpu.transport.rdma_endpoint import SessionEndpoint

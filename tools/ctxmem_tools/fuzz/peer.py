@@ -1,5 +1,5 @@
 """Pod peer-port cases (issue 25): the peer handshake and requests of
-:mod:`ctxmem_dpu.pod.peer_wire`, against one node of a real pod.
+:mod:`ctxmem_common.peer_wire`, against one node of a real pod.
 
 Cases are drawn from one seeded RNG: random bytes; a hello with a mutated or odd node id,
 or a good hello followed by a wrong, short or long proof (:meth:`PeerCases.hello_case`);
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from ctxmem.client import Client
+from ctxmem_common import peer_wire as w
 from ctxmem_common.keys import namespace_digest
 from ctxmem_common.layout import KVLayout
-from ctxmem_dpu.pod import peer_wire as w
-from ctxmem_dpu.pod.podkeys import PodKeys
+from ctxmem_common.podkeys import PodKeys
 from ctxmem_tools.pod_launcher import LocalPod
 
 #: The kinds of case, as :meth:`PeerCases.case` labels their first word.

@@ -8,7 +8,7 @@ Handshake (challenge-response; no secret leaves a node before the peer proved it
   bytes), its node id (u8 length + UTF-8).
 * challenge, server → client: ``b"CXPC"``, version, the server's nonce, its node id. The
   server sends nothing else until the client proved itself.
-* client proof (32 bytes): HMAC-SHA256 under the pod's peer key (:mod:`.podkeys`) over
+* client proof (32 bytes): HMAC-SHA256 under the pod's peer key (:mod:`ctxmem_common.podkeys`) over
   the direction ``c2s``, both nonces, both node ids and, with TLS, the TLS channel
   binding (:meth:`Transcript.proof`): a member certificate that relays the handshake
   between two real nodes (TLS terminated on both legs) gets a proof that fails on the
