@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 
@@ -141,3 +142,41 @@ def established(port: int, source: str) -> int:
                           f"( sport = :{port} and dst {source} )"],
                          capture_output=True, text=True, timeout=10, check=False).stdout
     return len(out.splitlines())
+
+
+def trickle_until_cut(sock: socket.socket, head: bytes, limit_s: float,
+                      between: Callable[[], None] | None = None) -> float | None:
+    """Send ``head`` (a request line), then one header line every 0.3 s (a slow loris),
+    calling ``between`` before each; the seconds until the service cut the connection, or
+    None if it had not after ``limit_s``. The socket is closed either way."""
+    t0 = time.monotonic()
+    try:
+        sock.sendall(head)
+        sock.settimeout(0.3)
+        while time.monotonic() - t0 < limit_s:
+            if between is not None:
+                between()
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")
+                if sock.recv(4096) == b"":
+                    return time.monotonic() - t0
+            except TimeoutError:
+                continue
+            except OSError:
+                return time.monotonic() - t0
+        return None
+    finally:
+        sock.close()
+
+
+def closed_unanswered(sock: socket.socket, timeout_s: float = 5.0) -> bool:
+    """Whether the service closes ``sock`` (EOF or reset) within ``timeout_s`` without
+    sending a byte; AssertionError if it answered."""
+    sock.settimeout(timeout_s)
+    try:
+        assert sock.recv(4096) == b"", "a silent connection over the cap was answered"
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
