@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ctxmem_tools.chaos import chaos_command
-from ctxmem_tools.chaos.pod import NOT_BUILT, POD_KINDS, WORKLOAD_DELETES
+from ctxmem_tools.chaos.pod import NOT_BUILT, POD_KINDS, WORKLOAD_DELETES, refusal_reason
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "index": ("index_flush", "index_empty_restart", "index_old_snapshot"),
@@ -91,3 +91,25 @@ def test_local_flash_loses_no_durable_block(tmp: Path) -> None:
     assert set(report["faults_by_kind"]) == set(LOCAL_KINDS)
     assert report["wrong_blocks"] == 0, report["problems"]
     assert report["durable_blocks_lost"] == 0, report["problems"]
+
+
+def test_every_refused_block_is_charged_to_a_cause(tmp: Path) -> None:
+    """Availability is reported, not only safety: each refused put block is counted once
+    under the fault kind going on and the class of error that refused it."""
+    for group in sorted(GROUPS):
+        report = _campaign(tmp, group)
+        causes = report["refused_by_cause"]
+        assert sum(n for by in causes.values() for n in by.values()) \
+            == report["blocks_refused"], causes
+        assert set(causes) <= {"start", "end", *GROUPS[group]}, causes
+
+
+def test_refusal_reasons_mask_names_ids_and_figures() -> None:
+    """The same cause on other tenants, keys, devices or timings is one class."""
+    a = refusal_reason(OSError("Connect for tenant 'carol': the caller's deadline passed "
+                               "after 2.5 s (session 0123456789abcdef0123)"))
+    b = refusal_reason(OSError("Connect for tenant 'bob': the caller's deadline passed "
+                               "after 10 s (session fedcba98765432100000)"))
+    assert a == b == ("OSError: Connect for tenant '…': the caller's deadline passed "
+                      "after N s (session #)")
+    assert refusal_reason(TimeoutError("x")) != refusal_reason(OSError("x"))

@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -113,6 +114,22 @@ class PodKey:
     uncertain: bool = False  # an operation on it failed: its state is unknown
 
 
+_MASKS = (
+    (re.compile(r"'[^'\s]*'"), "'…'"),  # names: tenants, devices, paths
+    (re.compile(r"\b[0-9a-f]{12,}\b"), "#"),  # ids and keys
+    (re.compile(r"\d+(\.\d+)?"), "N"),  # figures
+)
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """What refused a put, as a class of errors: the exception's type and the first clause
+    of its message with names, ids and figures masked, so that the same cause on other
+    tenants, keys or nodes counts once (``refused_by_cause`` in the report)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    for pattern, repl in _MASKS:
+        text = pattern.sub(repl, text)
+    return f"{type(exc).__name__}: {text[:240]}"
+
 @dataclass
 class PodStats:
     faults_injected: int = 0
@@ -121,6 +138,9 @@ class PodStats:
     blocks_put: int = 0
     blocks_acked: int = 0
     blocks_refused: int = 0  # puts that raised (write-through commits refused)
+    # The refused blocks by what was going on (the last fault kind) and why (the error,
+    # its ids and figures masked: :func:`refusal_reason`).
+    refused_by_cause: dict[str, Counter[str]] = field(default_factory=dict)
     blocks_served: int = 0
     blocks_deleted: int = 0
     wrong_blocks: int = 0
@@ -332,6 +352,8 @@ class PodCampaign:
         except IO_ERRORS as exc:
             self.st.op_errors += 1
             self.st.blocks_refused += len(keys)
+            self.st.refused_by_cause.setdefault(self.source, Counter())[
+                refusal_reason(exc)] += len(keys)
             if len(self.op_errors) < 20:
                 self.op_errors.append(f"put on node{i + 1}: {exc}")
             self._forget(keys)
@@ -728,6 +750,8 @@ class PodCampaign:
             "faults_not_applied": dict(sorted(st.not_applied.items())),
             "blocks_put": st.blocks_put, "blocks_acked": st.blocks_acked,
             "blocks_refused": st.blocks_refused,
+            "refused_by_cause": {k: dict(v.most_common())
+                                 for k, v in sorted(st.refused_by_cause.items())},
             "blocks_served": st.blocks_served, "blocks_deleted": st.blocks_deleted,
             "wrong_blocks": st.wrong_blocks, "stale_after_delete": st.stale_after_delete,
             "durable_blocks_lost": st.durable_blocks_lost,
