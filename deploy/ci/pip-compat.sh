@@ -152,8 +152,17 @@ trap 'rm -rf "$wheeldir"' EXIT
 start=$SECONDS
 # One wheel of the checkout for every venv, built by a throwaway venv's pip (Debian's
 # python3 comes without pip).
+# From a clean copy (the files a clone has: tracked, and untracked but not ignored), as
+# tests/deploy/test_packaging.py does: a stale build/ of the checkout stays out.
+src=$repo
+if git -C "$repo" rev-parse --git-dir >/dev/null 2>&1; then
+    src=$wheeldir/src
+    mkdir -p "$src"
+    git -C "$repo" ls-files -z --cached --others --exclude-standard \
+        | (cd "$repo" && tar --null -T - --ignore-failed-read -cf -) | tar -xf - -C "$src"
+fi
 python3 -m venv "$wheeldir/build"
-"$wheeldir/build/bin/pip" wheel -q --no-deps -w "$wheeldir" "$repo"
+"$wheeldir/build/bin/pip" wheel -q --no-deps -w "$wheeldir" "$src"
 rc=0
 for e in "${engines[@]}"; do
     check_engine "$e" || rc=1

