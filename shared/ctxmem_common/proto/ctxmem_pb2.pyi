@@ -105,7 +105,7 @@ class ConnectRequest(_message.Message):
     tenant: str
     tenant_token: str
     hold: bool
-    def __init__(self, client_name: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., tenant: _Optional[str] = ..., tenant_token: _Optional[str] = ..., hold: _Optional[bool] = ...) -> None: ...
+    def __init__(self, client_name: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., tenant: _Optional[str] = ..., tenant_token: _Optional[str] = ..., hold: bool = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ("session_id", "session_token", "instance_id", "lease_ttl_ms", "allocation_ttl_ms", "tenant")
