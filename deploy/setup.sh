@@ -66,17 +66,15 @@ install_python() {
         # torch requirement would pull a multi-GB CUDA build.
         "$VENV/bin/pip" install -q -e ".[dev,tools,spdk,s3]" "torch==2.13.0"
         # LMCache, for the tests that drive ctxmem from LMCache's own engine and from a
-        # real `lmcache server` (its MP server: OpenTelemetry, FastAPI/uvicorn, httpx and
-        # blake3 are what its CLI and server import). A plain `pip install lmcache`
-        # downgrades grpcio/protobuf below what ctxmem's generated gRPC code needs, so its
-        # runtime deps are named and lmcache goes in --no-deps. fastapi stays below 0.142
-        # (later ones need opentelemetry-api >= 1.44; LMCache 0.5.6 wants <= 1.40).
-        "$VENV/bin/pip" install -q "torch==2.13.0" numba==0.68.1 py-cpuinfo psutil aiohttp \
-            requests cachetools aiofile msgspec pyzmq sortedcontainers opentelemetry-api==1.40.0 \
-            opentelemetry-sdk==1.40.0 opentelemetry-semantic-conventions==0.61b0 \
-            fastapi==0.141.1 starlette==1.10.0 uvicorn==0.54.0 httpx==0.28.1 \
-            httpcore==1.0.9 blake3==1.0.11
-        "$VENV/bin/pip" install -q --no-deps lmcache==0.5.6
+        # real `lmcache server`, installed the way a user does: plain pip, into ctxmem's
+        # environment. It takes grpcio down to 1.78.0 and protobuf below 7 (its pins),
+        # which ctxmem's generated gRPC code supports (made by grpcio-tools 1.78.0, the
+        # dev extra's pin; tests/shared/test_proto_current.py), so this venv runs the
+        # suite on the oldest runtimes ctxmem allows and the side venvs on the newest.
+        # torch==2.13.0 keeps the CPU build (LMCache's loose `torch` would otherwise pull
+        # a multi-GB CUDA one). deploy/ci/pip-compat.sh checks the same install in a
+        # fresh venv, `pip check` included.
+        "$VENV/bin/pip" install -q "torch==2.13.0" lmcache==0.5.6
         # Mooncake Store's CPU build, for `ctxmem bench --peer mooncake` (its wheel carries
         # the mooncake_master binary; its own deps are aiohttp, requests and msgpack).
         "$VENV/bin/pip" install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
@@ -142,6 +140,11 @@ run_tests() {
     log "pytest (host: unit, integration against real service processes, engines, deploy)"
     export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1  # LMCache sends nothing out
     "$VENV/bin/pytest" -q -m "not vm and not slow" tests
+    # ctxmem-kv beside vLLM (CPU), LMCache and SGLang, each installed with plain pip in a
+    # fresh venv (cached; ~12 min cold, ~25 s warm; it says so loudly when
+    # CTXMEM_SKIP_ENGINE_VENVS=1 skips it).
+    log "pip-compat: ctxmem-kv installs beside every engine with plain pip (cached venvs)"
+    bash deploy/ci/pip-compat.sh
     if [ "${CTXMEM_SKIP_VM:-0}" = "1" ]; then
         echo "!! CTXMEM_SKIP_VM=1: the QEMU guest stage (real RDMA and NVMe-oF) was NOT run"
         return 0

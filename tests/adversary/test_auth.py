@@ -43,7 +43,7 @@ def content(key: bytes) -> bytes:
 def refusal(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     """The status code and ctxmem-error of a refused call."""
     call: Any = exc
-    kind = dict(call.trailing_metadata() or ()).get(ERROR_METADATA_KEY, "")
+    kind = {k: v for k, v in call.trailing_metadata() or ()}.get(ERROR_METADATA_KEY, "")
     return call.code(), str(kind)
 
 

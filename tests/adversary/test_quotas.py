@@ -64,7 +64,7 @@ def _get_exact(ns: ctxmem.Namespace, keys: list[bytes], data: list[np.ndarray]) 
 
 
 def _code(exc: grpc.RpcError) -> str:
-    return dict(exc.trailing_metadata() or ()).get(ERROR_METADATA_KEY, "")
+    return {k: v for k, v in exc.trailing_metadata() or ()}.get(ERROR_METADATA_KEY, "")
 
 
 def test_flood_pins_and_allocations_cannot_starve_another_tenant(

@@ -28,7 +28,7 @@ from ctxmem_common.config import parse_config
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by deploy/setup.sh "
-                    "(--no-deps) into the main venv")
+                    "(plain pip) into the main venv")
 pytest.importorskip("torch")
 
 from lmcache.v1.config import LMCacheEngineConfig

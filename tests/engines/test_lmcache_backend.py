@@ -26,10 +26,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 lmcache = pytest.importorskip(
     "lmcache",
     reason="lmcache is not installed in this environment. It installs on CPU next to "
-    "torch 2.13.0 with: pip install numba==0.68.1 py-cpuinfo psutil aiohttp requests "
-    "cachetools aiofile msgspec pyzmq && pip install --no-deps lmcache==0.5.6 "
-    "(a plain `pip install lmcache` would downgrade grpcio/protobuf below what ctxmem's "
-    "generated code needs)",
+    "ctxmem with: pip install torch==2.13.0 lmcache==0.5.6 (torch==2.13.0 keeps the "
+    "CPU build; docs/engines.md)",
 )
 torch = pytest.importorskip("torch")
 

@@ -21,7 +21,7 @@ import pytest
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 lmcache = pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by "
-                              "deploy/setup.sh (--no-deps) into the main venv")
+                              "deploy/setup.sh (plain pip) into the main venv")
 torch = pytest.importorskip("torch")
 
 from lmcache.utils import EngineType  # noqa: E402

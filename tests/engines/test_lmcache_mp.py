@@ -25,7 +25,7 @@ import pytest
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 lmcache = pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by "
-                              "deploy/setup.sh (--no-deps) into the main venv")
+                              "deploy/setup.sh (plain pip) into the main venv")
 torch = pytest.importorskip("torch")
 
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402

@@ -18,10 +18,9 @@ import pytest
 
 pytest.importorskip(
     "sglang.srt.mem_cache.hicache_storage",
-    reason="SGLang is not installed here: sglang==0.5.23 requires torch==2.14.1 (a CUDA "
-    "build, several GB) and CUDA-only packages (flashinfer, sglang-kernel, cuda-tile, "
-    "whose wheel downloads from NVIDIA); run this test where `pip install --no-deps "
-    "sglang==0.5.23` plus its Python-only imports is available (docs/engines.md)",
+    reason="SGLang is not installed here: `pip install sglang==0.5.23` brings torch==2.14.1 "
+    "(a CUDA build) and CUDA-only packages, an 11 GB venv; test_sglang_real.py runs this "
+    "file in the small CPU side venv (deploy/ci/engine-venv.sh sglang-cpu, docs/engines.md)",
 )
 torch = pytest.importorskip("torch")
 

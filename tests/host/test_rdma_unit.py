@@ -393,7 +393,9 @@ def test_attach_call_lives_as_long_as_the_connection(monkeypatch: pytest.MonkeyP
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call
         e = info.value
-        return e.code(), e.details() or "", dict(e.trailing_metadata() or ())[ERROR_METADATA_KEY]
+        # Pairs, not dict(metadata): grpc.aio's Metadata in grpcio 1.78 breaks dict().
+        trailing = {k: v for k, v in e.trailing_metadata() or ()}
+        return e.code(), e.details() or "", trailing[ERROR_METADATA_KEY]
 
     async def run() -> None:
         store = await open_store(store_config(service={

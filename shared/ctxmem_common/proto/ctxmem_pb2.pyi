@@ -91,7 +91,7 @@ class HealthResponse(_message.Message):
     mode: str
     shm_ops: bool
     tcp_ops: bool
-    def __init__(self, status: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_socket: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., mode: _Optional[str] = ..., shm_ops: _Optional[bool] = ..., tcp_ops: _Optional[bool] = ...) -> None: ...
+    def __init__(self, status: _Optional[str] = ..., instance_id: _Optional[str] = ..., version: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_socket: _Optional[str] = ..., data_endpoint: _Optional[str] = ..., mode: _Optional[str] = ..., shm_ops: bool = ..., tcp_ops: bool = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("client_name", "transport", "tenant", "tenant_token", "hold")
@@ -105,7 +105,7 @@ class ConnectRequest(_message.Message):
     tenant: str
     tenant_token: str
     hold: bool
-    def __init__(self, client_name: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., tenant: _Optional[str] = ..., tenant_token: _Optional[str] = ..., hold: _Optional[bool] = ...) -> None: ...
+    def __init__(self, client_name: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., tenant: _Optional[str] = ..., tenant_token: _Optional[str] = ..., hold: bool = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ("session_id", "session_token", "instance_id", "lease_ttl_ms", "allocation_ttl_ms", "tenant")
@@ -170,7 +170,7 @@ class LookupRequest(_message.Message):
     packed_keys: bytes
     key_len: int
     want_tier_codes: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: _Optional[bool] = ..., packed_keys: _Optional[bytes] = ..., key_len: _Optional[int] = ..., want_tier_codes: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: bool = ..., packed_keys: _Optional[bytes] = ..., key_len: _Optional[int] = ..., want_tier_codes: bool = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_hits", "tiers", "tier_codes")
@@ -232,7 +232,7 @@ class CommitRequest(_message.Message):
     allocation_id: bytes
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     abort: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., allocation_id: _Optional[bytes] = ..., crc32c: _Optional[_Iterable[int]] = ..., abort: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., allocation_id: _Optional[bytes] = ..., crc32c: _Optional[_Iterable[int]] = ..., abort: bool = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -250,7 +250,7 @@ class AcquireRequest(_message.Message):
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     want_packed: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., want_packed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., want_packed: bool = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "num_acquired", "slots", "crc32c", "source_tiers", "expires_in_ms", "slot_regions", "slot_generations", "slot_offsets", "slot_lengths", "slot_crcs")

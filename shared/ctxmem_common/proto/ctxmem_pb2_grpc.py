@@ -5,7 +5,7 @@ import warnings
 
 from ctxmem_common.proto import ctxmem_pb2 as ctxmem__common_dot_proto_dot_ctxmem__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class ContextMemoryStub:
+class ContextMemoryStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -121,7 +121,7 @@ class ContextMemoryStub:
                 _registered_method=True)
 
 
-class ContextMemoryServicer:
+class ContextMemoryServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Health(self, request, context):
@@ -339,7 +339,7 @@ def add_ContextMemoryServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class ContextMemory:
+class ContextMemory(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

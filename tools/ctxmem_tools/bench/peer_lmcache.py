@@ -43,10 +43,8 @@ from ctxmem_tools.bench.cpu import own_cpu_seconds
 from ctxmem_tools.bench.datapath import GB, Result, _pct, limit_for
 
 INSTALL = ("LMCache is not importable here; `ctxmem bench --peer lmcache` runs LMCache's own "
-           "storage manager. Install it (CPU only, next to torch) with: pip install numba "
-           "py-cpuinfo psutil aiohttp requests cachetools aiofile msgspec pyzmq && pip "
-           "install --no-deps lmcache==0.5.6 (a plain `pip install lmcache` downgrades "
-           "grpcio/protobuf below what ctxmem needs)")
+           "storage manager. Install it next to ctxmem with: pip install torch==2.13.0 "
+           "lmcache==0.5.6 (torch==2.13.0 keeps the CPU build; docs/engines.md)")
 TORCH_THREADS = 1
 WAIT_S = 120.0  # the longest a batch's disk writes may take before the round fails
 SYNC_NOTE = "LMCache writes each chunk file with O_DIRECT and never fsyncs"
