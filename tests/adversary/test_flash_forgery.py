@@ -30,11 +30,11 @@ from ctxmem_common.flash_format import (
 )
 from tests.conftest import ServiceHandle
 from tests.dpu.forge import forge_crc, rehash
+from tests.kit import model_layout
 
 PUBLIC_KEY = bytes(32)  # ctxmem_dpu.store.ciphers.PUBLIC_MASTER_KEY: known to all
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=128)  # 128 KiB blocks
+LAYOUT = model_layout(128)  # 128 KiB blocks
 
 
 def _record(path: str, key: bytes) -> tuple[int, int, bytes, bytes]:

@@ -29,9 +29,9 @@ from ctxmem_common.wire import SHM_HELLO, SHM_MAP, Status
 from tests.adversary.raw import RawSession
 from tests.adversary.shm_raw import run_in_child, shm_connect, shm_map
 from tests.conftest import ServiceHandle
+from tests.kit import model_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout()
 SMALL = {"dram_size": "32MiB", "dram_slab": "4MiB", "flash_size": "64MiB",
          "flash_slab": "4MiB"}
 

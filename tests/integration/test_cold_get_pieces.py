@@ -13,9 +13,9 @@ import pytest
 
 import ctxmem
 from tests.conftest import ServiceHandle
+from tests.kit import byte_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=8192,
-                         tokens_per_block=1)  # 16 KiB blocks
+LAYOUT = byte_layout(16 << 10)  # 16 KiB blocks
 N = 22  # pieces of 4 blocks: 5 full pieces and a short one
 
 

@@ -11,9 +11,9 @@ import numpy as np
 
 import ctxmem
 from ctxmem_common.cpuset import format_cpulist, process_affinity
+from tests.kit import model_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout(num_layers=4)
 
 
 def test_every_thread_of_the_service_runs_on_the_configured_cpu(

@@ -15,9 +15,9 @@ import yaml
 import ctxmem
 from ctxmem_tools.launcher import ServiceProcess, local_config
 from tests.conftest import ServiceHandle
+from tests.kit import model_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout(dtype="float16")
 
 
 def blocks(n: int) -> list[np.ndarray]:

@@ -11,9 +11,9 @@ import torch
 
 import ctxmem
 from tests.conftest import ServiceHandle
+from tests.kit import byte_layout, model_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout(num_layers=4)
 
 
 def blocks(n: int, seed: int) -> list[np.ndarray]:
@@ -164,8 +164,7 @@ def test_channel_options_reach_the_grpc_channel(service: ServiceHandle,
         ns.put(keys, blocks(1, 7))
         assert ns.tiers(keys) == ["dram"]
     with pytest.raises(ctxmem.CtxmemError):  # the 1 MiB send limit is in force
-        big = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 19,
-                              tokens_per_block=1)
+        big = byte_layout(1 << 20)
         # The Lookup must go over gRPC, not the control fast path (shm or TCP)
         monkeypatch.setenv("CTXMEM_FAST_OPS", "0")
         with ctxmem.Client(service.endpoint, channel_options=opts, transport="tcp") as client:

@@ -18,10 +18,10 @@ import zmq
 import ctxmem
 from ctxmem_tools.launcher import free_port
 from ctxmem_tools.locate_http import locate_http
+from tests.kit import model_layout
 
 REPO = Path(__file__).resolve().parents[2]
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout()
 
 
 def _blocks(n: int, seed: int) -> list[np.ndarray]:

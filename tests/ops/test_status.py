@@ -18,9 +18,9 @@ from ctxmem_dpu.status.command import status_command
 from ctxmem_dpu.status.render import render_text
 from ctxmem_dpu.status.scrape import scrape, status_document
 from tests.conftest import ServiceHandle
+from tests.kit import model_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout(dtype="float16")
 N = 8
 
 
