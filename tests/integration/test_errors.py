@@ -14,6 +14,7 @@ import yaml
 
 import ctxmem
 from ctxmem_tools.launcher import ServiceProcess, local_config
+from tests import kit
 from tests.conftest import ServiceHandle
 from tests.kit import model_layout
 
@@ -21,8 +22,7 @@ LAYOUT = model_layout(dtype="float16")
 
 
 def blocks(n: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(n)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
+    return kit.blocks(n, LAYOUT.block_nbytes, n)
 
 
 def test_wrong_buffer_size(service: ServiceHandle) -> None:
