@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 from ctxmem_common.codecs import XtsCipher, crc32c_many
@@ -80,20 +80,30 @@ class Job(NamedTuple):
     region: memoryview  # the DRAM slab's mapping ...
     at: int  # ... and the slot's offset in it
 
+
 _SIZE_NS = attrgetter("slot_size", "ns")
 _HEADER_FIELDS = attrgetter("ns", "key", "length", "crc", "seq")
 _HITS = attrgetter("hits")
 _LENGTH = attrgetter("length")
 _SLOT_SIZE = attrgetter("slot_size")
 _DEVICE = attrgetter("device")
-_SLOT, _BLOCK, _VIEW, _RECORD, _AT = (attrgetter("slot"), attrgetter("block"),
-                                      attrgetter("view"), attrgetter("record"),
-                                      attrgetter("at"))
-_DEV = attrgetter("device")
-_DEV_RECORD = attrgetter("device", "record")
+
+
+def _fields(record: type[tuple[Any, ...]], *names: str) -> itemgetter[Any]:
+    """An itemgetter of ``record``'s fields by name: as fast over a batch's columns as
+    over plain tuples (attrgetter on a NamedTuple is about twice as slow)."""
+    fields: tuple[str, ...] = record._fields  # type: ignore[attr-defined]
+    return itemgetter(*map(fields.index, names))
+
+
+_SLOT, _BLOCK, _VIEW, _RECORD, _AT = (_fields(Job, "slot"), _fields(Job, "block"),
+                                      _fields(Job, "view"), _fields(Job, "record"),
+                                      _fields(Job, "at"))
+_DEV = _fields(Job, "device")
+_DEV_RECORD = _fields(Job, "device", "record")
 _CRC = attrgetter("crc")
 _REGION_ID: Callable[[Job], Hashable] = lambda job: id(job.region)  # noqa: E731
-_FLAGS, _KEY_CHECK = attrgetter("flags"), attrgetter("key_check")
+_FLAGS, _KEY_CHECK = _fields(Record, "flags"), _fields(Record, "key_check")
 
 log = logging.getLogger("ctxmem_dpu.store")
 
