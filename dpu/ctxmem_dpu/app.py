@@ -13,6 +13,8 @@ import logging
 import os
 import signal
 import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +63,17 @@ class Service:
 
     Use ``async with Service(cfg) as svc:`` to guarantee :meth:`stop` (which is safe after
     a start that failed half way: it stops what did start).
+
+    Lifetime: each resource registers its closer the moment it exists (:meth:`_on_stop`),
+    on one exit stack; :meth:`stop` first ends the calls that would hold the gRPC server's
+    grace (``_DRAIN``: the TLS watch, the RDMA server's RdmaAttach calls, the pod, the
+    Hold calls, the KV events, then the server itself), then unwinds the stack: everything
+    else closes in the reverse of its start, the block store and the devices last. Each
+    closer runs once; one that fails does not keep the others from running.
     """
+
+    # What stop() closes first, in this order, before the rest in reverse of start.
+    _DRAIN = ("tls_watch", "rdma", "pod", "holds", "events", "grpc")
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -83,8 +95,25 @@ class Service:
         self.ready = False
         self.grpc_port = 0
         self._stopped = False
+        self._stack = AsyncExitStack()
+        self._closers: dict[str, Callable[[], Awaitable[None]]] = {}
+        self._grace_s = 5.0
         # Free fds below which every listener refuses new unauthenticated connections.
         self.fd_reserve = FdReserve(cfg.service.fd_reserve)
+
+    def _on_stop(self, name: str, close: Callable[[], Awaitable[None]]) -> None:
+        """Register ``close`` for what was just made: run once, by :meth:`stop`'s drain
+        (names in ``_DRAIN``) or by the exit stack, in the reverse of start order."""
+        done = False
+
+        async def once() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                await close()
+
+        self._closers[name] = once
+        self._stack.push_async_callback(once)
 
     def _device_specs(self) -> list[DeviceSpec]:
         # Typed and validated when the config loaded: no round trip through dicts.
@@ -131,6 +160,7 @@ class Service:
             backend = open_backend(spec)
             path = await loop.run_in_executor(None, backend.attach)
             self.backends.append(backend)
+            self._on_stop(f"backend {spec.name}", functools.partial(_detach, backend))
             flash_paths.append((backend.spec.name, path))
             if backend.offloads_encryption:
                 crypto_off.append(backend.spec.name)
@@ -148,11 +178,13 @@ class Service:
             from ctxmem_dpu.pod.slab_leases import SlabLeases
 
             self._lease_redis = connect(cfg.pod)
+            self._on_stop("lease_redis", self._close_lease_redis)
             slab_leases = SlabLeases(self._lease_redis, cfg.pod.node_id, cfg.pod.slab_lease_s)
         self.store = BlockStore(cfg, flash_paths, master_key, crypto_off,
                                 slab_leases=slab_leases)
         for backend in self.backends:  # where a failed device is now (see _usable_again)
             self.store.locators[backend.spec.name] = backend.locate
+        self._on_stop("store", self.store.close)
         await self.store.start()
 
         data_endpoint = ""
@@ -161,6 +193,7 @@ class Service:
             self.tcp = TcpDataServer(self.store, host, port, cfg.data_plane)
             self.tcp.tls = self.tls
             self.tcp.fd_reserve = self.fd_reserve
+            self._on_stop("tcp", self.tcp.close)
             await self.tcp.start()
             data_endpoint = self.tcp.address
         shm_path = ""
@@ -168,11 +201,13 @@ class Service:
             self.shm = ShmServer(self.store, cfg.service.shm_socket)
             self.shm.limits = cfg.data_plane  # deadlines and caps (SocketDataServer)
             self.shm.fd_reserve = self.fd_reserve
+            self._on_stop("shm", self.shm.close)
             await self.shm.start()
             shm_path = self.shm.address
         if "rdma" in cfg.service.transports:  # RDMA (issue 3): opens the verbs device
             self.rdma = RdmaServer(self.store, cfg.service.rdma_listen, cfg.service.rdma_device,
                                    cfg.service.rdma_gid_index, cfg.service.rdma_access)
+            self._on_stop("rdma", self.rdma.close)
             await self.rdma.start()
 
         interceptors = [SessionAuthInterceptor(self.store.live_session,
@@ -181,6 +216,7 @@ class Service:
             tls, store = self.tls, self.store
             tls.on_ca_change.append(functools.partial(end_untrusted_sessions, store, tls))
             self._tls_watch = asyncio.create_task(tls.watch(), name="ctxmem-tls-watch")
+            self._on_stop("tls_watch", self._cancel_tls_watch)
         if os.environ.get(BENCH_NO_AUTH_ENV) == "1" and mode == "insecure":
             # `ctxmem bench security` only: the cost of the per-call check, measured on
             # loopback in insecure mode (ignored in any other mode).
@@ -208,9 +244,11 @@ class Service:
                         ("grpc.http2.max_pings_without_data", 0)]
         grpclog.install()  # an answer to a call that just ended: one line, no traceback
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
+        self._on_stop("grpc", self._stop_grpc)
         servicer = ContextMemoryServicer(self.store, self.instance_id, shm_path, data_endpoint,
                                          self.health)
         self.servicer = servicer
+        self._on_stop("holds", self._close_holds)  # Hold calls end now, not after the grace
         if mode == "insecure" and cfg.service.local_users != "shared":
             servicer.local_users = LocalUsers(cfg.service.local_users, cfg.service.listen)
         pb_grpc.add_ContextMemoryServicer_to_server(servicer, self.server)
@@ -230,6 +268,7 @@ class Service:
                     encrypt=cfg.encryption.enabled))
             self.pod = PodNode(cfg, self.store, pod_key, sources,
                                shared_location=self.store.shared_location)
+            self._on_stop("pod", self.pod.close)  # leave the pod first: peers stop asking
             await self.pod.start()
             servicer.pod = self.pod
             if self.shm is not None:  # Lookup/Acquire need the cluster: over gRPC
@@ -245,6 +284,7 @@ class Service:
                                            else "", self.store.namespaces.get,
                                            self.store.counters)
             self.store.block_listeners.append(self.events.note)
+            self._on_stop("events", self._close_events)
             self.events.start()
             log.info("KV events on %s (topic %s@...)", self.events.endpoint, cfg.events.topic)
         listen = cfg.service.listen
@@ -277,6 +317,7 @@ class Service:
                                                               self.pod),
                                      locate_refusal=_locate_refusal(cfg.metrics.listen,
                                                                    self.tls is not None))
+            self._on_stop("http", self.http.close)
             await self.http.start()
         if cfg.s3.listen:  # the S3 door (docs/s3.md); botocore only when configured
             try:
@@ -294,6 +335,7 @@ class Service:
                             cfg.s3.listen)
 
             self.s3 = S3Door(self.store, cfg, self.tls, self.fd_reserve)
+            self._on_stop("s3", self.s3.close)
             await self.s3.start()
         self.ready = True
         log.info("ctxmem serving (%s mode): grpc %s, transports %s, %d flash device(s), "
@@ -324,39 +366,53 @@ class Service:
         return f"degraded: {'; '.join(parts)}" if parts else "serving"
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Stop in the reverse of start's order; idempotent, and safe after a failed start
-        (it stops what did start)."""
+        """Stop what started: first the drain (``_DRAIN``, in order: the long calls end,
+        then the gRPC server with ``grace_s``), then the rest in the reverse of start's
+        order (the block store, the slab leases' connection and the devices last).
+        Idempotent, and safe after a failed start (it stops what did start)."""
         if self._stopped:
             return
         self._stopped = True
         self.ready = False
+        self._grace_s = grace_s
+        async with self._stack:  # unwinds whatever the drain leaves, even if it raises
+            for name in self._DRAIN:
+                close = self._closers.get(name)
+                if close is not None:
+                    await close()
+
+    # -- closers (each registered by _on_stop once its resource exists) --------------------
+    async def _cancel_tls_watch(self) -> None:
         if self._tls_watch is not None:
             self._tls_watch.cancel()
-        if self.rdma is not None:  # first, so its long-lived RdmaAttach calls end
-            await self.rdma.close()
-        if self.pod is not None:  # leave the pod first: peers stop asking this node
-            await self.pod.close()
-        if self.servicer is not None:  # Hold calls end now, not after the grace
+
+    async def _close_holds(self) -> None:
+        if self.servicer is not None:
             self.servicer.close_holds()
+
+    async def _close_events(self) -> None:
         if self.events is not None:
             if self.store is not None:
                 self.store.block_listeners.remove(self.events.note)
             await self.events.close()
+
+    async def _stop_grpc(self) -> None:
         if self.server is not None:
-            await self.server.stop(grace_s)
-        for srv in (self.s3, self.http, self.tcp, self.shm):
-            if srv is not None:
-                await srv.close()
-        if self.store is not None:
-            await self.store.close()
-        if self._lease_redis is not None:  # after the store: it released its slab leases
+            await self.server.stop(self._grace_s)
+
+    async def _close_lease_redis(self) -> None:
+        # Unwound after the store (registered before it): the store released its slab
+        # leases through this connection.
+        if self._lease_redis is not None:
             await self._lease_redis.aclose()
             self._lease_redis = None
-        for backend in self.backends:
-            try:
-                backend.detach()
-            except Exception:
-                log.exception("detaching flash device %s failed", backend.spec.name)
+
+
+async def _detach(backend: StorageBackend) -> None:
+    try:
+        backend.detach()
+    except Exception:
+        log.exception("detaching flash device %s failed", backend.spec.name)
 
 
 def _locate_refusal(metrics_listen: str, tls: bool) -> str:

@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -132,8 +133,9 @@ class Client:
     ``transport``: ``"shm"`` (same host), ``"tcp"``, or ``"auto"`` (shared memory when the
     service's socket is reachable here, else TCP). Commit always carries the client's
     CRC32C of each block (the service requires it), so a block damaged between the
-    caller's buffer and the service is never committed (``verify_puts`` is kept for
-    compatibility and no longer turns that off). ``verify_gets`` (default on, every
+    caller's buffer and the service is never committed. (``verify_puts``, which once
+    turned that off, does nothing: passing it warns, DeprecationWarning, and it will be
+    removed; drop it.) ``verify_gets`` (default on, every
     transport) checks each block against the CRC32C committed with it as it is copied out
     (fused with the copy, through a one-block bounce), and writes it into the caller's
     buffer only if it matches: a get then returns exactly the committed bytes or a miss,
@@ -166,7 +168,7 @@ class Client:
         transport: TransportName = "auto",
         tenant_token: str = "",
         timeout_s: float = 30.0,
-        verify_puts: bool = True,
+        verify_puts: bool | None = None,
         verify_gets: bool = True,
         max_batch_bytes: int = 256 << 20,
         copy_threads: int | None = None,
@@ -179,7 +181,12 @@ class Client:
         self.tenant_token = tenant_token
         self.tls = tls
         self.timeout_s = timeout_s
-        self.verify_puts = verify_puts
+        if verify_puts is not None:
+            warnings.warn(
+                f"ctxmem.Client(verify_puts={verify_puts}) does nothing: every Commit "
+                f"carries the client's CRC32C of each block and the service requires it. "
+                f"Drop the argument; it will be removed in a later release.",
+                DeprecationWarning, stacklevel=2)
         #: Puts the service shed (``Shed``: its stores backed up); engines' integrations
         #: report it. Counted per put call, whatever its size.
         self.puts_shed = 0

@@ -8,8 +8,6 @@ another's session one id away and look up, delete and commit under its keys.
 
 from __future__ import annotations
 
-import hashlib
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,23 +19,18 @@ import ctxmem
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import ERROR_METADATA_KEY, PermissionDenied, error_for_code
 from ctxmem_common.keys import namespace_digest
-from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_tools.launcher import ServiceProcess, free_port, local_config
 from tests.adversary.raw import RawSession, neighbours
+from tests.kit import byte_layout, keys, tiled, until
 
 BLOCK = 64 << 10
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
-                  tokens_per_block=1)
+LAYOUT = byte_layout(BLOCK)
 TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef00"}
 
 
-def keys(tag: str, n: int) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
-
-
 def content(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest() * (BLOCK // 32)
+    return tiled(key, BLOCK)
 
 
 def refusal(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
@@ -281,10 +274,7 @@ def test_starts_beyond_loopback_with_tokens(tmp_path: Path) -> None:
 
 
 def test_insecure_mode_logs_a_warning(tcp_service: Any) -> None:
-    deadline = time.monotonic() + 10
-    while "service.insecure: true" not in tcp_service.log():
-        assert time.monotonic() < deadline, tcp_service.log()
-        time.sleep(0.1)
+    until(lambda: "service.insecure: true" in tcp_service.log(), 10, tcp_service.log)
     assert "WARNING" in tcp_service.log().split("service.insecure: true")[0].splitlines()[-1]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,6 @@ import pytest
 
 import ctxmem
 from ctxmem_common.codecs import crc32c
-from ctxmem_common.layout import KVLayout
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import OP_READ, OP_WRITE, TCP_HELLO, TCP_REQ, TCP_RESP, Status
@@ -28,10 +27,10 @@ from ctxmem_tools.launcher import local_config
 from tests.adversary.raw import RawSession
 from tests.adversary.sockets import recv_exact
 from tests.conftest import ServiceHandle
+from tests.kit import byte_layout, until
 
 BLOCK = 16 << 10
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
-                  tokens_per_block=1)
+LAYOUT = byte_layout(BLOCK)
 HELLO_S = 1.0
 READ_S = 1.0
 IDLE_S = 2.0
@@ -99,13 +98,6 @@ def _rss_kib(svc: ServiceHandle) -> int:
     raise AssertionError("no VmRSS in /proc/PID/status")
 
 
-def _wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def _log_since(svc: ServiceHandle, mark: int) -> str:
     return svc.log_path.read_bytes()[mark:].decode(errors="replace")
 
@@ -147,8 +139,8 @@ def test_a_bad_header_is_answered_and_closed_without_a_traceback(
 
 
 def test_a_stalled_write_is_dropped_and_its_allocation_expires(svc: ServiceHandle) -> None:
-    _wait_for(lambda: svc.stats()["dram_used_bytes"] == 0, TTL_S + 5,
-              "earlier tests' allocations never expired")
+    until(lambda: svc.stats()["dram_used_bytes"] == 0, TTL_S + 5,
+          "earlier tests' allocations to expire", 0.1)
     with _raw(svc) as r:
         expired0 = svc.stats()["expired_allocations"]
         keys = [bytes([i]) * 16 for i in range(4)]
@@ -159,9 +151,9 @@ def test_a_stalled_write_is_dropped_and_its_allocation_expires(svc: ServiceHandl
         _status_then_closed(sock, READ_S + 4)
         assert time.monotonic() - t0 < READ_S + 4
         sock.close()
-        _wait_for(lambda: svc.stats()["expired_allocations"] > expired0
-                  and svc.stats()["dram_used_bytes"] == 0,  # its slots went back
-                  TTL_S + 5, "the stalled write's allocation never expired")
+        until(lambda: svc.stats()["expired_allocations"] > expired0
+              and svc.stats()["dram_used_bytes"] == 0,  # its slots went back
+              TTL_S + 5, "the stalled write's allocation to expire", 0.1)
     with ctxmem.Client(svc.endpoint, transport="tcp") as c:  # and serve another put
         ns = c.open_namespace(LAYOUT, model_id="after-stall")
         data = [np.full(LAYOUT.block_nbytes, i, dtype=np.uint8) for i in range(4)]

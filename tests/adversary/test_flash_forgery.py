@@ -30,11 +30,11 @@ from ctxmem_common.flash_format import (
 )
 from tests.conftest import ServiceHandle
 from tests.dpu.forge import forge_crc, rehash
+from tests.kit import blocks, model_layout
 
 PUBLIC_KEY = bytes(32)  # ctxmem_dpu.store.ciphers.PUBLIC_MASTER_KEY: known to all
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=128)  # 128 KiB blocks
+LAYOUT = model_layout(128)  # 128 KiB blocks
 
 
 def _record(path: str, key: bytes) -> tuple[int, int, bytes, bytes]:
@@ -63,8 +63,7 @@ def test_payload_forged_with_its_crc32c_is_a_counted_miss(
     path = svc.config["flash"]["devices"][0]["path"]
     t = LAYOUT.tokens_per_block
     keys = ctxmem.chain_hashes(range(4 * t), t)
-    rng = np.random.default_rng(5)
-    data = [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in keys]
+    data = blocks(len(keys), LAYOUT.block_nbytes, 5)
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         ns.put(keys, data)

@@ -11,7 +11,6 @@ figures: :func:`flood_figures` prints them).
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import time
 import urllib.request
@@ -22,15 +21,14 @@ from typing import Any
 import pytest
 
 import ctxmem
-from ctxmem_common.layout import KVLayout
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_tools.launcher import local_config
 from tests.adversary.floods import Flood, established
 from tests.conftest import ServiceHandle
+from tests.kit import byte_layout, keys, tiled
 
 BLOCK = 16 << 10
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
-                  tokens_per_block=1)
+LAYOUT = byte_layout(BLOCK)
 ATTACKER = "127.0.0.2"  # another address than the tenant's (loopback: 127.0.0.0/8)
 
 
@@ -56,14 +54,14 @@ def make(tmp_path: Path) -> Iterator[Callable[..., ServiceHandle]]:
 
 
 def _content(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest() * (BLOCK // 32)
+    return tiled(key, BLOCK)
 
 
 def tenant_round(endpoint: str, i: int, client: ctxmem.Client | None = None) -> bool:
     """One put+get of two blocks by tenant ``victim`` over TCP (a new client, so a new
     gRPC and data connection, unless ``client`` is given); True if every byte came
     back."""
-    ks = [hashlib.sha256(f"victim/{i}/{j}".encode()).digest() for j in range(2)]
+    ks = keys(f"victim/{i}", 2)
     try:
         c = client or ctxmem.Client(endpoint, transport="tcp", timeout_s=5.0)
         try:
@@ -226,7 +224,7 @@ def test_shm_silent_flood_leaves_tenants_served(
         for i in range(6):
             try:
                 with ctxmem.Client(svc.endpoint, transport="shm", timeout_s=5.0) as c:
-                    ks = [hashlib.sha256(f"shm/{i}".encode()).digest()]
+                    ks = keys("shm", 1, start=i)
                     ns = c.open_namespace(LAYOUT, model_id="m", tenant="victim")
                     ns.put(ks, [_content(ks[0])])
                     buf = [bytearray(BLOCK)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,6 +18,7 @@ from ctxmem_common.netaddr import split_hostport
 from ctxmem_tools.launcher import local_config
 from tests.adversary.floods import closed_unanswered, trickle_until_cut
 from tests.conftest import ServiceHandle
+from tests.kit import until
 
 TIMEOUT_S = 2.0
 
@@ -120,12 +121,5 @@ def test_over_the_cap_the_oldest_silent_connection_is_closed_and_health_answers(
 
     # The held connections were closed by the client: their threads see EOF and free
     # their slots at once (no deadline involved).
-    _wait(healthy, 10)
+    until(healthy, 10, "the endpoint to recover", 0.2)
     assert _get(f"http://{svc.metrics_listen}/readyz")[0] == 200
-
-
-def _wait(cond: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "the endpoint did not recover"
-        time.sleep(0.2)

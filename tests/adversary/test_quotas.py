@@ -26,32 +26,20 @@ from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from tests.adversary.raw import RawSession
 from tests.conftest import ServiceHandle
+from tests.kit import blocks, chain_keys, model_layout, until
 
 # 128 KiB blocks: 32 per 4 MiB slab; DRAM is 8 slabs (256 blocks), flash ~450 blocks.
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=128)
+LAYOUT = model_layout(128)
+BLOCK = LAYOUT.block_nbytes
 SMALL = {"dram_size": "32MiB", "dram_slab": "4MiB", "flash_size": "64MiB",
          "flash_slab": "4MiB"}
-
-
-def _blocks(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
-
-
-def _keys(start: int, n: int) -> list[bytes]:
-    t = LAYOUT.tokens_per_block
-    return ctxmem.chain_hashes(range(start * t, (start + n) * t), t)
 
 
 def _settle(client: ctxmem.Client, timeout_s: float = 60.0) -> None:
     """Wait (bounded) until the service has no block left to write back: a flood's
     demotions otherwise race the next step on a loaded machine (the DRAM tier then reads
     full for a moment instead of the tenant's quota)."""
-    deadline = time.monotonic() + timeout_s
-    while client.stats()["dirty_blocks"] > 0:
-        assert time.monotonic() < deadline, "write-back did not settle"
-        time.sleep(0.02)
+    until(lambda: client.stats()["dirty_blocks"] == 0, timeout_s, "write-back to settle", 0.02)
 
 
 def _get_exact(ns: ctxmem.Namespace, keys: list[bytes], data: list[np.ndarray]) -> int:
@@ -73,16 +61,16 @@ def test_flood_pins_and_allocations_cannot_starve_another_tenant(
     with ctxmem.Client(svc.endpoint, transport="shm") as cb, \
             ctxmem.Client(svc.endpoint, transport="shm") as ca:
         nb = cb.open_namespace(LAYOUT, model_id="m", tenant="b")
-        b_keys, b_data = _keys(0, 48), _blocks(48, 1)
+        b_keys, b_data = chain_keys(LAYOUT, 0, 48), blocks(48, BLOCK, 1)
         nb.put(b_keys, b_data)
         na = ca.open_namespace(LAYOUT, model_id="m", tenant="a")
         # A floods: ~3.5x DRAM + flash together.
         refused = 0
         stored: list[bytes] = []
         for i in range(30):
-            keys = _keys(10_000 + 32 * i, 32)
+            keys = chain_keys(LAYOUT, 10_000 + 32 * i, 32)
             try:
-                na.put(keys, _blocks(32, 100 + i))
+                na.put(keys, blocks(32, BLOCK, 100 + i))
                 stored += keys
             except ResourceExhausted:
                 refused += 1
@@ -112,7 +100,7 @@ def test_flood_pins_and_allocations_cannot_starve_another_tenant(
             alloc_refusal = ""
             for i in range(40):
                 try:
-                    raw.allocate(_keys(50_000 + 32 * i, 32))
+                    raw.allocate(chain_keys(LAYOUT, 50_000 + 32 * i, 32))
                 except grpc.RpcError as exc:
                     assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
                     alloc_refusal = exc.details() or ""
@@ -121,7 +109,7 @@ def test_flood_pins_and_allocations_cannot_starve_another_tenant(
             assert "tenant 'a'" in lease_refusal and "quota" in lease_refusal, lease_refusal
             # B: every block still hits byte-exact, and B can still put within its share.
             assert _get_exact(nb, b_keys, b_data) == 48
-            more_keys, more_data = _keys(1000, 48), _blocks(48, 2)
+            more_keys, more_data = chain_keys(LAYOUT, 1000, 48), blocks(48, BLOCK, 2)
             nb.put(more_keys, more_data)
             assert _get_exact(nb, more_keys, more_data) == 48
             assert _get_exact(nb, b_keys, b_data) == 48
@@ -167,27 +155,26 @@ def test_idle_sessions_are_reclaimed(service_factory: Callable[..., ServiceHandl
                           service={"session_idle_s": 1.0})
     raw = RawSession(svc.endpoint, LAYOUT, tenant="a", model_id="m", transport="tcp")
     try:
-        raw.allocate(_keys(0, 40))
+        raw.allocate(chain_keys(LAYOUT, 0, 40))
         stats = raw.call("Stats", pb.StatsRequest()).values
         assert stats["allocations"] == 1 and stats["dram_used_bytes"] > 0
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            stats = raw.call("Stats", pb.StatsRequest()).values
-            if stats["sessions"] == 0:
-                break
-            time.sleep(0.2)
-        assert stats["sessions"] == 0, "the idle session was never reclaimed"
+
+        def reclaimed() -> dict[str, float] | None:
+            values = dict(raw.call("Stats", pb.StatsRequest()).values)
+            return values if values["sessions"] == 0 else None
+
+        stats = until(reclaimed, 10, "the idle session to be reclaimed", 0.2)
         assert stats["allocations"] == 0 and stats["dram_used_bytes"] == 0
         assert stats["idle_sessions_closed"] >= 1
         with pytest.raises(grpc.RpcError) as info:
-            raw.allocate(_keys(100, 2))
+            raw.allocate(chain_keys(LAYOUT, 100, 2))
         assert _code(info.value) == "UNKNOWN_SESSION"
     finally:
         raw.close()
     # The shim reconnects after its session was reclaimed.
     with ctxmem.Client(svc.endpoint, transport="tcp") as client:
         ns = client.open_namespace(LAYOUT, model_id="m", tenant="c")
-        keys, data = _keys(200, 4), _blocks(4, 3)
+        keys, data = chain_keys(LAYOUT, 200, 4), blocks(4, BLOCK, 3)
         ns.put(keys, data)
         time.sleep(2.5)
         assert _get_exact(ns, keys, data) == 4
@@ -217,7 +204,7 @@ def test_recovered_blocks_count_for_their_tenant(
     svc = service_factory(encryption=False, **SMALL, write_policy="write_through",
                           quotas={"tenants": {"a": {"flash_guaranteed": 0.4,
                                                     "flash_max": 0.4}}})
-    a_keys, a_data = _keys(0, 100), _blocks(100, 7)
+    a_keys, a_data = chain_keys(LAYOUT, 0, 100), blocks(100, BLOCK, 7)
     with ctxmem.Client(svc.endpoint, transport="tcp") as ca:
         ca.open_namespace(LAYOUT, model_id="m", tenant="a").put(a_keys, a_data)
     svc.restart()
@@ -229,7 +216,7 @@ def test_recovered_blocks_count_for_their_tenant(
     with ctxmem.Client(svc.endpoint, transport="tcp") as cx:
         nx = cx.open_namespace(LAYOUT, model_id="m", tenant="x")
         for i in range(20):  # ~1.3x flash: every block x can evict is evicted
-            nx.put(_keys(100_000 + 30 * i, 30), _blocks(30, 200 + i))
+            nx.put(chain_keys(LAYOUT, 100_000 + 30 * i, 30), blocks(30, BLOCK, 200 + i))
         assert cx.stats().get("tenant.a.evictions_flash", 0) == 0
         with ctxmem.Client(svc.endpoint, transport="tcp") as ca:
             na = ca.open_namespace(LAYOUT, model_id="m", tenant="a")
@@ -239,7 +226,7 @@ def test_recovered_blocks_count_for_their_tenant(
             # a puts past its ceiling, on a full tier: its recovered blocks count, so it
             # evicts its own blocks beyond the ceiling and x keeps what it holds.
             for i in range(12):
-                na.put(_keys(300_000 + 10 * i, 10), _blocks(10, 400 + i))
+                na.put(chain_keys(LAYOUT, 300_000 + 10 * i, 10), blocks(10, BLOCK, 400 + i))
             stats = ca.stats()
             assert stats["tenant.a.flash_bytes"] <= ceiling + 10 * LAYOUT.block_nbytes, stats
             assert stats.get("tenant.a.evictions_flash", 0) > 0
@@ -260,7 +247,7 @@ def test_insecure_mode_caps_live_tenant_names(
                           service={"insecure_max_tenants": 4})
     with ctxmem.Client(svc.endpoint, transport="tcp") as cb:
         nb = cb.open_namespace(LAYOUT, model_id="m", tenant="b")
-        b_keys, b_data = _keys(0, 48), _blocks(48, 1)
+        b_keys, b_data = chain_keys(LAYOUT, 0, 48), blocks(48, BLOCK, 1)
         nb.put(b_keys, b_data)
         channel = grpc.insecure_channel(svc.endpoint)
         try:
@@ -291,7 +278,7 @@ def test_insecure_mode_caps_live_tenant_names(
                     name = admitted[i % len(admitted)]
                     ns = cx.open_namespace(LAYOUT, model_id="m", tenant=name)
                     with contextlib.suppress(ResourceExhausted):
-                        ns.put(_keys(10_000 + 16 * i, 16), _blocks(16, 100 + i))
+                        ns.put(chain_keys(LAYOUT, 10_000 + 16 * i, 16), blocks(16, BLOCK, 100 + i))
             assert _get_exact(nb, b_keys, b_data) == 48, "the flood evicted tenant b's blocks"
             assert cb.stats().get("tenant.b.evictions_flash", 0) == 0
         finally:

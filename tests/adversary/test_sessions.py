@@ -36,24 +36,15 @@ from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_common.protoconv import transport_to_pb
 from tests.adversary.raw import RawSession
 from tests.conftest import ServiceHandle
+from tests.kit import blocks, chain_keys, model_layout
 from tests.reliability.kit import FaultyService
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout()
+BLOCK = LAYOUT.block_nbytes
 ORPHAN_S = 1.0  # service.session_orphan_s in these tests
 # How long a dead client's session may outlive it: the orphan time, the reaper's pass
 # (0.2 s) and slack for a loaded machine.
 ORPHAN_BOUND_S = ORPHAN_S + 4.0
-
-
-def _keys(start: int, n: int) -> list[bytes]:
-    t = LAYOUT.tokens_per_block
-    return ctxmem.chain_hashes(range(start * t, (start + n) * t), t)
-
-
-def _blocks(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
 
 
 def _code(exc: grpc.RpcError) -> str:
@@ -147,7 +138,7 @@ def test_clients_opened_and_closed_in_a_loop_are_never_refused(
     """200 clients, one after the other, each connecting (shared memory and TCP in turn),
     putting and getting a block and closing, against a cap of 4 sessions: none is refused
     (before: the fifth was, for session_idle_s), and no session is left at the end."""
-    keys, data = _keys(0, 1), _blocks(1, 1)
+    keys, data = chain_keys(LAYOUT, 0, 1), blocks(1, BLOCK, 1)
     for i in range(200):
         with ctxmem.Client(small_cap.endpoint, transport="shm" if i % 2 else "tcp",
                            timeout_s=15) as c:
@@ -165,14 +156,14 @@ def test_close_ends_the_session_at_once(small_cap: ServiceHandle) -> None:
     """After ``close`` returns, the service no longer has the session (no wait: Disconnect
     is answered before close returns), also for the ``with`` exit and twice."""
     c = ctxmem.Client(small_cap.endpoint, transport="tcp", timeout_s=15)
-    c.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(_keys(0, 1))
+    c.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(chain_keys(LAYOUT, 0, 1))
     assert _stats(small_cap.endpoint)["sessions"] == 1
     c.close()
     assert _stats(small_cap.endpoint)["sessions"] == 0
     c.close()  # idempotent
     with ctxmem.Client(small_cap.endpoint, transport="shm", timeout_s=15) as c2:
-        c2.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(_keys(0, 1))
-        c2.open_namespace(LAYOUT, model_id="m", tenant="b").lookup(_keys(0, 1))
+        c2.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(chain_keys(LAYOUT, 0, 1))
+        c2.open_namespace(LAYOUT, model_id="m", tenant="b").lookup(chain_keys(LAYOUT, 0, 1))
         assert _stats(small_cap.endpoint)["sessions"] == 2
     # The shared-memory sessions end when their connection's close reaches the service
     # (at once, or from the reaper's next pass).
@@ -187,7 +178,7 @@ def test_close_with_the_service_gone_does_not_hang(
     raises nothing."""
     svc = service_factory(encryption=False, flash_size=None, transports=["tcp"])
     c = ctxmem.Client(svc.endpoint, transport="tcp", timeout_s=30)
-    c.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(_keys(0, 1))
+    c.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(chain_keys(LAYOUT, 0, 1))
     assert svc.proc is not None
     if how == "killed":
         svc.kill()
@@ -209,8 +200,7 @@ _CHILD = textwrap.dedent("""
     import numpy as np
     import ctxmem
     endpoint, transport, tenant = sys.argv[1:4]
-    layout = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                             tokens_per_block=16)
+    layout = model_layout()
     c = ctxmem.Client(endpoint, transport=transport, timeout_s=15)
     ns = c.open_namespace(layout, model_id="m", tenant=tenant)
     keys = ctxmem.chain_hashes(range(16), 16)
@@ -263,7 +253,7 @@ def test_a_killed_clients_session_ends_within_the_orphan_time(
     try:
         for c in clients:
             assert c.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(
-                _keys(0, 1)).num_hits == 1
+                chain_keys(LAYOUT, 0, 1)).num_hits == 1
     finally:
         for c in clients:
             c.close()
@@ -277,7 +267,7 @@ def test_a_dropped_channel_orphans_the_session_and_old_clients_keep_the_idle_rul
     (session_idle_s, 600 s) applies to it, as before."""
     raw = RawSession(small_cap.endpoint, LAYOUT, tenant="old", transport="tcp")
     c = ctxmem.Client(small_cap.endpoint, transport="tcp", timeout_s=15)
-    c.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(_keys(0, 1))
+    c.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(chain_keys(LAYOUT, 0, 1))
     _until(small_cap.endpoint, lambda s: s["sessions"] == 2 and s["sessions_held"] == 1, 10,
            "one held session and one old one")
     assert c._channel is not None
@@ -336,8 +326,8 @@ def test_sigterm_with_held_sessions_stops_at_once(
     the client's close afterwards returns (the service is gone) without raising."""
     svc = service_factory(encryption=False, flash_size=None, transports=["tcp"])
     with ctxmem.Client(svc.endpoint, transport="tcp", timeout_s=15) as c:
-        c.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(_keys(0, 1))
-        c.open_namespace(LAYOUT, model_id="m", tenant="b").lookup(_keys(0, 1))
+        c.open_namespace(LAYOUT, model_id="m", tenant="a").lookup(chain_keys(LAYOUT, 0, 1))
+        c.open_namespace(LAYOUT, model_id="m", tenant="b").lookup(chain_keys(LAYOUT, 0, 1))
         _until(svc.endpoint, lambda s: s["sessions_held"] == 2, 10, "2 held sessions")
         start = time.monotonic()
         rc = svc.stop()
@@ -355,7 +345,7 @@ def test_a_session_replaced_after_a_failure_is_ended(small_cap: ServiceHandle,
     next get reconnects with a new session and retries (as before), and the replaced
     session is ended on the service by Disconnect (not left to the orphan rule; before:
     left for session_idle_s)."""
-    keys, data = _keys(0, 1), _blocks(1, 2)
+    keys, data = chain_keys(LAYOUT, 0, 1), blocks(1, BLOCK, 2)
     with ctxmem.Client(small_cap.endpoint, transport=transport, timeout_s=15) as c:
         ns = c.open_namespace(LAYOUT, model_id="m", tenant="a")
         ns.put(keys, data)
@@ -371,8 +361,7 @@ _EXITS = textwrap.dedent("""
     import sys
     import grpc
     import ctxmem
-    layout = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                             tokens_per_block=16)
+    layout = model_layout()
     c = ctxmem.Client(sys.argv[1], transport="tcp", timeout_s=15)
     ns = c.open_namespace(layout, model_id="m", tenant="a")
     # Kept where the interpreter collects it late, after gRPC's modules are torn down.

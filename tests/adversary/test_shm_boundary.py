@@ -29,23 +29,18 @@ from ctxmem_common.wire import SHM_HELLO, SHM_MAP, Status
 from tests.adversary.raw import RawSession
 from tests.adversary.shm_raw import run_in_child, shm_connect, shm_map
 from tests.conftest import ServiceHandle
+from tests.kit import blocks, model_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout()
 SMALL = {"dram_size": "32MiB", "dram_slab": "4MiB", "flash_size": "64MiB",
          "flash_slab": "4MiB"}
-
-
-def _blocks(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
 
 
 def _roundtrip(client: ctxmem.Client, seed: int, n: int = 8) -> None:
     """Put ``n`` fresh blocks, get them back byte-exact."""
     ns = client.open_namespace(LAYOUT, model_id="m")
     keys = ctxmem.chain_hashes(range(seed * 10_000, seed * 10_000 + 16 * n), 16)
-    data = _blocks(n, seed)
+    data = blocks(n, LAYOUT.block_nbytes, seed)
     ns.put(keys, data)
     out = [np.zeros_like(d) for d in data]
     assert ns.get(keys, out) == n
@@ -59,7 +54,7 @@ def test_client_cannot_resize_a_slab_fd(service_factory: Callable[..., ServiceHa
     with ctxmem.Client(svc.endpoint, transport="shm") as client:
         ns = client.open_namespace(LAYOUT, model_id="m")
         keys = ctxmem.chain_hashes(range(16 * 6), 16)
-        data = _blocks(6, 1)
+        data = blocks(6, LAYOUT.block_nbytes, 1)
         ns.put(keys, data)
     raw = RawSession(svc.endpoint, LAYOUT, model_id="m")
     try:

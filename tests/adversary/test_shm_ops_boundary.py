@@ -49,9 +49,9 @@ from tests.adversary.raw import RawSession
 from tests.adversary.shm_raw import shm_connect
 from tests.adversary.sockets import recv_exact
 from tests.conftest import ServiceHandle
+from tests.kit import byte_layout, until
 
-LAYOUT = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=32 << 10,
-                         tokens_per_block=1)
+LAYOUT = byte_layout(64 << 10)
 KEYS = ctxmem.chain_hashes(range(4), 1, salt=b"ops")
 
 
@@ -168,9 +168,8 @@ def test_a_client_that_reads_no_replies_is_dropped(svc: ServiceHandle) -> None:
         except (TimeoutError, BrokenPipeError, ConnectionResetError):
             pass  # the service stopped reading us or closed: either is the point
         _still_serves(svc)
-        deadline = time.monotonic() + 10
-        while svc.stats()["shm_slow_readers"] == before and time.monotonic() < deadline:
-            time.sleep(0.2)
+        until(lambda: svc.stats()["shm_slow_readers"] != before, 10,
+              "the slow reader to be counted", 0.2)
         assert svc.stats()["shm_slow_readers"] == before + 1
         sock.close()
 

@@ -51,9 +51,9 @@ from tests.adversary.raw import RawSession
 from tests.adversary.sockets import recv_exact
 from tests.adversary.test_shm_ops_boundary import _closed, _grpc_code
 from tests.conftest import ServiceHandle
+from tests.kit import byte_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=32 << 10,
-                         tokens_per_block=1)
+LAYOUT = byte_layout(64 << 10)
 KEYS = ctxmem.chain_hashes(range(4), 1, salt=b"tcp-ops")
 
 

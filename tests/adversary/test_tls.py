@@ -8,7 +8,6 @@ relay test's plaintext control shows what a recorder on the path then sees).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import secrets
 import socket
@@ -25,18 +24,13 @@ from cryptography import x509
 import ctxmem
 from ctxmem.transport.base import TransportError
 from ctxmem.transport.tcp import TcpChannel
-from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_tools.bench.security_pki import Pki, make_pki, server_cert
 from ctxmem_tools.launcher import ServiceProcess, free_port, local_config
+from tests.kit import byte_layout, keys, until
 
 BLOCK = 64 << 10
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
-                  tokens_per_block=1)
-
-
-def keys(tag: str, n: int) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+LAYOUT = byte_layout(BLOCK)
 
 
 @pytest.fixture
@@ -96,9 +90,7 @@ def test_plaintext_client_fails_cleanly(tls_service: Callable[..., Any], pki: Pk
         s.sendall(b"CXT1" + bytes(60))
         with contextlib.suppress(ConnectionResetError):
             assert s.recv(64) == b""
-    deadline = time.monotonic() + 5
-    while "TLS handshake failed" not in svc.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: "TLS handshake failed" in svc.log(), 5, svc.log)
     log = svc.log()
     assert log.count("TLS handshake failed") == 1, log
     assert "Traceback" not in log, log
@@ -166,13 +158,10 @@ def test_certificate_reload_without_restart(tls_service: Callable[..., Any], pki
     server_cert(pki, tmp_c, tmp_k, serial=4242)
     os.replace(tmp_k, pki.server_key)
     os.replace(tmp_c, pki.server_cert)
-    deadline = time.monotonic() + 10
-    while peer_serial(host, int(port), pki) != 4242:
-        assert time.monotonic() < deadline, "the TCP data plane never loaded the new cert"
-        time.sleep(0.1)
-    while peer_serial("127.0.0.1", gport, pki, ["h2"]) != 4242:
-        assert time.monotonic() < deadline, "gRPC never loaded the new certificate"
-        time.sleep(0.1)
+    until(lambda: peer_serial(host, int(port), pki) == 4242, 10,
+          "the TCP data plane to load the new certificate", 0.1)
+    until(lambda: peer_serial("127.0.0.1", gport, pki, ["h2"]) == 4242, 10,
+          "gRPC to load the new certificate", 0.1)
     roundtrip(old, "alice", "after")  # connections opened before keep working
     with ctxmem.Client(svc.endpoint, transport="tcp", tls=tls) as new:
         roundtrip(new, "alice", "new")

@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from ctxmem_common.config import Config, config_from_dict
-from ctxmem_common.layout import KVLayout
 from ctxmem_dpu.blocks import Namespace, Session
 from ctxmem_dpu.store import BlockStore
+from tests.kit import byte_layout
 
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=32 << 10,
-                  tokens_per_block=1)  # 64 KiB blocks
+LAYOUT = byte_layout(64 << 10)  # 64 KiB blocks
 
 
 def store_config(**over: Any) -> Config:

@@ -5,9 +5,7 @@ durable on flash (every refusal names the device and errno)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from ctxmem_common.flash_format import DATA_START
 from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Session
 from ctxmem_dpu.store import BlockStore
+from tests.kit import until_async
 
 from .storekit import LAYOUT, get, make_flash, open_store, payload, put, session, store_config
 
@@ -31,18 +30,12 @@ def _faults_off() -> Iterator[None]:
     faults.reset()
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.02)
-
-
 async def _expired_hold(store: BlockStore, s: Session) -> None:
     """Allocate every DRAM slot for ``s`` and wait until the reaper expires it."""
     _, ns = store.open_namespace(s, "model", LAYOUT, {})
     await store.allocate(s, ns, K[:SLOTS])
-    await _until(lambda: store.counters["expired_allocations"] >= 1)
+    await until_async(lambda: store.counters["expired_allocations"] >= 1, 5.0,
+                      "the reaper to expire the allocation")
 
 
 async def test_expired_shm_allocation_is_quarantined_until_the_connection_closes() -> None:

@@ -44,6 +44,7 @@ from ctxmem_common.errors import (
 from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
+from tests.kit import byte_layout
 
 MiB = 1 << 20
 GID_V4 = rw.gid_from_str("0000:0000:0000:0000:0000:ffff:0a00:020f")  # ::ffff:10.0.2.15
@@ -536,10 +537,8 @@ def test_service_without_rdma_device_fails_with_a_remedy(tmp_path: Path) -> None
 def test_client_rdma_against_a_service_without_it(service: Any) -> None:
     import ctxmem
     from ctxmem_common.errors import InvalidArgument
-    from ctxmem_common.layout import KVLayout
 
-    lay = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=2048,
-                   tokens_per_block=1)
+    lay = byte_layout(4 << 10)
     with ctxmem.Client(service.endpoint, transport="rdma") as c, \
             pytest.raises(InvalidArgument, match="'rdma' is not offered"):
         c.open_namespace(lay, model_id="m")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from ctxmem_dpu.blocks import Session
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.transport.base import DataServer
 from tests.dpu.storekit import LAYOUT, open_store, payload, store_config
+from tests.kit import until_async
 
 
 def with_store(body: Callable[[BlockStore], Awaitable[None]]) -> None:
@@ -39,14 +39,6 @@ def with_store(body: Callable[[BlockStore], Awaitable[None]]) -> None:
             await store.close()
 
     asyncio.run(run())
-
-
-async def until(cond: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def slots(store: BlockStore, refs: list[Any], nbytes: int) -> list[pb.Slot]:
@@ -133,7 +125,8 @@ class DataServerTests:
             sessions = [store.connect("t", "", self.transport, "suite") for _ in range(2)]
             channels = [await self.channel(server, s) for s in sessions]
             try:
-                await until(lambda: server.connection_count() == 2, "two connections")
+                await until_async(lambda: server.connection_count() == 2, 10,
+                                  "two connections", 0.01)
                 await server.close()
                 assert server.connection_count() == 0
                 for ch in channels:  # the service's end is closed: the shim reads EOF

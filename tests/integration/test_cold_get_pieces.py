@@ -13,15 +13,14 @@ import pytest
 
 import ctxmem
 from tests.conftest import ServiceHandle
+from tests.kit import blocks, byte_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=8192,
-                         tokens_per_block=1)  # 16 KiB blocks
+LAYOUT = byte_layout(16 << 10)  # 16 KiB blocks
 N = 22  # pieces of 4 blocks: 5 full pieces and a short one
 
 
 def _data(n: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(3)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
+    return blocks(n, LAYOUT.block_nbytes, 3)
 
 
 @pytest.fixture

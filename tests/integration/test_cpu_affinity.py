@@ -11,9 +11,9 @@ import numpy as np
 
 import ctxmem
 from ctxmem_common.cpuset import format_cpulist, process_affinity
+from tests.kit import blocks, model_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout(num_layers=4)
 
 
 def test_every_thread_of_the_service_runs_on_the_configured_cpu(
@@ -26,8 +26,7 @@ def test_every_thread_of_the_service_runs_on_the_configured_cpu(
     with ctxmem.Client(svc.endpoint) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         keys = ctxmem.chain_hashes(range(16 * 4), 16)
-        rng = np.random.default_rng(1)
-        data = [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in keys]
+        data = blocks(len(keys), LAYOUT.block_nbytes, 1)
         assert ns.put(keys, data).stored == 4
         out = [np.zeros_like(d) for d in data]
         assert ns.get(keys, out) == 4

@@ -18,20 +18,11 @@ from ctxmem_common.errors import Unavailable
 from ctxmem_common.shm_ops import encode_keys_request
 from ctxmem_common.wire import SHM_OP_LOOKUP
 from tests.conftest import ServiceHandle
+from tests.kit import blocks, byte_layout, salted_keys
 
-SMALL = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=32 << 10,
-                        tokens_per_block=1)  # 64 KiB blocks
+SMALL = byte_layout(64 << 10)  # 64 KiB blocks
 N = SMALL.block_nbytes
 PATHS = [("shm", "1"), ("tcp", "1"), ("shm", "0"), ("tcp", "0")]  # (transport, fast ops)
-
-
-def _data(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, N, dtype=np.uint8) for _ in range(n)]
-
-
-def _keys(tag: str, n: int) -> list[bytes]:
-    return ctxmem.chain_hashes(range(n), 1, salt=tag.encode())
 
 
 def _read_only() -> np.ndarray:
@@ -49,7 +40,7 @@ def test_a_bad_get_buffer_of_stored_blocks_ends_the_lease_and_writes_nothing(
     left, and the same get with good buffers then serves every block."""
     monkeypatch.setenv("CTXMEM_FAST_OPS", fast)
     svc = service_factory(encryption=False, flash_size=None, dram_size="128MiB")
-    keys, data = _keys("get", 4), _data(4, 1)
+    keys, data = salted_keys("get", 4), blocks(4, N, 1)
     with ctxmem.Client(svc.endpoint, transport=transport) as c:  # type: ignore[arg-type]
         ns = c.open_namespace(SMALL, model_id="deferred")
         assert ns.put(keys, data).stored == 4
@@ -73,7 +64,7 @@ def test_a_bad_put_buffer_aborts_the_allocation_and_stores_nothing(
     open), nothing is stored, and a put of good buffers then stores every block."""
     monkeypatch.setenv("CTXMEM_FAST_OPS", fast)
     svc = service_factory(encryption=False, flash_size=None, dram_size="128MiB")
-    keys, data = _keys("put", 3), _data(3, 2)
+    keys, data = salted_keys("put", 3), blocks(3, N, 2)
     with ctxmem.Client(svc.endpoint, transport=transport) as c:  # type: ignore[arg-type]
         ns = c.open_namespace(SMALL, model_id="deferred")
         with pytest.raises(ctxmem.InvalidArgument, match=r"buffers\[1\] is 100 bytes"):
@@ -106,7 +97,7 @@ def test_the_buffers_are_viewed_while_the_request_is_outstanding(
         prepare(self)
 
     monkeypatch.setattr(DeferredStaged, "prepare", recording)
-    keys, data = _keys("overlap", 8), _data(8, 3)
+    keys, data = salted_keys("overlap", 8), blocks(8, N, 3)
     with ctxmem.Client(svc.endpoint, transport=transport) as c:  # type: ignore[arg-type]
         ns = c.open_namespace(SMALL, model_id="deferred")
         assert c._sessions["default"].channel.ops, "the fast path was not negotiated"
@@ -124,7 +115,7 @@ def test_a_meanwhile_that_raises_breaks_the_channel_and_the_client_reconnects(
     channel must not be used again (its next call says why), and the next namespace call
     reconnects and is answered correctly."""
     svc = service_factory(encryption=False, flash_size=None, dram_size="128MiB")
-    keys, data = _keys("broken", 2), _data(2, 4)
+    keys, data = salted_keys("broken", 2), blocks(2, N, 4)
     with ctxmem.Client(svc.endpoint, transport=transport) as c:  # type: ignore[arg-type]
         ns = c.open_namespace(SMALL, model_id="deferred")
         assert ns.put(keys, data).stored == 2

@@ -14,15 +14,15 @@ import yaml
 
 import ctxmem
 from ctxmem_tools.launcher import ServiceProcess, local_config
+from tests import kit
 from tests.conftest import ServiceHandle
+from tests.kit import model_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout(dtype="float16")
 
 
 def blocks(n: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(n)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
+    return kit.blocks(n, LAYOUT.block_nbytes, n)
 
 
 def test_wrong_buffer_size(service: ServiceHandle) -> None:

@@ -16,9 +16,9 @@ from ctxmem_common.keys import MAX_LOOKUP_KEYS
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from tests.conftest import ServiceHandle
+from tests.kit import byte_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=2048,
-                         tokens_per_block=1)  # 4 KiB blocks
+LAYOUT = byte_layout(4 << 10)  # 4 KiB blocks
 
 
 class RawLookup:

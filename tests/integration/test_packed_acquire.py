@@ -8,7 +8,6 @@ it read outside its mapping.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,20 +23,11 @@ from ctxmem_common.layout import KVLayout
 from ctxmem_common.packed_slots import PackedSlots, pack_acquire, unpack_acquire
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from tests.adversary.raw import RawSession
+from tests.kit import blocks, byte_layout, keys
 
 
 def layout(nbytes: int) -> KVLayout:
-    return KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=nbytes // 2,
-                    tokens_per_block=1)
-
-
-def keys(tag: str, n: int) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
-
-
-def blocks(n: int, nbytes: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
+    return byte_layout(nbytes)
 
 
 @pytest.fixture

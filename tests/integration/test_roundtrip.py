@@ -11,14 +11,9 @@ import torch
 
 import ctxmem
 from tests.conftest import ServiceHandle
+from tests.kit import blocks, byte_layout, model_layout, until
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
-
-
-def blocks(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
+LAYOUT = model_layout(num_layers=4)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -30,7 +25,7 @@ def test_put_get_evict_cold_get(service_factory: Callable[..., ServiceHandle], t
         ns = client.open_namespace(LAYOUT, model_id="m")
         assert client.transport_in_use == transport
         keys = ctxmem.chain_hashes(range(16 * 24), 16)
-        data = blocks(len(keys), 1)
+        data = blocks(len(keys), LAYOUT.block_nbytes, 1)
         assert ns.put(keys, data) == ctxmem.PutResult(stored=24, existing=0)
         assert ns.put(keys[:4], data[:4]) == ctxmem.PutResult(stored=0, existing=4)
         assert ns.lookup(keys) == ctxmem.LookupResult(24, ["dram"] * 24)
@@ -51,7 +46,7 @@ def test_prefix_semantics_partial_hits_and_delete(service: ServiceHandle) -> Non
     with ctxmem.Client(service.endpoint) as client:
         ns = client.open_namespace(LAYOUT, model_id="m")
         keys = ctxmem.chain_hashes(range(16 * 10), 16)
-        data = blocks(10, 2)
+        data = blocks(10, LAYOUT.block_nbytes, 2)
         ns.put(keys[:6], data[:6])
         assert ns.lookup(keys).num_hits == 6
         assert ns.exists(keys) == [True] * 6 + [False] * 4
@@ -88,7 +83,7 @@ def test_eviction_under_pressure_keeps_every_block_servable(
     with ctxmem.Client(svc.endpoint) as client:
         ns = client.open_namespace(LAYOUT, model_id="m")
         keys = ctxmem.chain_hashes(range(16 * 600), 16)
-        data = blocks(600, 3)
+        data = blocks(600, LAYOUT.block_nbytes, 3)
         for i in range(0, 600, 100):
             assert ns.put(keys[i:i + 100], data[i:i + 100]).stored == 100
         out = [np.zeros_like(d) for d in data]
@@ -102,7 +97,7 @@ def test_async_client(service: ServiceHandle) -> None:
         async with ctxmem.AsyncClient(service.endpoint) as client:
             ns = await client.open_namespace(LAYOUT, model_id="async")
             keys = ctxmem.chain_hashes(range(32), 16)
-            data = blocks(2, 4)
+            data = blocks(2, LAYOUT.block_nbytes, 4)
             await ns.put(keys, data)
             out = [np.zeros_like(d) for d in data]
             got = await asyncio.gather(ns.lookup(keys), ns.get(keys, out))
@@ -117,16 +112,12 @@ def test_prefetch_promotes_ahead_of_need(service: ServiceHandle) -> None:
     with ctxmem.Client(service.endpoint) as client:
         ns = client.open_namespace(LAYOUT, model_id="pf")
         keys = ctxmem.chain_hashes(range(16 * 8), 16)
-        ns.put(keys, blocks(8, 5))
+        ns.put(keys, blocks(8, LAYOUT.block_nbytes, 5))
         ns.evict(keys)
         assert ns.lookup(keys).tiers == ["flash"] * 8
         assert ns.prefetch(keys) == 8
-        import time
-
-        deadline = time.monotonic() + 10
-        while ns.lookup(keys).tiers != ["dram"] * 8:
-            assert time.monotonic() < deadline, "prefetch did not promote within 10 s"
-            time.sleep(0.05)
+        until(lambda: ns.lookup(keys).tiers == ["dram"] * 8, 10,
+              "prefetch to promote every block")
 
 
 def test_per_key_tiers_follow_evict_and_delete(service: ServiceHandle) -> None:
@@ -134,7 +125,7 @@ def test_per_key_tiers_follow_evict_and_delete(service: ServiceHandle) -> None:
     with ctxmem.Client(service.endpoint) as client:
         ns = client.open_namespace(LAYOUT, model_id="tiers")
         keys = ctxmem.chain_hashes(range(16 * 6), 16)
-        ns.put(keys[1:5], blocks(4, 6))
+        ns.put(keys[1:5], blocks(4, LAYOUT.block_nbytes, 6))
         assert ns.tiers(keys) == ["", "dram", "dram", "dram", "dram", ""]
         assert ns.lookup(keys).num_hits == 0  # the prefix view: the first key is missing
         ns.evict(keys[1:3])
@@ -161,11 +152,10 @@ def test_channel_options_reach_the_grpc_channel(service: ServiceHandle,
         ]
         ns = client.open_namespace(LAYOUT, model_id="opts")
         keys = ctxmem.chain_hashes(range(16), 16)
-        ns.put(keys, blocks(1, 7))
+        ns.put(keys, blocks(1, LAYOUT.block_nbytes, 7))
         assert ns.tiers(keys) == ["dram"]
     with pytest.raises(ctxmem.CtxmemError):  # the 1 MiB send limit is in force
-        big = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 19,
-                              tokens_per_block=1)
+        big = byte_layout(1 << 20)
         # The Lookup must go over gRPC, not the control fast path (shm or TCP)
         monkeypatch.setenv("CTXMEM_FAST_OPS", "0")
         with ctxmem.Client(service.endpoint, channel_options=opts, transport="tcp") as client:
@@ -179,7 +169,7 @@ def test_weights_revision_separates_namespaces(service: ServiceHandle) -> None:
     from ctxmem_common.keys import namespace_digest
 
     keys = ctxmem.chain_hashes(range(16 * 4), 16)
-    data = blocks(len(keys), 9)
+    data = blocks(len(keys), LAYOUT.block_nbytes, 9)
     with ctxmem.Client(service.endpoint) as client:
         r1 = client.open_namespace(LAYOUT, model_id="m", weights_revision="sha256:aa")
         r1.put(keys, data)

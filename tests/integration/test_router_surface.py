@@ -11,22 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import zmq
 
 import ctxmem
 from ctxmem_tools.launcher import free_port
 from ctxmem_tools.locate_http import locate_http
+from tests.kit import blocks, model_layout
 
 REPO = Path(__file__).resolve().parents[2]
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
-
-
-def _blocks(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
+LAYOUT = model_layout()
 
 
 def test_locate_names_the_leading_blocks_and_their_tier(service_factory: Any) -> None:
@@ -34,7 +28,7 @@ def test_locate_names_the_leading_blocks_and_their_tier(service_factory: Any) ->
     keys = ctxmem.chain_hashes(range(16 * 6), 16)
     with ctxmem.Client(svc.endpoint) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
-        assert ns.put(keys[:4], _blocks(4, 1)).stored == 4
+        assert ns.put(keys[:4], blocks(4, LAYOUT.block_nbytes, 1)).stored == 4
         ns.evict(keys[:2])
         loc = ns.locate(keys)
         assert loc.num_hits == 4 and loc.node_id == ""
@@ -56,7 +50,7 @@ def test_locate_over_the_metrics_port_answers_as_grpc_locate(service_factory: An
     keys = ctxmem.chain_hashes(range(16 * 6), 16)
     with ctxmem.Client(svc.endpoint) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
-        assert ns.put(keys[:4], _blocks(4, 2)).stored == 4
+        assert ns.put(keys[:4], blocks(4, LAYOUT.block_nbytes, 2)).stored == 4
         ns.evict(keys[:2])
         s = ns._open()
         for ask, hits in ((keys, 4), (keys[:3], 3), (keys[4:], 0), (keys[2:], 2)):
@@ -100,7 +94,7 @@ def _wait_subscribed(ns: Any, sub: Any) -> None:
     probe = ctxmem.chain_hashes(range(16), 16, salt=b"probe")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        ns.put(probe, _blocks(1, 0))
+        ns.put(probe, blocks(1, LAYOUT.block_nbytes, 0))
         ns.delete(probe)
         got = _recv(sub, time.monotonic() + 0.5)
         if got:
@@ -145,7 +139,7 @@ def test_kv_events_decode_with_vllms_own_decoder(service_factory: Any, vllm_pyth
         with ctxmem.Client(svc.endpoint) as c:
             ns = c.open_namespace(LAYOUT, model_id="llama-test")
             _wait_subscribed(ns, sub)
-            assert ns.put(keys, _blocks(3, 2)).stored == 3
+            assert ns.put(keys, blocks(3, LAYOUT.block_nbytes, 2)).stored == 3
             stored = _collect(sub, 3)
             assert ns.delete(keys[:1]) == 1
             removed = _collect(sub, 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from ctxmem_common.config import Config, config_from_dict
 from ctxmem_common.errors import ConfigError
 from ctxmem_dpu.app import Service
 from ctxmem_dpu.metrics import HttpEndpoint
+from ctxmem_dpu.tiers.flash_owner import OWNER_OFFSET, SECTOR, OwnerRecord
 from tests.dpu.storekit import open_store, store_config
 
 
@@ -90,3 +92,58 @@ def test_metrics_endpoint_is_an_async_context_manager() -> None:
             await store.close()
 
     asyncio.run(run())
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_a_failed_start_leaks_nothing(tmp_path: Path) -> None:
+    """Issue 31: a start that fails at its last listener (the metrics port is taken)
+    leaves nothing of what it had started: no thread, no file descriptor, no bound port
+    (gRPC, TCP data), no Unix socket file, no owner record on the flash device; a service
+    on the same config then starts. (A first full start and stop warms up what gRPC and
+    the interpreter keep for the whole process, so what remains is the failed start's.)"""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    good, bad = service_config(tmp_path), service_config(tmp_path, listen=f"127.0.0.1:{port}")
+
+    async def cycle() -> None:
+        async with Service(good) as svc:
+            assert svc.ready
+
+    async def failed_start() -> tuple[int, int]:
+        svc = Service(bad)
+        with pytest.raises(ConfigError, match=r"metrics\.listen: cannot bind"):
+            await svc.start()
+        assert svc.tcp is not None and svc.tcp.running, "the failure came before the end"
+        await svc.stop()
+        assert svc.tcp is not None
+        return svc.grpc_port, int(svc.tcp.address.rsplit(":", 1)[1])
+
+    try:
+        asyncio.run(cycle())
+        threads = {t.ident for t in threading.enumerate()}
+        fds = set(os.listdir("/proc/self/fd"))
+        grpc_port, data_port = asyncio.run(failed_start())
+        left = [t.name for t in threading.enumerate() if t.ident not in threads and t.is_alive()]
+        assert left == [], f"threads of the failed start still run: {left}"
+        opened = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in
+                  set(os.listdir("/proc/self/fd")) - fds
+                  if os.path.exists(f"/proc/self/fd/{fd}")}
+        assert opened == {}, f"file descriptors of the failed start still open: {opened}"
+        assert _free(grpc_port) and _free(data_port), "a port of the failed start is bound"
+        assert not os.path.exists(tmp_path / "data.sock")
+        with open(tmp_path / "flash0.img", "rb") as f:
+            f.seek(OWNER_OFFSET)
+            assert OwnerRecord.unpack(f.read(SECTOR)) is None, "the device is still owned"
+        asyncio.run(cycle())  # nothing is "in use" by the failed start
+    finally:
+        taken.close()

@@ -13,9 +13,9 @@ import pytest
 import ctxmem
 from ctxmem.transport.shm import ShmChannel
 from tests.conftest import ServiceHandle
+from tests.kit import model_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout(dtype="float16")
 
 
 def _get(url: str) -> tuple[int, str]:

@@ -11,7 +11,6 @@ batch is split (the split is by block count, so which buffers another part wrote
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,27 +24,17 @@ from ctxmem.transport.base import TransportError
 from ctxmem.transport.shm import ShmChannel
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.errors import InvalidArgument, Unavailable
-from ctxmem_common.layout import KVLayout
 from ctxmem_common.packed_slots import PackedSlots, unpack_acquire
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.shm_ops import encode_release
 from ctxmem_common.wire import SHM_OP_RELEASE
 from tests.adversary.raw import RawSession
+from tests.kit import blocks, byte_layout, keys
 
 BLOCK = 64 << 10
 N = 8
 SENTINEL = 0x07
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
-                  tokens_per_block=1)
-
-
-def keys(tag: str, n: int = N) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
-
-
-def blocks(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(n)]
+LAYOUT = byte_layout(BLOCK)
 
 
 @pytest.fixture
@@ -60,7 +49,7 @@ def svc(service_factory: Callable[..., Any]) -> Any:
 
 @pytest.fixture
 def stored(svc: Any) -> Iterator[tuple[RawSession, list[bytes], list[np.ndarray]]]:
-    ks, data = keys("threads"), blocks(N, 3)
+    ks, data = keys("threads", N), blocks(N, BLOCK, 3)
     with ctxmem.Client(svc.endpoint, transport="shm", copy_threads=1) as c:
         assert c.open_namespace(LAYOUT, model_id="m").put(ks, data).stored == N
     with RawSession(svc.endpoint, LAYOUT, model_id="m") as raw:
@@ -134,7 +123,7 @@ def test_split_puts_and_gets_move_exact_bytes(svc: Any, threads: int) -> None:
     """Through the Client: a put whose copy+CRC is split across threads is committed (the
     service checks every CRC) and a split get returns exactly those bytes, across two
     batches."""
-    ks, data = keys(f"e2e{threads}", 2 * N), blocks(2 * N, threads)
+    ks, data = keys(f"e2e{threads}", 2 * N), blocks(2 * N, BLOCK, threads)
     with ctxmem.Client(svc.endpoint, transport="shm", copy_threads=threads,
                        max_batch_bytes=N * BLOCK) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")

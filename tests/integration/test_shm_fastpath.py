@@ -14,22 +14,12 @@ import pytest
 import ctxmem
 from ctxmem.transport.shm import ShmChannel
 from tests.conftest import ServiceHandle
+from tests.kit import blocks, byte_layout, salted_keys
 
-BIG = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 20,
-                      tokens_per_block=1)  # 2 MiB blocks (K and V)
-SMALL = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=32 << 10,
-                        tokens_per_block=1)  # 64 KiB blocks
+BIG = byte_layout(2 << 20)  # 2 MiB blocks (K and V)
+SMALL = byte_layout(64 << 10)  # 64 KiB blocks
 FAST_OPS = ("shm_ops_acquire", "shm_ops_release", "shm_ops_lookup", "shm_ops_allocate",
             "shm_ops_commit")
-
-
-def _data(layout: ctxmem.KVLayout, n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, layout.block_nbytes, dtype=np.uint8) for _ in range(n)]
-
-
-def _keys(tag: str, n: int) -> list[bytes]:
-    return ctxmem.chain_hashes(range(n), 1, salt=tag.encode())
 
 
 def _fast_counts(svc: ServiceHandle) -> dict[str, float]:
@@ -47,8 +37,8 @@ def _exercise(svc: ServiceHandle, layout: ctxmem.KVLayout, n: int, tag: str,
               verify: bool = True) -> dict[str, Any]:
     """Put n blocks (half of them twice), look them up, get them back; what each call
     answered, with the bytes the gets returned."""
-    keys = _keys(tag, n)
-    data = _data(layout, n, len(tag))
+    keys = salted_keys(tag, n)
+    data = blocks(n, layout.block_nbytes, len(tag))
     with ctxmem.Client(svc.endpoint, transport="shm", verify_gets=verify) as c:
         ns = c.open_namespace(layout, model_id="fast")
         first = ns.put(keys[: n // 2], data[: n // 2])
@@ -122,8 +112,8 @@ def test_a_restart_reconnects_and_retries_over_the_fast_path(
     'unknown session' or finds the socket closed, and the client reconnects, reopens its
     namespace and retries, still on the fast path."""
     svc = service_factory(encryption=False, flash_size=None)
-    keys = _keys("restart", 8)
-    data = _data(SMALL, 8, 3)
+    keys = salted_keys("restart", 8)
+    data = blocks(8, SMALL.block_nbytes, 3)
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(SMALL, model_id="fast")
         assert ns.put(keys, data).stored == 8
@@ -147,8 +137,8 @@ def test_a_verified_get_holds_no_lease_once_the_client_closes(
     still held when close returns. Without that wait `ctxmem status` scraped right after a
     client exited could show its lease (CI caught it)."""
     svc = service_factory(encryption=False, flash_size=None, dram_size="256MiB")
-    keys = _keys("close", 4)
-    data = _data(SMALL, 4, 3)
+    keys = salted_keys("close", 4)
+    data = blocks(4, SMALL.block_nbytes, 3)
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         c.open_namespace(SMALL, model_id="fast").put(keys, data)
     for round_ in range(20):
@@ -166,10 +156,10 @@ def test_flush_waits_for_no_reply_releases(
     """`ShmChannel.flush` is the barrier close uses: after it, the releases sent without
     an answer have been served, with the channel still open."""
     svc = service_factory(encryption=False, flash_size=None, dram_size="256MiB")
-    keys = _keys("flush", 8)
+    keys = salted_keys("flush", 8)
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(SMALL, model_id="fast")
-        ns.put(keys, _data(SMALL, 8, 4))
+        ns.put(keys, blocks(8, SMALL.block_nbytes, 4))
         before = svc.stats()["shm_ops_release"]
         for _ in range(10):
             assert ns.get(keys, [np.zeros(SMALL.block_nbytes, np.uint8) for _ in keys]) == 8
@@ -188,10 +178,10 @@ def test_a_grpc_call_does_not_overtake_a_no_reply_release(
     without an answer: the client waits for the channel before the gRPC call, so the
     blocks are no longer leased when the Evict arrives and every one is evicted."""
     svc = service_factory(encryption=False, dram_size="256MiB")
-    keys = _keys("overtake", 16)
+    keys = salted_keys("overtake", 16)
     with ctxmem.Client(svc.endpoint, transport=transport) as c:
         ns = c.open_namespace(SMALL, model_id="fast")
-        ns.put(keys, _data(SMALL, 16, 5))
+        ns.put(keys, blocks(16, SMALL.block_nbytes, 5))
         ch = c._sessions["default"].channel
         assert ch.ops, "the fast path was not negotiated"
         for round_ in range(5):
@@ -199,5 +189,5 @@ def test_a_grpc_call_does_not_overtake_a_no_reply_release(
             assert ch.unanswered, "a verified get's Release should go without an answer"
             assert ns.evict(keys[:1]) == 1, f"round {round_}: the leased block was kept"
             assert not ch.unanswered, "the gRPC call did not wait for the channel"
-            ns.put(keys[:1], _data(SMALL, 1, 5))  # back in DRAM for the next round
+            ns.put(keys[:1], blocks(1, SMALL.block_nbytes, 5))  # back in DRAM for the next round
         assert ns.delete(keys) == 16

@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -18,9 +17,9 @@ from ctxmem_dpu.status.command import status_command
 from ctxmem_dpu.status.render import render_text
 from ctxmem_dpu.status.scrape import scrape, status_document
 from tests.conftest import ServiceHandle
+from tests.kit import model_layout, until
 
-LAYOUT = ctxmem.KVLayout(dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = model_layout(dtype="float16")
 N = 8
 
 
@@ -173,13 +172,13 @@ def test_status_failed_then_recovered_device(service_factory: Callable[..., Serv
     assert text.startswith("ctxmem degraded: flash device flash0 failed")
     assert any("flash0" in ln and "failed" in ln for ln in text.splitlines())
     os.truncate(svc.flash_path, size)
-    deadline = time.monotonic() + 30
-    while True:  # the service probes failed devices on its own schedule
-        rc, out, err = _run(["--url", svc.metrics_listen, "--json"])
-        doc = json.loads(out)
-        if doc["devices"][0]["state"] == "healthy" or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert doc["devices"] == [{"name": "flash0", "state": "healthy"}], "not back in 30 s"
+
+    def recovered() -> dict[str, object] | None:
+        doc = json.loads(_run(["--url", svc.metrics_listen, "--json"])[1])
+        return doc if doc["devices"][0]["state"] == "healthy" else None
+
+    # The service probes failed devices on its own schedule.
+    doc = until(recovered, 30, "flash0 to be back (healthy)", 0.2)
+    assert doc["devices"] == [{"name": "flash0", "state": "healthy"}]
     assert doc["device_events"] == {"failed": 1, "recovered": 1, "reattached": 0}
     assert doc["health"]["status"] == "serving"

@@ -9,22 +9,19 @@ from collections.abc import Callable
 import numpy as np
 
 import ctxmem
+from tests import kit
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = kit.model_layout(num_layers=4)
 
 
 def blocks(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
+    """``n`` random blocks of the pod tests' layout (:func:`tests.kit.blocks`)."""
+    return kit.blocks(n, LAYOUT.block_nbytes, seed)
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
+    """:func:`tests.kit.until` with the pod tests' defaults."""
+    kit.until(cond, timeout_s, what or "the condition")
 
 
 class Clients:

@@ -4,24 +4,21 @@ be checked byte for byte)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ctxmem.client import Client, Namespace
-from ctxmem_common.layout import KVLayout
 from ctxmem_dpu.check import Report, check_devices, read_master_key
 from ctxmem_tools.chaos import fresh_client
 from ctxmem_tools.launcher import ServiceProcess, local_config
+from tests import kit
+from tests.kit import byte_layout
 
 BLOCK = 16 << 10
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
-                  tokens_per_block=1)
+LAYOUT = byte_layout(BLOCK)
 FAULT_ENV = {"CTXMEM_FLASH_PROBE_INTERVAL_S": "0.05", "CTXMEM_FLASH_SLOW_IO_S": "1.0",
              "CTXMEM_FAULT_JOURNAL": "1"}
 
@@ -37,13 +34,12 @@ def patch_file(path: str | Path, off: int, data: bytes) -> None:
         os.close(fd)
 
 
-def keys(tag: str, n: int, start: int = 0) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(start, start + n)]
+keys = kit.keys  # the suite's keys: sha256 of "tag/i"
 
 
 def content(key: bytes) -> bytes:
-    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
-    return rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+    """The bytes a block of ``key`` holds here (see :func:`tests.kit.content`)."""
+    return kit.content(key, BLOCK)
 
 
 class FaultyService(ServiceProcess):

@@ -5,26 +5,21 @@ the promise: every returned block is exact, and no buffer past the count holds w
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
-
 import ctxmem
-from ctxmem_common.layout import KVLayout
+from tests import kit
+from tests.kit import byte_layout
 
 BLOCK = 256 << 10
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
-                  tokens_per_block=1)
+LAYOUT = byte_layout(BLOCK)
 SENTINEL = 0xA5
 
 
-def keys(tag: str, n: int) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
+keys = kit.keys  # the suite's keys: sha256 of "tag/i"
 
 
 def content(key: bytes) -> bytes:
-    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
-    return rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+    """The bytes a block of ``key`` holds here (see :func:`tests.kit.content`)."""
+    return kit.content(key, BLOCK)
 
 
 def get_checked(ns: ctxmem.Namespace, ks: list[bytes], scrubbed: bool | None = None) -> int:

@@ -26,6 +26,7 @@ from ctxmem_dpu import faults
 from ctxmem_dpu.store.context import IOPool
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_tools.rawclient import RawSession
+from tests.kit import until, until_async
 
 from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
 from .kit import BLOCK, LAYOUT, FaultyService, keys, served, settled_audit, tiers
@@ -82,10 +83,8 @@ async def test_a_cancelled_cold_acquire_still_promotes_its_blocks(tmp_path: Path
             await task
         faults.configure(devices={})
         per_ns = store._index.get(ns.digest)
-        deadline = time.monotonic() + 10
-        while any(per_ns[k].io is not None for k in blocks) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert all(per_ns[k].io is None for k in blocks), "blocks left marked in flight"
+        await until_async(lambda: all(per_ns[k].io is None for k in blocks), 10,
+                          "the blocks' promotion to end (blocks left marked in flight)", 0.01)
         assert all(per_ns[k].dram is not None for k in blocks), "the promotion was cut short"
         assert all(per_ns[k].pins == 0 for k in blocks)
         assert store.stats()["leases"] == 0
@@ -120,9 +119,8 @@ async def test_a_cancelled_evict_still_makes_its_blocks_durable(
         with pytest.raises(asyncio.CancelledError):
             await task
         faults.configure(devices={})
-        deadline = time.monotonic() + 10
-        while any(per_ns[k].io is not None for k in blocks) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await until_async(lambda: all(per_ns[k].io is None for k in blocks), 10,
+                          "the cancelled Evict's demotion to end", 0.01)
         assert all(per_ns[k].flash is not None and per_ns[k].durable for k in blocks), \
             "the cancelled Evict's demotion was cut short"
         assert await get(store, s, ns, list(blocks)) == list(blocks.values())
@@ -205,10 +203,8 @@ def test_cancelled_deletes_log_no_traceback(tmp_path: Path) -> None:
                 delete(ks[i:i + 2], 0.002 + 0.001 * (i % 16))
         svc.faults()
         assert codes.get("DEADLINE_EXCEEDED", 0) >= 2, codes
-        deadline = time.monotonic() + 10  # cancelled Deletes finish in the background
-        while any(served(ns, deleted).values()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(served(ns, deleted).values()), "a Delete did not take effect"
+        # Cancelled Deletes finish in the background.
+        until(lambda: not any(served(ns, deleted).values()), 10, "every Delete to take effect")
     finally:
         svc.close()
     log = svc.log_path.read_text(errors="replace")

@@ -16,6 +16,7 @@ import pytest
 from ctxmem_common.errors import Unavailable
 from ctxmem_dpu import faults
 from ctxmem_dpu.store import BlockStore
+from tests.kit import until_async
 
 from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
 from .kit import FaultyService, content, keys, served, settled_audit, tiers
@@ -33,13 +34,9 @@ def _fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     faults.reset()
 
 
-async def _healthy(store: BlockStore, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(d.healthy for d in store.flash.devices):
-            return True
-        await asyncio.sleep(0.02)
-    return False
+async def _healthy(store: BlockStore, timeout: float = 5.0) -> None:
+    await until_async(lambda: all(d.healthy for d in store.flash.devices), timeout,
+                      "every flash device to be healthy again")
 
 
 @pytest.mark.parametrize("fault", [{"read": "eio"}, {"read": "eio", "prob": 0.5}])
@@ -65,7 +62,7 @@ async def test_read_errors_are_misses_and_the_device_recovers(tmp_path: Path,
         await put(store, s, ns, {K[21]: payload(22)})  # and takes new blocks
         assert store.counters["integrity_failures"] == 0  # an I/O error is not corruption
         faults.configure(devices={})
-        assert await _healthy(store)
+        await _healthy(store)
         assert await get(store, s, ns, list(on_flash)) == list(on_flash.values())
         assert await settled_audit(store) == []
     finally:
@@ -88,7 +85,7 @@ async def test_write_errors_keep_blocks_in_dram_until_the_device_is_back(
         assert store.lookup(ns, list(data), prefix=True) == (8, ["dram"] * 8)
         assert await get(store, s, ns, list(data)) == list(data.values())
         faults.configure(devices={})
-        assert await _healthy(store)
+        await _healthy(store)
         for _ in range(100):  # parked extents get their headers zeroed, then freed
             if not store.parked_extents():
                 break
@@ -134,7 +131,7 @@ async def test_slow_device_is_taken_out_and_comes_back(tmp_path: Path) -> None:
         assert await get(store, s, ns, [K[1]]) == []  # no more waits on it: a miss
         assert time.monotonic() - t < 0.2
         faults.configure(devices={})
-        assert await _healthy(store)
+        await _healthy(store)
         assert await get(store, s, ns, list(data)) == list(data.values())
     finally:
         await store.close()
@@ -209,7 +206,7 @@ async def test_demoter_does_not_spin_on_failed_or_full_flash(
         assert store.counters["flash_full"] == before
         assert store.lookup(ns, [K[150]], prefix=True) == (1, ["dram"])
         faults.configure(devices={})
-        assert await _healthy(store)
+        await _healthy(store)
     finally:
         await store.close()
 
@@ -242,7 +239,7 @@ async def test_a_device_that_moved_is_reopened_where_it_is_now(
         assert any("does not hold this device" in r.getMessage() for r in caplog.records)
         # Now it names the device's new node: reopened there, and served again.
         where["path"] = str(new)
-        assert await _healthy(store)
+        await _healthy(store)
         assert dev.path == str(new) and store.counters["flash_device_reopened"] == 1
         assert await get(store, s, ns, list(data)) == list(data.values())
         assert store.counters["integrity_failures"] == 0

@@ -9,7 +9,6 @@ the alias a real loop device (both need root, as CI has).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import subprocess
 import sys
@@ -17,27 +16,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 import ctxmem
 from ctxmem_common.errors import CtxmemError
 from ctxmem_common.flash_format import DATA_START, SB_BACKUP_OFFSET, SB_OFFSET
-from ctxmem_common.layout import KVLayout
+from tests.kit import keys
+from tests.reliability.sentinel import BLOCK, LAYOUT, content
 
-BLOCK = 256 << 10
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=BLOCK // 2,
-                  tokens_per_block=1)
 ROOT = os.geteuid() == 0
-
-
-def keys(tag: str, n: int) -> list[bytes]:
-    return [hashlib.sha256(f"{tag}/{i}".encode()).digest() for i in range(n)]
-
-
-def content(key: bytes) -> bytes:
-    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
-    return rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
 
 
 def read_back(endpoint: str, ks: list[bytes]) -> list[bytes | None]:

@@ -18,6 +18,7 @@ import pytest
 import ctxmem
 from ctxmem_common.errors import ResourceExhausted
 from tests.adversary.raw import RawSession
+from tests.kit import until
 from tests.reliability.sentinel import BLOCK, LAYOUT, content, get_checked, keys
 
 
@@ -59,14 +60,15 @@ def test_stale_slots_return_once_the_writer_is_gone(small_service: Any) -> None:
     time.sleep(2.0)
     stale.close()
     victim_keys = keys("victim", 8)
-    deadline = time.monotonic() + 15
     with ctxmem.Client(small_service.endpoint, transport="shm") as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
-        while True:
+
+        def stored() -> bool:
             try:
                 assert ns.put(victim_keys, [content(k) for k in victim_keys]).stored == 8
-                break
             except ResourceExhausted:
-                assert time.monotonic() < deadline, "the stale writer's slots never came back"
-                time.sleep(0.2)
+                return False
+            return True
+
+        until(stored, 15, "the stale writer's slots to come back", 0.2)
         assert get_checked(ns, victim_keys) == 8

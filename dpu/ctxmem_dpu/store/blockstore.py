@@ -476,7 +476,7 @@ class BlockStore:
             n = len(run)
         else:
             n = 0
-            while n < len(run) and run[n].dram is not None and id(run[n]) not in ok.failed:
+            while n < len(run) and run[n].dram is not None and run[n] not in ok.failed:
                 n += 1
         try:  # a tenant's leases never hold slots in more slabs than its quota allows
             n = self._quotas.fit_lease(ns.tenant, run[:n]) if n else 0

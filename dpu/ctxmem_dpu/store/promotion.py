@@ -16,9 +16,10 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NamedTuple
 
 from ctxmem_common.codecs import XtsCipher
+from ctxmem_common.codecs.blockauth import BlockAuthenticator
 from ctxmem_common.errors import ResourceExhausted
 from ctxmem_common.flash_format import RecordHeader
 from ctxmem_dpu import faults
@@ -47,11 +48,23 @@ log = logging.getLogger("ctxmem_dpu.store")
 COLD_PIECE_BYTES = int(os.environ.get("CTXMEM_COLD_PIECE_BYTES", "0"))
 
 
-@dataclass
+@dataclass(slots=True)
 class PromoteResult:
-    """The blocks (``id()``) a promotion could not bring into DRAM."""
+    """The blocks a promotion could not bring into DRAM (``Block`` hashes by identity)."""
 
-    failed: set[int] = field(default_factory=set)
+    failed: set[Block] = field(default_factory=set)
+
+
+class ReadJob(NamedTuple):
+    """One block of a promotion: made on the loop, read and checked by an I/O thread
+    into its DRAM slot (:func:`_reader`)."""
+
+    device: FlashDevice
+    slot: SlotRef  # the flash slot
+    view: memoryview  # the DRAM slot it is read into (released when the reads end)
+    block: Block
+    cipher: XtsCipher | None  # None: a plaintext record
+    auth: BlockAuthenticator  # the namespace's authenticator
 
 
 class Promotion:
@@ -132,7 +145,7 @@ class Promotion:
                     ok = PromoteResult()
                     break
                 take //= 2
-        ok.failed.update(id(b) for b in cold[take:])
+        ok.failed.update(cold[take:])
         return ok
 
     async def promote(self, ns: Namespace, blocks: list[Block],
@@ -172,14 +185,14 @@ class Promotion:
             return result
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        jobs = []
+        jobs: list[ReadJob] = []
         for b, ref in zip(blocks, refs, strict=True):
             assert b.flash is not None
             b.io = fut
             dev = ctx.flash.devices[b.flash.device]
-            jobs.append((dev, b.flash.slot, ctx.dram.slot_view(ref), b,
-                         self._keyring.for_device(b.ns, dev.name),
-                         self._keyring.authenticator(b.ns)))
+            jobs.append(ReadJob(dev, b.flash.slot, ctx.dram.slot_view(ref), b,
+                                self._keyring.for_device(b.ns, dev.name),
+                                self._keyring.authenticator(b.ns)))
         reads = ctx.io.parallel(_reader(ns.block_nbytes), jobs)
         if on_io is not None:
             try:  # never leave the reads un-awaited: they write into the DRAM slots
@@ -188,7 +201,7 @@ class Promotion:
                 log.exception("starting a get's read-ahead failed")
         return await self._finish(jobs, refs, reads, fut, result)
 
-    async def _finish(self, jobs: list[Any], refs: list[SlotRef],
+    async def _finish(self, jobs: list[ReadJob], refs: list[SlotRef],
                       reads: Awaitable[list[BaseException | None]],
                       fut: asyncio.Future[None], result: PromoteResult) -> PromoteResult:
         """The rest of :meth:`promote` once its reads are queued: await them (every part:
@@ -202,12 +215,12 @@ class Promotion:
             faults.point("promote.after_read")
         except BaseException:
             for job, ref in zip(jobs, refs, strict=True):
-                job[3].io = None
+                job.block.io = None
                 ctx.dram.free(ref)
             raise
         finally:
             for job in jobs:
-                job[2].release()
+                job.view.release()
             fut.set_result(None)
         dead: list[Extent] = []
         for (dev, _slot, _v, b, _c, _a), ref, err in zip(jobs, refs, results, strict=True):
@@ -218,7 +231,7 @@ class Promotion:
                 ctx.counters["promoted_blocks"] += 1
                 continue
             ctx.dram.free(ref)
-            result.failed.add(id(b))
+            result.failed.add(b)
             if isinstance(err, ReadFailure):
                 ctx.counters["integrity_failures"] += 1
                 ctx.counters["quarantined_extents"] += 1
@@ -240,29 +253,28 @@ class Promotion:
                 self._health.mark_unhealthy(dev.index, err, reason)
         if dead:
             ctx.io.spawn(self._invalidator.invalidate(dead, free=False))
-        self._health.check_slow({j[0].index for j in jobs})
+        self._health.check_slow({j.device.index for j in jobs})
         return result
 
 
-def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | None]]:
-    """The I/O-thread work of a promotion: for a part of the jobs (device, slot, DRAM view,
-    block, cipher, authenticator), read and check each record into its view; one result
-    per job (None: verified)."""
+def _reader(block_nbytes: int) -> Callable[[list[ReadJob]], list[BaseException | None]]:
+    """The I/O-thread work of a promotion: for a part of the jobs, read and check each
+    record into its view; one result per job (None: verified)."""
 
-    def headers(part: list[Any]) -> list[RecordHeader | FlashIOError | None]:
+    def headers(part: list[ReadJob]) -> list[RecordHeader | FlashIOError | None]:
         """The part's record headers, read per device in runs of its header tables
         (FlashDevice.read_headers): a few I/Os instead of one per block."""
         got: list[RecordHeader | FlashIOError | None] = [None] * len(part)
         by_dev: dict[FlashDevice, list[int]] = {}
         for i, job in enumerate(part):
-            if job[0].healthy:
-                by_dev.setdefault(job[0], []).append(i)
+            if job.device.healthy:
+                by_dev.setdefault(job.device, []).append(i)
         for dev, idx in by_dev.items():
-            for i, h in zip(idx, dev.read_headers([part[i][1] for i in idx]), strict=True):
+            for i, h in zip(idx, dev.read_headers([part[i].slot for i in idx]), strict=True):
                 got[i] = h
         return got
 
-    def work(part: list[Any]) -> list[BaseException | None]:
+    def work(part: list[ReadJob]) -> list[BaseException | None]:
         out: list[BaseException | None] = [None] * len(part)
         identity: dict[FlashDevice, FlashIOError | None] = {}
 
@@ -301,7 +313,7 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
                 out[i] = exc
         groups: dict[tuple[FlashDevice, XtsCipher | None], list[int]] = {}
         for i in ready:
-            groups.setdefault((part[i][0], part[i][4]), []).append(i)
+            groups.setdefault((part[i].device, part[i].cipher), []).append(i)
         for (dev, cipher), group in groups.items():
 
             def authentic(k: int, dev: FlashDevice = dev, group: list[int] = group,
@@ -310,7 +322,8 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
                 i = group[k]
                 hdr = hdrs[i]
                 assert isinstance(hdr, RecordHeader)
-                slot, view, b, auth = part[i][1], part[i][2], part[i][3], part[i][5]
+                job = part[i]
+                slot, view, b, auth = job.slot, job.view, job.block, job.auth
                 try:
                     dev.check_tag(auth, hdr, slot, view[: b.length],
                                   confirmed and i not in unsure)
@@ -319,8 +332,8 @@ def _reader(block_nbytes: int) -> Callable[[list[Any]], list[BaseException | Non
                     return exc
                 return None
 
-            got = dev.read_payloads([(part[i][1], part[i][2], part[i][3].length,
-                                      part[i][3].crc) for i in group], cipher, authentic)
+            got = dev.read_payloads([(part[i].slot, part[i].view, part[i].block.length,
+                                      part[i].block.crc) for i in group], cipher, authentic)
             for i, err in zip(group, got, strict=True):
                 if isinstance(err, ReadFailure) and i in unsure:
                     # A CRC mismatch after decrypting with a key the header cannot confirm

@@ -121,7 +121,7 @@ class RemoteBlocks:
                 b.pins += 1
         cold = [b for b in found if b is not None and b.dram is None]
         ns = self._registry.namespaces.get(ns_digest)
-        failed: set[int] = {id(b) for b in cold}
+        failed: set[Block] = set(cold)
         if cold and ns is not None:
             try:
                 failed = (await self._promotion.promote_fitting(ns, cold)).failed
@@ -134,7 +134,7 @@ class RemoteBlocks:
         for b in found:
             # A fetched copy is never served on: peers fetch from the writer, whose entry
             # the index holds (a copy's own check is against that entry, done here only).
-            if b is not None and (b.dram is None or id(b) in failed or b.deleted
+            if b is not None and (b.dram is None or b in failed or b.deleted
                                   or b.origin is not None):
                 self._invalidator.unpin(b)
                 b = None

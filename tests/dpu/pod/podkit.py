@@ -35,6 +35,7 @@ from ctxmem_dpu.pod.entries import RemoteEntry, SharedLocation
 from ctxmem_dpu.pod.slab_leases import SlabLeases
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.tiers.flash import FlashDevice
+from tests.kit import byte_layout
 
 MASTER = bytes(range(32))
 DEVICE = "shared0"
@@ -43,8 +44,7 @@ NODE_START_TIMEOUT_S = float(os.environ.get("CTXMEM_POD_NODE_TIMEOUT_S", "60"))
 
 def layout(kib: int) -> KVLayout:
     """Blocks of ``kib`` KiB (each size its own slot-size class on flash)."""
-    return KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=kib << 9,
-                    tokens_per_block=1)
+    return byte_layout(kib << 10)
 
 
 def format_shared(path: str, slab_size: int, size: int = 0, slabs: int = 0) -> bytes:

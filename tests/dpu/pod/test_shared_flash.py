@@ -22,6 +22,7 @@ from ctxmem_dpu.pod.slab_leases import SlabLeases
 from ctxmem_dpu.tiers import flash_owner
 from ctxmem_dpu.tiers.flash import FlashDevice, FlashIOError
 from ctxmem_dpu.tiers.flash_owner import SHARED_INSTANCE, DeviceOwner
+from tests.kit import until_async
 
 from .podkit import (
     MASTER,
@@ -160,10 +161,12 @@ async def test_killed_writer_served_then_taken_over_and_stale_pointer_is_a_miss(
         async with node(url, "b", shared, SLAB, LEASE_S) as b:
             dev = b.flash.devices[0]
             uuid = dev.superblock.device_uuid
-            deadline = time.monotonic() + 20 * LEASE_S
-            while (h := (await _holders(url, uuid, [slab_a]))[0]) is not None and h[0] == "a":
-                assert time.monotonic() < deadline, "a's lease never lapsed"
-                await asyncio.sleep(0.1)
+
+            async def lapsed() -> bool:
+                h = (await _holders(url, uuid, [slab_a]))[0]
+                return h is None or h[0] != "a"
+
+            await until_async(lapsed, 20 * LEASE_S, "a's lease to lapse", 0.1)
             # b leases blank slabs first (each new slot size assigns one), a's slab last;
             # until b reuses it, a's blocks are served.
             pb: list[Published] = []
@@ -224,10 +227,8 @@ async def test_fence_stops_writes_when_lease_taken_over_or_not_renewed(
             assert f.read(SLAB) == image, "a wrote into a slab it no longer owns"
         assert dev.slab_owner(slab) == before
         # The renewal finds the lease gone: revoked, never written again.
-        deadline = time.monotonic() + 10 * LEASE_S
-        while not dev.fence.lost(slab):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+        await until_async(lambda: dev.fence.lost(slab), 10 * LEASE_S,
+                          "the renewal to find the lease gone", 0.1)
         # The index unreachable: the leases lapse locally and nothing is written.
         redis_server.stop()
         await asyncio.sleep(LEASE_S)
@@ -329,10 +330,8 @@ async def test_a_delete_under_a_lapsed_lease_waits_and_keeps_the_device_in_servi
         parked = sum(len(v) for v in a._invalidator.parked.values())
         assert parked == 2, parked
         redis_server.start()  # the keeper renews the lease; the reaper zeroes the headers
-        deadline = time.monotonic() + 20 * LEASE_S
-        while a._invalidator.parked:
-            assert time.monotonic() < deadline, "the parked headers were never zeroed"
-            await asyncio.sleep(0.1)
+        await until_async(lambda: not a._invalidator.parked, 20 * LEASE_S,
+                          "the parked headers to be zeroed", 0.1)
         assert dev.healthy
         for ext in where:
             assert ext is not None

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import redis.asyncio as aioredis
 
 from ctxmem_dpu.pod.shared_flash import SharedFlashSource
 from ctxmem_tools.chaos.pod import SKEW_DIR
+from tests.kit import until_async
 
 from .podkit import MASTER, format_shared, node, node_process, put_durable, session
 from .test_index_loss import _lost
@@ -29,13 +28,6 @@ MIB = 1 << 20
 SLAB = MIB  # 64 KiB blocks: 14 per slab
 LEASE_S = 3.0  # (as test_index_loss: renewals never late on a loaded 2-core machine)
 PER_SLAB = 14
-
-
-async def _wait(cond: Callable[[], Any], what: str, timeout_s: float = 20 * LEASE_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("skew_s", [3600.0, -3600.0], ids=["ahead", "behind"])
@@ -54,7 +46,7 @@ async def test_a_shifted_clock_never_takes_a_live_owners_slabs(
 
             async def spare_leased() -> bool:  # (the keeper tops up on a's loop)
                 return [o for o, _e in await asyncio.to_thread(dev.slab_owners)].count("a") == 4
-            await _wait(spare_leased, "a's spare slab")
+            await until_async(spare_leased, 20 * LEASE_S, "a's spare slab", 0.05)
             owners = await asyncio.to_thread(dev.slab_owners)
             mine = {s: o for s, o in enumerate(owners) if o[0] == "a"}
             with_records = {(p.entry.shared.offset - MIB) // SLAB  # type: ignore[union-attr]
@@ -101,7 +93,7 @@ async def test_a_shifted_clock_never_takes_a_live_owners_slabs(
                 async def renewed() -> bool:
                     vals = await client.mget(lease_keys)
                     return all(v is not None and v.decode().startswith("a|") for v in vals)
-                await _wait(renewed, "a's lapsed leases renewed by a")
+                await until_async(renewed, 20 * LEASE_S, "a's lapsed leases renewed by a", 0.05)
                 assert all(o[0] == "b" for s, o in enumerate(now) if s not in mine), \
                     f"b did not use every other slab (test too small): {now}"
                 assert a._keeper is not None and a._keeper.revoked == 0

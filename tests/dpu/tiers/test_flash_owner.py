@@ -207,28 +207,40 @@ def test_a_record_from_an_earlier_boot_is_taken_over(
 
 def test_an_alias_opened_in_the_same_process_is_refused(tmp_path: Path) -> None:
     path = _device(tmp_path)
-    with DeviceFile("flash0", str(path), o_direct=False):
+    with DeviceFile("flash0", str(path), o_direct=False) as dev:
+        assert dev.owner is not None
+        ours = _owner_on_disk(path)
+        assert ours is not None and ours.instance == dev.owner.instance
         fd = os.open(path, os.O_RDWR)  # another path to the bytes: no flock conflict
         try:
-            with pytest.raises(FlashIOError, match="in use"):
+            with pytest.raises(FlashIOError, match="in use") as err:
                 DeviceOwner("alias", str(path)).claim(fd, os.fstat(fd).st_size)
+            assert err.value.errno == errno.EBUSY
+            assert f"pid {os.getpid()}" in str(err.value), str(err.value)
         finally:
             os.close(fd)
+        assert _owner_on_disk(path) == ours  # the refused claim wrote nothing
+    assert _owner_on_disk(path) is None  # and the first owner's close still clears it
 
 
 def test_refresh_after_a_takeover_says_so(tmp_path: Path) -> None:
     path = _device(tmp_path)
     with DeviceFile("flash0", str(path), o_direct=False) as dev:
-        _plant(path, host="other-host")
+        planted = _plant(path, host="other-host")
         with pytest.raises(FlashIOError, match="taken over by service") as err:
             dev.refresh_owner()
         assert err.value.errno == errno.EBUSY
-    assert _owner_on_disk(path) is not None  # the other's record is left alone
+    assert _owner_on_disk(path) == planted  # the other's record is left alone, even by close
 
 
 def test_a_device_too_small_for_the_owner_sector_is_not_written(tmp_path: Path) -> None:
+    """Opened and closed, a device smaller than the format's header area keeps every
+    byte (a pattern, so a record or a clearing sector written anywhere shows)."""
     path = tmp_path / "tiny.img"
-    path.write_bytes(bytes(8192))
-    DeviceFile("flash0", str(path), o_direct=False).close()
-    assert path.stat().st_size == 8192
+    before = bytes(range(256)) * 32
+    path.write_bytes(before)
+    with DeviceFile("flash0", str(path), o_direct=False) as dev:
+        assert dev.size == len(before)
+        assert path.read_bytes() == before, "the open wrote into a too-small device"
+    assert path.read_bytes() == before, "the close wrote into a too-small device"
 
