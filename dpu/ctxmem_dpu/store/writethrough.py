@@ -10,7 +10,10 @@ counted in ``write_through_failures``, and the Commit fails, naming the device a
 * RESOURCE_EXHAUSTED when there was no room (the tier full, or ENOSPC from the device's
   filesystem): retry later, free flash space or add devices;
 * UNAVAILABLE when a device failed (EIO, a failed sync) or none is usable: the device is
-  out of service until the reaper's probe finds it working again.
+  out of service until the reaper's probe finds it working again;
+* UNAVAILABLE, naming the slab lease, when on a shared device this node's lease lapsed
+  (the cluster index unreachable or restarting) or was taken over: nothing was written, the
+  device stays in service, and a retry succeeds once the node holds a current lease.
 
 Blocks of the same Commit that did become durable stay stored (a later Lookup finds
 them). A block whose DRAM bytes changed after its CRC was computed is dropped, as a
@@ -28,6 +31,7 @@ from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.demotion import Demotion, DramChanged
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.tiers.flash_fence import SlabFenced
 
 log = logging.getLogger("ctxmem_dpu.store")
 
@@ -87,5 +91,11 @@ class WriteThrough:
         if no_room:
             raise ResourceExhausted(msg + "flash has no room for them: retry later, free "
                                     "flash space (delete, evict) or add flash devices")
+        if all(isinstance(e, SlabFenced) for e in errors):
+            # Nothing was written and the device did not fail: the node lacks a current
+            # slab lease (renewed through the index), which it regains by itself.
+            raise Unavailable(msg + "this node holds no current lease on a slab of the "
+                              "shared device (is the cluster index reachable?); nothing "
+                              "was written and the device stays in service: retry shortly")
         raise Unavailable(msg + "the flash device is out of service until a probe finds it "
                           "working again; retry later")

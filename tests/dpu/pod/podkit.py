@@ -71,12 +71,12 @@ def format_shared(path: str, slab_size: int, size: int = 0, slabs: int = 0) -> b
 
 
 def pod_config(path: str, slab_size: int, lease_s: float, spare: int = 1,
-               dead_grace_s: float = 0.0) -> Config:
+               dead_grace_s: float = 0.0, write_policy: str = "write_back") -> Config:
     """A shared-flash node's config. ``dead_grace_s`` (``pod.dead_slab_grace_s``) is 0 by
     default here: these tests take a dead node's slabs as soon as it is dead."""
     return config_from_dict({
         "dram": {"size": "8MiB", "slab_size": "1MiB"},
-        "flash": {"slab_size": slab_size, "devices": [
+        "flash": {"slab_size": slab_size, "write_policy": write_policy, "devices": [
             {"name": DEVICE, "path": path, "shared": True}]},
         "pod": {"slab_lease_s": lease_s, "shared_spare_slabs": spare,
                 "dead_slab_grace_s": dead_grace_s},
@@ -85,11 +85,13 @@ def pod_config(path: str, slab_size: int, lease_s: float, spare: int = 1,
 
 @contextlib.asynccontextmanager
 async def node(url: str, node_id: str, path: str, slab_size: int, lease_s: float,
-               spare: int = 1, dead_grace_s: float = 0.0) -> AsyncIterator[BlockStore]:
+               spare: int = 1, dead_grace_s: float = 0.0,
+               write_policy: str = "write_back") -> AsyncIterator[BlockStore]:
     """One pod node: a BlockStore on the shared device, leasing slabs in Redis."""
     client = aioredis.Redis.from_url(url)
     try:
-        store = BlockStore(pod_config(path, slab_size, lease_s, spare, dead_grace_s),
+        store = BlockStore(pod_config(path, slab_size, lease_s, spare, dead_grace_s,
+                                      write_policy),
                            [(DEVICE, path)],
                            MASTER, slab_leases=SlabLeases(client, node_id, lease_s))
         async with store:

@@ -16,12 +16,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from ctxmem_common.errors import Unavailable
 from ctxmem_common.flash_format import OWNER_OFFSET, SECTOR, OwnerRecord, RecordHeader
 from ctxmem_dpu.pod.shared_flash import SharedFlashSource
 from ctxmem_dpu.pod.slab_leases import SlabLeases
 from ctxmem_dpu.tiers import flash_owner
 from ctxmem_dpu.tiers.flash import FlashDevice, FlashIOError
 from ctxmem_dpu.tiers.flash_owner import SHARED_INSTANCE, DeviceOwner
+from tests.dpu.storekit import get, put
 from tests.kit import until_async
 
 from .podkit import (
@@ -339,3 +341,37 @@ async def test_a_delete_under_a_lapsed_lease_waits_and_keeps_the_device_in_servi
                 f.seek(dev.header_offset(ext.slot))
                 assert f.read(SECTOR) == bytes(SECTOR), "a deleted record's header lives"
         assert len(await put_durable(a, "a", s, ns, [b"after"])) == 1  # writes go on
+
+
+async def test_a_write_through_commit_under_a_lapsed_lease_names_the_lease(
+        redis_server: Any, shared: str) -> None:
+    """With the index gone the node's slab leases lapse: a write-through Commit is refused
+    (nothing is acknowledged that a new owner could overwrite), saying it is the lease,
+    not a failed device: the device stays in service and the same put succeeds once the
+    index is back (the pod campaign's only cause of refused puts: docs/reliability.md)."""
+    url = redis_server.url
+    async with node(url, "a", shared, SLAB, LEASE_S, write_policy="write_through") as a:
+        s, ns = session(a, 64)
+        assert await put(a, s, ns, {b"first": block_bytes(b"first", 64 << 10)}) == 1
+        redis_server.stop()
+        await asyncio.sleep(LEASE_S + 0.2)  # past the lease: renewals failed meanwhile
+        with pytest.raises(Unavailable) as err:
+            await put(a, s, ns, {b"second": block_bytes(b"second", 64 << 10)})
+        text = str(err.value)
+        assert "Errno 110" in text and "no current lease" in text, text
+        assert "out of service until a probe" not in text, text
+        assert a.flash.devices[0].healthy
+        redis_server.start()
+        await until_async(lambda: a.flash.devices[0].fence.slabs(), 20 * LEASE_S,
+                          "the node to hold a slab lease again", 0.1)
+
+        async def stored() -> bool:
+            try:
+                return await put(a, s, ns, {b"second": block_bytes(b"second", 64 << 10)}) == 1
+            except Unavailable:
+                return False
+        deadline = time.monotonic() + 20 * LEASE_S
+        while not await stored():
+            assert time.monotonic() < deadline, "the put was still refused with the index back"
+            await asyncio.sleep(0.2)
+        assert await get(a, s, ns, [b"second"]) == [block_bytes(b"second", 64 << 10)]
