@@ -17,7 +17,8 @@ import ctxmem
 from ctxmem.transport.tcp import TcpChannel
 from ctxmem_tools.bench.security_pki import make_pki
 from tests.conftest import ServiceHandle
-from tests.integration.test_shm_fastpath import BIG, SMALL, _data, _keys
+from tests.integration.test_shm_fastpath import BIG, SMALL
+from tests.kit import blocks, salted_keys
 
 TCP_OPS = ("tcp_ops_acquire", "tcp_ops_release", "tcp_ops_lookup", "tcp_ops_allocate",
            "tcp_ops_commit")
@@ -44,8 +45,8 @@ def _exercise(svc: ServiceHandle, layout: ctxmem.KVLayout, n: int, tag: str,
               verify: bool = True, tls: ctxmem.TlsConfig | None = None) -> dict[str, Any]:
     """Put n blocks over TCP (half of them twice), look them up, get them back; what each
     call answered, with the bytes the gets returned."""
-    keys = _keys(tag, n)
-    data = _data(layout, n, len(tag))
+    keys = salted_keys(tag, n)
+    data = blocks(n, layout.block_nbytes, len(tag))
     with ctxmem.Client(svc.endpoint, transport="tcp", verify_gets=verify, tls=tls) as c:
         ns = c.open_namespace(layout, model_id="fast")
         first = ns.put(keys[: n // 2], data[: n // 2])
@@ -128,7 +129,7 @@ def test_over_tls_exact_bytes_and_the_same_answers(
     with ctxmem.Client(svc.endpoint, transport="tcp", tls=tls) as c:
         ns = c.open_namespace(SMALL, model_id="fast")
         before = _counts(svc, tls=tls)["tcp_ops_lookup"]
-        many = _keys("tls", 100_000)  # a chain: its first 16 keys are the ones put
+        many = salted_keys("tls", 100_000)  # a chain: its first 16 keys are the ones put
         assert ns.lookup(many).num_hits == 16
         assert ns.tiers(many) == ["dram"] * 16 + [""] * (100_000 - 16)
         assert _counts(svc, tls=tls)["tcp_ops_lookup"] == before + 2
@@ -152,8 +153,8 @@ def test_a_restart_reconnects_and_retries_over_the_fast_path(
     and the client reconnects, reopens its namespace and retries, still on the fast
     path."""
     svc = service_factory(encryption=False, flash_size=None)
-    keys = _keys("restart", 8)
-    data = _data(SMALL, 8, 3)
+    keys = salted_keys("restart", 8)
+    data = blocks(8, SMALL.block_nbytes, 3)
     with ctxmem.Client(svc.endpoint, transport="tcp") as c:
         ns = c.open_namespace(SMALL, model_id="fast")
         assert ns.put(keys, data).stored == 8
@@ -174,9 +175,9 @@ def test_a_verified_get_holds_no_lease_once_the_client_closes(
     """A verified get's Release goes flagged no-reply; the channel's close (and `flush`)
     waits until the service has served it, so no lease is held once close returns."""
     svc = service_factory(encryption=False, flash_size=None, dram_size="256MiB")
-    keys = _keys("close", 4)
+    keys = salted_keys("close", 4)
     with ctxmem.Client(svc.endpoint, transport="tcp") as c:
-        c.open_namespace(SMALL, model_id="fast").put(keys, _data(SMALL, 4, 3))
+        c.open_namespace(SMALL, model_id="fast").put(keys, blocks(4, SMALL.block_nbytes, 3))
     for round_ in range(10):
         with ctxmem.Client(svc.endpoint, transport="tcp") as c:
             ns = c.open_namespace(SMALL, model_id="fast")
