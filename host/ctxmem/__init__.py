@@ -21,6 +21,7 @@ _os.environ.setdefault("GRPC_POLL_STRATEGY", "poll")
 
 from ctxmem.aio import AsyncClient, AsyncNamespace
 from ctxmem.client import Client
+from ctxmem.group import NamespaceGroup
 from ctxmem.namespace import LocateResult, LookupResult, Namespace, PutResult
 from ctxmem.tls import TlsConfig
 from ctxmem_common import __version__
@@ -51,6 +52,7 @@ __all__ = [
     "LocateResult",
     "LookupResult",
     "Namespace",
+    "NamespaceGroup",
     "PermissionDenied",
     "PutResult",
     "ResourceExhausted",

@@ -417,7 +417,59 @@ class BlockStore:
         await hook(a.ns, a.keys)
         return n
 
+    async def commit_group(self, s: Session, allocation_ids: Sequence[bytes],
+                           client_crcs: Sequence[Sequence[int]]) -> int:
+        """Commit a block group's allocations (one per member namespace, for the same
+        keys) together, all or nothing per key (:meth:`PutPath.commit_group`); returns
+        how many blocks were committed, every member's. :attr:`commit_hook` is awaited
+        for each member before returning."""
+        allocs = [self._registry.allocation(s, i) for i in allocation_ids]
+        n = await self._puts.commit_group(s, allocation_ids, client_crcs)
+        hook = self.commit_hook
+        if hook is not None:
+            for a in allocs:
+                await hook(a.ns, a.keys)
+        return n
+
     # -- get -------------------------------------------------------------------------
+    async def acquire_group(self, s: Session, members: Sequence[Namespace],
+                            keys: Sequence[bytes]) -> tuple[list[Lease], list[str]]:
+        """Lease a block group's leading run: the leading ``keys`` that every member
+        namespace holds and whose every member block verifies (promoted and checked as
+        :meth:`acquire` does). One lease per member, in ``members``' order, each of the
+        same length; each block's source tier is the farthest of its members'. A key that
+        one member lacks, or whose block in one member fails its check, ends the run
+        there in every member: a whole miss, never part of a group. Members are leased
+        one after another, each pinned before the next is looked at, and every lease is
+        then cut to the shortest run."""
+        validate_keys(keys)
+        n = len(keys)
+        for ns in members:  # the run every member's index holds: no member leases past it
+            per_ns = self._index.get(ns.digest)
+            n = next((i for i, k in enumerate(keys[:n]) if k not in per_ns), n)
+        leases: list[Lease] = []
+        sources: list[list[str]] = []
+        try:
+            for ns in members:
+                lease, src = await self.acquire(s, ns, keys[:n], keys_checked=True)
+                leases.append(lease)
+                sources.append(src)
+                n = min(n, len(lease.blocks))
+        except BaseException:
+            self._registry.release(s, [lease.id for lease in leases])
+            raise
+        cut = 0
+        for lease in leases:  # the members' blocks past the shortest run are not served
+            cut += len(lease.blocks) - n
+            for b in lease.blocks[n:]:
+                self.unpin(b)
+            del lease.blocks[n:]
+        self.counters["group_partial_misses"] += cut
+        rank = {TIER_DRAM: 0, TIER_FLASH: 1}
+        tiers = [max(col, key=rank.__getitem__) for col in zip(*(x[:n] for x in sources),
+                                                                   strict=True)]
+        return leases, tiers if n else []
+
     async def acquire(self, s: Session, ns: Namespace, keys: Sequence[bytes],
                       keys_checked: bool = False) -> tuple[Lease, list[str]]:
         """Lease the longest stored leading run of ``keys``, promoting flash blocks into

@@ -1,0 +1,251 @@
+"""Block groups (issue 29, item 1): a key's blocks in every member namespace of a group are
+committed, counted and loaded as one unit, against the real service process.
+
+Each case leaves one member of a group without a servable block (a crash between the
+members' commits, one member corrupt on flash, one member evicted under pressure) and
+checks that the group is a whole miss from that key on: Lookup's count, the get's count,
+never a part of it. The pod case (one member's holder dies) is in
+tests/pod/test_pod_groups.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+import ctxmem
+from ctxmem_common.config import load_config
+from ctxmem_common.flash_format import FlashReader, payload_offset
+from ctxmem_common.layout import KVLayout
+
+from .kit import FaultyService, keys, patch_file
+
+# Two members of different geometry, as a hybrid model's KV and state pools are.
+KV = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=8 << 10,
+              tokens_per_block=1)  # 16 KiB
+STATE = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=2 << 10,
+                 tokens_per_block=1)  # 4 KiB
+
+
+def _data(ks: list[bytes], nbytes: int, salt: int) -> list[np.ndarray]:
+    return [np.random.default_rng([salt, int.from_bytes(k[:8], "little")])
+            .integers(0, 256, nbytes, dtype=np.uint8) for k in ks]
+
+
+class Group:
+    """The two members' namespaces and the group over them, with content-addressed data."""
+
+    def __init__(self, svc: FaultyService) -> None:
+        if svc.client is None:
+            svc.ns()  # opens the client
+        assert svc.client is not None
+        self.client = svc.client
+        self.kv = self.client.open_namespace(KV, model_id="hybrid", tenant="t",
+                                             tags={"pool": "kv"})
+        self.state = self.client.open_namespace(STATE, model_id="hybrid", tenant="t",
+                                                tags={"pool": "mamba"})
+        self.group = self.client.open_group([self.kv, self.state])
+
+    def data(self, ks: list[bytes]) -> list[list[np.ndarray]]:
+        return [_data(ks, KV.block_nbytes, 1), _data(ks, STATE.block_nbytes, 2)]
+
+    def put(self, ks: list[bytes]) -> ctxmem.PutResult:
+        return self.group.put(ks, self.data(ks))
+
+    def get(self, ks: list[bytes]) -> int:
+        """Group get; every member's delivered block is checked byte for byte."""
+        out = [[np.zeros(KV.block_nbytes, np.uint8) for _ in ks],
+               [np.zeros(STATE.block_nbytes, np.uint8) for _ in ks]]
+        n = self.group.get(ks, out)
+        for member, want in zip(out, self.data(ks), strict=True):
+            for i in range(n):
+                assert np.array_equal(member[i], want[i]), f"member block {i}: wrong bytes"
+        return n
+
+    def hits(self, ks: list[bytes]) -> int:
+        return self.group.lookup(ks).num_hits
+
+
+def _service(tmp_path: Path, **config: object) -> FaultyService:
+    svc = FaultyService(tmp_path / "svc", **config)  # type: ignore[arg-type]
+    svc.start()
+    return svc
+
+
+def test_a_group_round_trips_and_one_member_missing_is_a_whole_miss(tmp_path: Path) -> None:
+    svc = _service(tmp_path)
+    try:
+        g = Group(svc)
+        ks = keys("rt", 6)
+        r = g.put(ks)
+        assert (r.stored, r.existing) == (12, 0)  # every member's block
+        assert g.hits(ks) == 6 and g.get(ks) == 6
+        assert g.group.lookup(ks).tiers == ["dram"] * 6
+        # A key whose state block alone is gone: the group ends there, in every member.
+        assert g.state.delete([ks[3]]) == 1
+        assert g.hits(ks) == 3 and g.get(ks) == 3
+        assert g.kv.lookup(ks).num_hits == 6  # the KV member alone still holds it
+        # Put again: only the missing member's block is written, and the group is whole.
+        r = g.put(ks)
+        assert (r.stored, r.existing) == (1, 11)
+        assert g.hits(ks) == 6 and g.get(ks) == 6
+        # A group of one namespace is that namespace, exactly as before.
+        one = g.client.open_group([g.kv])
+        assert one.lookup(ks).num_hits == g.kv.lookup(ks).num_hits == 6
+        bufs = [[np.zeros(KV.block_nbytes, np.uint8) for _ in ks]]
+        assert one.get(ks, bufs) == 6
+        assert all(np.array_equal(a, b) for a, b in zip(bufs[0], g.data(ks)[0], strict=True))
+        assert svc.stats()["group_commits"] >= 2
+    finally:
+        svc.close()
+
+
+def test_a_client_crc_mismatch_in_one_member_stores_the_key_in_none(tmp_path: Path) -> None:
+    """The group Commit checks every member before any block is visible: a member's block
+    whose CRC32C differs from the client's keeps its key out of every member."""
+    svc = _service(tmp_path)
+    try:
+        g = Group(svc)
+        ks = keys("crc", 3)
+        s = g.group._open()
+        rpc = g.client._rpc
+        from ctxmem_common.proto import ctxmem_pb2 as pb
+
+        allocs = [rpc("Allocate", pb.AllocateRequest(session_id=s.id, namespace_handle=m.handle,
+                                                     keys=ks)) for m in g.group.members]
+        crcs = [s.channel.write_crc(a.allocation_id, a.slots, [memoryview(b) for b in d])
+                for a, d in zip(allocs, g.data(ks), strict=True)]
+        crcs[1][1] ^= 1  # the state block of ks[1] "was not what the client wrote"
+        c = rpc("Commit", pb.CommitRequest(
+            session_id=s.id, allocation_id=allocs[0].allocation_id, crc32c=crcs[0],
+            group_allocation_ids=[allocs[1].allocation_id], group_crc32c=crcs[1]))
+        assert c.committed == 4  # ks[0] and ks[2] in both members; ks[1] in neither
+        assert g.kv.exists(ks) == [True, False, True]
+        assert g.state.exists(ks) == [True, False, True]
+        assert g.hits(ks) == 1 and g.get(ks) == 1
+    finally:
+        svc.close()
+
+
+def test_a_crash_between_the_members_commits_leaves_a_whole_miss(tmp_path: Path) -> None:
+    """Write-through: the KV member is durable on flash when the service is killed
+    (kill -9 at ``commit.group_between_members``), the state member never written. After
+    the restart the KV blocks are back on flash, and the group is a whole miss."""
+    svc = _service(tmp_path, write_policy="write_through")
+    try:
+        g = Group(svc)
+        ks = keys("crash", 4)
+        svc.faults("commit.group_between_members:kill")
+        try:
+            g.put(ks)
+            raise AssertionError("the group put was answered; the service should have died")
+        except ctxmem.CtxmemError:
+            pass
+        assert svc.wait_dead(), "the fault point did not kill the service"
+        svc.start()
+        g = Group(svc)
+        # The crash came between the members: the KV member's records are durable.
+        assert g.kv.tiers(ks) == ["flash"] * 4
+        assert g.state.tiers(ks) == [""] * 4
+        assert g.hits(ks) == 0 and g.get(ks) == 0  # never a part of the group
+        # The group can be stored again, whole.
+        g.put(ks)
+        assert g.hits(ks) == 4 and g.get(ks) == 4
+    finally:
+        svc.close()
+
+
+def test_write_back_a_crash_with_one_member_durable_is_a_whole_miss(tmp_path: Path) -> None:
+    """Write-back: only the KV member has been made durable when the service dies (kill
+    -9); DRAM, with the state member, is gone. After the restart: a whole miss."""
+    svc = _service(tmp_path)
+    try:
+        g = Group(svc)
+        ks = keys("wb", 4)
+        g.put(ks)
+        assert g.kv.evict(ks) == 4  # the KV member durable on flash, the state member not
+        assert svc.proc is not None
+        svc.proc.kill()
+        assert svc.wait_dead()
+        svc.start()
+        g = Group(svc)
+        assert g.kv.tiers(ks) == ["flash"] * 4 and g.state.tiers(ks) == [""] * 4
+        assert g.hits(ks) == 0 and g.get(ks) == 0
+    finally:
+        svc.close()
+
+
+def _corrupt_payload(svc: FaultyService, ns_digest: bytes, key: bytes) -> None:
+    """Flip a byte of ``key``'s record payload in namespace ``ns_digest`` on flash."""
+    cfg = load_config(svc.config_path)
+    for dev in cfg.flash.devices:
+        fd = os.open(dev.path, os.O_RDONLY)
+        try:
+            reader = FlashReader(fd)
+            sb = reader.superblocks().current
+            assert sb is not None
+            for scan in reader.walk(sb):
+                cols = scan.records
+                for slot, ns, k in zip(cols.slot, cols.namespace, cols.key, strict=True):
+                    if ns == ns_digest and k == key:
+                        off = payload_offset(scan.slab, slot, sb.slab_size, scan.slot_size)
+                        byte = os.pread(fd, 1, off + 100)[0]
+                        patch_file(dev.path, off + 100, bytes([byte ^ 0x40]))
+                        return
+        finally:
+            os.close(fd)
+    raise AssertionError(f"no record of key {key.hex()[:16]} on flash")
+
+
+def test_one_member_corrupt_on_flash_is_a_whole_miss(tmp_path: Path) -> None:
+    svc = _service(tmp_path)
+    try:
+        g = Group(svc)
+        ks = keys("corrupt", 4)
+        g.put(ks)
+        assert g.kv.evict(ks) == 4 and g.state.evict(ks) == 4  # both on flash only
+        digest = g.state.digest
+        svc.close()  # a clean stop: every record durable
+        _corrupt_payload(svc, digest, ks[2])
+        svc.start()
+        g = Group(svc)
+        assert g.hits(ks) == 4  # Lookup reads the index only: the damage is found on read
+        before = svc.stats()["integrity_failures"]
+        assert g.get(ks) == 2  # the state block of ks[2] fails: the group ends there
+        assert svc.stats()["integrity_failures"] == before + 1
+        assert g.hits(ks) == 2  # dropped from the index: now a miss for Lookup too
+        # The KV member of ks[2] is intact and served alone, but never as part of the group.
+        out = [np.zeros(KV.block_nbytes, np.uint8) for _ in ks]
+        assert g.kv.get(ks, out) == 4
+        assert svc.stats()["group_partial_misses"] >= 1
+    finally:
+        svc.close()
+
+
+def test_one_member_evicted_under_pressure_is_a_whole_miss(tmp_path: Path) -> None:
+    """No flash: DRAM eviction drops blocks. The group's KV blocks are read (recent), its
+    state blocks are not; other puts of the state geometry then evict the coldest state
+    blocks. The group is a whole miss from the first key whose state block went."""
+    svc = _service(tmp_path, flash_size=None, dram_size="4MiB", dram_slab="1MiB")
+    try:
+        g = Group(svc)
+        ks = keys("evict", 8)
+        g.put(ks)
+        out = [np.zeros(KV.block_nbytes, np.uint8) for _ in ks]
+        assert g.kv.get(ks, out) == 8  # the KV member is recent
+        filler = g.client.open_namespace(STATE, model_id="filler", tenant="t")
+        fk = keys("fill", 64)
+        for at in range(0, 1024, 64):
+            fk = keys("fill", 64, at)
+            filler.put(fk, _data(fk, STATE.block_nbytes, 3))
+            if not all(g.state.exists(ks)):
+                break
+        kv_has, state_has = g.kv.exists(ks), g.state.exists(ks)
+        assert all(kv_has), "the KV member was evicted too: the pressure hit the wrong member"
+        assert not all(state_has), "nothing of the state member was evicted"
+        first = state_has.index(False)
+        assert g.hits(ks) == first and g.get(ks) == first
+    finally:
+        svc.close()
