@@ -249,3 +249,68 @@ def test_one_member_evicted_under_pressure_is_a_whole_miss(tmp_path: Path) -> No
         assert g.hits(ks) == first and g.get(ks) == first
     finally:
         svc.close()
+
+
+def _nothing_stored(svc: FaultyService, g: Group, ks: list[bytes]) -> None:
+    """Neither member holds any of ``ks``, and the members' records already written are
+    gone from flash too (their headers zeroed, the space given back)."""
+    assert g.kv.tiers(ks) == [""] * len(ks) and g.state.tiers(ks) == [""] * len(ks)
+    assert g.hits(ks) == 0 and g.get(ks) == 0
+    svc.wait_stat("flash_used_bytes", 0)
+    report = svc.check()
+    assert report.errors == 0, [p for d in report.devices for p in d.problems]
+
+
+def test_a_failure_between_the_members_stores_the_group_in_none(tmp_path: Path) -> None:
+    """Write-through: the KV member is durable when the commit fails before the state
+    member is written (``eio`` at ``commit.group_between_members``): the Commit fails and
+    the KV member's records are dropped with the rest, nothing is leaked."""
+    svc = _service(tmp_path, write_policy="write_through")
+    try:
+        g = Group(svc)
+        ks = keys("eio", 3)
+        svc.faults("commit.group_between_members:eio")
+        try:
+            g.put(ks)
+            raise AssertionError("the group put succeeded through an I/O error")
+        except ctxmem.CtxmemError:
+            pass
+        svc.faults("")
+        _nothing_stored(svc, g, ks)
+        g.put(ks)
+        assert g.get(ks) == 3
+    finally:
+        svc.close()
+
+
+def test_one_members_failed_flash_write_stores_the_key_in_none(tmp_path: Path) -> None:
+    """Write-through: the state member's flash writes fail (EIO) after the KV member's
+    records are durable. The keys are stored in no member; the KV records are dropped."""
+    import threading
+
+    svc = _service(tmp_path, write_policy="write_through")
+    try:
+        g = Group(svc)
+        ks = keys("wfail", 3)
+        # The commit waits at the point between the members while the device starts
+        # failing writes; the KV member is durable by then.
+        svc.faults("commit.group_between_members:sleep=3")
+        raised: list[BaseException] = []
+
+        def put() -> None:
+            try:
+                g.put(ks)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                raised.append(exc)
+
+        t = threading.Thread(target=put)
+        t.start()
+        assert svc.wait_injected("point:sleep", timeout=20) == 1
+        svc.faults("", devices={"*": {"write": "eio", "count": 1000}})
+        t.join(30)
+        assert not t.is_alive()
+        assert raised and isinstance(raised[0], ctxmem.Unavailable), raised
+        svc.faults("", devices={"*": {}})
+        _nothing_stored(svc, g, ks)
+    finally:
+        svc.close()

@@ -85,10 +85,18 @@ class WriteThrough:
         zeroed). Returns the blocks made visible; raises as :meth:`commit` when any
         block could not be made durable."""
         failures: dict[Block, BaseException | None] = {}
-        for i, blocks in enumerate(members):
-            if i:
-                faults.point("commit.group_between_members")
-            failures.update(await self._demotion.demote(blocks))
+        try:
+            for i, blocks in enumerate(members):
+                if i:
+                    faults.point("commit.group_between_members")
+                failures.update(await self._demotion.demote(blocks))
+        except Exception:
+            # Nothing of the group is visible: the members already durable go too.
+            for blocks in members:
+                for b in blocks:
+                    if not isinstance(failures.get(b), DramChanged):
+                        self._drop(b)
+            raise
         failed_keys = {b.key for blocks in members for b in blocks
                        if failures.get(b) is not None or not b.durable}
         visible: list[Block] = []
