@@ -15,7 +15,8 @@ in a namespace of its own. :class:`NamespaceGroup` names those namespaces (its
   a part of it.
 
 Group calls go over gRPC (not the shared-memory control fast path); the bytes still move
-over the session's data channel. A group of one namespace is that namespace's own calls.
+over the session's data channel. A group of one namespace is that namespace's own calls
+(fast path included): a model with one group behaves exactly as without groups.
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ class NamespaceGroup:
         """How many leading ``keys`` every member holds, and each one's tier (the
         farthest of its members'). Side-effect free."""
 
+        if len(self.members) == 1:
+            return self.members[0].lookup(keys)
+
         def op(s: _Session) -> LookupResult:
             req = _lookup_request(s.id, self.members[0].handle, keys, True)
             req.group_namespace_handles.extend(self._handles())
@@ -106,6 +110,8 @@ class NamespaceGroup:
         ``keys[i]`` (exactly that member's ``block_nbytes``). ``stored`` and ``existing``
         count blocks, every member's."""
         validate_keys(keys)
+        if len(buffers) == len(self.members) == 1:
+            return self.members[0].put(keys, buffers[0])
         if len(buffers) != len(self.members):
             raise InvalidArgument(f"group put got buffers for {len(buffers)} members; the "
                                   f"group has {len(self.members)}")
@@ -171,6 +177,8 @@ class NamespaceGroup:
         the returned count may hold other members' (verified) bytes of the key that
         ended the run, or zeros; they are not part of the answer."""
         validate_keys(keys)
+        if len(buffers) == len(self.members) == 1:
+            return self.members[0].get(keys, buffers[0])
         if len(buffers) != len(self.members):
             raise InvalidArgument(f"group get got buffers for {len(buffers)} members; the "
                                   f"group has {len(self.members)}")

@@ -300,7 +300,7 @@ def test_one_members_failed_flash_write_stores_the_key_in_none(tmp_path: Path) -
         def put() -> None:
             try:
                 g.put(ks)
-            except BaseException as exc:  # noqa: BLE001 - checked below
+            except BaseException as exc:  # checked below
                 raised.append(exc)
 
         t = threading.Thread(target=put)
