@@ -19,7 +19,7 @@ import os as _os
 _os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "true")
 _os.environ.setdefault("GRPC_POLL_STRATEGY", "poll")
 
-from ctxmem.aio import AsyncClient, AsyncNamespace
+from ctxmem.aio import AsyncClient, AsyncNamespace, AsyncNamespaceGroup
 from ctxmem.client import Client
 from ctxmem.group import NamespaceGroup
 from ctxmem.namespace import LocateResult, LookupResult, Namespace, PutResult
@@ -43,6 +43,7 @@ from ctxmem_common.layout import KVLayout
 __all__ = [
     "AsyncClient",
     "AsyncNamespace",
+    "AsyncNamespaceGroup",
     "Client",
     "ConfigError",
     "CtxmemError",

@@ -10,6 +10,7 @@ tests/pod/test_pod_groups.py.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -83,6 +84,7 @@ def test_a_group_round_trips_and_one_member_missing_is_a_whole_miss(tmp_path: Pa
         assert (r.stored, r.existing) == (12, 0)  # every member's block
         assert g.hits(ks) == 6 and g.get(ks) == 6
         assert g.group.lookup(ks).tiers == ["dram"] * 6
+        assert asyncio.run(ctxmem.AsyncNamespaceGroup(g.group).lookup(ks)).num_hits == 6
         # A key whose state block alone is gone: the group ends there, in every member.
         assert g.state.delete([ks[3]]) == 1
         assert g.hits(ks) == 3 and g.get(ks) == 3
