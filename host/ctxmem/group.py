@@ -105,6 +105,16 @@ class NamespaceGroup:
 
         return self._retrying(op)
 
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Promote every member's flash blocks of ``keys`` ahead of need; returns how many
+        blocks were queued, every member's."""
+        return sum(m.prefetch(keys) for m in self.members)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete ``keys`` in every member (one Delete per member: a member already
+        deleted makes the key a group miss at once); returns the blocks deleted."""
+        return sum(m.delete(keys) for m in self.members)
+
     def put(self, keys: Sequence[bytes], buffers: Sequence[Sequence[Any]]) -> PutResult:
         """Store the group of each key: ``buffers[m][i]`` is member ``m``'s block of
         ``keys[i]`` (exactly that member's ``block_nbytes``). ``stored`` and ``existing``

@@ -93,6 +93,8 @@ def test_a_group_round_trips_and_one_member_missing_is_a_whole_miss(tmp_path: Pa
         r = g.put(ks)
         assert (r.stored, r.existing) == (1, 11)
         assert g.hits(ks) == 6 and g.get(ks) == 6
+        assert g.group.delete(ks[4:]) == 4 and g.hits(ks) == 4
+        g.put(ks)
         # A group of one namespace is that namespace, exactly as before.
         one = g.client.open_group([g.kv])
         assert one.lookup(ks).num_hits == g.kv.lookup(ks).num_hits == 6
