@@ -111,8 +111,10 @@ class NamespaceGroup:
         return sum(m.prefetch(keys) for m in self.members)
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        """Delete ``keys`` in every member (one Delete per member: a member already
-        deleted makes the key a group miss at once); returns the blocks deleted."""
+        """Delete ``keys`` in every member (one Delete per member; the first makes the
+        key a group miss at once). Returns the blocks these calls deleted: blocks the
+        service reclaimed itself meanwhile, once the first member's went, are not
+        counted."""
         return sum(m.delete(keys) for m in self.members)
 
     def put(self, keys: Sequence[bytes], buffers: Sequence[Sequence[Any]]) -> PutResult:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +71,14 @@ class Group:
         return self.group.lookup(ks).num_hits
 
 
+def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+
+
 def _service(tmp_path: Path, **config: object) -> FaultyService:
     svc = FaultyService(tmp_path / "svc", **config)  # type: ignore[arg-type]
     svc.start()
@@ -85,15 +95,20 @@ def test_a_group_round_trips_and_one_member_missing_is_a_whole_miss(tmp_path: Pa
         assert g.hits(ks) == 6 and g.get(ks) == 6
         assert g.group.lookup(ks).tiers == ["dram"] * 6
         assert asyncio.run(ctxmem.AsyncNamespaceGroup(g.group).lookup(ks)).num_hits == 6
-        # A key whose state block alone is gone: the group ends there, in every member.
+        # A key whose state block alone is deleted: the group ends there, in every member,
+        # and the service reclaims the KV member's block of it (never a group hit again).
         assert g.state.delete([ks[3]]) == 1
         assert g.hits(ks) == 3 and g.get(ks) == 3
-        assert g.kv.lookup(ks).num_hits == 6  # the KV member alone still holds it
-        # Put again: only the missing member's block is written, and the group is whole.
+        _wait(lambda: g.kv.exists(ks) == [True, True, True, False, True, True],
+              "the KV member of the deleted state block to be reclaimed")
+        assert svc.stats()["group_members_reclaimed"] == 1
+        # Put again: the group is whole.
         r = g.put(ks)
-        assert (r.stored, r.existing) == (1, 11)
+        assert (r.stored, r.existing) == (2, 10)
         assert g.hits(ks) == 6 and g.get(ks) == 6
-        assert g.group.delete(ks[4:]) == 4 and g.hits(ks) == 4
+        g.group.delete(ks[4:])
+        assert g.kv.exists(ks[4:]) == g.state.exists(ks[4:]) == [False, False]
+        assert g.hits(ks) == 4
         g.put(ks)
         # A group of one namespace is that namespace, exactly as before.
         one = g.client.open_group([g.kv])
@@ -220,37 +235,43 @@ def test_one_member_corrupt_on_flash_is_a_whole_miss(tmp_path: Path) -> None:
         assert g.get(ks) == 2  # the state block of ks[2] fails: the group ends there
         assert svc.stats()["integrity_failures"] == before + 1
         assert g.hits(ks) == 2  # dropped from the index: now a miss for Lookup too
-        # The KV member of ks[2] is intact and served alone, but never as part of the group.
-        out = [np.zeros(KV.block_nbytes, np.uint8) for _ in ks]
-        assert g.kv.get(ks, out) == 4
         assert svc.stats()["group_partial_misses"] >= 1
+        # The KV member of ks[2] is intact, but never again part of a group hit: reclaimed.
+        _wait(lambda: g.kv.exists(ks) == [True, True, False, True],
+              "the KV member of the corrupt state block to be reclaimed")
     finally:
         svc.close()
 
 
 def test_one_member_evicted_under_pressure_is_a_whole_miss(tmp_path: Path) -> None:
-    """No flash: DRAM eviction drops blocks. The group's KV blocks are read (recent), its
-    state blocks are not; other puts of the state geometry then evict the coldest state
-    blocks. The group is a whole miss from the first key whose state block went."""
+    """No flash: DRAM eviction drops blocks. Every KV block and the first four state
+    blocks are read (recent); the last four state blocks are the coldest. Other puts into
+    the state namespace, two blocks at a time, then evict the coldest state blocks: the
+    group is a whole miss from the first key whose state block went, and the KV blocks of
+    those keys are reclaimed."""
     svc = _service(tmp_path, flash_size=None, dram_size="4MiB", dram_slab="1MiB")
     try:
         g = Group(svc)
         ks = keys("evict", 8)
         g.put(ks)
         out = [np.zeros(KV.block_nbytes, np.uint8) for _ in ks]
-        assert g.kv.get(ks, out) == 8  # the KV member is recent
-        filler = g.client.open_namespace(STATE, model_id="filler", tenant="t")
-        fk = keys("fill", 64)
-        for at in range(0, 1024, 64):
-            fk = keys("fill", 64, at)
-            filler.put(fk, _data(fk, STATE.block_nbytes, 3))
+        assert g.kv.get(ks, out) == 8
+        out = [np.zeros(STATE.block_nbytes, np.uint8) for _ in ks[:4]]
+        assert g.state.get(ks[:4], out) == 4
+        # DRAM slabs belong to one namespace: the pressure is other keys of the state
+        # member's namespace (plain puts), so its own slab's coldest blocks go.
+        for at in range(0, 2048, 2):
+            fk = keys("fill", 2, at)
+            g.state.put(fk, _data(fk, STATE.block_nbytes, 3))
             if not all(g.state.exists(ks)):
                 break
-        kv_has, state_has = g.kv.exists(ks), g.state.exists(ks)
-        assert all(kv_has), "the KV member was evicted too: the pressure hit the wrong member"
-        assert not all(state_has), "nothing of the state member was evicted"
-        first = state_has.index(False)
-        assert g.hits(ks) == first and g.get(ks) == first
+        state_has = g.state.exists(ks)
+        assert state_has == [True] * 4 + [False] * 2 + [True] * 2, state_has
+        assert g.hits(ks) == 4 and g.get(ks) == 4
+        # The KV blocks of the keys whose state block went are reclaimed, the others kept.
+        _wait(lambda: g.kv.exists(ks) == state_has,
+              "the KV members of the evicted state blocks to be reclaimed")
+        assert svc.stats()["group_members_reclaimed"] == 2
     finally:
         svc.close()
 

@@ -264,6 +264,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         """A block group's Lookup: each member's tiers (this node's index, in a pod the
         cluster's for the rest), a key held only where every member holds it."""
         members = block_ops.group_members(self.store, s, ns, request.group_namespace_handles)
+        self.store.declare_group(members)
         per: list[list[str]] = []
         for m in members:
             if self.pod is not None:

@@ -45,6 +45,7 @@ from ctxmem_dpu.store.ciphers import Keyring
 from ctxmem_dpu.store.context import IOPool, StoreContext
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.devices import open_devices
+from ctxmem_dpu.store.groups import GroupSiblings
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
@@ -128,6 +129,7 @@ class BlockStore:
                              self._placement, self._demotion, self._write_through)
         self._remote = RemoteBlocks(self._ctx, self._index, self._placement, self._demotion,
                                     self._promotion, self._invalidator, self._registry)
+        self._groups = GroupSiblings(self._ctx, self._index, self._delete)
         self._tasks: list[asyncio.Task[None]] = []
         #: Awaited after a Commit made blocks visible, with the namespace and the
         #: allocation's keys, before the Commit is answered (the pod tier: a re-put of a
@@ -424,6 +426,7 @@ class BlockStore:
         how many blocks were committed, every member's. :attr:`commit_hook` is awaited
         for each member before returning."""
         allocs = [self._registry.allocation(s, i) for i in allocation_ids]
+        self._groups.declare([a.ns.digest for a in allocs])
         n = await self._puts.commit_group(s, allocation_ids, client_crcs)
         hook = self.commit_hook
         if hook is not None:
@@ -443,6 +446,7 @@ class BlockStore:
         one after another, each pinned before the next is looked at, and every lease is
         then cut to the shortest run."""
         validate_keys(keys)
+        self.declare_group(members)
         n = len(keys)
         for ns in members:  # the run every member's index holds: no member leases past it
             per_ns = self._index.get(ns.digest)
@@ -602,11 +606,20 @@ class BlockStore:
         validate_keys(keys)
         return self._promotion.prefetch(ns, keys, self.unpin)
 
+    def declare_group(self, members: Sequence[Namespace]) -> None:
+        """``members`` are a block group's namespaces (a group call named them): once one
+        member's block of a key leaves the index, the others' are reclaimed
+        (:mod:`~ctxmem_dpu.store.groups`)."""
+        self._groups.declare([ns.digest for ns in members])
+
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Remove ``keys``; returns how many were stored. When this returns, the deleted
         blocks' flash headers are zeroed and synced: a restart cannot bring them back."""
         validate_keys(keys)
-        per_ns = self._index.get(ns.digest)
+        return await self._delete(ns.digest, keys)
+
+    async def _delete(self, digest: bytes, keys: Sequence[bytes]) -> int:
+        per_ns = self._index.get(digest)
         gone = [b for k in keys if (b := per_ns.pop(k, None)) is not None]
         self._index.announce(gone, False)
         for b in gone:
