@@ -339,3 +339,60 @@ def test_one_members_failed_flash_write_stores_the_key_in_none(tmp_path: Path) -
         _nothing_stored(svc, g, ks)
     finally:
         svc.close()
+
+
+def test_malformed_group_requests_are_refused(tmp_path: Path) -> None:
+    """A namespace named twice (or the request's own), too many members, a group Commit
+    whose CRCs do not add up: InvalidArgument, nothing committed; the shim refuses a group
+    of one namespace twice or of two tenants before asking."""
+    from ctxmem_common.proto import ctxmem_pb2 as pb
+
+    svc = _service(tmp_path)
+    try:
+        g = Group(svc)
+        ks = keys("bad", 2)
+        s = g.group._open()
+        rpc = g.client._rpc
+        h0, h1 = g.kv.handle, g.state.handle
+        for handles in ([h0], [h1, h1], [h1] * 64):
+            for name, req in (
+                    ("Lookup", pb.LookupRequest(session_id=s.id, namespace_handle=h0, keys=ks,
+                                                prefix=True, group_namespace_handles=handles)),
+                    ("Acquire", pb.AcquireRequest(session_id=s.id, namespace_handle=h0,
+                                                  keys=ks, group_namespace_handles=handles))):
+                try:
+                    rpc(name, req)
+                    raise AssertionError(f"{name} with group {handles[:3]} was answered")
+                except ctxmem.InvalidArgument:
+                    pass
+        allocs = [rpc("Allocate", pb.AllocateRequest(session_id=s.id, namespace_handle=h,
+                                                     keys=ks)) for h in (h0, h1)]
+        crcs = [s.channel.write_crc(a.allocation_id, a.slots, [memoryview(b) for b in d])
+                for a, d in zip(allocs, g.data(ks), strict=True)]
+        try:
+            rpc("Commit", pb.CommitRequest(
+                session_id=s.id, allocation_id=allocs[0].allocation_id, crc32c=crcs[0],
+                group_allocation_ids=[allocs[1].allocation_id], group_crc32c=crcs[1][:1]))
+            raise AssertionError("a group Commit short of CRCs was answered")
+        except ctxmem.InvalidArgument:
+            pass
+        assert g.kv.exists(ks) == g.state.exists(ks) == [False, False]
+        # The allocations are still open: the same Commit, complete, stores the group.
+        c = rpc("Commit", pb.CommitRequest(
+            session_id=s.id, allocation_id=allocs[0].allocation_id, crc32c=crcs[0],
+            group_allocation_ids=[allocs[1].allocation_id], group_crc32c=crcs[1]))
+        assert c.committed == 4 and g.get(ks) == 2
+        for members in ([g.kv, g.kv], []):
+            try:
+                g.client.open_group(members)
+                raise AssertionError(f"a group of {len(members)} was made")
+            except ctxmem.InvalidArgument:
+                pass
+        other = g.client.open_namespace(STATE, model_id="hybrid", tenant="u")
+        try:
+            g.client.open_group([g.kv, other])
+            raise AssertionError("a group across tenants was made")
+        except ctxmem.InvalidArgument:
+            pass
+    finally:
+        svc.close()
