@@ -177,11 +177,12 @@ def test_a_crash_between_the_members_commits_leaves_a_whole_miss(tmp_path: Path)
 
 
 def test_write_back_a_crash_with_one_member_durable_is_a_whole_miss(tmp_path: Path) -> None:
-    """Write-back: the demoter writes the group's blocks in batches of 4 (the KV member's
-    first: it was committed first); the service is killed (kill -9) in the second batch,
-    the state member's, its payloads written but no header. After the restart the KV
-    member is durable on flash, the state member gone: a whole miss."""
-    svc = _service(tmp_path, flash={"demote_batch": 4, "demote_batch_bytes": 0})
+    """Write-back: the demoter writes the group's blocks in batches of 3, oldest first, a
+    key's members side by side (KV 0, state 0, KV 1 | state 1, KV 2, state 2 | ...); the
+    service is killed (kill -9) in the second batch, its payloads written but no header.
+    After the restart key 0 is whole on flash; key 1 has only its KV member durable (its
+    state was lost with DRAM): the group is a whole miss from key 1."""
+    svc = _service(tmp_path, flash={"demote_batch": 3, "demote_batch_bytes": 0})
     try:
         g = Group(svc)
         ks = keys("wb", 4)
@@ -190,8 +191,9 @@ def test_write_back_a_crash_with_one_member_durable_is_a_whole_miss(tmp_path: Pa
         assert svc.wait_dead(), "the demoter did not reach its second batch"
         svc.start()
         g = Group(svc)
-        assert g.kv.tiers(ks) == ["flash"] * 4 and g.state.tiers(ks) == [""] * 4
-        assert g.hits(ks) == 0 and g.get(ks) == 0
+        assert g.kv.tiers(ks) == ["flash", "flash", "", ""]
+        assert g.state.tiers(ks) == ["flash", "", "", ""]
+        assert g.hits(ks) == 1 and g.get(ks) == 1
     finally:
         svc.close()
 

@@ -13,7 +13,8 @@ while its CRCs are computed, so the reaper cannot recycle its slots underneath.
 Block groups (``commit_group``): the allocations of a group's member namespaces for the
 same keys are committed together, all or nothing per key. Every member's CRCs are checked
 before any block is visible; a key whose block fails in any member is stored in none;
-under write-back every member's blocks enter the index in one step of the event loop;
+under write-back every member's blocks enter the index in one step of the event loop,
+key by key in the demoter's queue and the LRU (a key's members side by side);
 under write-through every member is made durable first (member after member: the fault
 point ``commit.group_between_members`` sits between two), then the keys whose every
 member is durable enter the index together, and the other members' records of a key that
@@ -186,7 +187,14 @@ class PutPath:
         if self._ctx.flash.enabled and self._ctx.cfg.flash.write_policy == "write_through":
             committed = await self._write_through.commit_group(allocs, members)
         else:
-            committed = [b for fresh in members for b in fresh]
+            # Key by key (each key's members side by side): the demoter takes the oldest
+            # dirty blocks first, so a batch boundary splits at most one key's members,
+            # and the LRU ages a key's members together.
+            by_key: dict[bytes, list[Block]] = {}
+            for fresh in members:
+                for b in fresh:
+                    by_key.setdefault(b.key, []).append(b)
+            committed = [b for blocks in by_key.values() for b in blocks]
             for a, fresh in zip(allocs, members, strict=True):
                 self._index.namespace(a.ns.digest).update({b.key: b for b in fresh})
             self._index.dram_lru.add_unhit(committed)
