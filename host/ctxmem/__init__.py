@@ -19,8 +19,9 @@ import os as _os
 _os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "true")
 _os.environ.setdefault("GRPC_POLL_STRATEGY", "poll")
 
-from ctxmem.aio import AsyncClient, AsyncNamespace
+from ctxmem.aio import AsyncClient, AsyncNamespace, AsyncNamespaceGroup
 from ctxmem.client import Client
+from ctxmem.group import NamespaceGroup
 from ctxmem.namespace import LocateResult, LookupResult, Namespace, PutResult
 from ctxmem.tls import TlsConfig
 from ctxmem_common import __version__
@@ -42,6 +43,7 @@ from ctxmem_common.layout import KVLayout
 __all__ = [
     "AsyncClient",
     "AsyncNamespace",
+    "AsyncNamespaceGroup",
     "Client",
     "ConfigError",
     "CtxmemError",
@@ -51,6 +53,7 @@ __all__ = [
     "LocateResult",
     "LookupResult",
     "Namespace",
+    "NamespaceGroup",
     "PermissionDenied",
     "PutResult",
     "ResourceExhausted",

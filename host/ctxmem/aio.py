@@ -10,11 +10,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ctxmem.client import Client
+from ctxmem.group import NamespaceGroup
 from ctxmem.namespace import LookupResult, Namespace, PutResult
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.proto import ctxmem_pb2 as pb
 
-__all__ = ["AsyncClient", "AsyncNamespace"]
+__all__ = ["AsyncClient", "AsyncNamespace", "AsyncNamespaceGroup"]
 
 T = TypeVar("T")
 
@@ -43,6 +44,10 @@ class AsyncClient:
                                                 model_id=model_id, tenant=tenant, tags=tags,
                                                 weights_revision=weights_revision))
         return AsyncNamespace(ns)
+
+    def open_group(self, members: Sequence[AsyncNamespace]) -> AsyncNamespaceGroup:
+        """A block group over ``members`` (:meth:`Client.open_group`; opens nothing)."""
+        return AsyncNamespaceGroup(self.sync.open_group([m.sync for m in members]))
 
     async def close(self) -> None:
         await _in_thread(self.sync.close)
@@ -86,3 +91,19 @@ class AsyncNamespace:
 
     async def evict(self, keys: Sequence[bytes], tier: str = "dram") -> int:
         return await _in_thread(self.sync.evict, keys, tier)
+
+
+class AsyncNamespaceGroup:
+    """Awaitable twin of :class:`~ctxmem.group.NamespaceGroup`."""
+
+    def __init__(self, group: NamespaceGroup) -> None:
+        self.sync = group
+
+    async def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        return await _in_thread(self.sync.lookup, keys)
+
+    async def put(self, keys: Sequence[bytes], buffers: Sequence[Sequence[Any]]) -> PutResult:
+        return await _in_thread(self.sync.put, keys, buffers)
+
+    async def get(self, keys: Sequence[bytes], buffers: Sequence[Sequence[Any]]) -> int:
+        return await _in_thread(self.sync.get, keys, buffers)

@@ -41,6 +41,7 @@ from typing import Any, Literal, NamedTuple
 
 import grpc
 
+from ctxmem.group import NamespaceGroup
 from ctxmem.namespace import LookupResult, Namespace, PutResult
 from ctxmem.tls import TlsConfig
 from ctxmem.transport.base import DataChannel, fast_ops_wanted
@@ -455,6 +456,12 @@ class Client:
             # The cached session died with a restarted service: reconnect once.
             ns._open(stale=self._sessions.get(tenant))
         return ns
+
+    def open_group(self, members: Sequence[Namespace]) -> NamespaceGroup:
+        """A block group over ``members`` (namespaces this client opened, of one tenant):
+        each key's blocks in every member are stored, counted and loaded as one unit,
+        whole or not at all (:mod:`ctxmem.group`)."""
+        return NamespaceGroup(members)
 
     def close(self) -> None:
         """Close the data channels, end this client's sessions on the service

@@ -59,6 +59,8 @@ POINTS: dict[str, str] = {
     "allocate.after_reserve": "put: DRAM slots reserved, allocation not yet returned",
     "commit.after_crc": "commit: CRC32C computed, blocks not yet in the index",
     "commit.after_index": "commit: blocks visible (DRAM only, not durable)",
+    "commit.group_between_members": "group commit (write-through): some members durable "
+                                    "on flash, the others not yet written, none visible",
     "demote.before_write": "demote: extents allocated, nothing written",
     "demote.after_payload": "demote: payloads written, not synced, no headers",
     "demote.after_payload_sync": "demote: payloads synced, headers not written",

@@ -177,6 +177,9 @@ def test_two_groups_of_different_shapes_round_trip_byte_exact(make_engine: Any) 
     assert g0.block_nbytes == 2 * 2 * CHUNK * 16 * 2 and g1.block_nbytes == 2 * CHUNK * 4 * 2
     assert (g0.tags["lmcache_kv_group"], g1.tags["lmcache_kv_group"]) == ("0/2", "1/2")
 
+    # The groups' blocks were committed as one block group (ctxmem.group), once per run.
+    assert plugin(writer)._namespaces_of(key)[0].client.stats()["group_commits"] >= 1
+
     reader = make_engine(MIXED)  # empty LMCache CPU tier: hits can only come from ctxmem
     assert reader.lookup(tokens) == 3 * CHUNK
     out = zeros_like(kv)

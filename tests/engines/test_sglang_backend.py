@@ -243,6 +243,35 @@ def test_v2_hybrid_pools_round_trip_and_hit_policies(service: Any) -> None:
     assert bad == {"swa": [False]}
 
 
+def test_v2_pools_moved_page_for_page_are_one_block_group(service: Any) -> None:
+    """Transfers of the same pages in the KV and a state pool (an ALL_PAGES pool) are
+    committed as one block group, and load only whole: a page whose state block is gone
+    is a miss in both pools, from there on."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    a, kv, state = _v2_backend(service.endpoint)
+    kv.kv_buffer.copy_(torch.randn(kv.kv_buffer.shape).to(kv.dtype))
+    state.buf.copy_(torch.randn(state.buf.shape))
+    keys = _hashes(4, "grouped")
+    res = a.batch_set_v2([
+        PoolTransfer(name=PoolName.KV, host_indices=_indices([0, 1, 2, 3]), keys=keys),
+        PoolTransfer(name=PoolName.MAMBA, host_indices=_indices([0, 1, 2, 3]), keys=keys)])
+    assert res == {"kv": [True] * 4, "mamba": [True] * 4}
+    state_ns = a.pools["mamba"][1]
+    assert state_ns.client.stats()["group_commits"] >= 1
+    assert state_ns.delete([page_key(keys[2])]) == 1  # one member of page 2 gone
+    b, kv2, state2 = _v2_backend(service.endpoint)
+    got = b.batch_get_v2([
+        PoolTransfer(name=PoolName.KV, host_indices=_indices([4, 5, 6, 7]), keys=keys),
+        PoolTransfer(name=PoolName.MAMBA, host_indices=_indices([4, 5, 6, 7]), keys=keys)])
+    assert got == {"kv": [True, True, False, False], "mamba": [True, True, False, False]}
+    for s, d in ((0, 4), (1, 5)):
+        assert torch.equal(kv.get_data_page(s * PAGE).view(torch.int16),
+                           kv2.get_data_page(d * PAGE).view(torch.int16))
+        assert torch.equal(state.get_data_page(s * PAGE), state2.get_data_page(d * PAGE))
+    assert not kv2.get_data_page(6 * PAGE).view(torch.int16).any(), "a partial group loaded"
+
+
 # -- the copy-paste commands of docs/deploy.md and docs/engines.md ----------------------
 def documented_sglang_commands() -> list[tuple[str, list[str]]]:
     """(where, words) of every fenced shell block of the two docs that starts SGLang,

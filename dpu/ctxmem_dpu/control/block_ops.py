@@ -18,7 +18,7 @@ import numpy as np
 
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH, tier_to_pb
+from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH, TIER_NONE, TIER_REMOTE, tier_to_pb
 from ctxmem_dpu.control.lookup_wire import tier_codes
 from ctxmem_dpu.tiers.dram import int_array
 
@@ -27,8 +27,13 @@ if TYPE_CHECKING:
     from ctxmem_dpu.blocks import Allocation, Lease, Namespace, Session
     from ctxmem_dpu.store import BlockStore
 
-__all__ = ["LeaseSlots", "SlotArrays", "acquire", "allocate", "commit", "lease_slots", "lookup",
+__all__ = ["MAX_GROUP_MEMBERS", "LeaseSlots", "SlotArrays", "acquire", "allocate", "commit",
+           "commit_group", "group_members", "group_tiers", "lease_slots", "lookup",
            "open_namespace"]
+
+#: The most member namespaces a block group may have (KV groups and state pools of one
+#: model: a handful in practice).
+MAX_GROUP_MEMBERS = 64
 
 # Per slot: region, generation, offset, length (and for a lease the committed CRC32C).
 SlotArrays = tuple[list[int], list[int], list[int], list[int], list[int]]
@@ -44,6 +49,36 @@ def open_namespace(store: BlockStore, session_id: bytes, handle: int
     """The live session and its namespace ``handle``: UnknownSession, UnknownNamespace."""
     s = store.session(session_id)
     return s, store.namespace(s, handle)
+
+
+def group_members(store: BlockStore, s: Session, ns: Namespace, handles: Sequence[int]
+                  ) -> list[Namespace]:
+    """A block group's member namespaces: ``ns`` first, then those of ``handles`` (the
+    request's ``group_namespace_handles``), each open in ``s``; a handle named twice, or
+    ``ns``'s own, or too many: InvalidArgument."""
+    if len(handles) >= MAX_GROUP_MEMBERS:
+        raise InvalidArgument(f"a block group has at most {MAX_GROUP_MEMBERS} member "
+                              f"namespaces; the request names {len(handles) + 1}")
+    members = [ns, *(store.namespace(s, h) for h in handles)]
+    if len({m.digest for m in members}) != len(members):
+        raise InvalidArgument("group_namespace_handles names a namespace twice (or the "
+                              "request's own namespace_handle); name each member once")
+    return members
+
+
+_RANK = {TIER_NONE: 3, TIER_REMOTE: 2, TIER_FLASH: 1, TIER_DRAM: 0}
+
+
+def group_tiers(per_member: Sequence[Sequence[str]], prefix: bool) -> tuple[int, list[str]]:
+    """Combine the members' per-key tier names (one list per member, one name per key)
+    into the group's: a key is held only when every member holds it, in the farthest of
+    its members' tiers (remote, then flash, then DRAM). ``prefix``: the leading run only.
+    Returns (hits, tier names)."""
+    names = [max(col, key=_RANK.__getitem__) for col in zip(*per_member, strict=True)]
+    if prefix:
+        n = names.index(TIER_NONE) if TIER_NONE in names else len(names)
+        return n, names[:n]
+    return len(names) - names.count(TIER_NONE), names
 
 
 def lookup(store: BlockStore, ns: Namespace, keys: Sequence[bytes] | np.ndarray,
@@ -83,6 +118,30 @@ async def allocate(store: BlockStore, s: Session, ns: Namespace, keys: Sequence[
     a, exists = await store.allocate(s, ns, keys)
     slabs, gens, offsets = store.dram.slot_arrays(a.slots)
     return a, exists, (slabs, gens, offsets, [ns.block_nbytes] * len(a.slots), [])
+
+
+async def commit_group(store: BlockStore, session_id: bytes, allocation_id: bytes,
+                       crcs: Sequence[int], group_ids: Sequence[bytes],
+                       group_crcs: Sequence[int]) -> int:
+    """Commit a block group's allocations together (``allocation_id`` with its ``crcs``,
+    then ``group_ids``, whose CRCs ``group_crcs`` holds back to back); blocks committed."""
+    s = store.session(session_id)
+    ids = [allocation_id, *group_ids]
+    if len(ids) > MAX_GROUP_MEMBERS:
+        raise InvalidArgument(f"a block group has at most {MAX_GROUP_MEMBERS} member "
+                              f"namespaces; the Commit names {len(ids)} allocations")
+    per: list[Sequence[int]] = [crcs]
+    at = 0
+    for gid in group_ids:
+        k = len(store.allocation(s, gid).slots)
+        per.append(group_crcs[at : at + k])
+        at += k
+    if at != len(group_crcs):
+        raise InvalidArgument(
+            f"group Commit carries {len(group_crcs)} group_crc32c for {at} slots of its "
+            f"group allocations; send the CRC32C of every block written, allocation after "
+            f"allocation, in slot order")
+    return await store.commit_group(s, ids, per)
 
 
 async def commit(store: BlockStore, session_id: bytes, allocation_id: bytes,

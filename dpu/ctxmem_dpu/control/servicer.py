@@ -244,9 +244,11 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        _s, ns = block_ops.open_namespace(self.store, request.session_id,
-                                          request.namespace_handle)
+        s, ns = block_ops.open_namespace(self.store, request.session_id,
+                                         request.namespace_handle)
         keys, checked = request_keys(request)  # bounded and, when packed, validated
+        if request.group_namespace_handles:
+            return await self._group_lookup(s, ns, key_list(keys), request, checked)
         if self.pod is not None:  # the local index first, the cluster for the rest
             return await self._pod_lookup(ns, key_list(keys), request.prefix,
                                            request.want_tier_codes)
@@ -257,13 +259,35 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     async def Locate(self, request: pb.LookupRequest, context: Any) -> pb.LocateResponse:
         return await locate(self.store, self.pod, request)
 
-    async def _pod_lookup(self, ns: Any, keys: list[bytes], prefix: bool, packed: bool
-                          ) -> pb.LookupResponse:
+    async def _group_lookup(self, s: Any, ns: Any, keys: list[bytes],
+                            request: pb.LookupRequest, checked: bool) -> pb.LookupResponse:
+        """A block group's Lookup: each member's tiers (this node's index, in a pod the
+        cluster's for the rest), a key held only where every member holds it."""
+        members = block_ops.group_members(self.store, s, ns, request.group_namespace_handles)
+        self.store.declare_group(members)
+        per: list[list[str]] = []
+        for m in members:
+            if self.pod is not None:
+                per.append(await self._pod_names(m, keys))
+            else:
+                found = self.store.lookup_blocks(m, keys, False, checked=checked)
+                checked = True
+                per.append([TIER_NONE if b is None else TIER_DRAM if b.dram is not None
+                            else TIER_FLASH for b in found])
+        n, names = block_ops.group_tiers(per, request.prefix)
+        return lookup_response(n, [tier_to_pb(t) for t in names], request.want_tier_codes)
+
+    async def _pod_names(self, ns: Any, keys: list[bytes]) -> list[str]:
+        """Per key, its tier on this node, else remote where another node holds it."""
         assert self.pod is not None
         local, remote = await self.pod.fetch.merged(ns, keys)
-        names = [TIER_NONE if b is None and e is None else TIER_REMOTE if b is None
-                 else TIER_DRAM if b.dram is not None else TIER_FLASH
-                 for b, e in zip(local, remote, strict=True)]
+        return [TIER_NONE if b is None and e is None else TIER_REMOTE if b is None
+                else TIER_DRAM if b.dram is not None else TIER_FLASH
+                for b, e in zip(local, remote, strict=True)]
+
+    async def _pod_lookup(self, ns: Any, keys: list[bytes], prefix: bool, packed: bool
+                          ) -> pb.LookupResponse:
+        names = await self._pod_names(ns, keys)
         if prefix:
             n = names.index(TIER_NONE) if TIER_NONE in names else len(names)
             names = names[:n]
@@ -292,6 +316,18 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
 
     @_rpc
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitResponse:
+        if request.group_allocation_ids and request.abort:
+            s = self.store.session(request.session_id)
+            for aid in [request.allocation_id, *request.group_allocation_ids]:
+                with contextlib.suppress(Expired):  # already gone: nothing to give back
+                    await self.store.commit(s, aid, [], abort=True)
+            return pb.CommitResponse(committed=0)
+        if request.group_allocation_ids:
+            n = await block_ops.commit_group(self.store, request.session_id,
+                                             request.allocation_id, request.crc32c,
+                                             request.group_allocation_ids,
+                                             request.group_crc32c)
+            return pb.CommitResponse(committed=n)
         n = await block_ops.commit(self.store, request.session_id, request.allocation_id,
                                    request.crc32c, request.abort)
         return pb.CommitResponse(committed=n)
@@ -300,6 +336,8 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
     async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
         s, ns = block_ops.open_namespace(self.store, request.session_id,
                                          request.namespace_handle)
+        if request.group_namespace_handles:
+            return await self._group_acquire(s, ns, request)
         if self.pod is not None:  # remote blocks of the run into local DRAM first
             await self.pod.fetch.pull(ns, list(request.keys))
         lease, sources = await block_ops.acquire(self.store, s, ns, list(request.keys))
@@ -323,6 +361,42 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
             raise
         resp.slots.extend(slots)
         resp.crc32c.extend(crcs.tolist())
+        return resp
+
+    async def _group_acquire(self, s: Any, ns: Any, request: pb.AcquireRequest
+                             ) -> pb.AcquireResponse:
+        """A block group's Acquire: one lease per member over the leading run every
+        member holds and verifies (``BlockStore.acquire_group``); in a pod each member's
+        remote blocks are pulled first (a member whose holder is gone is a miss, so its
+        keys are misses for the whole group)."""
+        members = block_ops.group_members(self.store, s, ns, request.group_namespace_handles)
+        keys = list(request.keys)
+        if self.pod is not None:
+            for m in members:
+                await self.pod.fetch.pull(m, keys)
+        leases, tiers = await self.store.acquire_group(s, members, keys)
+        resp = pb.AcquireResponse(
+            lease_id=leases[0].id, num_acquired=len(leases[0].blocks),
+            source_tiers=[tier_to_pb(t) for t in tiers],
+            expires_in_ms=int(self.store.cfg.service.lease_ttl_s * 1000))
+        try:
+            for i, lease in enumerate(leases):
+                regions, gens, offsets, lengths, crcs = block_ops.lease_slots(self.store,
+                                                                              lease)
+                slots = [pb.Slot(region=r, generation=g, offset=o, length=n)
+                         for r, g, o, n in zip(regions.tolist(), gens.tolist(),
+                                               offsets.tolist(), lengths.tolist(),
+                                               strict=True)]
+                await self._grant_rdma(s, lease.id, [b.dram for b in lease.blocks], slots,
+                                       write=False)
+                if i == 0:
+                    resp.slots.extend(slots)
+                    resp.crc32c.extend(crcs.tolist())
+                else:
+                    resp.members.add(lease_id=lease.id, slots=slots, crc32c=crcs.tolist())
+        except BaseException:
+            self.store.release(s, [lease.id for lease in leases])
+            raise
         return resp
 
     @_rpc

@@ -45,6 +45,7 @@ from ctxmem_dpu.store.ciphers import Keyring
 from ctxmem_dpu.store.context import IOPool, StoreContext
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.devices import open_devices
+from ctxmem_dpu.store.groups import GroupSiblings
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
@@ -128,6 +129,7 @@ class BlockStore:
                              self._placement, self._demotion, self._write_through)
         self._remote = RemoteBlocks(self._ctx, self._index, self._placement, self._demotion,
                                     self._promotion, self._invalidator, self._registry)
+        self._groups = GroupSiblings(self._ctx, self._index, self._delete)
         self._tasks: list[asyncio.Task[None]] = []
         #: Awaited after a Commit made blocks visible, with the namespace and the
         #: allocation's keys, before the Commit is answered (the pod tier: a re-put of a
@@ -417,7 +419,61 @@ class BlockStore:
         await hook(a.ns, a.keys)
         return n
 
+    async def commit_group(self, s: Session, allocation_ids: Sequence[bytes],
+                           client_crcs: Sequence[Sequence[int]]) -> int:
+        """Commit a block group's allocations (one per member namespace, for the same
+        keys) together, all or nothing per key (:meth:`PutPath.commit_group`); returns
+        how many blocks were committed, every member's. :attr:`commit_hook` is awaited
+        for each member before returning."""
+        allocs = [self._registry.allocation(s, i) for i in allocation_ids]
+        self._groups.declare([a.ns.digest for a in allocs])
+        n = await self._puts.commit_group(s, allocation_ids, client_crcs)
+        hook = self.commit_hook
+        if hook is not None:
+            for a in allocs:
+                await hook(a.ns, a.keys)
+        return n
+
     # -- get -------------------------------------------------------------------------
+    async def acquire_group(self, s: Session, members: Sequence[Namespace],
+                            keys: Sequence[bytes]) -> tuple[list[Lease], list[str]]:
+        """Lease a block group's leading run: the leading ``keys`` that every member
+        namespace holds and whose every member block verifies (promoted and checked as
+        :meth:`acquire` does). One lease per member, in ``members``' order, each of the
+        same length; each block's source tier is the farthest of its members'. A key that
+        one member lacks, or whose block in one member fails its check, ends the run
+        there in every member: a whole miss, never part of a group. Members are leased
+        one after another, each pinned before the next is looked at, and every lease is
+        then cut to the shortest run."""
+        validate_keys(keys)
+        self.declare_group(members)
+        n = len(keys)
+        for ns in members:  # the run every member's index holds: no member leases past it
+            per_ns = self._index.get(ns.digest)
+            n = next((i for i, k in enumerate(keys[:n]) if k not in per_ns), n)
+        leases: list[Lease] = []
+        sources: list[list[str]] = []
+        try:
+            for ns in members:
+                lease, src = await self.acquire(s, ns, keys[:n], keys_checked=True)
+                leases.append(lease)
+                sources.append(src)
+                n = min(n, len(lease.blocks))
+        except BaseException:
+            self._registry.release(s, [lease.id for lease in leases])
+            raise
+        cut = 0
+        for lease in leases:  # the members' blocks past the shortest run are not served
+            cut += len(lease.blocks) - n
+            for b in lease.blocks[n:]:
+                self.unpin(b)
+            del lease.blocks[n:]
+        self.counters["group_partial_misses"] += cut
+        rank = {TIER_DRAM: 0, TIER_FLASH: 1}
+        tiers = [max(col, key=rank.__getitem__) for col in zip(*(x[:n] for x in sources),
+                                                                   strict=True)]
+        return leases, tiers if n else []
+
     async def acquire(self, s: Session, ns: Namespace, keys: Sequence[bytes],
                       keys_checked: bool = False) -> tuple[Lease, list[str]]:
         """Lease the longest stored leading run of ``keys``, promoting flash blocks into
@@ -550,11 +606,20 @@ class BlockStore:
         validate_keys(keys)
         return self._promotion.prefetch(ns, keys, self.unpin)
 
+    def declare_group(self, members: Sequence[Namespace]) -> None:
+        """``members`` are a block group's namespaces (a group call named them): once one
+        member's block of a key leaves the index, the others' are reclaimed
+        (:mod:`~ctxmem_dpu.store.groups`)."""
+        self._groups.declare([ns.digest for ns in members])
+
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Remove ``keys``; returns how many were stored. When this returns, the deleted
         blocks' flash headers are zeroed and synced: a restart cannot bring them back."""
         validate_keys(keys)
-        per_ns = self._index.get(ns.digest)
+        return await self._delete(ns.digest, keys)
+
+    async def _delete(self, digest: bytes, keys: Sequence[bytes]) -> int:
+        per_ns = self._index.get(digest)
         gone = [b for k in keys if (b := per_ns.pop(k, None)) is not None]
         self._index.announce(gone, False)
         for b in gone:

@@ -9,6 +9,17 @@ flash under write-through (:mod:`~ctxmem_dpu.store.writethrough`).
 
 Invariant: a block is in the index only once complete; the allocation stays registered
 while its CRCs are computed, so the reaper cannot recycle its slots underneath.
+
+Block groups (``commit_group``): the allocations of a group's member namespaces for the
+same keys are committed together, all or nothing per key. Every member's CRCs are checked
+before any block is visible; a key whose block fails in any member is stored in none;
+under write-back every member's blocks enter the index in one step of the event loop,
+key by key in the demoter's queue and the LRU (a key's members side by side);
+under write-through every member is made durable first (member after member: the fault
+point ``commit.group_between_members`` sits between two), then the keys whose every
+member is durable enter the index together, and the other members' records of a key that
+failed are dropped with their flash headers. A crash in between leaves at most some
+members of a key on flash: a group load needs every member, so that key is a miss.
 """
 
 from __future__ import annotations
@@ -112,6 +123,89 @@ class PutPath:
         # and registered, and a write-through commit's extents durable but never indexed
         # (leaked). The client, not answered, may find its blocks stored.
         return await self._ctx.io.uncancellable(self._commit_now(a, client_crcs))
+
+    async def commit_group(self, s: Session, allocation_ids: Sequence[bytes],
+                           client_crcs: Sequence[Sequence[int]]) -> int:
+        """Commit the allocations of a block group's members together, all or nothing
+        per key (module doc); returns how many blocks were committed, all members'."""
+        if len(set(allocation_ids)) != len(allocation_ids):
+            raise InvalidArgument("group commit names an allocation twice; name each "
+                                  "member's allocation once")
+        allocs = [self._registry.allocation(s, i) for i in allocation_ids]
+        for a, crcs in zip(allocs, client_crcs, strict=True):
+            if a.done:
+                raise InvalidArgument(
+                    f"group commit of allocation {a.id.hex()}: a data-plane WRITE into it "
+                    f"is still in flight, or it is being committed; wait for every "
+                    f"WRITE's answer, then commit once")
+            if len(crcs) != len(a.slots):
+                raise InvalidArgument(
+                    f"group commit of allocation {a.id.hex()} carries {len(crcs)} CRC32Cs "
+                    f"for {len(a.slots)} slots; send the CRC32C of every block written, "
+                    f"member after member, in slot order")
+        if len({a.ns.digest for a in allocs}) != len(allocs):
+            raise InvalidArgument("group commit: two allocations of one namespace; a group "
+                                  "has one allocation per member namespace")
+        for a in allocs:
+            self._registry.grant_ended(a.id)
+            a.done = True
+        return await self._ctx.io.uncancellable(self._commit_group_now(allocs, client_crcs))
+
+    async def _commit_group_now(self, allocs: list[Allocation],
+                                client_crcs: Sequence[Sequence[int]]) -> int:
+        work_as(IoClass.STORE, allocs[0].ns.tenant)
+        dram = self._ctx.dram
+        counters = self._ctx.counters
+        computed = [await self._crcs.of_slots(dram, a.slots, a.ns.block_nbytes)
+                    for a in allocs]
+        faults.point("commit.after_crc")
+        for a in allocs:
+            self._registry.forget_allocation(a)
+        # A key whose block differs from its client's CRC in any member is stored in none.
+        bad: set[bytes] = set()
+        for a, mine, theirs in zip(allocs, computed, client_crcs, strict=True):
+            if list(theirs) != mine:
+                for key, got, sent in zip(a.keys, mine, theirs, strict=True):
+                    if got != sent:
+                        counters["put_crc_mismatch"] += 1
+                        log.warning("group commit %s: block of key %s CRC32C from client "
+                                    "%08x != %08x; the key is stored in no member",
+                                    a.id.hex(), key.hex()[:16], sent, got)
+                        bad.add(key)
+        next_seq = self._index.next_seq
+        members: list[list[Block]] = []
+        for a, crcs in zip(allocs, computed, strict=True):
+            per_ns = self._index.namespace(a.ns.digest)
+            fresh: list[Block] = []
+            for key, ref, crc in zip(a.keys, a.slots, crcs, strict=True):
+                if key in bad or key in per_ns:  # failed elsewhere, or committed meanwhile
+                    dram.free(ref)
+                    continue
+                fresh.append(Block(a.ns.digest, key, a.ns.block_nbytes, a.ns.slot_size, crc,
+                                   next_seq(), dram=ref))
+            members.append(fresh)
+        if self._ctx.flash.enabled and self._ctx.cfg.flash.write_policy == "write_through":
+            committed = await self._write_through.commit_group(allocs, members)
+        else:
+            # Key by key (each key's members side by side): the demoter takes the oldest
+            # dirty blocks first, so a batch boundary splits at most one key's members,
+            # and the LRU ages a key's members together.
+            by_key: dict[bytes, list[Block]] = {}
+            for fresh in members:
+                for b in fresh:
+                    by_key.setdefault(b.key, []).append(b)
+            committed = [b for blocks in by_key.values() for b in blocks]
+            for a, fresh in zip(allocs, members, strict=True):
+                self._index.namespace(a.ns.digest).update({b.key: b for b in fresh})
+            self._index.dram_lru.add_unhit(committed)
+            if self._ctx.flash.enabled:
+                self._index.dirty.update(dict.fromkeys(committed))
+        faults.point("commit.after_index")
+        self._index.announce(committed, True)
+        counters["put_blocks"] += len(committed)
+        counters["put_bytes"] += sum(b.length for b in committed)
+        counters["group_commits"] += 1
+        return len(committed)
 
     async def _commit_now(self, a: Allocation, client_crcs: Sequence[int]) -> int:
         work_as(IoClass.STORE, a.ns.tenant)  # write-through I/O goes behind gets

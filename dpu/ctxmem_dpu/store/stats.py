@@ -51,6 +51,10 @@ COUNTERS = (
     # Peer fetch over RDMA (a subset of the peer's and served counts above).
     "pod_peer_rdma_blocks", "pod_peer_rdma_bytes", "pod_served_rdma_blocks",
     "pod_served_rdma_bytes", "pod_peer_rdma_fallbacks", "pod_rdma_setup_errors",
+    # Block groups: group commits; member blocks a group Acquire held but did not serve
+    # because another member of the key was missing or failed its checks; member blocks
+    # reclaimed because another member of their key left the index (store.groups).
+    "group_commits", "group_partial_misses", "group_members_reclaimed",
     # Flash blocks a get's Acquire promoted ahead of the shim's next Acquire (promotion).
     "read_ahead_blocks",
 )

@@ -26,6 +26,7 @@ import errno
 import logging
 
 from ctxmem_common.errors import ResourceExhausted, Unavailable
+from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Allocation, Block
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.demotion import Demotion, DramChanged
@@ -78,6 +79,60 @@ class WriteThrough:
         if errors:
             self._fail(a, errors, len(blocks), len(visible))
         return visible
+
+    async def commit_group(self, allocs: list[Allocation], members: list[list[Block]]
+                           ) -> list[Block]:
+        """A block group's write-through commit: every member's ``blocks`` (one list per
+        allocation, in order) made durable, member after member, then the keys whose
+        every member is durable made visible in all members at once; a key that failed
+        in one member is stored in none (its other members' records dropped, headers
+        zeroed). Returns the blocks made visible; raises as :meth:`commit` when any
+        block could not be made durable."""
+        failures: dict[Block, BaseException | None] = {}
+        try:
+            for i, blocks in enumerate(members):
+                if i:
+                    faults.point("commit.group_between_members")
+                failures.update(await self._demotion.demote(blocks))
+        except Exception:
+            # Nothing of the group is visible: the members already durable go too.
+            for blocks in members:
+                for b in blocks:
+                    if not isinstance(failures.get(b), DramChanged):
+                        self._drop(b)
+            raise
+        failed_keys = {b.key for blocks in members for b in blocks
+                       if failures.get(b) is not None or not b.durable}
+        visible: list[Block] = []
+        errors: list[BaseException] = []
+        n = 0
+        for a, blocks in zip(allocs, members, strict=True):
+            per_ns = self._index.namespace(a.ns.digest)
+            n += len(blocks)
+            for b in blocks:
+                err = failures.get(b)
+                if isinstance(err, DramChanged):
+                    continue  # dropped and counted by the demotion; its slot is freed
+                if b.key in failed_keys or b.key in per_ns:
+                    if err is not None or not b.durable:
+                        errors.append(err or OSError(errno.EIO, "not written"))
+                    self._drop(b)
+                    continue
+                per_ns[b.key] = b
+                self._index.dram_lru.add(b)
+                visible.append(b)
+        if errors:
+            self._fail(allocs[0], errors, n, len(visible))
+        return visible
+
+    def _drop(self, b: Block) -> None:
+        """A block not made visible: it goes, with its DRAM slot and any flash record
+        (its header zeroed before the extent is reused)."""
+        self._index.flash_lru.remove(b)
+        b.durable = False
+        b.deleted = True
+        if b.pins == 0 and b.io is None:
+            self._invalidator.release_storage(b)
 
     def _fail(self, a: Allocation, errors: list[BaseException], n: int, stored: int) -> None:
         self._ctx.counters["write_through_failures"] += len(errors)

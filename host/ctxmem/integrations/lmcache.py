@@ -26,7 +26,9 @@ previous one stored, and a restarted service recovers its index from flash.
 
 Several KV groups (hybrid models; :mod:`ctxmem.integrations.lmcache_groups`): each
 group's bytes go to a namespace with that group's layout and the tag ``lmcache_kv_group``
-``<i>/<n>``; a chunk hits only when every group holds it.
+``<i>/<n>``, and the namespaces form one block group (:mod:`ctxmem.group`): a chunk is
+committed in every group at once, and hits and loads only when every group holds it and
+verifies.
 
 Partial last chunks (``save_unfull_chunk: true``) go to a sibling namespace (tag
 ``lmcache_partial=1``) padded to a full block, with the token count in the block's last
@@ -55,6 +57,7 @@ from lmcache.v1.storage_backend.abstract_backend import (
 )
 
 from ctxmem.client import Namespace
+from ctxmem.group import NamespaceGroup
 from ctxmem.integrations._common import (
     RateLimitedLog,
     config_get,
@@ -80,6 +83,12 @@ log = logging.getLogger(__name__)
 
 _SALT_TAGS = ("cachesalt", "cache_salt")
 _TRAILER = 4  # bytes of token count at the end of a padded partial chunk
+
+
+def _unit(nss: list[Namespace]) -> NamespaceGroup:
+    """The KV groups' namespaces as one block group (one namespace: that namespace's
+    own calls, as before groups)."""
+    return nss[0].client.open_group(nss)
 
 
 def encode_chunk_key(key: CacheEngineKey) -> bytes:
@@ -256,9 +265,8 @@ class CtxmemBackend(StoragePluginInterface):
             for start, stop in self._runs(keys):
                 run = keys[start:stop]
                 names = [encode_chunk_key(k) for k in run]
-                n = len(run)
-                for ns in self._namespaces_of(run[0]):  # a hit needs every KV group
-                    n = min(n, ns.lookup(names[:n]).num_hits) if n else 0
+                # A hit needs every KV group: one group Lookup (ctxmem.group).
+                n = _unit(self._namespaces_of(run[0])).lookup(names).num_hits
                 hits += n
                 if n < len(run):
                     if start + n == len(keys) - 1 and self._partial_exists(keys[-1]):
@@ -280,7 +288,7 @@ class CtxmemBackend(StoragePluginInterface):
         if not self._allows_partial():
             return False
         name = encode_chunk_key(key)
-        return all(ns.exists([name])[0] for ns in self._namespaces_of(key, partial=True))
+        return _unit(self._namespaces_of(key, partial=True)).lookup([name]).num_hits == 1
 
     def _allows_partial(self) -> bool:
         return bool(getattr(self.config, "save_unfull_chunk", False)) and not self.layerwise
@@ -363,8 +371,9 @@ class CtxmemBackend(StoragePluginInterface):
             self._release(pending)
 
     def _put_groups(self, keys: list[CacheEngineKey], objs: list[MemoryObj]) -> bool:
-        """Each KV group's bytes of ``objs`` into that group's namespace; the last group
-        first, so a lookup (which needs every group) never sees a chunk half-written."""
+        """Each KV group's bytes of ``objs`` into that group's namespace, committed as one
+        block group (ctxmem.group): a chunk is visible in every group at once or in
+        none."""
         nss = self._namespaces_of(keys[0])
         if any(self._object_groups(o) != len(nss) for o in objs):
             self._warn.warning("groups", "ctxmem: LMCache chunk has %d KV groups, the "
@@ -379,8 +388,10 @@ class CtxmemBackend(StoragePluginInterface):
                                    bufs[0].nbytes, ns.block_nbytes)
                 return False
         names = [encode_chunk_key(k) for k in keys]
-        for ns, bufs in reversed(list(zip(nss, per_group, strict=True))):
-            ns.put(names, bufs)
+        if len(nss) == 1:  # one group: the namespace's own put, as before groups
+            nss[0].put(names, per_group[0])
+        else:
+            nss[0].client.open_group(nss).put(names, per_group)
         return True
 
     def _put_partial(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
@@ -397,8 +408,10 @@ class CtxmemBackend(StoragePluginInterface):
             block[-_TRAILER:] = np.frombuffer(
                 self._tokens_of(obj).to_bytes(_TRAILER, "little"), dtype=np.uint8)
             blocks.append(block)
-        for ns, block in reversed(list(zip(nss, blocks, strict=True))):
-            ns.put([encode_chunk_key(key)], [block])
+        if len(nss) == 1:
+            nss[0].put([encode_chunk_key(key)], blocks)
+        else:
+            nss[0].client.open_group(nss).put([encode_chunk_key(key)], [[b] for b in blocks])
         return True
 
     # -- gets ------------------------------------------------------------------------
@@ -431,10 +444,13 @@ class CtxmemBackend(StoragePluginInterface):
                         break
                     objs.append(obj)
                 names = [encode_chunk_key(k) for k in run[: len(objs)]]
-                n = len(objs)
-                for g, ns in enumerate(self._namespaces_of(run[0])):
-                    if n:  # a chunk loads only when every KV group's block did
-                        n = ns.get(names[:n], [group_bytes(o, g) for o in objs[:n]])
+                nss = self._namespaces_of(run[0])
+                n = 0
+                if objs and len(nss) == 1:
+                    n = nss[0].get(names, [group_bytes(o, 0) for o in objs])
+                elif objs:  # a chunk loads only when every KV group's block does
+                    n = nss[0].client.open_group(nss).get(
+                        names, [[group_bytes(o, g) for o in objs] for g in range(len(nss))])
                 for obj in objs[n:]:
                     obj.ref_count_down()
                 out.extend(objs[:n])
@@ -451,12 +467,10 @@ class CtxmemBackend(StoragePluginInterface):
     def _get_partial(self, key: CacheEngineKey) -> MemoryObj | None:
         if not self._allows_partial():
             return None
-        blocks: list[np.ndarray] = []
-        for ns in self._namespaces_of(key, partial=True):
-            block = np.empty(ns.block_nbytes, dtype=np.uint8)
-            if ns.get([encode_chunk_key(key)], [block]) != 1:
-                return None
-            blocks.append(block)
+        nss = self._namespaces_of(key, partial=True)
+        blocks = [np.empty(ns.block_nbytes, dtype=np.uint8) for ns in nss]
+        if _unit(nss).get([encode_chunk_key(key)], [[b] for b in blocks]) != 1:
+            return None
         tokens = {int.from_bytes(b[-_TRAILER:].tobytes(), "little") for b in blocks}
         if len(tokens) != 1 or not 0 < min(tokens) < self.chunk_size:
             return None

@@ -342,7 +342,12 @@ class CtxmemHiCacheStorage(HiCacheStorage):
         return PoolTransferResult(pages[-1] if pages else 0, hit, pages)
 
     def _transfer_v2(self, transfers: list[PoolTransfer], write: bool) -> dict[str, list[bool]]:
+        """Each pool's pages in one batched Get/Put; the pools whose transfers name the
+        same pages (the KV pool and the pools SGLang moves page for page with it) as one
+        block group (ctxmem.group): committed in every pool at once, loaded only where
+        every pool's page is there and verifies."""
         out: dict[str, list[bool]] = {}
+        bundles: dict[tuple[str, ...], list[tuple[str, Any, Namespace, Any]]] = {}
         for t in transfers:
             name = str(getattr(t.name, "value", t.name))
             keys = list(t.keys or [])
@@ -360,9 +365,57 @@ class CtxmemHiCacheStorage(HiCacheStorage):
                           len(keys), int(pool.page_size))
                 out[name] = [False] * len(keys)
                 continue
-            io = self._write_pages if write else self._read_pages
-            out[name] = io(pool, ns, keys, t.host_indices) if keys else []
+            bundles.setdefault(tuple(keys), []).append((name, pool, ns, t.host_indices))
+        for keys_t, members in bundles.items():
+            keys = list(keys_t)
+            if len(members) == 1 or not keys:
+                name, pool, ns, idx = members[0]
+                io = self._write_pages if write else self._read_pages
+                for name, pool, ns, idx in members:
+                    out[name] = io(pool, ns, keys, idx) if keys else []
+                continue
+            io_group = self._write_group if write else self._read_group
+            done = io_group(members, keys)
+            for name, *_ in members:
+                out[name] = done
         return out
+
+    def _read_group(self, members: list[tuple[str, Any, Namespace, Any]], keys: list[str]
+                    ) -> list[bool]:
+        """One group get of ``keys`` in every member pool; the leading pages whose every
+        pool's block verified are copied into each pool's pages."""
+        stagings = [torch.empty((len(keys), ns.block_nbytes), dtype=torch.uint8)
+                    for _, _, ns, _ in members]
+        nss = [ns for _, _, ns, _ in members]
+        try:
+            n = nss[0].client.open_group(nss).get(
+                [page_key(k) for k in keys], [[st[i] for i in range(len(keys))]
+                                              for st in stagings])
+        except CtxmemError as exc:
+            self._failed("get", exc)
+            n = 0
+        for (_, pool, _, idx), staging in zip(members, stagings, strict=True):
+            page = int(pool.page_size)
+            for i in range(n):
+                pool.set_from_flat_data_page(int(idx[i * page]), staging[i].view(pool.dtype))
+        self.stats["pages_read"] += n * len(members)
+        self.stats["pages_missed"] += (len(keys) - n) * len(members)
+        return [i < n for i in range(len(keys))]
+
+    def _write_group(self, members: list[tuple[str, Any, Namespace, Any]], keys: list[str]
+                     ) -> list[bool]:
+        """One group put of ``keys``' pages of every member pool (one Commit)."""
+        pages = [[pool.get_data_page(int(idx[i * int(pool.page_size)]), flat=True).contiguous()
+                  for i in range(len(keys))] for _, pool, _, idx in members]
+        nss = [ns for _, _, ns, _ in members]
+        try:
+            res = nss[0].client.open_group(nss).put([page_key(k) for k in keys], pages)
+        except CtxmemError as exc:
+            self._failed("put", exc)
+            return [False] * len(keys)
+        self.stats["pages_written"] += res.stored
+        self.stats["pages_existing"] += res.existing
+        return [True] * len(keys)
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: Any = None) -> dict[str, list[bool]]:

@@ -155,7 +155,7 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_handle: _Optional[int] = ..., namespace_digest: _Optional[bytes] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_handle", "keys", "prefix", "packed_keys", "key_len", "want_tier_codes")
+    __slots__ = ("session_id", "namespace_handle", "keys", "prefix", "packed_keys", "key_len", "want_tier_codes", "group_namespace_handles")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class LookupRequest(_message.Message):
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_LEN_FIELD_NUMBER: _ClassVar[int]
     WANT_TIER_CODES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAMESPACE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -170,7 +171,8 @@ class LookupRequest(_message.Message):
     packed_keys: bytes
     key_len: int
     want_tier_codes: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: bool = ..., packed_keys: _Optional[bytes] = ..., key_len: _Optional[int] = ..., want_tier_codes: bool = ...) -> None: ...
+    group_namespace_handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix: bool = ..., packed_keys: _Optional[bytes] = ..., key_len: _Optional[int] = ..., want_tier_codes: bool = ..., group_namespace_handles: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_hits", "tiers", "tier_codes")
@@ -223,16 +225,20 @@ class AllocateResponse(_message.Message):
     def __init__(self, allocation_id: _Optional[bytes] = ..., exists: _Optional[_Iterable[bool]] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("session_id", "allocation_id", "crc32c", "abort")
+    __slots__ = ("session_id", "allocation_id", "crc32c", "abort", "group_allocation_ids", "group_crc32c")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ALLOCATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_CRC32C_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     allocation_id: bytes
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     abort: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., allocation_id: _Optional[bytes] = ..., crc32c: _Optional[_Iterable[int]] = ..., abort: bool = ...) -> None: ...
+    group_allocation_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    group_crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., allocation_id: _Optional[bytes] = ..., crc32c: _Optional[_Iterable[int]] = ..., abort: bool = ..., group_allocation_ids: _Optional[_Iterable[bytes]] = ..., group_crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -241,19 +247,31 @@ class CommitResponse(_message.Message):
     def __init__(self, committed: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_handle", "keys", "want_packed")
+    __slots__ = ("session_id", "namespace_handle", "keys", "want_packed", "group_namespace_handles")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     WANT_PACKED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAMESPACE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace_handle: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     want_packed: bool
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., want_packed: bool = ...) -> None: ...
+    group_namespace_handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace_handle: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., want_packed: bool = ..., group_namespace_handles: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MemberLease(_message.Message):
+    __slots__ = ("lease_id", "slots", "crc32c")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    lease_id: bytes
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[bytes] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "num_acquired", "slots", "crc32c", "source_tiers", "expires_in_ms", "slot_regions", "slot_generations", "slot_offsets", "slot_lengths", "slot_crcs")
+    __slots__ = ("lease_id", "num_acquired", "slots", "crc32c", "source_tiers", "expires_in_ms", "slot_regions", "slot_generations", "slot_offsets", "slot_lengths", "slot_crcs", "members")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +283,7 @@ class AcquireResponse(_message.Message):
     SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SLOT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     SLOT_CRCS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     num_acquired: int
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -276,7 +295,8 @@ class AcquireResponse(_message.Message):
     slot_offsets: bytes
     slot_lengths: bytes
     slot_crcs: bytes
-    def __init__(self, lease_id: _Optional[bytes] = ..., num_acquired: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., crc32c: _Optional[_Iterable[int]] = ..., source_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., expires_in_ms: _Optional[int] = ..., slot_regions: _Optional[bytes] = ..., slot_generations: _Optional[bytes] = ..., slot_offsets: _Optional[bytes] = ..., slot_lengths: _Optional[bytes] = ..., slot_crcs: _Optional[bytes] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[MemberLease]
+    def __init__(self, lease_id: _Optional[bytes] = ..., num_acquired: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., crc32c: _Optional[_Iterable[int]] = ..., source_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., expires_in_ms: _Optional[int] = ..., slot_regions: _Optional[bytes] = ..., slot_generations: _Optional[bytes] = ..., slot_offsets: _Optional[bytes] = ..., slot_lengths: _Optional[bytes] = ..., slot_crcs: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[MemberLease, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_ids")
