@@ -28,6 +28,8 @@ the engine config is built as Dynamo's worker builds it (``create_engine_config`
   to the NIXL child's config (its ``kv_role``), and its prefill request asks for
   ``do_remote_decode``; Dynamo's NIXL side-channel host detection does not look inside
   ``MultiConnector`` (the docs tell users to set ``VLLM_NIXL_SIDE_CHANNEL_HOST``);
+* ``MultiConnector`` rebuilds ctxmem's serialized stats by the name ``CtxmemConnector``
+  (run without ctxmem's package metadata: the module registers the name itself);
 * a control: the prefill config without its NIXL child has no hand-off protocol.
 
 Prints ``DYNAMO CHECK OK``.
@@ -60,7 +62,10 @@ def dynamo_commands() -> list[tuple[str, list[str]]]:
         for block in re.findall(r"^```(?:bash|sh)\n(.*?)^```", text, flags=re.S | re.M):
             if re.search(r"-m dynamo\.", block):
                 words = shlex.split(block.replace("\\\n", " "), comments=True)
-                out.append((f"docs/{doc}: {block.splitlines()[0][:60]}", words))
+                mode = (words[words.index("--disaggregation-mode") + 1]
+                        if "--disaggregation-mode" in words else "")
+                program = next(w for w in words if w.startswith("dynamo."))
+                out.append((f"docs/{doc}: {program} {mode}".rstrip(), words))
     return out
 
 
@@ -141,7 +146,7 @@ def check_worker(check: Checker, where: str, env: dict[str, str], args: list[str
     kt = vllm_config.kv_transfer_config
     check(ktc_fields(config.engine_args.kv_transfer_config) == ktc_fields(
         own.kv_transfer_config) == ktc_fields(kt),
-        f"{where} [{mode}]: Dynamo hands vLLM the --kv-transfer-config vLLM's own parser "
+        f"{where}: Dynamo hands vLLM the --kv-transfer-config vLLM's own parser "
         f"makes ({kt.kv_connector}, {kt.kv_role})")
     cls = KVConnectorFactory.get_connector_class(kt)
     if mode == "agg":
@@ -170,6 +175,17 @@ def check_worker(check: Checker, where: str, env: dict[str, str], args: list[str
           f"{where}: vLLM's factory builds NIXL first, then ctxmem: {names}")
     check(all(t.kv_transfer_config.engine_id == kt.engine_id for _, t in children),
           f"{where}: the children share the wrapper's engine_id")
+    # MultiConnector rebuilds a child's serialized stats by the child's registered name
+    # (ctxmem's module registers it on import: no entry point on this path).
+    from ctxmem.integrations.vllm_metrics import CtxmemConnectorStats
+
+    try:
+        stats = cls.build_kv_connector_stats({"CtxmemConnector": {"loaded_blocks": 3}})
+        child_stats = stats["CtxmemConnector"]
+    except (ValueError, KeyError) as exc:
+        child_stats = exc
+    check(isinstance(child_stats, CtxmemConnectorStats),
+          f"{where}: MultiConnector rebuilds ctxmem's stats by name ({child_stats!r})")
     check(not KVConnectorFactory.supports_hma_config(kt)
           and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is True,
           f"{where}: HMA turned off (ctxmem is not SupportsHMA)")

@@ -22,8 +22,11 @@ no-op). ``CTXMEM_SKIP_ENGINE_VENVS=1`` skips that one.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -153,13 +156,99 @@ def test_doc_dynamo_blocks(dynamo_env: tuple[str, str, Path]) -> None:
     assert "DYNAMO CHECK OK" in out.stdout and "FAIL" not in out.stdout, tail
 
 
-def test_dynamo_disaggregated_run() -> None:
-    """A real disaggregated Dynamo run with docs/engines.md's commands: not possible on
-    CI's machines (see the reason)."""
-    pytest.skip("a real disaggregated Dynamo run (dynamo.frontend, a prefill and a decode "
-                "dynamo.vllm worker with docs/engines.md's MultiConnector flags, NIXL "
-                "moving each prompt's KV from the prefill GPU to the decode GPU while "
-                "ctxmem saves it) needs GPUs (two CUDA devices, or two hosts with one), the "
-                "nixl package and Dynamo's etcd/NATS discovery; CI machines have no GPU. "
-                "test_doc_dynamo_blocks runs the same commands through Dynamo's and vLLM's "
-                "configuration and connector-selection code instead")
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def test_dynamo_disaggregated_hand_off_on_cpu(dynamo_env: tuple[str, str, Path],
+                                              tmp_path: Path) -> None:
+    """docs/engines.md's disaggregated pair as two real vLLM engines on CPU (see
+    ``dynamo_pd_run.py``): Dynamo's protocol makes the hand-off parameters, NIXL (UCX,
+    host memory) moves the prompt's KV from the prefill engine to the decode engine, and
+    ctxmem, riding along, stores the prefill's blocks and serves them back to the prefill
+    worker. Checks: the decode engine computes at most the last prompt token (the rest
+    came through NIXL) and its greedy tokens equal the prefill worker's own run of the
+    prompt (which loads its 6 full blocks from ctxmem: the service counts 6 more hits)."""
+    from ctxmem.client import Client
+    from ctxmem_tools.launcher import ServiceProcess, local_config
+    from tests.engines.dynamo_check import dynamo_commands, split_command
+
+    python, overlay, model = dynamo_env
+    configs: dict[str, str] = {}
+    for _, words in dynamo_commands():
+        _, _, args = split_command(list(words))
+        if "--disaggregation-mode" in args:
+            mode = args[args.index("--disaggregation-mode") + 1]
+            configs[mode] = args[args.index("--kv-transfer-config") + 1]
+    assert set(configs) == {"prefill", "decode"}, configs
+    work = tmp_path / "pd"
+    work.mkdir()
+    with ServiceProcess(tmp_path / "svc", local_config(tmp_path / "svc")) as svc:
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        try:
+            for role in ("prefill", "decode"):
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([*ROOTS, overlay]),
+                       "PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                       "HF_HUB_OFFLINE": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
+                       "CTXMEM_PD_WAIT_S": "300"}
+                log = (work / f"{role}.log").open("wb")
+                procs[role] = subprocess.Popen(
+                    [python, str(REPO / "tests" / "engines" / "dynamo_pd_run.py"), role,
+                     str(work), str(model), svc.endpoint, configs[role]],
+                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            with Client(svc.endpoint) as c:
+                before = c.stats()
+            rcs = {role: procs[role].wait(timeout=480) for role in ("decode", "prefill")}
+            with Client(svc.endpoint) as c:
+                after = c.stats()
+        finally:
+            for p in procs.values():
+                _stop(p)
+    logs = {role: (work / f"{role}.log").read_text(errors="replace")[-5000:]
+            for role in ("prefill", "decode")}
+    assert rcs == {"decode": 0, "prefill": 0}, f"{rcs}\n{logs}"
+    handoff = json.loads((work / "handoff.json").read_text())
+    decoded = json.loads((work / "decoded.json").read_text())
+    reference = json.loads((work / "reference.json").read_text())
+    params = handoff["params"]
+    assert handoff["protocol"] == "NixlConnectorProtocol", handoff
+    assert params["do_remote_prefill"] is True and params["remote_block_ids"], params
+    assert params["remote_host"] == "127.0.0.1" and params["remote_num_tokens"] == 200, params
+    got = decoded["sources"]
+    assert got.get("external_kv_transfer", 0) >= 192 and got.get("local_compute", 0) <= 8, (
+        f"the decode engine computed the prompt itself instead of loading it through "
+        f"NIXL: {decoded}\n{logs['decode']}")
+    assert decoded["tokens"][:1] == handoff["first"], (decoded, handoff)
+    assert decoded["tokens"] == reference["tokens"], (decoded, reference)
+    # KV that arrived wrong would move the distributions, not only (rarely) the argmax.
+    assert all(abs(a - b) <= 0.05 for a, b in zip(decoded["logprobs"], reference["logprobs"],
+                                                   strict=True)), (decoded, reference)
+    # The prefill worker's plain run of the prompt: its 6 full blocks from ctxmem.
+    loaded = (reference["sources"].get("external_kv_transfer", 0)
+              - handoff["sources"].get("external_kv_transfer", 0))
+    assert loaded == 192, (handoff["sources"], reference["sources"])
+    hits = after.get("hits_dram", 0) + after.get("hits_flash", 0) - before.get(
+        "hits_dram", 0) - before.get("hits_flash", 0)
+    assert hits >= 6, (before, after)
+
+
+def test_dynamo_served_disaggregated_on_gpus() -> None:
+    """Dynamo itself serving docs/engines.md's disaggregated pair: not possible on CI's
+    machines (see the reason)."""
+    pytest.skip("Dynamo serving the disaggregated pair (dynamo.frontend and the prefill "
+                "and decode dynamo.vllm workers of docs/engines.md talking through Dynamo's "
+                "runtime, NIXL moving KV between GPU engines) needs GPUs (two CUDA devices, "
+                "or two hosts with one) and Dynamo's etcd/NATS discovery; CI machines have "
+                "no GPU. test_doc_dynamo_blocks runs the commands through Dynamo's and vLLM's "
+                "configuration and connector-selection code, and "
+                "test_dynamo_disaggregated_hand_off_on_cpu the hand-off itself with two CPU "
+                "vLLM engines")
