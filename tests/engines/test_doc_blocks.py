@@ -315,3 +315,57 @@ def test_every_doc_yaml_block_is_checked() -> None:
             kind = "ctxmem config"
         kinds[kind] = kinds.get(kind, 0) + 1
     assert kinds.get("ctxmem config", 0) >= 8 and kinds.get("lmcache", 0) >= 2, kinds
+
+
+def test_engines_proof_api_sketch_matches_the_code() -> None:
+    """docs/engines-proof.md's API block is a sketch (its tensors and namespace are
+    placeholders), so it cannot run as written; what it names must exist as written: its
+    imports import, every call of an imported module or function binds to that
+    function's signature (positional count, keyword names), ``blocks.buffers()`` is a
+    ``BlockSet`` method and the attributes its comment lists are ``LoadResult``'s."""
+    import ast
+    import dataclasses
+    import importlib
+    import inspect
+
+    pytest.importorskip("torch")
+    text = (REPO / "docs" / "engines-proof.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert len(blocks) == 1, "docs/engines-proof.md: want one python API block"
+    tree = ast.parse(blocks[0])
+    names: dict[str, Any] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = importlib.import_module(node.module or "")
+            for alias in node.names:  # a name, or a submodule (`from ctxmem import kvtransfer`)
+                names[alias.asname or alias.name] = getattr(mod, alias.name, None) or \
+                    importlib.import_module(f"{node.module}.{alias.name}")
+    calls = 0
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+                and inspect.ismodule(names.get(f.value.id)):
+            fn = getattr(names[f.value.id], f.attr, None)
+            assert fn is not None, f"engines-proof.md: {f.value.id}.{f.attr} does not exist"
+        elif isinstance(f, ast.Name) and f.id in names:
+            fn = names[f.id]
+        else:
+            continue
+        args = [object()] * len(node.args)
+        kwargs = {k.arg: object() for k in node.keywords if k.arg}
+        try:
+            inspect.signature(fn).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise AssertionError(f"engines-proof.md: {ast.unparse(node)} does not fit "
+                                 f"{fn.__name__}{inspect.signature(fn)}: {exc}") from None
+        calls += 1
+    assert calls >= 7, calls  # the six kt calls and prefill
+    kt = names["kt"]
+    assert callable(getattr(kt.BlockSet, "buffers", None)), "BlockSet.buffers"
+    listed = re.search(r"^# loaded\.(.*)$", blocks[0], re.M)
+    assert listed, "the LoadResult attribute comment is gone"
+    fields = {f.name for f in dataclasses.fields(kt.LoadResult)} | set(dir(kt.LoadResult))
+    for attr in re.findall(r"\.?(\w+)", listed.group(1)):
+        assert attr in fields, f"engines-proof.md: LoadResult has no {attr!r}"
