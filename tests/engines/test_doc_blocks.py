@@ -199,6 +199,9 @@ def test_dynamo_disaggregated_hand_off_on_cpu(dynamo_env: tuple[str, str, Path],
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join([*ROOTS, overlay]),
                        "PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                        "HF_HUB_OFFLINE": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                       # UCX's network transports on loopback only (same-host transfers
+                       # go through shared memory anyway).
+                       "UCX_NET_DEVICES": "lo",
                        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()),
                        "CTXMEM_PD_WAIT_S": "300"}
                 log = (work / f"{role}.log").open("wb")
