@@ -96,7 +96,7 @@ def check_lmcache(where: str, raw: dict[str, Any], tmp_path: Path) -> None:
 
 def needs_lmcache() -> None:
     pytest.importorskip("lmcache", reason="LMCache 0.5.6 is installed by deploy/setup.sh "
-                        "(--no-deps) into the main venv")
+                        "(plain pip) into the main venv")
     pytest.importorskip("torch")
 
 
