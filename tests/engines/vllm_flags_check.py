@@ -14,7 +14,9 @@ connector resolved by vLLM's ``KVConnectorFactory`` and, for the offloading tier
 tier class by vLLM's ``SecondaryTierFactory`` (``{"type":"ctxmem"}`` through the entry
 point, loaded by vLLM's ``load_general_plugins``). Then the documented warning:
 ``--kv-offloading-size`` overwrites a configured connector (engine configs built from the
-tiny model). Prints ``FLAGS OK``.
+tiny model). Blocks that start Dynamo (``python -m dynamo.vllm``) are checked by
+``dynamo_check.py`` instead; their ``MultiConnector`` configs' children still resolve
+through ``KVConnectorFactory`` here. Prints ``FLAGS OK``.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def vllm_commands() -> list[tuple[str, list[str]]]:
     out = []
     for doc in DOCS:
         for block in shell_blocks(doc):
-            if not re.search(r"\bvllm\b", block) or "sglang" in block:
+            if (not re.search(r"\bvllm\b", block) or "sglang" in block
+                    or re.search(r"-m dynamo\.", block)):  # Dynamo's: dynamo_check.py
                 continue
             words = shlex.split(block.replace("\\\n", " "), comments=True)
             out.append((f"docs/{doc}: {block.splitlines()[0][:70]}", words))
@@ -113,6 +116,7 @@ def parse_commands() -> bool:
 
 
 def main(workdir: Path) -> int:
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.engine.arg_utils import EngineArgs
     from vllm.plugins import load_general_plugins
@@ -135,6 +139,11 @@ def main(workdir: Path) -> int:
             cls = KVConnectorFactory.get_connector_class(cfg)
             print(name, "->", cls.__module__, cls.__name__, flush=True)
             ok = ok and cls.__name__ == name
+        elif name == "MultiConnector":  # Dynamo's disaggregated workers: each child
+            for child in (cfg.kv_connector_extra_config or {}).get("connectors", []):
+                cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**child))
+                print(name, "child", child["kv_connector"], "->", cls.__module__,
+                      cls.__name__, flush=True)
         else:  # LMCache's connectors import LMCache, which this venv does not carry
             ok = ok and name in KVConnectorFactory._registry
             print(name, "registered:", name in KVConnectorFactory._registry, flush=True)
@@ -144,8 +153,8 @@ def main(workdir: Path) -> int:
             tcls = SecondaryTierFactory.get_tier_class(tier)
             print("tier", tier["type"], "->", tcls.__module__, flush=True)
             ok = ok and tcls.__name__ == "CtxmemSecondaryTier"
-    if seen != {"CtxmemConnector", "OffloadingConnector", "LMCacheConnectorV1",
-                "LMCacheMPConnector"}:
+    if not {"CtxmemConnector", "OffloadingConnector", "LMCacheConnectorV1",
+            "LMCacheMPConnector", "MultiConnector"} <= seen:
         print("FAIL: the docs lost a connector config:", sorted(seen))
         ok = False
 

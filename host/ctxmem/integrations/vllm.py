@@ -400,3 +400,33 @@ class CtxmemConnector(KVConnectorBase_V1):
             self.scheduler.request_finished(request.request_id)
         self._requests.pop(request.request_id, None)
         return False, None
+
+
+def _register_connector_name() -> None:
+    """Register ``CtxmemConnector`` by name with vLLM's ``KVConnectorFactory`` when vLLM
+    imports this module through ``kv_connector_module_path`` and ctxmem's plugin has not
+    registered it (ctxmem only on ``PYTHONPATH``, or ``VLLM_PLUGINS`` without ``ctxmem``).
+
+    vLLM's ``MultiConnector`` rebuilds each child's stats from their serialized form by the
+    child's registered name (``KVConnectorFactory.get_connector_class_by_name``), whatever
+    path the child was loaded by: a child known only by its module path made the engine
+    stop at its first stats update ("Connector 'CtxmemConnector' is not registered"),
+    which is where Dynamo's disaggregated workers put ctxmem (docs/engines.md, "Dynamo").
+    A name already taken is left as it is."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:  # an older vLLM: nothing looks children up by name there
+        return
+    from ctxmem.integrations.vllm_plugin import CONNECTOR_MODULE, CONNECTOR_NAME
+
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if isinstance(registry, dict) and CONNECTOR_NAME in registry:
+        return
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE,
+                                              CtxmemConnector.__name__)
+    except ValueError as exc:  # registered meanwhile (the plugin in another thread)
+        log.info("CtxmemConnector already registered with vLLM (%s)", exc)
+
+
+_register_connector_name()
