@@ -38,6 +38,7 @@ from ctxmem_common.keys import namespace_digest
 from ctxmem_common.podkeys import PodKeys
 from ctxmem_dpu.pod import peer_client
 from ctxmem_dpu.pod.entries import RemoteEntry, blocks_key, pack_entry
+from ctxmem_tools.bench.security_pki import make_pki, member_cert
 from ctxmem_tools.pod_launcher import LocalPod
 from tests.pod.peerkit import pod_keys, read_exactly
 from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
@@ -255,3 +256,39 @@ def test_a_stalled_peer_fetch_holds_up_no_local_get_and_no_other_fetch(
     finally:
         holder.close()
         r.close()
+
+
+BIG = ctxmem.KVLayout(dtype="bfloat16", num_layers=32, num_kv_heads=8, head_dim=128,
+                      tokens_per_block=16)  # 2 MiB blocks
+
+
+def test_two_mib_blocks_cross_nodes_over_mutual_tls_in_both_directions(
+        tmp_path: Path) -> None:
+    """Blocks larger than the socket buffers, over mutual TLS, byte-exact both ways: the
+    fetcher's TLS sockets on its worker threads, the holder's TLS transport (blocks
+    copied, drained at asyncio's usual limits: a drain waiting for an empty TLS buffer
+    woke only seconds later per block, 75 s for a 32 MiB get under load; timing, so this
+    test does not pin it)."""
+    pki = make_pki(tmp_path / "pki", tenants=())
+    cert, key = member_cert(pki, "pod-member")
+    tls = {"tls_cert_file": str(cert), "tls_key_file": str(key), "tls_ca_file": str(pki.ca),
+           "fetch_timeout_s": 20.0}
+    rng = np.random.default_rng(5)
+    data = [rng.integers(0, 255, BIG.block_nbytes, dtype=np.uint8) for _ in range(6)]
+    keys = ctxmem.chain_hashes(range(16 * 6), 16)
+    with LocalPod(tmp_path / "pod", 2, pod=tls, dram_size="256MiB",
+                  dram_slab="16MiB") as pod, \
+            ctxmem.Client(pod.nodes[0].endpoint, timeout_s=30) as c1, \
+            ctxmem.Client(pod.nodes[1].endpoint, timeout_s=30) as c2:
+        ns1 = c1.open_namespace(BIG, model_id="big")
+        ns2 = c2.open_namespace(BIG, model_id="big")
+        assert ns1.put(keys[:3], data[:3]).stored == 3
+        assert ns2.put(keys[3:], data[3:]).stored == 3
+        wait_for(lambda: ns2.lookup(keys).num_hits == 6, what="publish")
+        wait_for(lambda: ns1.lookup(keys).num_hits == 6, what="publish")
+        for ns in (ns1, ns2):
+            out = [np.zeros(BIG.block_nbytes, np.uint8) for _ in keys]
+            assert ns.get(keys, out) == 6
+            assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+        assert c2.stats()["pod_fetch_bytes_peer"] == 3 * BIG.block_nbytes
+        assert c1.stats()["pod_fetch_bytes_peer"] == 3 * BIG.block_nbytes
