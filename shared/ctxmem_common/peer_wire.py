@@ -351,6 +351,10 @@ def server_context(pod: PodConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+#: ``ssl.OP_ENABLE_KTLS`` where this Python has it (3.12+), else 0 (nothing asked).
+KTLS_OPTION: int = getattr(ssl, "OP_ENABLE_KTLS", 0)
+
+
 def client_context(pod: PodConfig) -> ssl.SSLContext | None:
     """TLS 1.3 towards a peer: its certificate must chain to the pod CA (any member's
     is accepted: the CA is the pod's own, so membership is the identity checked; host
@@ -360,6 +364,10 @@ def client_context(pod: PodConfig) -> ssl.SSLContext | None:
     cert, key, ca = _files(pod)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    # Kernel TLS where Python exposes it (3.12+) and OpenSSL and the kernel allow it: the
+    # fetcher's blocking sockets then decrypt in the kernel; else OpenSSL's record layer
+    # as before (docs/pod.md, "Peer fetch data path").
+    ctx.options |= KTLS_OPTION
     ctx.load_cert_chain(cert, key)
     ctx.load_verify_locations(ca)
     ctx.check_hostname = False

@@ -291,7 +291,7 @@ class PeerSource(RemoteSource):
                 self._workers, self._work, conn, node, addr, ns_digest, nk, part, deadline)
             await self._settle(fut, conn, deadline)
         except (OSError, TimeoutError, asyncio.TimeoutError, PeerFailed,
-                w.HandshakeFailed) as exc:
+                w.HandshakeFailed, RuntimeError) as exc:  # RuntimeError: closed meanwhile
             if conn is not None:
                 conn.close()
             self._failed(part, node, addr, exc)
