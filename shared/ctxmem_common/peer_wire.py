@@ -48,8 +48,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+import socket
 import ssl
 import struct
+import time
 from pathlib import Path
 
 from ctxmem_common.codecs.blockauth import TAG_BYTES
@@ -223,6 +225,91 @@ async def connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     return t
 
 
+class Deadline:
+    """A monotonic deadline for blocking socket calls: :meth:`arm` sets a socket's timeout
+    to what is left (``TimeoutError`` once it passed), so a peer that trickles bytes is
+    bounded by the whole deadline, never a timeout per call."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, timeout_s: float) -> None:
+        self.at = time.monotonic() + timeout_s
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def arm(self, sock: socket.socket) -> None:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("peer fetch: the deadline (pod.fetch_timeout_s) passed")
+        sock.settimeout(left)
+
+
+def recv_into_exactly(sock: socket.socket, view: memoryview, deadline: Deadline,
+                      what: str) -> None:
+    """Fill ``view`` from ``sock`` (``recv_into``: the bytes land in ``view`` itself, in
+    C; no intermediate buffer), within ``deadline``. Raises ``ConnectionError`` naming
+    ``what`` when the peer closes first, ``TimeoutError`` past the deadline."""
+    got, n = 0, len(view)
+    while got < n:
+        deadline.arm(sock)
+        k = sock.recv_into(view[got:] if got else view)
+        if not k:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes "
+                                  f"of {what}")
+        got += k
+
+
+def recv_exactly(sock: socket.socket, n: int, deadline: Deadline, what: str) -> bytes:
+    buf = bytearray(n)
+    recv_into_exactly(sock, memoryview(buf), deadline, what)
+    return bytes(buf)
+
+
+def socket_channel_binding(sock: socket.socket) -> bytes:
+    """:func:`channel_binding` of a blocking socket (``tls-unique`` of an
+    ``ssl.SSLSocket``, ``b""`` for a plain one)."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return b""
+    cb = sock.get_channel_binding("tls-unique")
+    if not cb:
+        raise HandshakeFailed("the TLS session gives no channel binding (tls-unique)")
+    return bytes(cb)
+
+
+def connect_blocking(sock: socket.socket, peer_key: bytes, node_id: str, expect_id: str,
+                     deadline: Deadline) -> Transcript:
+    """:func:`connect` on a blocking socket (plain or ``ssl.SSLSocket``, its TLS
+    handshake done), every read within ``deadline``: the same messages and the same
+    checks (the server's node id must be ``expect_id``, its proof must verify before
+    anything else is sent). Raises :class:`HandshakeFailed` (and the socket errors)."""
+    nonce = new_nonce()
+    deadline.arm(sock)
+    sock.sendall(pack_hello(HELLO_MAGIC, nonce, node_id))
+    got, version, s_nonce, n = HELLO.unpack(recv_exactly(sock, HELLO.size, deadline,
+                                                         "the peer challenge"))
+    if got != CHALLENGE_MAGIC or version != VERSION:
+        raise HandshakeFailed(f"peer challenge: magic {got!r} version {version} where "
+                              f"{CHALLENGE_MAGIC!r} version {VERSION} was expected (an older "
+                              f"ctxmem, or not a pod member)")
+    raw = recv_exactly(sock, n, deadline, "the peer's node id") if n else b""
+    try:
+        s_id = raw.decode()
+    except UnicodeDecodeError:
+        raise HandshakeFailed("peer challenge: node id is not UTF-8") from None
+    if s_id != expect_id:
+        raise HandshakeFailed(f"the peer says it is node {s_id!r} where the index named "
+                              f"{expect_id!r}")
+    t = Transcript(nonce, node_id, s_nonce, s_id, socket_channel_binding(sock))
+    deadline.arm(sock)
+    sock.sendall(t.proof(peer_key, b"c2s"))
+    ok = recv_exactly(sock, 1 + PROOF_BYTES, deadline, "the peer's proof")
+    if ok[:1] != b"\x01" or not check(t.proof(peer_key, b"s2c"), ok[1:]):
+        raise HandshakeFailed(f"node {s_id!r} did not prove it holds the pod's peer key "
+                              f"(another master key or pod token, or not a pod member)")
+    return t
+
+
 def pack_keys(ns_digest: bytes, keys: list[bytes], magic: bytes = REQUEST_MAGIC,
               proof: bytes = bytes(PROOF_BYTES)) -> bytes:
     parts = [REQUEST.pack(magic, ns_digest, proof, len(keys))]
@@ -264,6 +351,10 @@ def server_context(pod: PodConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+#: ``ssl.OP_ENABLE_KTLS`` where this Python has it (3.12+), else 0 (nothing asked).
+KTLS_OPTION: int = getattr(ssl, "OP_ENABLE_KTLS", 0)
+
+
 def client_context(pod: PodConfig) -> ssl.SSLContext | None:
     """TLS 1.3 towards a peer: its certificate must chain to the pod CA (any member's
     is accepted: the CA is the pod's own, so membership is the identity checked; host
@@ -273,6 +364,10 @@ def client_context(pod: PodConfig) -> ssl.SSLContext | None:
     cert, key, ca = _files(pod)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    # Kernel TLS where Python exposes it (3.12+) and OpenSSL and the kernel allow it: the
+    # fetcher's blocking sockets then decrypt in the kernel; else OpenSSL's record layer
+    # as before (docs/pod.md, "Peer fetch data path").
+    ctx.options |= KTLS_OPTION
     ctx.load_cert_chain(cert, key)
     ctx.load_verify_locations(ca)
     ctx.check_hostname = False

@@ -13,6 +13,7 @@ check) before it is adopted, so a wrong source answer is a miss.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ from ctxmem_dpu.pod.sources import RemoteSource
 from ctxmem_dpu.store import BlockStore
 
 log = logging.getLogger(__name__)
+# Copies of fewer bytes than this (a source that returns bytes) are made on the loop.
+COPY_OFF_LOOP = 1 << 20
 
 
 class RemoteFetch:
@@ -100,7 +103,13 @@ class RemoteFetch:
     async def pull(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Fetch the remote blocks in the leading run of ``keys`` (local or remote, up to
         ``pod.fetch_max_blocks`` remote ones) into local DRAM. Returns how many were
-        adopted; the run a following Acquire sees ends at the first that was not."""
+        adopted; the run a following Acquire sees ends at the first that was not.
+
+        Each block lands once, where it will be read: DRAM slots are reserved first
+        (:meth:`BlockStore.landing`), a source that :attr:`~RemoteSource.lands` receives
+        each block straight into its slot and verifies it there (authenticator, length,
+        CRC32C), and the slots are indexed as they are (:meth:`BlockStore.adopt_landed`):
+        no buffer between the socket and the slot, no second read."""
         local, remote = await self.merged(ns, keys)
         want: list[RemoteEntry] = []
         raws: list[bytes] = []  # the packed entries: the adopted copies' origins
@@ -110,60 +119,111 @@ class RemoteFetch:
             if raw is None:
                 break
             e = unpack_entry(raw, key)
-            if e is None or len(want) >= self._max:
+            # A block of another size than the namespace's could never be adopted.
+            if e is None or len(want) >= self._max or e.nbytes != ns.block_nbytes:
                 break
             want.append(e)
             raws.append(raw)
         if not want:
             return 0
-        data = await self.fetch(ns.digest, want)
-        items: list[tuple[bytes, bytes, int]] = []
-        for e, d in zip(want, data, strict=True):
-            if d is None:
-                break  # the run ends at the first block not fetched
-            items.append((e.key, d, e.crc32c))
-        origins = raws[:len(items)]
-        self._counters["pod_fetch_misses"] += len(want) - len(items)
-        stale = [e for e, d in zip(want, data, strict=True) if d is None]
-        if stale:
-            log.debug("%d remote entries of namespace %s were misses", len(stale),
+        store = self.store
+        refs = await store.landing(ns, len(want))
+        views = [store.dram.view(ref, ns.block_nbytes) for ref in refs]
+        try:
+            landed = await self.fetch_into(ns.digest, want, views)
+        except BaseException:
+            for v in views:
+                v.release()
+            store.free_landing(refs)
+            raise
+        for v in views:
+            v.release()
+        # The run ends at the first block not fetched: the later ones are not adopted.
+        run = landed.index(False) if False in landed else len(landed)
+        self._counters["pod_fetch_misses"] += len(want) - run
+        if run < len(want):
+            log.debug("%d remote entries of namespace %s were misses", len(want) - run,
                       ns.digest.hex())
-        return await self.store.adopt(ns, items, origins) if items else 0
+        return store.adopt_landed(ns, refs, [(e.key, e.crc32c, raw) for e, raw in
+                                             zip(want, raws, strict=True)],
+                                  [i < run for i in range(len(want))])
 
     async def fetch(self, ns_digest: bytes, entries: Sequence[RemoteEntry]
                     ) -> list[bytes | None]:
-        """Per entry, its verified bytes from the first source that has them, or None."""
-        out: list[bytes | None] = [None] * len(entries)
+        """Per entry, its verified bytes from the first source that has them, or None
+        (:meth:`fetch_into` buffers of its own)."""
+        bufs = [bytearray(e.nbytes) for e in entries]
+        landed = await self.fetch_into(ns_digest, entries, [memoryview(b) for b in bufs])
+        return [bytes(b) if ok else None for b, ok in zip(bufs, landed, strict=True)]
+
+    async def fetch_into(self, ns_digest: bytes, entries: Sequence[RemoteEntry],
+                         views: Sequence[memoryview]) -> list[bool]:
+        """Per entry, whether its verified block now lies in ``views[i]`` (its length:
+        the entry's), from the first source that had it. A source that lands blocks
+        writes them there itself and checks them in place; what another source returns
+        is copied there (off the event loop) and its length and CRC32C checked over the
+        copy (an accident check; the authenticator was checked by the source)."""
+        out = [False] * len(entries)
         todo = list(range(len(entries)))
         for src in self.sources:
             mine = [i for i in todo if src.accepts(entries[i])]
             if not mine:
                 continue
-            got = await src.fetch(ns_digest, [entries[i] for i in mine])
-            if not src.verifies:  # nothing unauthenticated is adopted
-                n = len(got) - got.count(None)
-                if n:
-                    self._counters["pod_fetch_unauthenticated"] += n
-                    throttled(log, logging.WARNING, "pod.fetch_unverified",
-                              "source %s returned %d blocks of namespace %s without "
-                              "verifying their authenticators; misses (a source must "
-                              "set verifies)", src.name, n, ns_digest.hex())
-                got = [None] * len(got)
-            for i, d in zip(mine, got, strict=True):
-                e = entries[i]
-                if d is None:
-                    continue
-                if len(d) != e.nbytes or crc32c(d) != e.crc32c:
-                    self._counters["pod_fetch_bad"] += 1
-                    throttled(log, logging.WARNING, "pod.fetch_bad",
-                              "source %s returned block %s of namespace %s with the "
-                              "wrong length or CRC32C; a miss", src.name, e.key.hex()[:16],
-                              ns_digest.hex())
-                    continue
-                out[i] = d
-                self._counters[f"pod_fetch_blocks_{src.name}"] += 1
-                self._counters[f"pod_fetch_bytes_{src.name}"] += len(d)
-            todo = [i for i in todo if out[i] is None]
+            sub = [entries[i] for i in mine]
+            if src.lands and src.verifies:
+                got = await src.fetch_into(ns_digest, sub, [views[i] for i in mine])
+            else:
+                got = await self._copied(src, ns_digest, sub, [views[i] for i in mine])
+            for i, ok in zip(mine, got, strict=True):
+                if ok:
+                    out[i] = True
+                    self._counters[f"pod_fetch_blocks_{src.name}"] += 1
+                    self._counters[f"pod_fetch_bytes_{src.name}"] += entries[i].nbytes
+            todo = [i for i in todo if not out[i]]
             if not todo:
                 break
         return out
+
+    async def _copied(self, src: RemoteSource, ns_digest: bytes,
+                      entries: Sequence[RemoteEntry], views: Sequence[memoryview]
+                      ) -> list[bool]:
+        """A source that returns bytes: each block copied into its view, then its length
+        and CRC32C checked there against the entry (counted ``pod_fetch_copied_bytes``)."""
+        got = await src.fetch(ns_digest, entries)
+        if not src.verifies:  # nothing unauthenticated is adopted
+            n = len(got) - got.count(None)
+            if n:
+                self._counters["pod_fetch_unauthenticated"] += n
+                throttled(log, logging.WARNING, "pod.fetch_unverified",
+                          "source %s returned %d blocks of namespace %s without "
+                          "verifying their authenticators; misses (a source must "
+                          "set verifies)", src.name, n, ns_digest.hex())
+            return [False] * len(got)
+
+        def copy_and_check() -> list[bool]:
+            ok = []
+            for e, v, d in zip(entries, views, got, strict=True):
+                if d is None:
+                    ok.append(False)
+                    continue
+                if len(d) == e.nbytes == len(v):
+                    v[:] = d
+                    if crc32c(v) == e.crc32c:
+                        ok.append(True)
+                        continue
+                ok.append(False)
+            return ok
+
+        n = sum(len(d) for d in got if d is not None)
+        ok = await asyncio.get_running_loop().run_in_executor(None, copy_and_check) \
+            if n >= COPY_OFF_LOOP else copy_and_check()
+        self._counters["pod_fetch_copied_bytes"] += sum(
+            e.nbytes for e, good in zip(entries, ok, strict=True) if good)
+        for e, d, good in zip(entries, got, ok, strict=True):
+            if d is not None and not good:
+                self._counters["pod_fetch_bad"] += 1
+                throttled(log, logging.WARNING, "pod.fetch_bad",
+                          "source %s returned block %s of namespace %s with the "
+                          "wrong length or CRC32C; a miss", src.name, e.key.hex()[:16],
+                          ns_digest.hex())
+        return ok

@@ -27,6 +27,11 @@ class RemoteSource(ABC):
     #: Every block :meth:`fetch` returns was verified under the namespace's
     #: authenticator key (docs/security.md, "The pod's keys").
     verifies: bool = False
+    #: :meth:`fetch_into` lands each block in the caller's buffer itself (no buffer of
+    #: its own, no copy) and checks it there, in the same pass as its authenticator:
+    #: length and CRC32C against the entry. The fetch path then reads it no more; for
+    #: the others it copies what :meth:`fetch` returned and checks the copy.
+    lands: bool = False
 
     def accepts(self, entry: RemoteEntry) -> bool:
         """Whether this source can try ``entry`` at all (cheap, no I/O)."""
@@ -36,6 +41,13 @@ class RemoteSource(ABC):
     async def fetch(self, ns_digest: bytes, entries: Sequence[RemoteEntry]
                     ) -> list[bytes | None]:
         """The bytes of each entry's block, or ``None`` for a miss."""
+
+    async def fetch_into(self, ns_digest: bytes, entries: Sequence[RemoteEntry],
+                         views: Sequence[memoryview]) -> list[bool]:
+        """With :attr:`lands`: per entry, whether its block, verified, now lies in
+        ``views[i]`` (``len(views[i]) == entries[i].nbytes``; a miss may leave anything
+        there)."""
+        raise NotImplementedError(f"source {self.name} does not land blocks in place")
 
     async def close(self) -> None:  # noqa: B027 (optional hook: most sources hold nothing)
         """Release connections; idempotent."""

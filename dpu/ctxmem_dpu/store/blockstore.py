@@ -37,6 +37,7 @@ from ctxmem_common.keys import validate_keys
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu import faults
+from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
 from ctxmem_dpu.pod.entries import SharedLocation
 from ctxmem_dpu.policy import SegmentedLRU
@@ -677,6 +678,20 @@ class BlockStore:
         """Store blocks fetched from another node (key, bytes, CRC32C) in DRAM, as copies
         of the index entries ``origins`` when given; see :meth:`RemoteBlocks.adopt`."""
         return await self._remote.adopt(ns, items, origins)
+
+    async def landing(self, ns: Namespace, n: int) -> list[SlotRef]:
+        """DRAM slots for fetched blocks to land in; see :meth:`RemoteBlocks.landing`."""
+        return await self._remote.landing(ns, n)
+
+    def adopt_landed(self, ns: Namespace, refs: Sequence[SlotRef],
+                     items: Sequence[tuple[bytes, int, bytes | None]],
+                     landed: Sequence[bool]) -> int:
+        """Index fetched blocks that landed, verified, in their slots (key, CRC32C,
+        origin per slot); see :meth:`RemoteBlocks.adopt_landed`."""
+        return self._remote.adopt_landed(ns, refs, items, landed)
+
+    def free_landing(self, refs: Sequence[SlotRef]) -> None:
+        self._remote.free_landing(refs)
 
     def fetched_copies(self, ns_digest: bytes) -> dict[bytes, Block]:
         """Key → copy fetched from another node, in namespace ``ns_digest`` (read only)."""

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from crc32c import crc32c
 
+from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.demotion import Demotion
@@ -71,9 +72,35 @@ class RemoteBlocks:
         finally:
             for v in views:
                 v.release()
+        return self._index_fetched(ns, refs, [(k, c, o) for k, _d, c, o in fresh], good)
+
+    async def landing(self, ns: Namespace, n: int) -> list[SlotRef]:
+        """``n`` DRAM slots of ``ns`` for fetched blocks to land in (the fetch source
+        receives each block straight into its slot, :meth:`adopt_landed` indexes them):
+        reserved like a put's, owned by the caller until adopted or freed."""
+        return await self._placement.reserve_dram(ns, n, self._demotion.demote)
+
+    def adopt_landed(self, ns: Namespace, refs: Sequence[SlotRef],
+                     items: Sequence[tuple[bytes, int, bytes | None]],
+                     landed: Sequence[bool]) -> int:
+        """Index the blocks that landed, verified, in the slots of :meth:`landing` (per
+        slot: key, CRC32C, origin as in :meth:`adopt`; ``landed``: whether its block is
+        there and was checked in place: length, CRC32C and authenticator). No copy and no
+        second read. Slots whose block did not land, or whose key was stored meanwhile,
+        are freed. Returns how many entered the index."""
+        return self._index_fetched(ns, refs, items, landed)
+
+    def free_landing(self, refs: Sequence[SlotRef]) -> None:
+        """Slots of :meth:`landing` that will not be adopted (the fetch failed)."""
+        self._ctx.dram.free_many(refs)
+
+    def _index_fetched(self, ns: Namespace, refs: Sequence[SlotRef],
+                       items: Sequence[tuple[bytes, int, bytes | None]],
+                       good: Sequence[bool]) -> int:
+        dram = self._ctx.dram
         per_ns = self._index.namespace(ns.digest)
         n = 0
-        for ref, (key, _data, crc, origin), ok in zip(refs, fresh, good, strict=True):
+        for ref, (key, crc, origin), ok in zip(refs, items, good, strict=True):
             if not ok or key in per_ns:
                 dram.free(ref)
                 continue

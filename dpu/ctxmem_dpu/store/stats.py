@@ -48,6 +48,9 @@ COUNTERS = (
     # Fetched blocks whose authenticator did not verify, or from a source that does not
     # verify (issue 25): misses, never adopted.
     "pod_fetch_unauthenticated",
+    # Fetched bytes copied into their DRAM slot after a source returned them (a source
+    # that does not land blocks in place: shared flash); peer fetch lands in the slot: 0.
+    "pod_fetch_copied_bytes",
     # Peer fetch over RDMA (a subset of the peer's and served counts above).
     "pod_peer_rdma_blocks", "pod_peer_rdma_bytes", "pod_served_rdma_blocks",
     "pod_served_rdma_bytes", "pod_peer_rdma_fallbacks", "pod_rdma_setup_errors",
