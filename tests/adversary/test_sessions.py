@@ -200,7 +200,8 @@ _CHILD = textwrap.dedent("""
     import numpy as np
     import ctxmem
     endpoint, transport, tenant = sys.argv[1:4]
-    layout = model_layout()
+    layout = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
+                             tokens_per_block=16)
     c = ctxmem.Client(endpoint, transport=transport, timeout_s=15)
     ns = c.open_namespace(layout, model_id="m", tenant=tenant)
     keys = ctxmem.chain_hashes(range(16), 16)
@@ -361,7 +362,8 @@ _EXITS = textwrap.dedent("""
     import sys
     import grpc
     import ctxmem
-    layout = model_layout()
+    layout = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
+                             tokens_per_block=16)
     c = ctxmem.Client(sys.argv[1], transport="tcp", timeout_s=15)
     ns = c.open_namespace(layout, model_id="m", tenant="a")
     # Kept where the interpreter collects it late, after gRPC's modules are torn down.
