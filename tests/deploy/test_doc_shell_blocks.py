@@ -585,9 +585,18 @@ def test_shell_blocks_static() -> None:
             commands += 1
         check_paths(block)
         check_pip(block)
-        check_lmcache_server(block)
         ran += config_checks_for_real(block)
     assert commands >= 9 and ran >= 1, (commands, ran)
+
+
+def test_lmcache_server_blocks_parse() -> None:
+    """Every ``lmcache server`` command (docs/deploy.md's ctxmem adapter, docs/s3.md's
+    ``s3`` adapter) through LMCache's own server parser and storage-manager config."""
+    blocks = [b for b in doc_blocks() if b.lang != "python"
+              and any(c[:2] == ["lmcache", "server"] for c in simple_commands(shell_text(b)))]
+    assert len(blocks) >= 2, [b.id for b in blocks]
+    for block in blocks:
+        check_lmcache_server(block)
 
 
 def test_python_blocks_compile() -> None:
