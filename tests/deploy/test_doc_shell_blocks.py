@@ -126,7 +126,8 @@ BLOCKS: dict[str, tuple[str, str]] = {
     "docs/deploy.md: python3 -m venv /opt/ctxmem/venv #2":
         ("static", "root: useradd, /etc, systemd; its `ctxmem config check` runs for real "
                    "on deploy/configs/fallback.yaml (the file it installs)"),
-    "docs/deploy.md: pip install ./ctxmem_kv-0.1.0-py3-none-any.whl            # or: pip "
+    "docs/deploy.md: pip install ./ctxmem_kv-0.1.0-cp311-abi3-linux_x86_64.whl"
+    "            # or: pip "
     "install /path/to/ctxmem-checkout":
         ("static", "an install from a wheel CI does not build here; the extras named are "
                    "pyproject.toml's (tests/deploy/test_packaging.py builds and installs it)"),
@@ -496,12 +497,18 @@ def check_pip(block: Block) -> None:
         for arg in cmd[2:]:
             if arg.startswith("-"):
                 continue
-            m = re.fullmatch(r"(?:\./)?(ctxmem[_-]kv)(?:-[\w.-]+\.whl)?(?:\[([\w,]+)\])?", arg)
+            m = re.fullmatch(r"(?:\./)?(ctxmem[_-]kv)(-[\w.-]+\.whl)?(?:\[([\w,]+)\])?", arg)
             assert m or arg == "/path/to/ctxmem-checkout", (
                 f"{block.where}: `pip install {arg}`: not ctxmem's wheel; a doc that installs "
                 "another package must be classified here (and its pin be the one the "
                 "repo's scripts use)")
-            for extra in (m.group(2) or "").split(",") if m else []:
+            # The name `python -m build` gives the wheel (tests/deploy/test_packaging.py):
+            # one cp311-abi3 wheel per architecture.
+            assert not m or not m.group(2) or re.fullmatch(
+                rf"-{re.escape(VERSION)}-cp311-abi3-linux_(x86_64|aarch64)\.whl", m.group(2)), (
+                f"{block.where}: `{arg}` is not a wheel the build makes (ctxmem_kv-{VERSION}-"
+                "cp311-abi3-linux_<arch>.whl, tests/deploy/test_packaging.py)")
+            for extra in (m.group(3) or "").split(",") if m else []:
                 assert not extra or extra in extras, (
                     f"{block.where}: extra [{extra}] is not in pyproject.toml ({sorted(extras)})")
 
