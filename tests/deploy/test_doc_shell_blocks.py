@@ -741,7 +741,8 @@ def test_console_transcript_runs(tmp_path: Path) -> None:
         f"{out.stdout!r} {out.stderr!r} (exit {out.returncode})")
 
 
-def test_openssl_recipes_then_tls_examples(tmp_path: Path) -> None:
+def test_openssl_recipes_then_tls_examples(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/security.md's openssl recipes run as written (the card's SANs plus 127.0.0.1),
     its install step into a temp /etc; a service with mutual TLS starts on those files and
     the shim's TLS example (the tenant certificate the recipe made) stores and finds a
@@ -778,16 +779,11 @@ def test_openssl_recipes_then_tls_examples(tmp_path: Path) -> None:
     s3 = {"listen": f"127.0.0.1:{port}", "chunk_size": "1MiB",
           "access_keys": {"AKIAEXAMPLEKEY01": {"tenant": "alice",
                                                "secret_env": "CTXMEM_S3_ALICE"}}}
-    env = {"CTXMEM_S3_ALICE": secret}
-    os.environ.update(env)  # the service reads the secret from its environment
-    try:
-        with ServiceProcess(work, local_config(work, flash_size=None, transports=["tcp"],
-                                               s3=s3, tls={k: v for k, v in mutual.items()
-                                                           if k != "client_ca_file"})):
-            run_python("docs/s3.md: import os", tmp_path, env=env, s3_port=port,
-                       etc=str(etc))
-    finally:
-        os.environ.pop("CTXMEM_S3_ALICE", None)
+    monkeypatch.setenv("CTXMEM_S3_ALICE", secret)  # the service's and the example's
+    with ServiceProcess(work, local_config(work, flash_size=None, transports=["tcp"], s3=s3,
+                                           tls={k: v for k, v in mutual.items()
+                                                if k != "client_ca_file"})):
+        run_python("docs/s3.md: import os", tmp_path, s3_port=port, etc=str(etc))
 
 
 COMMAND_WORDS = re.compile(r"^(\$ |"
