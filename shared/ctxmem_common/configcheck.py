@@ -111,7 +111,9 @@ def unsafe_files(cfg: Config) -> list[str]:
     return out
 
 
-def config_command(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     p = argparse.ArgumentParser(
         prog="ctxmem config", description="Check a config file without starting anything.")
     sub = p.add_subparsers(dest="action", required=True)
@@ -119,6 +121,11 @@ def config_command(argv: list[str]) -> int:
                          "defaults filled in); missing referenced files are warnings")
     chk.add_argument("file", help="the YAML config file to check")
     chk.add_argument("--quiet", action="store_true", help="print nothing when valid")
+    return p
+
+
+def config_command(argv: list[str]) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.file)

@@ -25,7 +25,9 @@ def metrics_url(config: str | None, url: str | None) -> str:
     return f"http://{listen}"
 
 
-def status_command(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     p = argparse.ArgumentParser(
         prog="ctxmem status",
         description="One screen for an operator: health, tiers, traffic, tenants, grants, "
@@ -41,6 +43,11 @@ def status_command(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=5.0,
                    help="seconds each HTTP request may take (default 5)")
     p.add_argument("--width", type=int, default=0, help="columns (default: the terminal's)")
+    return p
+
+
+def status_command(argv: list[str]) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.interval <= 0 or args.timeout <= 0 or args.count < 0:
         p.error("--interval and --timeout must be > 0, --count >= 0")

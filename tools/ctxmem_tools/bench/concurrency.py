@@ -389,10 +389,9 @@ def _print(rows: list[Row], limits: dict[int, dict[str, float]], sizing: LimitSi
               f"{r.service_cpu_s_per_gb or 0.0:9.4f} {r.client_cpu_s_per_gb or 0.0:9.4f}")
 
 
-def run(argv: list[str] | None = None) -> int:
-    from ctxmem.client import Client
-    from ctxmem_tools.launcher import ServiceProcess, local_config
-
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     p = argparse.ArgumentParser(prog="ctxmem bench concurrency", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write results as JSON here")
@@ -404,6 +403,14 @@ def run(argv: list[str] | None = None) -> int:
                    "dir under /var/tmp)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 1 and 2 clients, 8 MiB batches, 2 rounds")
+    return p
+
+
+def run(argv: list[str] | None = None) -> int:
+    from ctxmem.client import Client
+    from ctxmem_tools.launcher import ServiceProcess, local_config
+
+    p = _parser()
     args = p.parse_args(argv)
     counts = [1, 2] if args.quick else [int(c) for c in args.clients.split(",")]
     batch_mib = 8 if args.quick else args.batch_mib

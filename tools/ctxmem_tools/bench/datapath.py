@@ -431,7 +431,9 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
                                       float("nan")))
 
 
-def run(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     p = argparse.ArgumentParser(prog="ctxmem bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write results as JSON here")
@@ -465,6 +467,11 @@ def run(argv: list[str] | None = None) -> int:
                    help="a service with no flash tier, unencrypted: only the DRAM put and "
                         "get rows, with no write-back demotion competing for the CPUs")
     add_pinning_args(p)
+    return p
+
+
+def run(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     pinning = Pinning.from_args(p, args)
     if args.dram_only and (args.peer or args.flash_device):

@@ -399,7 +399,9 @@ def measure(python: str, model: Path, workdir: Path, config: str, lengths: list[
 CONFIGS = ("no cache", "vLLM prefix cache", "ctxmem", "LMCache")
 
 
-def run(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     ap = argparse.ArgumentParser(prog="ctxmem bench engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,2048",
@@ -421,6 +423,11 @@ def run(argv: list[str] | None = None) -> int:
                     help="CI smoke size: one 128-token length, one round, no cache and "
                          "ctxmem")
     ap.add_argument("--json", default="")
+    return ap
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.workdir and not Path(args.workdir).is_dir():
         ap.error(f"--workdir {args.workdir}: not a directory")

@@ -167,7 +167,9 @@ def _lookups(pod: LocalPod, calls: int, out: list[Result]) -> None:
                           "median of call pairs", statistics.median(extra) * 1e3, "ms"))
 
 
-def run(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     ap = argparse.ArgumentParser(prog="ctxmem bench pod", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--total-mib", type=int, default=64, help="MiB per get batch")
@@ -187,6 +189,11 @@ def run(argv: list[str] | None = None) -> int:
                     help="also run Mooncake Store's cross-client get (its master and a "
                          "holder process; bench/peer_mooncake.py) in the same run")
     ap.add_argument("--json", default="")
+    return ap
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if not args.no_shared_flash and not Path(args.workdir).is_dir():
         ap.error(f"--workdir {args.workdir}: not an existing directory (the shared-flash "

@@ -71,12 +71,9 @@ def top_frames(raw: str, top: int
     return total, busy, own.most_common(top), mine.most_common(top)
 
 
-def run(argv: list[str] | None = None) -> int:
-    from ctxmem.client import Client
-    from ctxmem_common.keys import chain_hashes
-    from ctxmem_common.layout import KVLayout
-    from ctxmem_tools.launcher import ServiceProcess, local_config
-
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     p = argparse.ArgumentParser(prog="ctxmem bench profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", choices=["put", "get", "flash"], default="put")
@@ -91,6 +88,16 @@ def run(argv: list[str] | None = None) -> int:
                    help="Python frames only (no py-spy --native; waits are not recognised)")
     p.add_argument("--raw", metavar="FILE", help="keep py-spy's collapsed stacks here")
     p.add_argument("--workdir", default=None)
+    return p
+
+
+def run(argv: list[str] | None = None) -> int:
+    from ctxmem.client import Client
+    from ctxmem_common.keys import chain_hashes
+    from ctxmem_common.layout import KVLayout
+    from ctxmem_tools.launcher import ServiceProcess, local_config
+
+    p = _parser()
     args = p.parse_args(argv)
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():

@@ -249,7 +249,9 @@ def _through_service(workdir: Path, n: int, block: int, slab: str, rate: float) 
         svc.stop()
 
 
-def run(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     p = argparse.ArgumentParser(prog="ctxmem bench recovery",
                                 description="Warm-restart time vs number of stored blocks.")
     p.add_argument("--blocks", default="10000,100000,1000000",
@@ -264,6 +266,11 @@ def run(argv: list[str] | None = None) -> int:
                                  "a temporary directory under /var/tmp)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the images")
+    return p
+
+
+def run(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.blocks.split(",") if x]
     slab_size = parse_size(args.slab_size)

@@ -141,13 +141,20 @@ def _measure(svc: ServiceProcess, transport: str, tls: TlsConfig | None, label: 
                               times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3, "ms"))
 
 
-def run(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     ap = argparse.ArgumentParser(prog="ctxmem bench security", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--total-mib", type=int, default=64, help="MiB per put/get batch")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--lookups", type=int, default=50, help="Lookup calls timed per mode")
     ap.add_argument("--json", default="")
+    return ap
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     out: list[Result] = [Result("AES-128-GCM 1 thread", aesgcm_rate(128) / GB, "GB/s"),
                          Result("AES-256-GCM 1 thread", aesgcm_rate(256) / GB, "GB/s")]

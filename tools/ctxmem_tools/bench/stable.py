@@ -202,13 +202,9 @@ def count_instructions(endpoint: str, transport: str, batch: int, rounds: int,
     return out
 
 
-def run(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:
-        return child_main(argv[1:])
-    from ctxmem.client import Client  # noqa: F401  (fail early if the shim is missing)
-    from ctxmem_tools.launcher import ServiceProcess, local_config
-
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     p = argparse.ArgumentParser(prog="ctxmem bench stable", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write the counts as JSON here")
@@ -217,6 +213,17 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="counted rounds per op")
     p.add_argument("--workdir", default=None)
     p.add_argument("--quick", action="store_true", help="smoke test: shm, 4 MiB, 1 round")
+    return p
+
+
+def run(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child_main(argv[1:])
+    from ctxmem.client import Client  # noqa: F401  (fail early if the shim is missing)
+    from ctxmem_tools.launcher import ServiceProcess, local_config
+
+    p = _parser()
     args = p.parse_args(argv)
     transports = ["shm"] if args.quick else [t for t in args.transports.split(",") if t]
     batch_mib = 4 if args.quick else args.batch_mib

@@ -13,11 +13,9 @@ from pathlib import Path
 from ctxmem_tools.chaos.campaign import run_campaign, select_kinds
 
 
-def chaos_command(argv: list[str]) -> int:
-    if argv[:1] == ["pod"] or "--pod" in argv:  # the pod campaign (issue 26): .pod
-        from ctxmem_tools.chaos.pod import pod_command
-
-        return pod_command([a for a in argv[argv[:1] == ["pod"]:] if a != "--pod"])
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     p = argparse.ArgumentParser(
         prog="ctxmem chaos",
         epilog="ctxmem chaos pod --help: the pod campaign (three nodes, Redis, shared "
@@ -53,6 +51,15 @@ def chaos_command(argv: list[str]) -> int:
     p.add_argument("--from-json", metavar="FILE",
                    help="run nothing: draw --png from a report written by --json")
     p.add_argument("-q", "--quiet", action="store_true")
+    return p
+
+
+def chaos_command(argv: list[str]) -> int:
+    if argv[:1] == ["pod"] or "--pod" in argv:  # the pod campaign (issue 26): .pod
+        from ctxmem_tools.chaos.pod import pod_command
+
+        return pod_command([a for a in argv[argv[:1] == ["pod"]:] if a != "--pod"])
+    p = _parser()
     args = p.parse_args(argv)
     if args.from_json:
         if not args.png:

@@ -38,6 +38,7 @@ to the fault just injected.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -803,10 +804,9 @@ def run_pod_campaign(faults: int, seed: int, workdir: Path | None = None, *,
     return report
 
 
-def pod_command(argv: list[str]) -> int:
-    """``ctxmem chaos pod`` (also ``ctxmem chaos --pod``)."""
-    import argparse
-
+def _parser() -> argparse.ArgumentParser:
+    """The command's argument parser (also what tests/deploy/test_doc_shell_blocks.py
+    checks the documented command lines with)."""
     p = argparse.ArgumentParser(
         prog="ctxmem chaos pod",
         description="Inject index loss, lease lapses, node pauses and kills, deletes and "
@@ -824,6 +824,12 @@ def pod_command(argv: list[str]) -> int:
     p.add_argument("--workdir", help="keep the pod's files here (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
     p.add_argument("-q", "--quiet", action="store_true")
+    return p
+
+
+def pod_command(argv: list[str]) -> int:
+    """``ctxmem chaos pod`` (also ``ctxmem chaos --pod``)."""
+    p = _parser()
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     if not args.quiet:
