@@ -65,6 +65,14 @@ class Namespace:
     slot_size: int
 
 
+def slab_owner(ns: Namespace) -> tuple[str, bytes]:
+    """The DRAM slab owner of ``ns``'s blocks: the namespace, not just its tenant, so two
+    namespaces (e.g. differing only in ``cache_salt``) never share a slab, and the
+    shared-memory transport grants a slab's fd only to sessions with that namespace open.
+    """
+    return (ns.tenant, ns.digest)
+
+
 @dataclass(eq=False, slots=True)
 class Allocation:
     """DRAM slots a client writes before Commit. ``done``: the reaper must leave it alone
@@ -118,3 +126,4 @@ class Session:
     ending: bool = False
     holds: int = 0
     orphan_since: float = field(default_factory=time.monotonic)
+

@@ -39,10 +39,10 @@ from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
+from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.pod.entries import SharedLocation
 from ctxmem_dpu.policy import SegmentedLRU
 from ctxmem_dpu.store import health as health_mod
-from ctxmem_dpu.store.ciphers import Keyring
 from ctxmem_dpu.store.context import IOPool, StoreContext
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.devices import open_devices

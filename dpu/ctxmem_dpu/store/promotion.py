@@ -25,7 +25,7 @@ from ctxmem_common.flash_format import RecordHeader
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace
-from ctxmem_dpu.store.ciphers import Keyring
+from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, wait_io

@@ -8,8 +8,8 @@ another namespace), or flood puts until every other tenant's blocks are evicted
 
 What is counted, and in what unit:
 
-* DRAM in *slabs*: a slab belongs to one namespace (``placement.slab_owner``), so a
-  tenant's real footprint is the slabs its namespaces own, however full they are.
+* DRAM in *slabs*: a slab belongs to one namespace (``ctxmem_dpu.blocks.slab_owner``), so
+  a tenant's real footprint is the slabs its namespaces own, however full they are.
 * flash in *bytes* (slot sizes of the tenant's blocks with a flash copy).
 * *held* slabs: slabs in which the tenant has a leased block or an allocated slot; those
   slabs cannot be emptied, so they are capped apart from the footprint.
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from ctxmem_common.config import TenantQuota
 from ctxmem_common.errors import ConfigError, ResourceExhausted
 from ctxmem_common.identity import check_identity_mode, tenant_scope
-from ctxmem_dpu.blocks import Block
+from ctxmem_dpu.blocks import Block, slab_owner
 from ctxmem_dpu.store.ns_tenants import NamespaceTenants
 from ctxmem_dpu.tiers.dram import owner_tenant
 
@@ -215,7 +215,6 @@ class Quotas:
         """Whether ``n`` more slots of ``ns`` fit without ``ns.tenant`` owning more
         slabs than its ceiling (free slots in the namespace's own slabs first)."""
         dram = self._ctx.dram
-        from ctxmem_dpu.store.placement import slab_owner
         free = dram.alloc.free_slots(dram.klass(slab_owner(ns), ns.slot_size))
         if n <= free:
             return True
