@@ -127,3 +127,16 @@ class Session:
     holds: int = 0
     orphan_since: float = field(default_factory=time.monotonic)
 
+
+@dataclass(slots=True)
+class SessionTables:
+    """Every open session, namespace, allocation and lease of this service instance, by id
+    (a namespace by digest). Mutated only by the session registry
+    (``ctxmem_dpu.store.sessions``); the quotas (``ctxmem_dpu.store.quotas``) read them to
+    count a tenant's grants, so both are built over one instance and neither needs the
+    other late."""
+
+    sessions: dict[bytes, Session] = field(default_factory=dict)
+    namespaces: dict[bytes, Namespace] = field(default_factory=dict)
+    allocations: dict[bytes, Allocation] = field(default_factory=dict)
+    leases: dict[bytes, Lease] = field(default_factory=dict)

@@ -38,7 +38,7 @@ from ctxmem_common.layout import KVLayout
 from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
-from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
+from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session, SessionTables
 from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.pod.entries import SharedLocation
 from ctxmem_dpu.policy import SegmentedLRU
@@ -112,10 +112,10 @@ class BlockStore:
         self._index = BlockIndex(cfg)
         self._health = DeviceHealth(self._ctx)
         self._invalidator = Invalidator(self._ctx, self._health)
+        tables = SessionTables()  # the registry's, counted by the quotas
+        self._quotas = Quotas(self._ctx, self._index, tables)
         self._registry = SessionRegistry(cfg, self._ctx.dram, self._index,
-                                         self._invalidator.unpin)
-        self._quotas = Quotas(self._ctx, self._index, self._registry)
-        self._registry.quotas = self._quotas
+                                         self._invalidator.unpin, tables, self._quotas)
         self._placement = Placement(self._ctx, self._index, self._health, self._invalidator,
                                     self._quotas)
         self._demotion = Demotion(self._ctx, self._index, self._placement, self._invalidator,
