@@ -160,7 +160,10 @@ class Promotion:
         (a gRPC deadline, a client gone: ``IOPool.uncancellable``). Cut short, it would
         leave its blocks marked in flight (``b.io``: never promoted again, every later
         get a miss) and their DRAM slots reserved for nobody, with the I/O threads still
-        writing into them."""
+        writing into them. With nothing to promote (a get whose run is all in DRAM) no
+        task is started."""
+        if not blocks:
+            return PromoteResult()
         return await self._ctx.io.uncancellable(self._promote_now(ns, blocks, on_io))
 
     async def _promote_now(self, ns: Namespace, blocks: list[Block],
