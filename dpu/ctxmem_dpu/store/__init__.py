@@ -13,6 +13,7 @@ and the app use; every other module here holds one concept and is private to the
 * ``placement`` — DRAM and flash reservation, eviction;
 * ``demotion`` / ``promotion`` — DRAM → flash (the demoter) and flash → DRAM;
 * ``puts``      — the put path: allocate (reserve DRAM slots), commit (CRC, index);
+* ``gets``      — the get path: acquire (the stored leading run, promoted, leased);
 * ``writethrough`` — write-through commits: visible only once durable, refused otherwise;
 * ``invalidation`` — zeroing record headers, parked extents, pins and freeing storage;
 * ``recovery``  — rebuilding the index from flash, verifying a record, the audit;
