@@ -3,7 +3,9 @@
 1. The import direction between the four packages (what the import-linter contracts in
    pyproject.toml say, checked here too so a plain ``pytest`` run catches it):
    ``ctxmem`` imports neither ``ctxmem_dpu`` nor ``ctxmem_tools``; ``ctxmem_common``
-   imports none of the others; ``ctxmem_dpu`` imports neither ``ctxmem`` nor the tools.
+   imports none of the others; ``ctxmem_dpu`` imports neither ``ctxmem`` nor the tools;
+   ``ctxmem_dpu.transport`` and ``ctxmem_dpu.pod`` use the store only through its package
+   (``from ctxmem_dpu.store import BlockStore``), never one of its private modules.
 2. No module uses a private name (``_x``) of a module in another package or subpackage:
    ``from pkg.mod import _x``, ``import pkg.mod as m; m._x``, ``from pkg import mod;
    mod._x``. Inside one package (modules that are siblings) privates may be shared: the
@@ -33,6 +35,12 @@ FORBIDDEN: dict[str, set[str]] = {
     "ctxmem_common": {"ctxmem", "ctxmem_dpu", "ctxmem_tools"},
     "ctxmem_dpu": {"ctxmem", "ctxmem_tools"},
     "ctxmem_tools": {"ctxmem_dpu"},  # the tools run the service as a program only
+}
+
+# Subpackage -> the package whose modules it may only reach through the package itself.
+PRIVATE_MODULES_OF: dict[str, str] = {
+    "ctxmem_dpu.transport": "ctxmem_dpu.store",
+    "ctxmem_dpu.pod": "ctxmem_dpu.store",
 }
 
 # (importing module, "target.module:_name") pairs allowed to cross a package boundary.
@@ -96,9 +104,16 @@ def check_source(module: str, source: str, *, is_package: bool = False) -> list[
     out: list[Violation] = []
     aliases: dict[str, str] = {}  # local name -> first-party module it refers to
 
+    sealed = [pkg for src, pkg in PRIVATE_MODULES_OF.items()
+              if module == src or module.startswith(src + ".")]
+
     def forbidden(target: str, line: int) -> None:
         if target.split(".")[0] in FORBIDDEN.get(top, set()):
             out.append(Violation(module, line, f"{top} must not import {target}"))
+        for pkg in sealed:
+            if target.startswith(pkg + "."):
+                out.append(Violation(module, line, f"{module} must not import {target}, "
+                                                   f"private to {pkg}"))
 
     def private(target_module: str, name: str, line: int) -> None:
         if not name.startswith("_") or name.startswith("__"):
@@ -125,6 +140,8 @@ def check_source(module: str, source: str, *, is_package: bool = False) -> list[
             forbidden(target, node.lineno)
             for a in node.names:
                 private(target, a.name, node.lineno)
+                if f"{target}.{a.name}" in MODULES:  # ``from pkg import mod``
+                    forbidden(f"{target}.{a.name}", node.lineno)
                 # ``from pkg import mod`` binds a module; ``from mod import name`` a name.
                 aliases[a.asname or a.name] = f"{target}.{a.name}"
     for node in ast.walk(tree):
@@ -183,6 +200,12 @@ def test_allow_list_has_no_stale_entries() -> None:
          "uses private ctxmem_dpu.tiers.flash._x"),
         ("ctxmem_dpu.tiers.flash", "from ..store import _Block\n",
          "uses private ctxmem_dpu.store._Block"),
+        ("ctxmem_dpu.transport.shm", "from ctxmem_dpu.store.placement import Placement\n",
+         "must not import ctxmem_dpu.store.placement, private to ctxmem_dpu.store"),
+        ("ctxmem_dpu.pod.shared_flash", "from ctxmem_dpu.store import quotas\n",
+         "must not import ctxmem_dpu.store.quotas, private to ctxmem_dpu.store"),
+        ("ctxmem_dpu.pod.node", "import ctxmem_dpu.store.sessions as s\n",
+         "must not import ctxmem_dpu.store.sessions, private to ctxmem_dpu.store"),
     ],
 )
 def test_a_violation_is_caught(module: str, source: str, expected: str) -> None:
@@ -200,6 +223,9 @@ def test_a_violation_is_caught(module: str, source: str, expected: str) -> None:
         ("ctxmem_tools.chaos", "from ctxmem_tools.chaos.driver import _y\n"),
         # dunders and public names are fine; so is anything of a third-party module
         ("ctxmem_tools.demo", "import ctxmem\nprint(ctxmem.__version__)\nimport os\nos._exit(0)\n"),
+        # the store's package (its facade) is open to the transports and the pod
+        ("ctxmem_dpu.pod.node", "from ctxmem_dpu.store import BlockStore, COUNTERS\n"),
+        ("ctxmem_dpu.app", "from ctxmem_dpu.store.placement import Placement\n"),
         # private attributes of objects (not modules) are the object's business
         ("ctxmem_tools.demo", "from ctxmem.client import Client\nClient()._lock\n"),
     ],

@@ -65,6 +65,14 @@ class Namespace:
     slot_size: int
 
 
+def slab_owner(ns: Namespace) -> tuple[str, bytes]:
+    """The DRAM slab owner of ``ns``'s blocks: the namespace, not just its tenant, so two
+    namespaces (e.g. differing only in ``cache_salt``) never share a slab, and the
+    shared-memory transport grants a slab's fd only to sessions with that namespace open.
+    """
+    return (ns.tenant, ns.digest)
+
+
 @dataclass(eq=False, slots=True)
 class Allocation:
     """DRAM slots a client writes before Commit. ``done``: the reaper must leave it alone
@@ -118,3 +126,17 @@ class Session:
     ending: bool = False
     holds: int = 0
     orphan_since: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class SessionTables:
+    """Every open session, namespace, allocation and lease of this service instance, by id
+    (a namespace by digest). Mutated only by the session registry
+    (``ctxmem_dpu.store.sessions``); the quotas (``ctxmem_dpu.store.quotas``) read them to
+    count a tenant's grants, so both are built over one instance and neither needs the
+    other late."""
+
+    sessions: dict[bytes, Session] = field(default_factory=dict)
+    namespaces: dict[bytes, Namespace] = field(default_factory=dict)
+    allocations: dict[bytes, Allocation] = field(default_factory=dict)
+    leases: dict[bytes, Lease] = field(default_factory=dict)

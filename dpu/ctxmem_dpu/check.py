@@ -78,7 +78,7 @@ from ctxmem_common.progress import progress
 from ctxmem_dpu.check_superblock import open_device, refuse_if_owned
 from ctxmem_dpu.check_superblock import rebuild as rebuild_superblock
 from ctxmem_dpu.check_superblock import write_pair as write_superblock_pair
-from ctxmem_dpu.store.ciphers import PUBLIC_MASTER_KEY
+from ctxmem_dpu.keyring import PUBLIC_MASTER_KEY
 
 # Problem kinds. "warning" kinds are reported but are not errors.
 KINDS = {

@@ -32,7 +32,7 @@ from tests.conftest import ServiceHandle
 from tests.dpu.forge import forge_crc, rehash
 from tests.kit import blocks, model_layout
 
-PUBLIC_KEY = bytes(32)  # ctxmem_dpu.store.ciphers.PUBLIC_MASTER_KEY: known to all
+PUBLIC_KEY = bytes(32)  # ctxmem_dpu.keyring.PUBLIC_MASTER_KEY: known to all
 
 LAYOUT = model_layout(128)  # 128 KiB blocks
 

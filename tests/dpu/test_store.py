@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,6 +177,33 @@ async def test_tenants_get_separate_slabs(tmp_path: Path) -> None:
         assert store.dram.region_tenant(slab1.slab) == "alice"
         assert store.dram.region_tenant(slab2.slab) == "bob"
         assert await get(store, s2, ns2, [K[0]]) == [payload(2)]
+    finally:
+        await store.close()
+
+
+async def test_a_hot_acquire_starts_no_task(tmp_path: Path) -> None:
+    """An Acquire whose blocks are all in DRAM has nothing to promote: it starts no
+    promotion task (nor any other), and serves every block from DRAM."""
+    store = await open_store(store_config(), make_flash(tmp_path / "f.img"))
+    loop = asyncio.get_running_loop()
+    started: list[str] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kw: Any) -> asyncio.Task[Any]:
+        started.append(getattr(coro, "__qualname__", repr(coro)))
+        return asyncio.Task(coro, loop=loop, **kw)
+
+    try:
+        s, ns = session(store)
+        await put(store, s, ns, {K[i]: payload(i + 1) for i in range(4)})
+        loop.set_task_factory(factory)
+        try:
+            lease, sources = await store.acquire(s, ns, K[:4])
+        finally:
+            loop.set_task_factory(None)
+        assert started == []
+        assert len(lease.blocks) == 4 and sources == ["dram"] * 4
+        assert store.counters["hits_dram"] == 4 and store.counters["hits_flash"] == 0
+        store.release(s, [lease.id])
     finally:
         await store.close()
 

@@ -48,9 +48,9 @@ from ctxmem_common.flash_format import (
     slab_base,
     slots_per_slab,
 )
+from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.pod.entries import RemoteEntry, SharedLocation
 from ctxmem_dpu.pod.sources import RemoteSource
-from ctxmem_dpu.store.ciphers import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class SharedFlashSource(RemoteSource):
     ``paths``: where this node sees each shared device (the UUID in its superblock names
     it); ``master_key``: the pod's master key, which keys the records' authenticators
     (``None``: none configured, the public fallback key of
-    :class:`~ctxmem_dpu.store.ciphers.Keyring`); ``encrypt``: whether records are
+    :class:`~ctxmem_dpu.keyring.Keyring`); ``encrypt``: whether records are
     encrypted (``encryption.enabled``; never without a master key); ``threads``: reads in
     flight; ``timeout_s``: the bound on one fetch. Open on construction; :meth:`close`
     (or ``with``) releases the descriptors and threads."""

@@ -1,16 +1,19 @@
 """The block store: index, placement, leases, demotion and promotion.
 
 :class:`BlockStore` (``blockstore.py``) is the facade the servicer, the data-plane servers
-and the app use; every other module here holds one concept and is private to the store:
+and the app use; every other module here holds one concept and is private to the store
+(``transport`` and ``pod`` may not import them, an import-linter contract in
+``pyproject.toml``; what they share with the store lives outside it:
+``ctxmem_dpu.keyring`` and ``ctxmem_dpu.blocks.slab_owner``):
 
 * ``context``   — what every part shares: config, the tiers, counters, the I/O threads;
 * ``sessions``  — sessions, namespaces, allocations, leases, expiry, grant-end hooks, the
   quarantine of slots a stale shared-memory writer can still reach;
-* ``ciphers``   — per-namespace AES-XTS ciphers, and which devices encrypt in hardware;
 * ``index``     — the key → block map, the per-tier eviction order, the dirty set;
 * ``placement`` — DRAM and flash reservation, eviction;
 * ``demotion`` / ``promotion`` — DRAM → flash (the demoter) and flash → DRAM;
 * ``puts``      — the put path: allocate (reserve DRAM slots), commit (CRC, index);
+* ``gets``      — the get path: acquire (the stored leading run, promoted, leased);
 * ``writethrough`` — write-through commits: visible only once durable, refused otherwise;
 * ``invalidation`` — zeroing record headers, parked extents, pins and freeing storage;
 * ``recovery``  — rebuilding the index from flash, verifying a record, the audit;

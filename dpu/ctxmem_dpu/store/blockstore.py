@@ -13,8 +13,9 @@ Flows (see docs/architecture.md):
 Invariant: a block is in the index only once complete; a pinned block's slots are never
 freed; an extent is freed only once nothing can read it.
 
-The get, delete and evict flows live here, the put flow in :mod:`~ctxmem_dpu.store.puts`;
-each concept they use (sessions, index, placement, demotion, promotion, invalidation,
+The delete and evict flows live here, the put flow in :mod:`~ctxmem_dpu.store.puts`, the
+get flow in :mod:`~ctxmem_dpu.store.gets` (the methods here delegate to them); each
+concept they use (sessions, index, placement, demotion, promotion, invalidation,
 recovery, health, stats) is its own module, wired together in ``__init__`` through
 explicit objects.
 """
@@ -35,17 +36,18 @@ from ctxmem_common.config import Config
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.keys import validate_keys
 from ctxmem_common.layout import KVLayout
-from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
+from ctxmem_common.protoconv import TIER_DRAM
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
-from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
+from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session, SessionTables
+from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.pod.entries import SharedLocation
 from ctxmem_dpu.policy import SegmentedLRU
 from ctxmem_dpu.store import health as health_mod
-from ctxmem_dpu.store.ciphers import Keyring
 from ctxmem_dpu.store.context import IOPool, StoreContext
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.devices import open_devices
+from ctxmem_dpu.store.gets import GetPath
 from ctxmem_dpu.store.groups import GroupSiblings
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
@@ -112,10 +114,10 @@ class BlockStore:
         self._index = BlockIndex(cfg)
         self._health = DeviceHealth(self._ctx)
         self._invalidator = Invalidator(self._ctx, self._health)
+        tables = SessionTables()  # the registry's, counted by the quotas
+        self._quotas = Quotas(self._ctx, self._index, tables)
         self._registry = SessionRegistry(cfg, self._ctx.dram, self._index,
-                                         self._invalidator.unpin)
-        self._quotas = Quotas(self._ctx, self._index, self._registry)
-        self._registry.quotas = self._quotas
+                                         self._invalidator.unpin, tables, self._quotas)
         self._placement = Placement(self._ctx, self._index, self._health, self._invalidator,
                                     self._quotas)
         self._demotion = Demotion(self._ctx, self._index, self._placement, self._invalidator,
@@ -131,6 +133,9 @@ class BlockStore:
         self._remote = RemoteBlocks(self._ctx, self._index, self._placement, self._demotion,
                                     self._promotion, self._invalidator, self._registry)
         self._groups = GroupSiblings(self._ctx, self._index, self._delete)
+        self._gets = GetPath(self._ctx, self._index, self._registry, self._quotas,
+                             self._placement, self._promotion, self._invalidator,
+                             self._groups)
         self._tasks: list[asyncio.Task[None]] = []
         #: Awaited after a Commit made blocks visible, with the namespace and the
         #: allocation's keys, before the Commit is answered (the pod tier: a re-put of a
@@ -443,37 +448,9 @@ class BlockStore:
         :meth:`acquire` does). One lease per member, in ``members``' order, each of the
         same length; each block's source tier is the farthest of its members'. A key that
         one member lacks, or whose block in one member fails its check, ends the run
-        there in every member: a whole miss, never part of a group. Members are leased
-        one after another, each pinned before the next is looked at, and every lease is
-        then cut to the shortest run."""
-        validate_keys(keys)
-        self.declare_group(members)
-        n = len(keys)
-        for ns in members:  # the run every member's index holds: no member leases past it
-            per_ns = self._index.get(ns.digest)
-            n = next((i for i, k in enumerate(keys[:n]) if k not in per_ns), n)
-        leases: list[Lease] = []
-        sources: list[list[str]] = []
-        try:
-            for ns in members:
-                lease, src = await self.acquire(s, ns, keys[:n], keys_checked=True)
-                leases.append(lease)
-                sources.append(src)
-                n = min(n, len(lease.blocks))
-        except BaseException:
-            self._registry.release(s, [lease.id for lease in leases])
-            raise
-        cut = 0
-        for lease in leases:  # the members' blocks past the shortest run are not served
-            cut += len(lease.blocks) - n
-            for b in lease.blocks[n:]:
-                self.unpin(b)
-            del lease.blocks[n:]
-        self.counters["group_partial_misses"] += cut
-        rank = {TIER_DRAM: 0, TIER_FLASH: 1}
-        tiers = [max(col, key=rank.__getitem__) for col in zip(*(x[:n] for x in sources),
-                                                                   strict=True)]
-        return leases, tiers if n else []
+        there in every member: a whole miss, never part of a group
+        (:meth:`GetPath.acquire_group`)."""
+        return await self._gets.acquire_group(s, members, keys)
 
     async def acquire(self, s: Session, ns: Namespace, keys: Sequence[bytes],
                       keys_checked: bool = False) -> tuple[Lease, list[str]]:
@@ -482,106 +459,9 @@ class BlockStore:
         a block fails its check or DRAM could stage no more (the shim continues with
         another Acquire from there). ``keys_checked``: the caller already refused bad and
         duplicate keys (the shm fast path's ``packed_key_array``), so the batch is not
-        checked a second time (≈ 10% of a 64 KiB Acquire's service time)."""
-        if not keys_checked:
-            validate_keys(keys)
-        self._quotas.check_grants(s, "leases")
-        per_ns = self._index.get(ns.digest)
-        # One lease holds at most half the DRAM tier, so the rest can be evicted to stage
-        # cold blocks; the shim asks for the remainder in a following Acquire.
-        max_run = max(1, self._placement.dram_capacity(ns.slot_size) // 2)
-        run: list[Block] = []
-        # Past two pieces of flash blocks (this one and the one read ahead) the rest is
-        # the next Acquire's: not looked at now, so a get in pieces scans each key once.
-        cold_left = 2 * self._promotion.piece_blocks(ns) or len(keys)
-        for key in keys[:max_run]:
-            b = per_ns.get(key)
-            if b is None:
-                break
-            run.append(b)
-            if b.dram is None:
-                cold_left -= 1
-                if cold_left < 0:
-                    break
-        # Many flash blocks: this piece now, the next one read ahead, queued on the I/O
-        # threads behind this piece's reads (or at once when they are in flight already).
-        cut, ahead = self._promotion.cold_piece(ns, run)
-        deferred = cut < len(run)  # the keys past the cut are the next Acquire's, not misses
-        run = run[:cut]
-        read_ahead = self._read_ahead(ns, ahead)
-        # One pass: each block's source tier (``tier_of``, or flash when read ahead), its
-        # pin (before any await, so nothing in the run is evicted meanwhile), the cold ones.
-        sources: list[str] = []
-        cold: list[Block] = []
-        for b in run:
-            b.pins += 1
-            if b.dram is None:
-                cold.append(b)
-                sources.append(TIER_FLASH)
-            else:
-                sources.append(TIER_FLASH if b.read_ahead else TIER_DRAM)
-        if all(b.io is not None for b in cold):
-            read_ahead()
-        try:
-            ok = await self._promotion.promote_fitting(ns, cold, read_ahead)
-            read_ahead()
-        except BaseException:
-            for b in run:
-                self.unpin(b)
-            raise
-        if not cold and not ok.failed:  # all DRAM hits, pinned: every one is served
-            n = len(run)
-        else:
-            n = 0
-            while n < len(run) and run[n].dram is not None and run[n] not in ok.failed:
-                n += 1
-        try:  # a tenant's leases never hold slots in more slabs than its quota allows
-            n = self._quotas.fit_lease(ns.tenant, run[:n]) if n else 0
-        except BaseException:
-            for b in run:
-                self.unpin(b)
-            raise
-        for b in run[n:]:
-            self.unpin(b)
-        run = run[:n]
-        hits: list[int] = []
-        on_flash: list[Block] = []
-        flash_hits: list[int] = []
-        for b in run:
-            b.hits += 1
-            b.read_ahead = False
-            hits.append(b.hits)
-            if b.flash is not None:
-                on_flash.append(b)
-                flash_hits.append(b.hits)
-        self._index.dram_lru.touch_many(run, hits)  # one batched touch per lease
-        if on_flash:
-            self._index.flash_lru.touch_many(on_flash, flash_hits)
-        lease = Lease(self._registry.new_id(), s.id, ns, run,
-                      time.monotonic() + self.cfg.service.lease_ttl_s)
-        self._registry.add_lease(s, lease)
-        self.counters["get_blocks"] += n
-        self.counters["get_bytes"] += n * ns.block_nbytes
-        served = sources[:n]
-        self.counters["hits_dram"] += served.count(TIER_DRAM)
-        self.counters["hits_flash"] += served.count(TIER_FLASH)
-        if not (deferred and n == len(run)):
-            self.counters["misses"] += len(keys) - n
-        return lease, sources[:n]
-
-    def _read_ahead(self, ns: Namespace, blocks: list[Block]) -> Callable[[], None]:
-        """A function that starts promoting ``blocks`` (a get's next piece) in the
-        background the first time it is called, and does nothing after."""
-        keys = [b.key for b in blocks]
-
-        def start() -> None:
-            if keys:
-                for b in blocks:
-                    b.read_ahead = True
-                self._promotion.prefetch(ns, keys, self.unpin, "read_ahead_blocks")
-                keys.clear()
-
-        return start
+        checked a second time (≈ 10% of a 64 KiB Acquire's service time). The flow is
+        :meth:`GetPath.acquire`."""
+        return await self._gets.acquire(s, ns, keys, keys_checked)
 
     def release(self, s: Session, lease_ids: Sequence[bytes]) -> list[bool]:
         """End leases; per lease, whether it was still valid (not expired) at release."""

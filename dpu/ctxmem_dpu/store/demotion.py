@@ -47,7 +47,7 @@ from ctxmem_common.flash_format import (
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block
-from ctxmem_dpu.store.ciphers import Keyring
+from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, wait_io
@@ -192,7 +192,7 @@ class Demotion:
         demotion, or that another demotion has in flight, are not named).
 
         Each record is encrypted with its namespace's key unless its device encrypts in
-        hardware (:class:`~ctxmem_dpu.store.ciphers.Keyring`); the header's flags say which
+        hardware (:class:`~ctxmem_dpu.keyring.Keyring`); the header's flags say which
         layer encrypted (ctxmem's, or the device's).
 
         The loop's work is per batch where it can be (issue 17 item 3: 512 blocks of

@@ -22,7 +22,7 @@ from operator import attrgetter
 from ctxmem_common.errors import ResourceExhausted, Shed
 from ctxmem_common.flash_format import slots_per_slab
 from ctxmem_dpu.alloc import SlotRef
-from ctxmem_dpu.blocks import Block, Namespace
+from ctxmem_dpu.blocks import Block, Namespace, slab_owner
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex
@@ -35,14 +35,6 @@ _SLOT_SIZE = attrgetter("slot_size")
 Demote = Callable[[list[Block]], Awaitable[object]]
 _PINS = attrgetter("pins")
 _NS = attrgetter("ns")
-
-
-def slab_owner(ns: Namespace) -> tuple[str, bytes]:
-    """The DRAM slab owner of ``ns``'s blocks: the namespace, not just its tenant, so two
-    namespaces (e.g. differing only in ``cache_salt``) never share a slab, and the
-    shared-memory transport grants a slab's fd only to sessions with that namespace open.
-    """
-    return (ns.tenant, ns.digest)
 
 
 class Placement:

@@ -25,7 +25,7 @@ from ctxmem_common.flash_format import RecordHeader
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace
-from ctxmem_dpu.store.ciphers import Keyring
+from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, wait_io
@@ -160,7 +160,10 @@ class Promotion:
         (a gRPC deadline, a client gone: ``IOPool.uncancellable``). Cut short, it would
         leave its blocks marked in flight (``b.io``: never promoted again, every later
         get a miss) and their DRAM slots reserved for nobody, with the I/O threads still
-        writing into them."""
+        writing into them. With nothing to promote (a get whose run is all in DRAM) no
+        task is started."""
+        if not blocks:
+            return PromoteResult()
         return await self._ctx.io.uncancellable(self._promote_now(ns, blocks, on_io))
 
     async def _promote_now(self, ns: Namespace, blocks: list[Block],

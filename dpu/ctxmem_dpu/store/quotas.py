@@ -8,8 +8,8 @@ another namespace), or flood puts until every other tenant's blocks are evicted
 
 What is counted, and in what unit:
 
-* DRAM in *slabs*: a slab belongs to one namespace (``placement.slab_owner``), so a
-  tenant's real footprint is the slabs its namespaces own, however full they are.
+* DRAM in *slabs*: a slab belongs to one namespace (``ctxmem_dpu.blocks.slab_owner``), so
+  a tenant's real footprint is the slabs its namespaces own, however full they are.
 * flash in *bytes* (slot sizes of the tenant's blocks with a flash copy).
 * *held* slabs: slabs in which the tenant has a leased block or an allocated slot; those
   slabs cannot be emptied, so they are capped apart from the footprint.
@@ -34,15 +34,14 @@ from typing import TYPE_CHECKING
 from ctxmem_common.config import TenantQuota
 from ctxmem_common.errors import ConfigError, ResourceExhausted
 from ctxmem_common.identity import check_identity_mode, tenant_scope
-from ctxmem_dpu.blocks import Block
+from ctxmem_dpu.blocks import Block, slab_owner
 from ctxmem_dpu.store.ns_tenants import NamespaceTenants
 from ctxmem_dpu.tiers.dram import owner_tenant
 
 if TYPE_CHECKING:
-    from ctxmem_dpu.blocks import Namespace, Session
+    from ctxmem_dpu.blocks import Namespace, Session, SessionTables
     from ctxmem_dpu.store.context import StoreContext
     from ctxmem_dpu.store.index import BlockIndex
-    from ctxmem_dpu.store.sessions import SessionRegistry
 
 log = logging.getLogger("ctxmem_dpu.store")
 
@@ -58,11 +57,11 @@ class Quotas:
     """Accounting per tenant, the checks that refuse a request over a limit, and the
     eviction filters that keep each tenant's guaranteed share."""
 
-    def __init__(self, ctx: StoreContext, index: BlockIndex, registry: SessionRegistry
-                 ) -> None:
+    def __init__(self, ctx: StoreContext, index: BlockIndex, tables: SessionTables) -> None:
         self._ctx = ctx
         self._index = index
-        self._registry = registry
+        # The session registry's tables (it mutates them; the counts here read them).
+        self._tables = tables
         self._qcfg = ctx.cfg.quotas
         # Bounded label per tenant name for stats: the first ``stats_tenants`` seen keep
         # their name, later ones share OTHER (a client cannot grow /metrics unbounded).
@@ -88,7 +87,7 @@ class Quotas:
     def tenant_of(self, b: Block) -> str:
         """The tenant owning ``b``: its namespace's, or the one the namespace tenants file
         names for a namespace not opened since the start; UNKNOWN when neither knows."""
-        ns = self._registry.namespaces.get(b.ns)
+        ns = self._tables.namespaces.get(b.ns)
         if ns is not None:
             return ns.tenant
         return self.ns_tenants.known.get(b.ns, UNKNOWN)
@@ -100,7 +99,7 @@ class Quotas:
 
     def active_tenants(self) -> set[str]:
         """Tenants with an open session: the ones a fair share is divided among."""
-        return {s.tenant for s in self._registry.sessions.values()}
+        return {s.tenant for s in self._tables.sessions.values()}
 
     def label(self, tenant: str) -> str:
         """``tenant``'s name in stats, or OTHER once ``quotas.stats_tenants`` are named."""
@@ -168,10 +167,10 @@ class Quotas:
     def held_slabs(self, tenant: str) -> set[int]:
         """DRAM slabs in which ``tenant`` holds a leased block or an allocated slot."""
         held: set[int] = set()
-        for lease in self._registry.leases.values():
+        for lease in self._tables.leases.values():
             if lease.ns.tenant == tenant:
                 held.update(b.dram.slab for b in lease.blocks if b.dram is not None)
-        for a in self._registry.allocations.values():
+        for a in self._tables.allocations.values():
             if a.ns.tenant == tenant:
                 held.update(ref.slab for ref in a.slots)
         return held
@@ -215,7 +214,6 @@ class Quotas:
         """Whether ``n`` more slots of ``ns`` fit without ``ns.tenant`` owning more
         slabs than its ceiling (free slots in the namespace's own slabs first)."""
         dram = self._ctx.dram
-        from ctxmem_dpu.store.placement import slab_owner
         free = dram.alloc.free_slots(dram.klass(slab_owner(ns), ns.slot_size))
         if n <= free:
             return True
@@ -303,10 +301,10 @@ class Quotas:
         q = self.quota(s.tenant)
         if kind == "leases":
             limit = q.max_leases
-            n = sum(1 for x in self._registry.leases.values() if x.ns.tenant == s.tenant)
+            n = sum(1 for x in self._tables.leases.values() if x.ns.tenant == s.tenant)
         else:
             limit = q.max_allocations
-            n = sum(1 for x in self._registry.allocations.values()
+            n = sum(1 for x in self._tables.allocations.values()
                     if x.ns.tenant == s.tenant)
         if n >= limit:
             raise self.refuse(s.tenant, f"max_{kind}",
@@ -316,7 +314,7 @@ class Quotas:
         """Refuse a session past the tenant's ``max_sessions`` cap."""
         limit = self.quota(tenant).max_sessions
         # Live sessions only: one being ended (Disconnect) no longer counts.
-        n = sum(1 for s in self._registry.sessions.values()
+        n = sum(1 for s in self._tables.sessions.values()
                 if s.tenant == tenant and not s.ending)
         if n >= limit:
             raise self.refuse(tenant, "max_sessions",
@@ -354,7 +352,7 @@ class Quotas:
     def check_namespace(self, s: Session, digest: bytes) -> None:
         """Refuse opening a namespace past the tenant's ``max_namespaces`` cap (counted
         over the namespaces its open sessions have open)."""
-        open_ns = {ns.digest for x in self._registry.sessions.values()
+        open_ns = {ns.digest for x in self._tables.sessions.values()
                    if x.tenant == s.tenant for ns in x.namespaces.values()}
         limit = self.quota(s.tenant).max_namespaces
         if digest not in open_ns and len(open_ns) >= limit:

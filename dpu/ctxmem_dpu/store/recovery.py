@@ -24,7 +24,7 @@ from ctxmem_common.flash_format import TableColumns
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block
-from ctxmem_dpu.store.ciphers import Keyring
+from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator

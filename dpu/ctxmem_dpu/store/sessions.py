@@ -34,7 +34,9 @@ are over (a disconnected one from :meth:`shm_detached` at once, else at the reap
 pass). A session being ended is no longer live: calls and data connections naming it are
 refused as an unknown session, and the per-tenant session cap does not count it. Its
 client's next call gets UNKNOWN_SESSION and the shim reconnects. Per-tenant caps on
-sessions and namespaces are checked here through ``quotas`` (``ctxmem_dpu.store.quotas``).
+sessions and namespaces are checked here through ``quotas`` (``ctxmem_dpu.store.quotas``),
+given at construction: the registry and the quotas share one
+:class:`~ctxmem_dpu.blocks.SessionTables` (the registry mutates it, the quotas count it).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from ctxmem_common.errors import (
 from ctxmem_common.keys import namespace_digest
 from ctxmem_common.layout import KVLayout
 from ctxmem_dpu.alloc import SlotRef
-from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session
+from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session, SessionTables
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.tiers.dram import DramTier, round_up
 
@@ -70,18 +72,23 @@ log = logging.getLogger("ctxmem_dpu.store")
 
 
 class SessionRegistry:
-    """Every open session, namespace, allocation and lease of this service instance."""
+    """Every open session, namespace, allocation and lease of this service instance.
+
+    ``tables``: where they are kept, shared with ``quotas`` (built over the same
+    instance), which caps sessions and namespaces per tenant."""
 
     def __init__(self, cfg: Config, dram: DramTier, index: BlockIndex,
-                 unpin: Callable[[Block], None]) -> None:
+                 unpin: Callable[[Block], None], tables: SessionTables,
+                 quotas: Quotas) -> None:
         self.cfg = cfg
         self._dram = dram
         self._index = index
         self._unpin = unpin
-        self.sessions: dict[bytes, Session] = {}
-        self.namespaces: dict[bytes, Namespace] = {}
-        self.allocations: dict[bytes, Allocation] = {}
-        self.leases: dict[bytes, Lease] = {}
+        self.quotas = quotas
+        self.sessions = tables.sessions
+        self.namespaces = tables.namespaces
+        self.allocations = tables.allocations
+        self.leases = tables.leases
         # Session id -> DRAM slots of its expired allocations, held back while the
         # session's client may still write them (see the module doc).
         self.quarantine: dict[bytes, list[SlotRef]] = {}
@@ -93,8 +100,6 @@ class SessionRegistry:
         # Called with a session once it has ended (close_session): the servicer ends the
         # session's Hold calls there.
         self.on_session_end: list[Callable[[Session], None]] = []
-        # Per-tenant caps (set by the store once built: quotas reads this registry).
-        self.quotas: Quotas | None = None
 
     def new_id(self) -> bytes:
         """A fresh session, allocation or lease id: 16 random bytes.
@@ -124,9 +129,8 @@ class SessionRegistry:
                 f"transport {transport!r} is not enabled on this service; it offers "
                 f"{self.cfg.service.transports} (service.transports)"
             )
-        if self.quotas is not None:
-            self.quotas.check_tenants(tenant)
-            self.quotas.check_session(tenant)
+        self.quotas.check_tenants(tenant)
+        self.quotas.check_session(tenant)
         s = Session(self.new_id(), tenant, transport, client_name, held_by_client=hold)
         self.sessions[s.id] = s
         return s
@@ -151,8 +155,7 @@ class SessionRegistry:
         weights_revision: str = "",
     ) -> tuple[int, Namespace]:
         digest = namespace_digest(s.tenant, model_id, layout, tags, weights_revision)
-        if self.quotas is not None:
-            self.quotas.check_namespace(s, digest)
+        self.quotas.check_namespace(s, digest)
         ns = self.namespaces.get(digest)
         if ns is None:
             slot_size = round_up(layout.block_nbytes)
@@ -166,8 +169,7 @@ class SessionRegistry:
                            slot_size)
             self.namespaces[digest] = ns
             self._index.namespace(digest)
-            if self.quotas is not None:
-                self.quotas.namespace_opened(digest, s.tenant)
+            self.quotas.namespace_opened(digest, s.tenant)
         for handle, existing in s.namespaces.items():
             if existing is ns:
                 return handle, ns

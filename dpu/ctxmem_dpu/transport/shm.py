@@ -45,7 +45,7 @@ from ctxmem_common.wire import (
     SHM_STATUS,
     Status,
 )
-from ctxmem_dpu.store.placement import slab_owner
+from ctxmem_dpu.blocks import slab_owner
 from ctxmem_dpu.transport.socket_server import Dropped, SocketDataServer, recv_exact
 
 if TYPE_CHECKING:

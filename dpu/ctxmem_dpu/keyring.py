@@ -1,6 +1,10 @@
 """Per-namespace AES-XTS ciphers and block authenticators, and which flash devices
 encrypt in hardware.
 
+Shared by the store (demotion, promotion, recovery) and the pod (``pod/shared_flash.py``
+reads other nodes' records under the same keys), so it lives outside the store's private
+modules.
+
 A record is encrypted in software with its namespace's key (derived from the master key)
 unless its device's storage backend encrypts at rest itself (an SPDK crypto bdev on a
 BlueField, or SPDK's software accel module): encrypting twice would only cost CPU. Such a
