@@ -335,6 +335,9 @@ class Service:
                             cfg.s3.listen)
 
             self.s3 = S3Door(self.store, cfg, self.tls, self.fd_reserve)
+            if self.pod is not None:  # GETs read what other nodes hold; deletes reach them
+                self.s3.objects.pull = self.pod.fetch.pull
+                self.s3.objects.confirm_delete = self.pod.confirm_delete
             self._on_stop("s3", self.s3.close)
             await self.s3.start()
         self.ready = True

@@ -10,8 +10,10 @@ so an overwrite writes new chunks, then the new manifest, then deletes the old c
 
 Every byte goes through the store's own put and get paths (allocate, commit, acquire):
 quotas, encryption at rest, authenticators, write-back and the pod apply as to any
-block. Like any block, an object may be evicted under pressure (a cache, not a
-durable object store): a GET then answers NoSuchKey.
+block: in a pod a GET pulls chunks other nodes hold first (as a gRPC Acquire does), and a
+DELETE reaches every node's index before it answers (as a gRPC Delete does). Like any
+block, an object may be evicted under pressure (a cache, not a durable object store): a
+GET then answers NoSuchKey.
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ import hashlib
 import json
 import secrets
 import struct
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Sequence,
+)
 from dataclasses import dataclass, field
 
 from ctxmem_common.config import Config
 from ctxmem_common.keys import MAX_KEY_BYTES
 from ctxmem_common.layout import KVLayout
-from ctxmem_dpu.blocks import Block, Namespace, Session
+from ctxmem_dpu.blocks import Block, Lease, Namespace, Session
 from ctxmem_dpu.store import BlockStore
 
 __all__ = ["MANIFEST_BYTES", "Manifest", "ObjectStore", "S3Error", "Upload"]
@@ -119,6 +128,10 @@ class ObjectStore:
         self._meta_layout = _layout(MANIFEST_BYTES)
         self.uploads: dict[str, Upload] = {}
         self.max_uploads = cfg.s3.max_uploads
+        # Set by the service in a pod (PodNode's fetch.pull and confirm_delete): chunks
+        # other nodes hold come in before a read, deletes reach the cluster index.
+        self.pull: Callable[[Namespace, Sequence[bytes]], Awaitable[int]] | None = None
+        self.confirm_delete: Callable[[bytes, Sequence[bytes]], Awaitable[None]] | None = None
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
 
     # -- sessions, namespaces, locks -----------------------------------------------------
@@ -184,12 +197,27 @@ class ObjectStore:
             raise S3Error(503, "SlowDown", f"{len(keys) - done} of {len(keys)} blocks were "
                           f"not committed (a write-through flash write failed?); retry")
 
+    async def acquire(self, s: Session, ns: Namespace,
+                      keys: list[bytes]) -> tuple[Lease, list[str]]:
+        """The store's Acquire, after pulling what other pod nodes hold (in a pod)."""
+        if self.pull is not None:
+            await self.pull(ns, keys)
+        return await self.store.acquire(s, ns, keys)
+
+    async def delete(self, ns: Namespace, keys: list[bytes]) -> int:
+        """The store's Delete; in a pod, this node's index entries are gone too before it
+        returns, so no node serves a copy fetched from them."""
+        n = await self.store.delete(ns, keys)
+        if self.confirm_delete is not None:
+            await self.confirm_delete(ns.digest, keys)
+        return n
+
     async def read_manifest(self, s: Session, meta: Namespace, key: str) -> Manifest | None:
         return await self._manifest_at(s, meta, manifest_key(key), key)
 
     async def _manifest_at(self, s: Session, meta: Namespace, mkey: bytes,
                            key: str | None) -> Manifest | None:
-        lease, _ = await self.store.acquire(s, meta, [mkey])
+        lease, _ = await self.acquire(s, meta, [mkey])
         try:
             if not lease.blocks:
                 return None
@@ -214,13 +242,13 @@ class ObjectStore:
             pos += len(view)
 
         mkey = manifest_key(m.key)
-        await self.store.delete(meta, [mkey])
+        await self.delete(meta, [mkey])
         await self._put_blocks(s, meta, [mkey], fill, [len(raw)])
 
     async def _drop_parts(self, data: Namespace, parts: list[tuple[bytes, int]]) -> None:
         keys = [k for pid, n in parts for k in chunk_keys(pid, n, self.chunk)]
         for i in range(0, len(keys), 4096):
-            await self.store.delete(data, keys[i:i + 4096])
+            await self.delete(data, keys[i:i + 4096])
 
     # -- objects -------------------------------------------------------------------------
     async def put_part(self, s: Session, data: Namespace, size: int,
@@ -245,7 +273,7 @@ class ObjectStore:
         old = await self.read_manifest(s, meta, key)
         if old is None:
             return
-        await self.store.delete(meta, [manifest_key(key)])
+        await self.delete(meta, [manifest_key(key)])
         await self._drop_parts(data, old.parts)
 
     def spans(self, m: Manifest, start: int, end: int) -> list[tuple[bytes, int, int]]:
@@ -271,7 +299,7 @@ class ObjectStore:
         i = 0
         while i < len(spans):
             piece = spans[i:i + _PIECE]
-            lease, _ = await store.acquire(s, data, [k for k, _, _ in piece])
+            lease, _ = await self.acquire(s, data, [k for k, _, _ in piece])
             blocks: list[Block] = list(lease.blocks)
             for b in blocks:  # held past the lease's TTL while a slow client reads
                 store.pin(b)

@@ -259,7 +259,7 @@ class Operations:
             try:
                 await body.finish()
             except BaseException:
-                await self.objects.store.delete(data, _keys(self.objects, pid, body.size))
+                await self.objects.delete(data, _keys(self.objects, pid, body.size))
                 raise
             etag = f'"{body.md5.hexdigest()}"'
             m = Manifest(key, body.size, etag, time.time(), [(pid, body.size)],
@@ -352,12 +352,12 @@ class Operations:
                 if self.objects.uploads.get(q["uploadId"]) is not up:
                     raise S3Error(404, "NoSuchUpload", "the upload was aborted meanwhile")
             except BaseException:
-                await self.objects.store.delete(data, _keys(self.objects, pid, body.size))
+                await self.objects.delete(data, _keys(self.objects, pid, body.size))
                 raise
             old = up.parts.get(number)
             up.parts[number] = (pid, body.size, body.md5.digest())
             if old is not None:
-                await self.objects.store.delete(data, _keys(self.objects, old[0], old[1]))
+                await self.objects.delete(data, _keys(self.objects, old[0], old[1]))
         return web.Response(status=200, headers={"ETag": f'"{body.md5.hexdigest()}"'})
 
     async def _complete(self, request: web.BaseRequest, tenant: str, bucket: str, key: str,
@@ -398,7 +398,7 @@ class Operations:
             _, data = self.objects.namespaces(s, bucket)
             for pid, n, _ in up.parts.values():
                 if pid not in used:
-                    await self.objects.store.delete(data, _keys(self.objects, pid, n))
+                    await self.objects.delete(data, _keys(self.objects, pid, n))
         root = ET.Element("CompleteMultipartUploadResult")
         _sub(root, "Bucket", bucket)
         _sub(root, "Key", key)
