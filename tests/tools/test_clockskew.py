@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,20 +29,6 @@ def _env(skew_s: float) -> dict[str, str]:
             "CTXMEM_CHAOS_CLOCK_SKEW_S": str(skew_s)}
 
 
-@contextmanager
-def _environ(env: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def test_the_emulation_shifts_pythons_clock_only() -> None:
     """The shift is real where the service reads the time (else the tests using it prove
     nothing), and gRPC's module keeps the true clock."""
@@ -59,10 +43,12 @@ def test_the_emulation_shifts_pythons_clock_only() -> None:
 
 
 @pytest.mark.parametrize("skew_s", [300.0, -300.0], ids=["ahead", "behind"])
-def test_a_node_with_a_shifted_clock_still_takes_connects(tmp_path: Path,
-                                                          skew_s: float) -> None:
+def test_a_node_with_a_shifted_clock_still_takes_connects(
+        tmp_path: Path, skew_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = local_config(tmp_path)
-    with _environ(_env(skew_s)):
+    with monkeypatch.context() as mp:  # the service's environment only
+        for k, v in _env(skew_s).items():
+            mp.setenv(k, v)
         svc = ServiceProcess(tmp_path / "svc", cfg)
     try:
         with Client(svc.endpoint, transport="shm", timeout_s=10.0) as client:
