@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +43,7 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (  # noqa: E402
     ParallelStrategy,
 )
 
+from tests.engines.lmcache_proc import LMCacheServerProcess  # noqa: E402
 from tests.engines.test_lmcache_mp import (  # noqa: E402
     documented_l2_adapter,
     documented_server_args,
@@ -60,12 +60,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class LMCacheServer:
+class LMCacheServer(LMCacheServerProcess):
     """``lmcache server`` as a subprocess; ``start`` waits (bounded) for its ZMQ port."""
 
     def __init__(self, workdir: Path, endpoint: str) -> None:
-        self.workdir = workdir
-        self.port = free_port()
+        super().__init__(workdir, free_port())
         spec = documented_l2_adapter()
         spec["adapter_params"] = {**spec["adapter_params"], "endpoint": endpoint,
                                   "timeout_s": 10.0}
@@ -80,47 +79,6 @@ class LMCacheServer:
                      "--port", str(self.port), "--chunk-size", str(CHUNK),
                      "--l1-size-gb", "0.05", "--supported-transfer-mode", "auto",
                      "--http-host", "127.0.0.1", "--http-port", str(free_port())]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    @property
-    def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        self.starts += 1
-        log = open(self.workdir / f"lmcache-server-{self.starts}.log", "wb")  # noqa: SIM115
-        env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1",
-               "PYTHONPATH": os.pathsep.join(sys.path)}
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     env=env)
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        text = ""
-        while time.monotonic() < deadline:
-            text = self.log()
-            if "cache server is running" in text:
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        self.stop()
-        pytest.fail(f"`lmcache server` did not come up in {timeout_s:.0f} s; its log:\n"
-                    f"{text[-3000:]}")
-
-    def log(self) -> str:
-        return (self.workdir / f"lmcache-server-{self.starts}.log").read_text(
-            errors="replace")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.proc = None
 
 
 @pytest.fixture

@@ -36,15 +36,16 @@ import re
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ctxmem_tools.launcher import ServiceProcess, free_port, local_config
+from tests.engines.lmcache_proc import LMCacheServerProcess
 from tests.engines.test_vllm_real import vllm_python  # noqa: F401  (fixture)
+from tests.kit import until
 
 boto3 = pytest.importorskip("boto3")
 from botocore.config import Config as BotoConfig  # noqa: E402
@@ -173,12 +174,15 @@ def _namespace_prefix(hosts: Path) -> list[str]:
             f'mount --bind "{hosts}" /etc/hosts && exec "$0" "$@"']
 
 
-class S3LMCacheServer:
+class S3LMCacheServer(LMCacheServerProcess):
     """``lmcache server`` with the ``s3`` L2 adapter pointed at ctxmem, restartable."""
 
+    log_name = "lmcache-s3"
+    what = "`lmcache server` (s3 adapter)"
+    extra_env = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+
     def __init__(self, workdir: Path, s3_port: int) -> None:
-        self.workdir = workdir
-        self.port = free_port()
+        super().__init__(workdir, free_port())
         hosts = workdir / "hosts"
         hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 {LM_BUCKET}.{DOMAIN}\n")
         adapter = {"type": "s3", "s3_endpoint": f"{LM_BUCKET}.{DOMAIN}:{s3_port}",
@@ -192,56 +196,6 @@ class S3LMCacheServer:
                      "--port", str(self.port), "--chunk-size", str(LM_CHUNK),
                      "--supported-transfer-mode", "auto", "--http-host", "127.0.0.1",
                      "--http-port", str(free_port())]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    @property
-    def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return (self.workdir / f"lmcache-s3-{self.starts}.log").read_text(errors="replace")
-
-    def start(self, timeout_s: float = 90.0) -> None:
-        self.starts += 1
-        log = open(self.workdir / f"lmcache-s3-{self.starts}.log", "wb")  # noqa: SIM115
-        env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false",
-               "DO_NOT_TRACK": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     env=env)
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        text = ""
-        while time.monotonic() < deadline:
-            text = self.log()
-            if "cache server is running" in text:
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        self.stop()
-        pytest.fail(f"`lmcache server` (s3 adapter) did not come up in {timeout_s:.0f} s; "
-                    f"its log:\n{text[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.proc = None
-
-
-def _until(what: str, poll: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = poll()
-        if out:
-            return out
-        time.sleep(0.05)
-    raise AssertionError(f"LMCache's MP client: {what} did not finish in {timeout_s:.0f} s")
 
 
 def test_lmcache_server_s3_adapter_multipart_restart_hit(s3: S3Service,
@@ -284,7 +238,7 @@ def test_lmcache_server_s3_adapter_multipart_restart_hit(s3: S3Service,
                 got.append(int(result))
             return bool(got)
 
-        _until(f"lookup {rid}", poll)
+        until(poll, 60.0, f"LMCache's MP client: lookup {rid}")
         return got[0]
 
     per_chunk = LM_CHUNK // LM_BLOCK
@@ -303,7 +257,8 @@ def test_lmcache_server_s3_adapter_multipart_restart_hit(s3: S3Service,
         op = LoadStoreOp(token_ids=tokens, block_ids=[stored_blocks], start=0,
                          end=len(tokens))
         worker.submit_store_request("store-1", op, None)
-        _until("store", lambda: "store-1" in (worker.get_finished({"store-1"})[0] or ()))
+        until(lambda: "store-1" in (worker.get_finished({"store-1"})[0] or ()), 60.0,
+              "LMCache's MP client: store")
         worker.shutdown()
         sched.shutdown()
 
@@ -314,7 +269,7 @@ def test_lmcache_server_s3_adapter_multipart_restart_hit(s3: S3Service,
             got = c.list_objects_v2(Bucket=LM_BUCKET).get("Contents", [])
             return got if len(got) >= 2 else []
 
-        objs = _until("the s3 adapter's uploads", listed, 60.0)
+        objs = until(listed, 60.0, "the s3 adapter's uploads")
         assert all(o["Size"] >= LM_CHUNK_BYTES > 8 * MiB for o in objs), objs
         assert all(o["ETag"].strip('"').rpartition("-")[2].isdigit() for o in objs), \
             f"not multipart uploads (no -N ETag): {[o['ETag'] for o in objs]}"
@@ -326,7 +281,8 @@ def test_lmcache_server_s3_adapter_multipart_restart_hit(s3: S3Service,
         op = LoadStoreOp(token_ids=tokens, block_ids=[loaded_blocks], start=0,
                          end=len(tokens))
         worker.submit_retrieve_request("load-1", op, None)
-        _until("retrieve", lambda: "load-1" in (worker.get_finished(set())[1] or ()))
+        until(lambda: "load-1" in (worker.get_finished(set())[1] or ()), 60.0,
+              "LMCache's MP client: retrieve")
         assert not worker.get_block_ids_with_load_errors()
         for name, t in kv.items():
             got = t[:, loaded_blocks].contiguous().view(torch.uint8)
