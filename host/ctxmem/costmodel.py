@@ -105,7 +105,7 @@ class TransferModel:
         self.prior = prior
         self.alpha = alpha
         self.min_spread = min_spread  # coefficient of variation of sizes needed for a slope
-        self._s = np.zeros(5)  # sum w, w x, w y, w x^2, w x y
+        self._s: np.ndarray[Any, Any] = np.zeros(5)  # sum w, w x, w y, w x^2, w x y
         self.samples = 0
         self.last_seconds: float | None = None
         self.last_nbytes: int | None = None

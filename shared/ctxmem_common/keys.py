@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import operator
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -154,6 +155,7 @@ def packed_key_array(packed: bytes | memoryview, key_len: int, max_keys: int = M
 def _heads_repeat(packed: bytes | memoryview, key_len: int, n: int) -> bool:
     """Whether two of the ``n`` keys share their first 8 bytes (zero-padded; exact for
     keys of 8 bytes or fewer). One strided copy of 8 bytes per key and one sort, in C."""
+    heads: np.ndarray[Any, Any]
     if key_len >= 8:  # the heads read in place: a strided uint64 view of the buffer
         heads = np.ndarray((n,), dtype="<u8", buffer=packed, offset=0, strides=(key_len,))
     else:
