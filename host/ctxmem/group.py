@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ctxmem.buffers import DeferredStaged
 from ctxmem.namespace import LookupResult, Namespace, PutResult, _lookup_request, _lookup_tiers
+from ctxmem.transport.base import Grant
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.errors import CtxmemError, InvalidArgument, Unavailable, UnknownSession
 from ctxmem_common.keys import validate_keys
@@ -170,8 +171,8 @@ class NamespaceGroup:
                 new = [i for i, e in enumerate(a.exists) if not e]
                 existing += len(keys) - len(new)
                 every = st.views
-                crcs.append(s.channel.write_crc(a.allocation_id, a.slots,
-                                                [every[start + i] for i in new]))
+                crcs.append(s.channel.write_grant(Grant.allocation(a.allocation_id, a.slots),
+                                                  [every[start + i] for i in new]))
         except BaseException:  # a bad buffer, a failed write: nothing is committed
             abort()
             raise
@@ -244,21 +245,21 @@ class NamespaceGroup:
                 if not n:
                     break
                 dst = st.views[start : start + n]
+                grant = Grant.of_lease(lease_id, slots, want)
+                progress = ReadProgress()
+                s.channel.read_grant(grant, dst, verify, progress)
+                grant.release()
                 if verify:
-                    progress = ReadProgress()
-                    s.channel.read_verified(lease_id, slots, dst, want, progress)
                     if progress.bad is not None:
                         log.warning("ctxmem: block %d of group lease %s failed its CRC32C; "
                                     "the run ends there (a miss)", progress.bad,
                                     lease_id.hex())
                         failed = True
                     done = min(done, progress.done)
-                else:
-                    s.channel.read(lease_id, slots, dst)
         finally:
             valid = rpc("Release", pb.ReleaseRequest(
                 session_id=s.id, lease_ids=[g[0] for g in grants])).valid
-        if not verify and s.channel.name == "shm" and not all(valid):
+        if not verify and s.channel.maps_slots and not all(valid):
             log.warning("ctxmem: a group lease expired during an unverified copy; "
                         "treating as a miss")
             return 0, False

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ctxmem.buffers import DeferredStaged
-from ctxmem.transport.base import DataChannel, FastPathUnsupported, TransportError
-from ctxmem.transport.shm import ShmChannel
+from ctxmem.transport.base import DataChannel, FastPathUnsupported, Grant, TransportError
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.errors import (
     CtxmemError,
@@ -27,7 +26,6 @@ from ctxmem_common.errors import (
 )
 from ctxmem_common.keys import namespace_digest, pack_keys, validate_keys
 from ctxmem_common.layout import KVLayout
-from ctxmem_common.packed_slots import PackedSlots, unpack_acquire
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.protoconv import (
     TIER_DRAM,
@@ -295,15 +293,18 @@ class Namespace:
                 rpc("Commit", pb.CommitRequest(session_id=s.id, allocation_id=a.allocation_id,
                                                abort=True))
                 return 0, len(keys)
+            grant = Grant.allocation(a.allocation_id, a.slots)
             try:
                 # Commit requires the CRCs (end-to-end integrity); the channel computes
                 # them in the same pass as its copy where it can (shared memory).
-                crcs = s.channel.write_crc(a.allocation_id, a.slots, views(new))
+                crcs = s.channel.write_grant(grant, views(new))
             except (TransportError, InvalidArgument):  # a bad buffer: nothing written
+                grant.release()
                 with contextlib.suppress(CtxmemError):
                     rpc("Commit", pb.CommitRequest(session_id=s.id,
                                                    allocation_id=a.allocation_id, abort=True))
                 raise
+            grant.release()
             c = rpc("Commit", pb.CommitRequest(
                 session_id=s.id, allocation_id=a.allocation_id,
                 crc32c=crcs))
@@ -315,9 +316,9 @@ class Namespace:
                   staged: DeferredStaged, views: Callable[[list[int]], list[memoryview]]
                   ) -> tuple[int, int]:
         """:meth:`_put_batch` over the control fast path: ALLOCATE (the buffers viewed
-        meanwhile), the write (on shared memory the fused copy+CRC into the slots; on TCP
-        each block and its CRC32C), COMMIT (or an abort when nothing is new, a buffer is
-        bad or the write failed). ``views``: the buffers of the batch's new blocks."""
+        meanwhile), the channel's write of the grant (:meth:`DataChannel.write_grant`),
+        COMMIT (or an abort when nothing is new, a buffer is bad or the write failed).
+        ``views``: the buffers of the batch's new blocks."""
         a = decode_allocate_reply(
             ch.call(SHM_OP_ALLOCATE, encode_keys_request(self.handle, packed, key_len),
                     meanwhile=staged.prepare),
@@ -326,14 +327,15 @@ class Namespace:
         if not new:
             ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, [], abort=True)])
             return 0, len(keys)
+        grant = Grant.allocation(a.allocation_id, a.slots)
         try:
-            sel = views(new)
-            crcs = (ch.write_packed(a.slots, sel) if isinstance(ch, ShmChannel)
-                    else ch.write_crc(a.allocation_id, (), sel))  # TCP: slots by index
+            crcs = ch.write_grant(grant, views(new))
         except (TransportError, InvalidArgument):  # a bad buffer: nothing written
+            grant.release()
             with contextlib.suppress(CtxmemError):
                 ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, [], abort=True)])
             raise
+        grant.release()
         committed = decode_commit_reply(
             ch.call(SHM_OP_COMMIT, [encode_commit(a.allocation_id, crcs, abort=False)]))
         return committed, len(keys) - len(new)
@@ -392,7 +394,6 @@ class Namespace:
             if done == len(keys):
                 return
             ch = s.channel
-            shm = isinstance(ch, ShmChannel)
             base = done
             fast = _fast(s, keys[base:], key_len or None)  # 0: pack_keys decides
             rep = None
@@ -409,33 +410,26 @@ class Namespace:
                 staged.prepare()
                 a = rpc("Acquire", pb.AcquireRequest(
                     session_id=s.id, namespace_handle=self.handle, keys=keys[base:],
-                    want_packed=shm))
+                    want_packed=ch.packed_slots))
                 lease_id, n = a.lease_id, a.num_acquired
             progress = ReadProgress()
+            grant: Grant | None = None
             try:
                 # A bad buffer raises here, and the lease is released below.
                 dst = staged.views[start + base : start + base + n] if n else []
-                if n and isinstance(ch, ShmChannel):
-                    packed: PackedSlots
+                if n:
                     if rep is not None:
-                        packed = rep.slots
+                        grant = Grant.of_lease(lease_id, rep.slots, rep.slots.crcs)
                     else:
                         assert a is not None
-                        packed = unpack_acquire(a, len(keys) - base, dst[0].nbytes)
-                    ch.read_packed(lease_id, packed, dst, verify, progress)
-                elif n and verify and a is not None:
-                    s.channel.read_verified(lease_id, a.slots[:n], dst, a.crc32c[:n],
-                                            progress)
-                elif n and a is not None:
-                    s.channel.read(lease_id, a.slots[:n], dst)
-                elif n and rep is not None:  # TCP's fast ACQUIRE: READ names blocks by index
-                    if verify:
-                        ch.read_verified(lease_id, (), dst, rep.slots.crcs, progress)
-                    else:
-                        ch.read(lease_id, (), dst)
+                        grant = Grant.of_acquire(a, len(keys) - base, dst[0].nbytes,
+                                                 ch.packed_slots)
+                    ch.read_grant(grant, dst, verify, progress)
             finally:
                 if verify:
                     done = base + progress.done  # checked bytes are right, whatever follows
+                if grant is not None:
+                    grant.release()
                 valid = self._release(s, lease_id, fast is not None and rep is not None,
                                       wait=not verify)
             if progress.bad is not None:
@@ -443,7 +437,7 @@ class Namespace:
                             "there (a miss)", base + progress.bad, lease_id.hex())
                 failed = True
             elif not verify:
-                if s.channel.name == "shm" and not valid:
+                if ch.maps_slots and not valid:
                     # Unverified: the slots may have been reused while we copied.
                     log.warning("ctxmem: lease %s expired during an unverified copy; "
                                 "treating as a miss", lease_id.hex())

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ctxmem.transport.rdma as rdma_mod
-from ctxmem.transport.base import DataChannel
+from ctxmem.transport.base import DataChannel, Grant
 from ctxmem.transport.rdma import RdmaChannel
 from ctxmem.transport.rdma_buffers import landing_rounds
 from ctxmem.transport.verified import ReadProgress
@@ -79,6 +79,13 @@ class _PerBlock(DataChannel):
              views: Sequence[memoryview]) -> None:
         for slot, v in zip(slots, views, strict=True):
             v[:] = self.remote[slot.offset]
+
+    def _write_grant(self, grant: Grant, views: Sequence[memoryview]) -> list[int]:
+        raise NotImplementedError
+
+    def _read_grant(self, grant: Grant, views: Sequence[memoryview], verify: bool,
+                    progress: ReadProgress) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         pass

@@ -1,5 +1,5 @@
 """Client data channels: how the shim moves bytes into and out of the service's slots."""
 
-from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem.transport.base import DataChannel, Grant, TransportError
 
-__all__ = ["DataChannel", "TransportError"]
+__all__ = ["DataChannel", "Grant", "TransportError"]

@@ -1,4 +1,15 @@
-"""The contract every data channel meets (shared memory, TCP, RDMA)."""
+"""The contract every data channel meets (shared memory, TCP, RDMA).
+
+:class:`Namespace <ctxmem.namespace.Namespace>` and :class:`~ctxmem.group.Group` move a
+batch's bytes through two calls only, whatever the transport: :meth:`DataChannel.write_grant`
+(a put's blocks into the slots of an allocation) and :meth:`DataChannel.read_grant` (a
+get's blocks out of the slots of a lease), each given a :class:`Grant`: what the service
+granted the batch, in the form its answer came in. A transport implements
+:meth:`DataChannel._write_grant` and :meth:`DataChannel._read_grant` in its own module, and
+says through class attributes what the callers must know of it (:attr:`DataChannel.ops`,
+:attr:`DataChannel.packed_slots`, :attr:`DataChannel.maps_slots`); nothing outside its
+module names it (docs/architecture.md, "Data channels").
+"""
 
 from __future__ import annotations
 
@@ -6,10 +17,12 @@ import abc
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ctxmem.transport.verified import ReadProgress, check_landed
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import InvalidArgument, Unavailable
+from ctxmem_common.packed_slots import PackedSlots, unpack_acquire
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.shm_ops import decode_error, decode_release_reply, encode_release
 from ctxmem_common.wire import SHM_OP_NAMES, SHM_OP_RELEASE, Status
@@ -47,14 +60,136 @@ def op_answer(where: str, name: str, status: int, body: bytes) -> bytes:
     raise InvalidArgument(f"{where} fast path {name}: unexpected status {status}")
 
 
+@dataclass(eq=False)
+class Grant:
+    """What the service granted one batch: an allocation (a put: its blocks go into
+    ``slots``) or a lease (a get: its blocks come out of ``slots``, each checked against
+    ``crcs``), in the form the answer came in: :class:`PackedSlots` (a fast-path answer,
+    a packed Acquire) or the ``pb.Slot`` messages of a gRPC answer (RDMA needs their
+    addresses and rkeys). TCP names blocks by index and reads neither.
+
+    A grant is used for one batch: once its Commit (or abort) or Release is sent the
+    caller marks it :meth:`released`, and every channel refuses it from then on, before
+    any byte moves (on shared memory nothing else would: the slots stay mapped)."""
+
+    id: bytes
+    """The allocation id (put) or lease id (get)."""
+    slots: PackedSlots | Sequence[pb.Slot]
+    crcs: Sequence[int] = ()
+    """Per block, the CRC32C committed with it (a lease; empty for an allocation)."""
+    lease: bool = False
+    """A lease (read) rather than an allocation (write)."""
+    done = False
+    """Set by :meth:`release`: the grant's Commit, abort or Release was sent."""
+
+    @classmethod
+    def allocation(cls, allocation_id: bytes, slots: PackedSlots | Sequence[pb.Slot]
+                   ) -> Grant:
+        """An Allocate's answer (fast path or gRPC) as a grant to write."""
+        return cls(allocation_id, slots)
+
+    @classmethod
+    def of_lease(cls, lease_id: bytes, slots: PackedSlots | Sequence[pb.Slot],
+                 crcs: Sequence[int]) -> Grant:
+        """An Acquire's lease (or a group member's) as a grant to read."""
+        return cls(lease_id, slots, crcs, lease=True)
+
+    @classmethod
+    def of_acquire(cls, a: pb.AcquireResponse, requested: int, block_nbytes: int,
+                   packed: bool) -> Grant:
+        """A gRPC Acquire's first ``num_acquired`` slots as a grant to read. ``packed``
+        (the channel's :attr:`DataChannel.packed_slots`): as :class:`PackedSlots`, read
+        and checked by :func:`~ctxmem_common.packed_slots.unpack_acquire` (either form of
+        the answer; ValueError names what is malformed); else the ``pb.Slot`` messages."""
+        if packed:
+            p = unpack_acquire(a, requested, block_nbytes)
+            return cls.of_lease(a.lease_id, p, p.crcs)
+        n = a.num_acquired
+        return cls.of_lease(a.lease_id, a.slots[:n], a.crc32c[:n])
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def what(self) -> str:
+        """``allocation <hex>`` or ``lease <hex>``, for messages."""
+        return f"{'lease' if self.lease else 'allocation'} {self.id.hex()}"
+
+    def release(self) -> None:
+        """Mark the grant used up (its Commit, abort or Release was sent)."""
+        self.done = True
+
+    def pb_slots(self) -> Sequence[pb.Slot]:
+        """The slots as ``pb.Slot`` messages (converted from packed ones if need be)."""
+        return self.slots.slots() if isinstance(self.slots, PackedSlots) else self.slots
+
+
 class DataChannel(abc.ABC):
     """Moves the bytes of one allocation or lease. Blocking; the client runs it on a
-    worker thread. ``views`` are flat byte views, one per slot, each ``slot.length`` long."""
+    worker thread. ``views`` are flat byte views, one per slot, each ``slot.length`` long.
+
+    The contract the callers use is :meth:`write_grant` and :meth:`read_grant` (and
+    :meth:`call` for the control fast path); a transport implements
+    :meth:`_write_grant`, :meth:`_read_grant`, :meth:`write`, :meth:`read` and
+    :meth:`close`, and overrides :meth:`write_crc` / :meth:`read_verified` where it can
+    fuse the CRC32C with its copy."""
 
     name: str
     ops = False
     """Whether :meth:`call` carries the control fast path on this channel (shared memory
     and TCP, when the service offers it: Health ``shm_ops`` / ``tcp_ops``)."""
+    packed_slots = False
+    """Whether the channel reads a lease's slots best packed (a gRPC Acquire then asks
+    ``want_packed``; :meth:`Grant.of_acquire` unpacks and checks them): shared memory."""
+    maps_slots = False
+    """Whether the shim copies out of the service's memory itself, with nothing on the
+    service's side checking the lease during the copy (shared memory): an unverified get
+    (``verify_gets=False``) then counts only if its lease was still valid at Release."""
+
+    def write_grant(self, grant: Grant, views: Sequence[memoryview]) -> list[int]:
+        """Write ``views[i]`` into the grant's slot ``i`` (the batch's new blocks) and
+        return each view's CRC32C, what Commit carries: fused with the copy where the
+        channel can (shared memory), else computed beside it. Refuses (InvalidArgument,
+        nothing written) a lease, a released grant, or a view count other than the slot
+        count; raises
+        TransportError when the channel fails or the answer is malformed."""
+        self._check_grant(grant, views, lease=False)
+        return self._write_grant(grant, views)
+
+    def read_grant(self, grant: Grant, views: Sequence[memoryview], verify: bool,
+                   progress: ReadProgress) -> None:
+        """Read the grant's first ``len(views)`` blocks into ``views``; with ``verify``
+        each is checked against ``grant.crcs`` and the first that fails is scrubbed and
+        ends the read (:mod:`ctxmem.transport.verified`; ``progress.done`` /
+        ``progress.bad``, kept up to date also when this raises). Without it the copy is
+        unchecked and ``progress`` is left alone. Refuses (InvalidArgument, nothing read)
+        an allocation, a released grant, or more views than slots; raises TransportError
+        when the channel fails or the answer is malformed."""
+        self._check_grant(grant, views, lease=True)
+        self._read_grant(grant, views, verify, progress)
+
+    def _check_grant(self, grant: Grant, views: Sequence[memoryview], lease: bool) -> None:
+        verb = "read" if lease else "write"
+        if grant.lease != lease:
+            raise InvalidArgument(f"cannot {verb} {grant.what()} on the {self.name} "
+                                  f"channel: {'only a lease' if lease else 'only an allocation'}"
+                                  f" is {verb}able")
+        if grant.done:
+            raise InvalidArgument(f"{grant.what()} was already "
+                                  f"{'released' if lease else 'committed or aborted'}: it "
+                                  f"cannot be used again; ask the service for a new one")
+        if len(views) > len(grant) or (not lease and len(views) != len(grant)):
+            raise InvalidArgument(f"{len(views)} buffers for the {len(grant)} slots of "
+                                  f"{grant.what()}; pass one buffer per slot"
+                                  f"{' (or fewer: the leading blocks)' if lease else ''}")
+
+    @abc.abstractmethod
+    def _write_grant(self, grant: Grant, views: Sequence[memoryview]) -> list[int]:
+        """:meth:`write_grant` once the grant is checked: the transport's own write."""
+
+    @abc.abstractmethod
+    def _read_grant(self, grant: Grant, views: Sequence[memoryview], verify: bool,
+                    progress: ReadProgress) -> None:
+        """:meth:`read_grant` once the grant is checked: the transport's own read."""
 
     def call(self, op: int, parts: Sequence[bytes], reply: bool = True,
              meanwhile: Callable[[], None] | None = None) -> bytes:

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem.transport.base import DataChannel, Grant, TransportError
 from ctxmem.transport.rdma_buffers import (
     Piece,
     Registration,
@@ -238,6 +238,21 @@ class RdmaChannel(DataChannel):
         handle.close()
 
     # -- DataChannel -----------------------------------------------------------------
+    def _write_grant(self, grant: Grant, views: Sequence[memoryview]) -> list[int]:
+        """One RDMA WRITE per slot (each ``pb.Slot`` carries its address and rkey)."""
+        return self.write_crc(grant.id, grant.pb_slots(), views)
+
+    def _read_grant(self, grant: Grant, views: Sequence[memoryview], verify: bool,
+                    progress: ReadProgress) -> None:
+        """RDMA READs into the landing buffer, checked (:meth:`read_verified`), or
+        straight into ``views`` (:meth:`read`)."""
+        n = len(views)
+        slots = grant.pb_slots()[:n]
+        if verify:
+            self.read_verified(grant.id, slots, views, grant.crcs[:n], progress)
+        else:
+            self.read(grant.id, slots, views)
+
     def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None:
         self._slots(OP_WRITE, slots, views, f"allocation {allocation_id.hex()}")

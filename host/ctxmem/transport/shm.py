@@ -35,7 +35,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem.transport.base import DataChannel, Grant, TransportError
 from ctxmem.transport.base import FastPathUnsupported as FastPathUnsupported  # its old home
 from ctxmem.transport.verified import ReadProgress, copy_checked, scrub
 from ctxmem_common.codecs import (
@@ -93,6 +93,8 @@ def _recv_body(sock: socket.socket, n: int) -> bytes:
 class ShmChannel(DataChannel):
     name = "shm"
     where = "shared-memory"
+    packed_slots = True  # a get reads Acquire's packed answer (read_packed)
+    maps_slots = True  # the copy reads the mapped slab: nothing checks the lease meanwhile
 
     def __init__(self, path: str, session_id: bytes, token: bytes, timeout_s: float,
                  ops: bool = False, copy_threads: int = 1) -> None:
@@ -143,6 +145,26 @@ class ShmChannel(DataChannel):
             raise TransportError(f"reply {magic!r} op {got_op} of {length} bytes "
                                  f"does not answer {name}")
         return status, _recv_body(self._sock, length)
+
+    def _write_grant(self, grant: Grant, views: Sequence[memoryview]) -> list[int]:
+        """Packed slots (a fast-path Allocate): :meth:`write_packed`; a gRPC answer's
+        ``pb.Slot`` messages: :meth:`write_crc`."""
+        if isinstance(grant.slots, PackedSlots):
+            return self.write_packed(grant.slots, views)
+        return self.write_crc(grant.id, grant.slots, views)
+
+    def _read_grant(self, grant: Grant, views: Sequence[memoryview], verify: bool,
+                    progress: ReadProgress) -> None:
+        """Packed slots (a fast-path or packed Acquire): :meth:`read_packed`; ``pb.Slot``
+        messages (a block group's Acquire): :meth:`read_verified` or :meth:`read`."""
+        if isinstance(grant.slots, PackedSlots):
+            self.read_packed(grant.id, grant.slots, views, verify, progress)
+            return
+        n = len(views)
+        if verify:
+            self.read_verified(grant.id, grant.slots[:n], views, grant.crcs[:n], progress)
+        else:
+            self.read(grant.id, grant.slots[:n], views)
 
     def write_packed(self, slots: PackedSlots, views: Sequence[memoryview]) -> list[int]:
         """:meth:`write_crc` for a fast-path Allocate's slots (plain int lists): every

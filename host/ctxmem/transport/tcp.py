@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ctxmem.transport.base import DataChannel, TransportError
+from ctxmem.transport.base import DataChannel, Grant, TransportError
 from ctxmem.transport.verified import ReadProgress, check_landed, scrub
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.errors import CtxmemError
@@ -176,6 +176,16 @@ class TcpChannel(DataChannel):
     def _check(self, status: int, what: str) -> None:
         if status != Status.OK:
             raise TransportError(f"{what}: {STATUS_TEXT.get(Status(status), status)}")
+
+    def _write_grant(self, grant: Grant, views: Sequence[memoryview]) -> list[int]:
+        """WRITE frames name blocks by index in the allocation: the slots are not read."""
+        return self.write_crc(grant.id, (), views)
+
+    def _read_grant(self, grant: Grant, views: Sequence[memoryview], verify: bool,
+                    progress: ReadProgress) -> None:
+        """READ frames name blocks by index in the lease: the slots are not read."""
+        self._read(grant.id, views, grant.crcs if verify else None,
+                   progress if verify else ReadProgress())
 
     def write(self, allocation_id: bytes, slots: Sequence[pb.Slot],
               views: Sequence[memoryview]) -> None:
