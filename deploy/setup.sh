@@ -167,6 +167,7 @@ run_tests() {
     # Only the guest test files are named: pytest collection is slow under emulation.
     # Debian 12's 6.1 kernel: everything, SPDK exposing its bdevs through nbd.
     bash tests/vm/run.sh "$VENV/bin/pytest" -q -m vm tests/vm tests/dpu/storage/test_kernel_nvmeof_vm.py \
+        tests/host/test_datachannel_conformance.py \
         tests/dpu/storage/test_storage_spdk_real.py
     # bookworm-backports' 6.12 kernel, a second short boot: SPDK exposing through ublk
     # (6.1 has no ublk; there these cases skip, here a skip is a failure).

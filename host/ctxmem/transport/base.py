@@ -170,9 +170,9 @@ class DataChannel(abc.ABC):
     def _check_grant(self, grant: Grant, views: Sequence[memoryview], lease: bool) -> None:
         verb = "read" if lease else "write"
         if grant.lease != lease:
-            raise InvalidArgument(f"cannot {verb} {grant.what()} on the {self.name} "
-                                  f"channel: {'only a lease' if lease else 'only an allocation'}"
-                                  f" is {verb}able")
+            raise InvalidArgument(
+                f"cannot {verb} {grant.what()} on the {self.name} channel: "
+                f"{'only a lease is readable' if lease else 'only an allocation is writable'}")
         if grant.done:
             raise InvalidArgument(f"{grant.what()} was already "
                                   f"{'released' if lease else 'committed or aborted'}: it "
