@@ -154,6 +154,32 @@ def test_expired_lease_keeps_the_verified_blocks(
         assert get_checked(ns, ks, scrubbed=True) == 5
 
 
+def test_unverified_get_whose_lease_expired_is_a_miss(
+        svc: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``verify_gets=False`` on shared memory, a channel that ``maps_slots`` (nothing on
+    the service's side checks the lease while the shim copies out of the slab): a lease
+    that expired during the copy makes the batch a miss, its slots may have been reused
+    meanwhile. The same get with the lease still valid at Release returns every block."""
+    ks = keys("unverified-lease")
+
+    def slow_copy(block: int, src: memoryview, dst: memoryview, want: int | None) -> bool:
+        ok = copy_one(src, dst, want)
+        if block == 3:
+            time.sleep(1.6)  # past lease_ttl_s: Release will say the lease expired
+        return ok
+
+    with ctxmem.Client(svc.endpoint, transport="shm", verify_gets=False) as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        assert c._sessions["default"].channel.maps_slots
+        assert ns.put(ks, [content(k) for k in ks]).stored == N
+        monkeypatch.setattr(shm_mod, "copy_crc32c_from_slots", block_by_block(slow_copy))
+        assert ns.get(ks, [bytearray(BLOCK) for _ in ks]) == 0
+        monkeypatch.setattr(shm_mod, "copy_crc32c_from_slots", REAL_FROM_SLOTS)
+        out = [bytearray(BLOCK) for _ in ks]
+        assert ns.get(ks, out) == N
+        assert [bytes(o) for o in out] == [content(k) for k in ks]
+
+
 @pytest.mark.parametrize("changed", ["copied", "not_yet_copied"])
 def test_slot_changed_mid_copy_never_yields_a_wrong_block(
         svc: Any, monkeypatch: pytest.MonkeyPatch, changed: str) -> None:
