@@ -21,7 +21,9 @@ with :func:`configure`, or at run time through the control file below.
 **A fault-injecting file layer.** :class:`~ctxmem_dpu.tiers.flash.FlashDevice` passes each
 ``pread``/``pwrite``/``fdatasync`` through :func:`before_io` / :func:`after_sync` while
 faults are active. Per device it can fail reads, writes or syncs with ``EIO``,
-``ENOSPC`` or ``EBADE`` (an NVMe Reservation Conflict: this host's key was preempted) (with a probability, or for the next N calls) and delay them (a slow device).
+``ENOSPC`` or ``EBADE`` (what the block layer returns for an NVMe Reservation Conflict:
+this host's key was preempted), with a probability or for the next N calls, and delay
+them (a slow device).
 With the journal on, it keeps the pre-image of every write since the device's last
 successful ``fdatasync``; ``powercut`` reverts a random subset of those writes, some only
 in part (512-byte pieces: a torn write), before killing the process.

@@ -507,6 +507,8 @@ class SlabLeaseKeeper:
         for dev in self.devices:
             fence = dev.fence
             assert fence is not None
+            if fence.stopped:
+                continue  # preempted: it writes nothing more there, lease stamps included
             for slab in dev.alloc.free_slab_ids():
                 if fence.held(slab):
                     epoch = fence.epoch(slab)

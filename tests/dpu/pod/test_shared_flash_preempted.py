@@ -68,11 +68,15 @@ async def test_a_preempted_node_refuses_durable_writes_and_says_why(
         assert faults.injected() == {}, "the device was written after the preemption"
         # What it acknowledged before stays served.
         assert await get(a, s, ns, [b"first"]) == [first]
+        image = Path(shared).read_bytes()
         assert a.counters["write_through_failures"] >= 2
         # Visible in the metrics (ctxmem status reads them): one-hot, this device.
         fam = {m.name: m for m in StoreCollector(a).collect()}["ctxmem_flash_shared_fencing"]
         assert {(x.labels["mode"], x.value) for x in fam.samples} == {
             ("reservation", 0.0), ("epoch_only", 0.0), ("preempted", 1.0)}
+    # A clean stop writes nothing either (its empty slabs' lease stamps stay: it may not
+    # write there; the others take them once it is dead).
+    assert Path(shared).read_bytes() == image, "the preempted node wrote at its stop"
 
 
 async def test_a_file_is_fenced_by_the_epoch_alone_and_the_metrics_say_so(
