@@ -224,10 +224,11 @@ class FormattedDevice(DeviceFile):
                   f"reservation conflict: another node judged it dead and took its slabs); "
                   f"restart the service to register again and re-read its slabs")
         if not self.fence.stopped:
-            log.error("flash device %s: node %s %s", self.name, self.fence.node_id, reason)
+            log.error("flash device %s: node %s stops writing here: %s", self.name,
+                      self.fence.node_id, reason)
         self.fence.stop(reason)
         return SlabFenced(errno.EBADE, f"flash device {self.name!r}: {what} refused: {exc}; "
-                          f"node {self.fence.node_id!r} {reason}")
+                          f"node {self.fence.node_id!r} stops writing here: {reason}")
 
     def _pwrite(self, buf: Any, offset: int) -> None:
         try:

@@ -18,6 +18,7 @@ from ctxmem_common.errors import Unavailable
 from ctxmem_dpu import faults
 from ctxmem_dpu.metrics import StoreCollector
 from tests.dpu.storekit import get, put
+from tests.kit import until_async
 
 from .podkit import DEVICE, block_bytes, format_shared, node, session
 
@@ -49,6 +50,10 @@ async def test_a_preempted_node_refuses_durable_writes_and_says_why(
         s, ns = session(a, 64)
         first = block_bytes(b"first", 64 << 10)
         assert await put(a, s, ns, {b"first": first}) == 1
+        # A spare slab leased (and stamped) beside the one holding the block: a clean stop
+        # would give it back (blank its stamp), which a preempted node may not do.
+        await until_async(lambda: dev.alloc.free_slab_ids(), 20 * LEASE_S,
+                          "a spare slab leased", 0.05)
         faults.configure(devices={DEVICE: {"write": "ebade"}})
         with pytest.raises(Unavailable) as err:
             await put(a, s, ns, {b"second": block_bytes(b"second", 64 << 10)})
