@@ -20,8 +20,10 @@ with :func:`configure`, or at run time through the control file below.
 
 **A fault-injecting file layer.** :class:`~ctxmem_dpu.tiers.flash.FlashDevice` passes each
 ``pread``/``pwrite``/``fdatasync`` through :func:`before_io` / :func:`after_sync` while
-faults are active. Per device it can fail reads, writes or syncs with ``EIO`` or
-``ENOSPC`` (with a probability, or for the next N calls) and delay them (a slow device).
+faults are active. Per device it can fail reads, writes or syncs with ``EIO``,
+``ENOSPC`` or ``EBADE`` (what the block layer returns for an NVMe Reservation Conflict:
+this host's key was preempted), with a probability or for the next N calls, and delay
+them (a slow device).
 With the journal on, it keeps the pre-image of every write since the device's last
 successful ``fdatasync``; ``powercut`` reverts a random subset of those writes, some only
 in part (512-byte pieces: a torn write), before killing the process.
@@ -30,7 +32,7 @@ in part (512-byte pieces: a torn write), before killing the process.
 (every 10 ms) and applies it whenever it changes; it then writes ``/path/ctl.json.ack``
 (``{"gen": ..., "pid": ..., "injected": {...}, "hits": {...}}``) so a driver knows the
 change is in force. The file holds ``{"gen": int, "points": "spec" | {}, "devices":
-{name or "*": {"read"|"write"|"sync": "eio"|"enospc", "prob": p, "count": n,
+{name or "*": {"read"|"write"|"sync": "eio"|"enospc"|"ebade", "prob": p, "count": n,
 "delay_s": s}}, "journal": bool, "collect_garbage": bool}``; a key left out leaves that
 part unchanged; ``collect_garbage`` runs a full ``gc.collect()`` before the ack (a driver
 that measures the service's memory once settled: ``ctxmem fuzz``), then glibc's
@@ -93,7 +95,7 @@ class _Arm:
 class DeviceFault:
     """Faults of one device in the file layer."""
 
-    read: str = ""  # "", "eio" or "enospc"
+    read: str = ""  # "", "eio", "enospc" or "ebade"
     write: str = ""
     sync: str = ""
     prob: float = 1.0
@@ -108,7 +110,7 @@ class DeviceFault:
         f = cls(**raw)
         for op in (f.read, f.write, f.sync):
             if op not in DEVICE_ERRORS:
-                raise ValueError(f"device fault: {op!r} is not one of '', 'eio', 'enospc'")
+                raise ValueError(f"device fault: {op!r} is not one of {DEVICE_ERRORS}")
         return f
 
 
@@ -254,7 +256,7 @@ def before_io(device: str, op: str, fd: int, path: str, offset: int, nbytes: int
                 if fire:
                     _injected[f"{op}:{kind}"] += 1
             if fire:
-                code = errno.ENOSPC if kind == "enospc" else errno.EIO
+                code = {"enospc": errno.ENOSPC, "ebade": errno.EBADE}.get(kind, errno.EIO)
                 raise OSError(code, f"injected {kind.upper()} on {op} ({device})")
     if op == "write" and _journal_on and nbytes > 0:
         pre = _read_preimage(fd, offset, nbytes)

@@ -185,6 +185,16 @@ class StoreCollector:
             for name in DEVICE_STATES:
                 state.add_metric([dev.name, name], 1.0 if name == now else 0.0)
         yield state
+        fencing = GaugeMetricFamily(
+            "ctxmem_flash_shared_fencing", "Each shared flash device's fencing, one-hot: "
+            "reservation (NVMe reservations and the slab epochs), epoch_only (the target has "
+            "no reservations: the slab epochs alone), preempted (another node preempted this "
+            "node's key: it writes nothing more there)", labels=["device", "mode"])
+        for dev in self.store.flash.devices:
+            if dev.fencing:
+                for mode in ("reservation", "epoch_only", "preempted"):
+                    fencing.add_metric([dev.name, mode], 1.0 if mode == dev.fencing else 0.0)
+        yield fencing
         events = CounterMetricFamily(
             "ctxmem_flash_device_events", "Flash device events: failed (taken out of "
             "service), recovered (probed healthy again), reattached (reopened where it "

@@ -13,7 +13,7 @@ Arming spec (``CTXMEM_FAULTS`` and the control file's ``points``)::
 Control file (``CTXMEM_FAULT_CTL=/path/ctl.json``, applied whenever it changes)::
 
     {"gen": int, "points": "spec" | {name: action}, "journal": bool, "collect_garbage": bool,
-     "devices": {name or "*": {"read"|"write"|"sync": "eio"|"enospc",
+     "devices": {name or "*": {"read"|"write"|"sync": "eio"|"enospc"|"ebade",
                                "prob": p, "count": n, "delay_s": s}}}
 
 A key left out leaves that part as the service has it. The service answers in
@@ -83,8 +83,9 @@ ACTIONS = ("kill", "powercut", "crash", "eio", "sleep")
 
 DEVICE_OPS = ("read", "write", "sync")
 """The file-layer calls a device fault can fail (also the prefix of ``injected`` counts)."""
-DEVICE_ERRORS = ("", "eio", "enospc")
-"""What a failing device call raises ("": not failed)."""
+DEVICE_ERRORS = ("", "eio", "enospc", "ebade")
+"""What a failing device call raises ("": not failed; "ebade": what the block layer returns
+for an NVMe Reservation Conflict, i.e. this host's reservation key was preempted)."""
 DEVICE_FAULT_KEYS = frozenset({*DEVICE_OPS, "prob", "count", "delay_s"})
 """The keys one device's entry under ``devices`` may hold."""
 POWERCUT_DROPPED = "powercut_writes_dropped"

@@ -297,6 +297,8 @@ class SlabLeaseKeeper:
                         boot_id(), socket.gethostname())
         ok = True
         for dev in self.devices:
+            if dev.fence is not None and dev.fence.stopped:
+                continue  # preempted: it writes nothing more there (SlabFence.stop)
             try:
                 await self._run(dev.write_beat, beat)
             except OSError as exc:
@@ -365,7 +367,7 @@ class SlabLeaseKeeper:
         fence = dev.fence
         assert fence is not None
         need = max(self.spare - len(dev.alloc.free_slab_ids()), more)
-        if need <= 0:
+        if need <= 0 or fence.stopped:
             return 0
         if time.monotonic() + self.leases.lease_s / 2 > self._beat_deadline:
             await self.heartbeat()  # (the grants' deadlines are bounded by the beat's)
@@ -396,6 +398,20 @@ class SlabLeaseKeeper:
         uuid = dev.superblock.device_uuid
         got = 0
         for slab in order:
+            victim = owners[slab][0]
+            if victim and victim != fence.node_id:
+                # Where the target has reservations: the dead node's key is preempted
+                # (and its queued commands aborted) before its slab is stamped, so a
+                # write it still sends fails on the device instead of landing.
+                try:
+                    done = await self._run(dev.fence_out, victim)
+                except OSError as exc:
+                    log.warning("flash device %s: slab %d of node %s not taken: %s",
+                                dev.name, slab, victim, exc)
+                    continue
+                if done:
+                    log.warning("flash device %s: %s before taking slab %d", dev.name, done,
+                                slab)
             grant = await self.leases.grant(uuid, slab, owners[slab][1])
             if grant is None:
                 continue
@@ -426,6 +442,13 @@ class SlabLeaseKeeper:
             uuid = dev.superblock.device_uuid
             held = fence.slabs()
             owners: dict[int, tuple[str, int]] | None
+            try:
+                # Where the target has reservations: is this node's key still registered?
+                # (A node that took its slabs preempted it: the fence stops.)
+                await self._run(dev.check_registration)
+            except OSError as exc:
+                log.warning("flash device %s: reading its reservations failed: %s", dev.name,
+                            exc)
             try:
                 owners = dict(zip(held, await self._run(
                     lambda d=dev, h=held: [d.slab_owner(s) for s in h]), strict=True))
@@ -484,6 +507,8 @@ class SlabLeaseKeeper:
         for dev in self.devices:
             fence = dev.fence
             assert fence is not None
+            if fence.stopped:
+                continue  # preempted: it writes nothing more there, lease stamps included
             for slab in dev.alloc.free_slab_ids():
                 if fence.held(slab):
                     epoch = fence.epoch(slab)

@@ -84,8 +84,10 @@ def status_renderable(doc: dict[str, Any]) -> Group:
     devices.add_column("device")
     devices.add_column("state")
     for d in doc["devices"]:
-        devices.add_row(d["name"], Text(d["state"], style="green" if d["state"] == "healthy"
-                                        else "red"))
+        state = d["state"] + (f" (shared: {d['fencing'].replace('_', ' ')})" if "fencing" in d
+                              else "")
+        devices.add_row(d["name"], Text(state, style="green" if d["state"] == "healthy"
+                                        and d.get("fencing") != "preempted" else "red"))
     if not doc["devices"]:
         devices.add_row("(none: DRAM only)", "")
     ev = doc["device_events"]

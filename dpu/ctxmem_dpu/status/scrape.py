@@ -120,8 +120,14 @@ def status_document(now: Scrape, prev: Scrape | None = None) -> dict[str, Any]:
     for lab, v in now.series("ctxmem_flash_device_state"):
         if v >= 1:
             devices[lab["device"]] = lab["state"]
+    fencing: dict[str, str] = {}  # shared devices only: reservation, epoch_only, preempted
+    for lab, v in now.series("ctxmem_flash_shared_fencing"):
+        if v >= 1:
+            fencing[lab["device"]] = lab["mode"]
     bad = [f"flash device {d} {s.replace('_', ' ')}" for d, s in sorted(devices.items())
            if s != "healthy"]
+    bad += [f"flash device {d}: this node's reservation was preempted (it writes nothing "
+            f"more there; restart it)" for d, m in sorted(fencing.items()) if m == "preempted"]
     health = ("serving" if not bad else "degraded: " + "; ".join(bad)) if now.ready \
         else "not ready"
     return {
@@ -140,7 +146,8 @@ def status_document(now: Scrape, prev: Scrape | None = None) -> dict[str, Any]:
         "leases": now.value("ctxmem_leases"),
         "dirty_blocks": now.value("ctxmem_dirty_blocks"),
         "puts_shed": now.value("ctxmem_puts_shed_total"),
-        "devices": [{"name": d, "state": s} for d, s in sorted(devices.items())],
+        "devices": [{"name": d, "state": s} | ({"fencing": fencing[d]} if d in fencing else {})
+                    for d, s in sorted(devices.items())],
         "device_events": {e: now.value("ctxmem_flash_device_events_total", event=e)
                           for e in ("failed", "recovered", "reattached")},
         "integrity": {

@@ -146,6 +146,13 @@ class WriteThrough:
         if no_room:
             raise ResourceExhausted(msg + "flash has no room for them: retry later, free "
                                     "flash space (delete, evict) or add flash devices")
+        if any(isinstance(e, SlabFenced) and e.errno == errno.EBADE for e in errors):
+            # Shared flash with NVMe reservations: another node preempted this node's key
+            # (it judged this node dead and took its slabs); nothing more is written here.
+            raise Unavailable(msg + "this node's reservation on the shared namespace was "
+                              "preempted by another node, so it writes and acknowledges "
+                              "nothing more on that device: restart the service to "
+                              "register again and re-read its slabs")
         if all(isinstance(e, SlabFenced) for e in errors):
             # Nothing was written and the device did not fail: the node lacks a current
             # slab lease (renewed through the index), which it regains by itself.

@@ -39,6 +39,7 @@ from ctxmem_common.flash_format import (
     slots_per_slab,
 )
 from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
+from ctxmem_dpu.storage.nvme_resv import RESV_TYPE, NvmeReservation, node_key
 from ctxmem_dpu.tiers import flash_io
 from ctxmem_dpu.tiers.flash_fence import SlabFence, SlabFenced
 from ctxmem_dpu.tiers.flash_io import ZEROS, DeviceFile, FlashIOError, ShortRead, scan_buffers
@@ -123,10 +124,15 @@ class FormattedDevice(DeviceFile):
 
     def __init__(self, index: int, name: str, path: str, slab_size: int, o_direct: bool,
                  lock: bool = True, fence: SlabFence | None = None) -> None:
-        super().__init__(name, path, o_direct, lock, shared=fence is not None)
-        self.index = index
         # A shared device: the slabs this service leases (None: it owns the device).
         self.fence = fence
+        # A shared device whose target offers NVMe reservations: this node's registration
+        # (registered before the first write, in _before_writes); None: the on-device epoch
+        # alone fences, for the reason in resv_absent.
+        self.resv: NvmeReservation | None = None
+        self.resv_absent = ""
+        super().__init__(name, path, o_direct, lock, shared=fence is not None)
+        self.index = index
         self.healthy = True
         self.health_reason = ""
         self._fresh: set[int] = set()  # slabs assigned but not yet initialised on flash
@@ -161,6 +167,148 @@ class FormattedDevice(DeviceFile):
         )
         if fence is not None:
             self.alloc.start_empty()
+
+    # -- NVMe reservations (shared devices; ctxmem_dpu.storage.nvme_resv) ---------------
+    def _before_writes(self) -> None:
+        """A shared device: where the target offers reservations, register this node's
+        key and reserve the namespace Write Exclusive - All Registrants, before the first
+        write; where it offers none, say why once (the on-device epoch alone fences)."""
+        if self.fence is None:
+            return
+        resv = NvmeReservation(self.fd, self.name, self.fence.node_id)
+        try:
+            support = resv.probe()
+            if not support.ok:
+                resv.close()
+                self.resv_absent = support.reason
+                log.warning("flash device %s (shared, %s): no NVMe reservations: %s; the "
+                            "slab headers' epochs alone fence it", self.name, self.path,
+                            support.reason)
+                return
+            resv.register()
+            resv.acquire(RESV_TYPE)
+            st = resv.report()
+        except OSError as exc:
+            resv.close()
+            raise FlashIOError(exc.errno or errno.EIO, f"flash device {self.name!r}: "
+                               f"registering node {self.fence.node_id!r}'s reservation key "
+                               f"failed: {exc}") from None
+        if resv.key not in st.registered_keys() or st.rtype != RESV_TYPE:
+            resv.close()
+            raise FlashIOError(errno.EBADE, f"flash device {self.name!r}: after registering "
+                               f"node {self.fence.node_id!r} the target reports reservation "
+                               f"type {st.rtype} and {len(st.registrants)} registrants "
+                               f"without its key; another host holds a conflicting "
+                               f"reservation (nvme resv-report {self.path} shows it)")
+        self.resv = resv
+        log.info("flash device %s (shared): node %s registered key 0x%016x; namespace "
+                 "reserved %s (%d registrants)", self.name, self.fence.node_id, resv.key,
+                 RESV_TYPE.name, len(st.registrants))
+
+    @property
+    def fencing(self) -> str:
+        """How this shared device is fenced: ``reservation``, ``epoch_only`` (the target
+        has no reservations: :attr:`resv_absent` says why) or ``preempted`` (this node's
+        key was preempted: it writes nothing more); ``""`` on a device it owns."""
+        if self.fence is None:
+            return ""
+        if self.fence.stopped:
+            return "preempted"
+        return "reservation" if self.resv is not None else "epoch_only"
+
+    def _preempted(self, what: str, exc: OSError) -> SlabFenced:
+        """A write (or sync) failed with a reservation conflict: this node's key was
+        preempted. Stop the fence (nothing more is written or acknowledged here)."""
+        assert self.fence is not None
+        reason = (f"its NVMe reservation key was preempted (a {what} failed with a "
+                  f"reservation conflict: another node judged it dead and took its slabs); "
+                  f"restart the service to register again and re-read its slabs")
+        if not self.fence.stopped:
+            log.error("flash device %s: node %s stops writing here: %s", self.name,
+                      self.fence.node_id, reason)
+        self.fence.stop(reason)
+        return SlabFenced(errno.EBADE, f"flash device {self.name!r}: {what} refused: {exc}; "
+                          f"node {self.fence.node_id!r} stops writing here: {reason}")
+
+    def _pwrite(self, buf: Any, offset: int) -> None:
+        try:
+            super()._pwrite(buf, offset)
+        except FlashIOError as exc:
+            if self.fence is not None and exc.errno == errno.EBADE:
+                raise self._preempted(f"write at {offset}", exc) from None
+            raise
+
+    def sync(self) -> None:
+        try:
+            super().sync()
+        except FlashIOError as exc:
+            if self.fence is not None and exc.errno == errno.EBADE:
+                raise self._preempted("sync", exc) from None
+            raise
+
+    def refresh_owner(self) -> None:
+        if self.fence is not None and self.fence.stopped:
+            return  # it writes nothing more here
+        try:
+            super().refresh_owner()
+        except OSError as exc:
+            if self.fence is not None and exc.errno == errno.EBADE:
+                self._preempted("pod marker refresh", exc)
+                return
+            raise
+
+    def check_registration(self) -> bool:
+        """Is this node's reservation key still registered (True where the target has no
+        reservations)? When it is gone, the fence stops. Raises FlashIOError when the
+        target cannot be asked."""
+        if self.resv is None or self.fence is None or self.fence.stopped:
+            return self.fence is None or not self.fence.stopped
+        try:
+            st = self.resv.report()
+        except OSError as exc:
+            raise FlashIOError(exc.errno or errno.EIO, str(exc)) from None
+        if self.resv.key in st.registered_keys():
+            return True
+        self._preempted("Reservation Report", OSError(
+            errno.EBADE, f"key 0x{self.resv.key:016x} is not among the "
+                         f"{len(st.registrants)} registrants"))
+        return False
+
+    def fence_out(self, node: str) -> str:
+        """Before taking a slab of ``node`` (judged dead): preempt and abort its
+        reservation key, so a write it still sends fails on the device. Returns what was
+        done (``""``: the target has no reservations). Raises FlashIOError when the key
+        is still registered afterwards or the target refuses."""
+        if self.resv is None:
+            return ""
+        key = node_key(node)
+        try:
+            if key not in self.resv.report().registered_keys():
+                return f"node {node!r}'s key 0x{key:016x} was not registered"
+            self.resv.preempt(key, RESV_TYPE, abort=True, victim=node)
+            still = key in self.resv.report().registered_keys()
+        except OSError as exc:
+            raise FlashIOError(exc.errno or errno.EIO, f"flash device {self.name!r}: "
+                               f"fencing out node {node!r}: {exc}") from None
+        if still:
+            raise FlashIOError(errno.EBADE, f"flash device {self.name!r}: node {node!r}'s key "
+                               f"0x{key:016x} is still registered after preempt-and-abort; "
+                               f"its slabs are not taken")
+        return f"preempted and aborted node {node!r}'s key 0x{key:016x}"
+
+    def close(self) -> None:
+        """Close the file; on a shared device with reservations, unregister this node's
+        key first (unless it was preempted: it holds none)."""
+        resv, self.resv = getattr(self, "resv", None), None
+        if resv is not None:
+            try:
+                if self.fence is not None and not self.fence.stopped:
+                    resv.unregister()
+            except OSError as exc:
+                log.warning("flash device %s: %s", self.name, exc)
+            finally:
+                resv.close()
+        super().close()
 
     # -- layout -------------------------------------------------------------------------
     def _load_or_format(self, slab_size: int) -> Superblock:
@@ -531,6 +679,9 @@ class FormattedDevice(DeviceFile):
             raise
         self.forget_tables()
         self.replace_fd(fd, path)
+        if self.resv is not None:  # the registration is the host's: ask the new path
+            self.resv.close()
+            self.resv = NvmeReservation(fd, self.name, self.resv.node_id)
 
     # -- warm restart (I/O threads) -----------------------------------------------------
     def scan_slab(self, slab: int) -> tuple[int, int, TableColumns, int] | None:

@@ -13,13 +13,16 @@ lease is still current by its own clock (the local deadline is the time the gran
 renewal was *sent* plus the lease, less a margin: Redis expires the key no earlier) and
 that the slab header on the device names no later epoch (a new owner writes its header,
 with a higher epoch, before its first record); before each header write, the local
-deadline again. What that cannot do without fencing in the device (NVMe reservations,
-where a new owner preempts the old host's registration): stop a writer that passed the
-check and was then paused longer than the lease's remaining time from writing after the
-new owner took the slab. Such a late write can destroy the new owner's records (they
-become misses) but never make a read return wrong bytes: every reader checks the record
-header (namespace, key, sequence, length, CRC) and the payload's CRC32C, and the XTS tweak
-ties ciphertext to its offset.
+deadline again. What that cannot do alone: stop a writer that passed the check and was
+then paused longer than the lease's remaining time from writing after the new owner took
+the slab. Where the target offers NVMe persistent reservations
+(:mod:`ctxmem_dpu.storage.nvme_resv`) the new owner first preempts the dead node's key,
+so such a late write fails on the device (Reservation Conflict, ``EBADE``) and the fence
+stops (:meth:`SlabFence.stop`): nothing more is written or acknowledged. Where it does not
+(a file, kernel nvmet before Linux 6.13), such a late write can destroy the new owner's
+records (they become misses) but never make a read return wrong bytes: every reader
+checks the record header (namespace, key, sequence, length, CRC) and the payload's
+CRC32C, and the XTS tweak ties ciphertext to its offset.
 
 The dictionaries are written on the event loop and read on the I/O threads (single item
 reads and writes, atomic in CPython).
@@ -56,6 +59,14 @@ class SlabFence:
         self.node_id = node_id
         self._grants: dict[int, SlabGrant] = {}
         self._lost: set[int] = set()  # leases this service held and lost (taken over)
+        # Why this node may write nothing more on the device (its NVMe reservation key
+        # was preempted: another node judged it dead and took its slabs); "" while it may.
+        self.stopped = ""
+
+    def stop(self, reason: str) -> None:
+        """Write nothing more on this device, whatever the leases say (``reason``: why;
+        the first reason is kept)."""
+        self.stopped = self.stopped or reason
 
     def grant(self, slab: int, epoch: int, deadline: float) -> None:
         """Record (or renew) the lease on ``slab``."""
@@ -88,6 +99,10 @@ class SlabFence:
         """Raise :class:`SlabFenced` unless this service may write ``slab`` now.
         ``on_device``: (owner, epoch) of the slab header read from the device, when the
         caller read it (see the module docstring)."""
+        if self.stopped:
+            raise SlabFenced(errno.EBADE, f"flash device {self.device!r}: node "
+                             f"{self.node_id!r} writes nothing more here: {self.stopped}; "
+                             f"slab {slab} not written")
         g = self._grants.get(slab)
         if g is None:
             raise SlabFenced(errno.EACCES, f"flash device {self.device!r}: slab {slab} is "

@@ -127,6 +127,12 @@ class DeviceFile:
                                    ) from None
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
         self.owner: DeviceOwner | None = None
+        try:
+            self._before_writes()
+        except BaseException:
+            os.close(self.fd)
+            self.fd = -1
+            raise
         if lock:
             owner = DeviceOwner(name, path, shared)
             try:
@@ -136,6 +142,11 @@ class DeviceFile:
                 self.fd = -1
                 raise
             self.owner = owner
+
+    def _before_writes(self) -> None:
+        """Called once the file is open (and locked), before anything is written to it
+        (the owner record): a subclass registers with the device here (a shared
+        device's NVMe reservation key)."""
 
     def refresh_owner(self) -> None:
         """Extend this service's lease on the device (the store's reaper calls it);
