@@ -5,7 +5,7 @@ the service CRCs the slot at Commit) and needs the client to write the service's
 Here the service creates the memory a client fills (its offload buffer), and a put is
 one STAGE_PUT naming (offset, length, CRC32C) per block: the service copies each block
 into its DRAM slot with the CRC32C computed in the same pass
-(:func:`~ctxmem_common.codecs.copy_crc32c_to_slots`), so the stored bytes are exactly
+(:func:`~ctxmem_common.codecs.copy_crc32c_between`), so the stored bytes are exactly
 the bytes whose CRC it computed, whatever the client writes meanwhile.
 
 The trust surface (docs/security.md, "Staging regions"), each case tested in
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ctxmem_common.codecs import CRC32C_FUSED, copy_crc32c_to_slots, crc32c_many
+from ctxmem_common.codecs import copy_crc32c_between
 from ctxmem_common.errors import InvalidArgument, ResourceExhausted
 from ctxmem_common.staging_wire import (
     EXISTING,
@@ -294,20 +294,10 @@ class StagingRegions:
 
 def _copy_part(src: memoryview, dst: memoryview, src_offsets: list[int],
                dst_offsets: list[int], nbytes: int) -> list[int]:
-    """One slab's blocks (a staging thread): fused copy + CRC32C of each block."""
-    views = [src[o:o + nbytes] for o in src_offsets]
-    lengths = [nbytes] * len(views)
-    try:
-        if CRC32C_FUSED:
-            return copy_crc32c_to_slots(views, dst, dst_offsets, lengths)
-        # The pure fallback CRCs a source before copying it: here the source is the
-        # client's (it may change it meanwhile), so CRC the copy instead.
-        for v, o in zip(views, dst_offsets, strict=True):
-            dst[o:o + nbytes] = v
-        return crc32c_many(dst, dst_offsets, nbytes)
-    finally:
-        for v in views:
-            v.release()
+    """One slab's blocks (a staging thread): each copied from the region into its slot,
+    its CRC32C of the words as stored (fused; without the native helper, the slot's CRC
+    after the copy), in one call."""
+    return copy_crc32c_between(src, src_offsets, dst, dst_offsets, nbytes)
 
 
 def outcomes(exists: Sequence[bool], new_crcs: Sequence[int],
