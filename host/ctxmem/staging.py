@@ -12,7 +12,7 @@ pass. The client never writes a slab for this path.
     with client.staging(64 << 20) as region:        # service memory, mapped here
         buf = region.array()                        # numpy uint8 over region.data
         buf[:n] = kv_bytes                          # e.g. the engine's D2H copy lands here
-        ns.put_staged(...) / region.put(ns, keys, offsets=[0, n, ...])
+        region.put(ns, keys, offsets=[0, block, ...])   # or region.offsets_of(views)
 
 A region belongs to the client's session of one tenant: it is freed by
 :meth:`StagingRegion.close`, by :meth:`ctxmem.Client.close`, or with the session, and it
@@ -95,6 +95,24 @@ class StagingRegion:
     def array(self, dtype: Any = np.uint8) -> np.ndarray:
         """:attr:`data` as a flat numpy array of ``dtype`` (no copy)."""
         return np.frombuffer(self.data, dtype=dtype)
+
+    def offsets_of(self, buffers: Sequence[Any]) -> list[int]:
+        """Where each of ``buffers`` (numpy arrays or memoryviews that are views of
+        :attr:`data`, e.g. an engine's blocks laid out in the region) starts in
+        :attr:`data`: the ``offsets`` :meth:`put` takes. InvalidArgument for a buffer
+        that is not a contiguous view inside the region."""
+        base = np.frombuffer(self.data, np.uint8).__array_interface__["data"][0]
+        out = []
+        for i, buf in enumerate(buffers):
+            arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+            off = arr.__array_interface__["data"][0] - base
+            if not arr.flags.c_contiguous or off < 0 or off + arr.nbytes > self.nbytes:
+                raise InvalidArgument(
+                    f"buffers[{i}] is not a contiguous view inside staging region "
+                    f"{self.id}'s data ({self.nbytes} bytes); slice region.array() or "
+                    f"region.data")
+            out.append(int(off))
+        return out
 
     def put(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int],
             crcs: Sequence[int] | None = None) -> StagedPutResult:

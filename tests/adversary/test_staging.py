@@ -344,6 +344,29 @@ def test_a_malformed_staging_frame_closes_the_connection(svc: ServiceHandle) -> 
             _raw_create(raw, 0)  # a bad size is an error answer, on the raw's own channel
 
 
+def test_views_of_the_region_give_their_offsets(svc: ServiceHandle) -> None:
+    """An engine that lays its blocks out in the region puts them by their views; a
+    buffer that is not inside the region is refused before anything is sent."""
+    keys = _keys(2, b"views")
+    with ctxmem.Client(svc.endpoint, transport="shm") as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        with c.staging(3 * BLOCK) as region:
+            arr = region.array()
+            views = [arr[2 * BLOCK:3 * BLOCK], region.data[0:BLOCK]]
+            views[0][:] = 0x77
+            views[1][:] = b"\x78" * BLOCK
+            assert region.offsets_of(views) == [2 * BLOCK, 0]
+            assert region.put(ns, keys, region.offsets_of(views)).stored == 2
+            with pytest.raises(InvalidArgument, match="not a contiguous view inside"):
+                region.offsets_of([np.zeros(BLOCK, np.uint8)])
+            with pytest.raises(InvalidArgument, match="not a contiguous view inside"):
+                region.offsets_of([arr[::2][:BLOCK]])
+            del arr, views
+        got = _get(ns, keys)
+        assert got[0] is not None and bytes(got[0]) == b"\x77" * BLOCK
+        assert got[1] is not None and bytes(got[1]) == b"\x78" * BLOCK
+
+
 def test_a_region_object_is_bound_to_its_session(svc: ServiceHandle) -> None:
     """A region of tenant A's session cannot put into tenant B's namespace: the shim
     refuses before sending (the service would refuse too)."""
