@@ -204,7 +204,8 @@ def open_region(client: Client, nbytes: int, tenant: str = "default") -> Staging
         raise InvalidArgument(
             f"staging regions need the shared-memory transport with its fast path; this "
             f"client uses {client.transport_in_use!r} (pass transport='shm', run on the "
-            f"service's host, leave CTXMEM_FAST_OPS unset)")
+            f"service's host, leave CTXMEM_FAST_OPS unset; the service must offer the fast "
+            f"path: service.shm_op_max_bytes above 0)")
     body, fd = ch.call_with_fd(SHM_OP_STAGE_CREATE, [staging_wire.encode_create(nbytes)])
     try:
         created = staging_wire.decode_create_reply(body)

@@ -18,6 +18,10 @@ The socket is shared by clients that do not trust each other, so (issue 12):
   (bad op, a body over ``service.shm_op_max_bytes``, a body that does not decode) is
   answered BAD_REQUEST, counted (``shm_ops_refused``) and the connection closed; a body
   that stalls is dropped after ``data_plane.read_timeout_s``;
+* staging regions (STAGE_CREATE, STAGE_PUT, STAGE_FREE: :mod:`.shm_staging`,
+  :mod:`ctxmem_dpu.store.staging`) are OP frames too; a STAGE_CREATE's answer carries
+  the region's memfd (a dup owned by the queued reply, closed once sent or when the
+  connection ends, so a client that does not read holds at most its queue's worth);
 * with ``service.shm_allowed_uids`` / ``shm_allowed_gids`` set, a peer whose SO_PEERCRED
   uid and gid are in neither list is answered PEER_NOT_ALLOWED at accept and closed
   (``shm_peers_refused``).
