@@ -376,3 +376,56 @@ def test_a_region_object_is_bound_to_its_session(svc: ServiceHandle) -> None:
         with c.staging(BLOCK) as region, pytest.raises(InvalidArgument,
                                                        match="belongs to session"):
             region.put(ns_b, _keys(1, b"bound"), [0])
+
+
+def test_the_service_wide_cap_and_the_per_session_count(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """``service.staging_max_bytes`` caps all tenants together (each under its own
+    quota here), and a session holds at most MAX_REGIONS_PER_SESSION regions however
+    small; both refusals say which limit and what to do; 0 turns staging off."""
+    from ctxmem_dpu.store.staging import MAX_REGIONS_PER_SESSION
+
+    svc = service_factory(encryption=False, flash_size=None,
+                          service={"staging_max_bytes": "3MiB"})
+    with ctxmem.Client(svc.endpoint, transport="shm") as c:
+        a = c.staging(2 << 20, tenant="a")
+        with pytest.raises(ResourceExhausted, match=r"service\.staging_max_bytes=3145728"):
+            c.staging(2 << 20, tenant="b")
+        a.close()
+        c.staging(2 << 20, tenant="b").close()
+        small = [c.staging(1) for _ in range(MAX_REGIONS_PER_SESSION)]
+        with pytest.raises(ResourceExhausted,
+                           match=f"holds {MAX_REGIONS_PER_SESSION} staging regions"):
+            c.staging(1)
+        for r in small:
+            r.close()
+        c.staging(1).close()
+    off = service_factory(encryption=False, flash_size=None,
+                          service={"staging_max_bytes": 0})
+    with ctxmem.Client(off.endpoint, transport="shm") as c, \
+            pytest.raises(InvalidArgument, match="staging regions are off"):
+        c.staging(1)
+
+
+def test_huge_pages_fall_back_to_normal_pages(
+        service_factory: Callable[..., ServiceHandle]) -> None:
+    """``service.staging_hugepages``: a region is backed by huge pages when the kernel's
+    pool has them, else by normal pages (this host's pool is usually empty); either way
+    the put works."""
+    svc = service_factory(encryption=False, flash_size=None,
+                          service={"staging_hugepages": True})
+    with open("/proc/meminfo") as f:
+        free_huge = next((int(line.split()[1]) for line in f
+                          if line.startswith("HugePages_Free:")), 0)
+    keys = _keys(1, b"huge")
+    with ctxmem.Client(svc.endpoint, transport="shm") as c:
+        ns = c.open_namespace(LAYOUT, model_id="m")
+        with c.staging(BLOCK) as region:
+            if free_huge == 0:
+                assert not region.hugepages
+            if region.hugepages:
+                assert region.size % (2 << 20) == 0
+            region.array()[:BLOCK] = 0x5A
+            assert region.put(ns, keys, [0]).stored == 1
+        got = _get(ns, keys)
+        assert got[0] is not None and bytes(got[0]) == b"\x5a" * BLOCK
