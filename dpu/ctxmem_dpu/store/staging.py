@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ctxmem_common.codecs import copy_crc32c_between
-from ctxmem_common.errors import InvalidArgument, ResourceExhausted
+from ctxmem_common.errors import InvalidArgument, ResourceExhausted, UnknownSession
 from ctxmem_common.staging_wire import (
     EXISTING,
     HEADER_BYTES,
@@ -116,6 +116,25 @@ def _memfd(name: str, size: int, huge: bool) -> tuple[int, mmap.mmap]:
     return fd, mm
 
 
+def _make(rid: int, nbytes: int, huge: bool) -> tuple[int, mmap.mmap, bool]:
+    """A region's memory (a staging thread): (fd, the service's mapping with the header
+    written, whether on huge pages). Huge pages fall back to normal ones."""
+    name = f"ctxmem-stage-{rid}"
+    if huge:
+        try:
+            fd, mm = _memfd(name, round_up(HEADER_BYTES + nbytes, HUGE_PAGE), True)
+        except OSError as exc:
+            # No huge pages to back it (an empty pool answers ENOMEM at the mapping, a
+            # kernel without hugetlb EINVAL): normal pages.
+            log.info("staging region %d: no huge pages (%s); normal pages", rid,
+                     errno.errorcode.get(exc.errno or 0, exc.errno))
+            huge = False
+    if not huge:
+        fd, mm = _memfd(name, round_up(HEADER_BYTES + nbytes, mmap.PAGESIZE), False)
+    mm[:HEADER_BYTES] = pack_header(rid, int(huge), len(mm)).ljust(HEADER_BYTES, b"\0")
+    return fd, mm, huge
+
+
 class StagingRegions:
     """Every staging region of the service, by id, and the staged put's copy."""
 
@@ -127,31 +146,38 @@ class StagingRegions:
             counters.setdefault(name, 0)
         self._ids = itertools.count(1)
         self.regions: dict[int, StagingRegion] = {}
+        # Regions being made (their memory is faulted in on a staging thread, not on the
+        # event loop): id -> (session id, tenant, bytes), counted as held meanwhile.
+        self._pending: dict[int, tuple[bytes, str, int]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=crc_threads(cfg.service.commit_crc_threads),
             thread_name_prefix="ctxmem-stage")
 
     # -- lifetime -------------------------------------------------------------------
     def bytes_held(self, tenant: str | None = None) -> int:
-        return sum(r.size for r in self.regions.values()
-                   if tenant is None or r.tenant == tenant)
+        """Bytes of the regions ``tenant`` (None: every tenant) holds or is being given."""
+        held = [(r.tenant, r.size) for r in self.regions.values()]
+        held += [(t, n) for _sid, t, n in self._pending.values()]
+        return sum(n for t, n in held if tenant is None or t == tenant)
 
     def _refuse(self, s: Session, what: str, message: str) -> ResourceExhausted:
         self._counters["staging_refused"] += 1
         self._counters["quota_refusals"] = self._counters.get("quota_refusals", 0) + 1
         return ResourceExhausted(f"tenant {s.tenant!r}: quota {what}: {message}")
 
-    def create(self, s: Session, nbytes: int, tenant_max: int) -> StagingRegion:
+    async def create(self, s: Session, nbytes: int, tenant_max: int) -> StagingRegion:
         """A new region of at least ``nbytes`` data bytes for session ``s`` (after its
         header), counted against ``tenant_max`` bytes of the tenant and
-        ``service.staging_max_bytes``; ResourceExhausted past either."""
+        ``service.staging_max_bytes``; ResourceExhausted past either. Its memory is made
+        and faulted in on a staging thread (a 256 MiB region is tens of ms of zeroing)."""
         cfg = self._cfg.service
         if cfg.staging_max_bytes == 0:
             raise InvalidArgument("staging regions are off on this service "
                                   "(service.staging_max_bytes: 0); put through the slabs")
         if nbytes < 1:
             raise InvalidArgument(f"a staging region of {nbytes} bytes; ask for at least 1")
-        mine = sum(1 for r in self.regions.values() if r.session_id == s.id)
+        mine = sum(1 for r in self.regions.values() if r.session_id == s.id) + sum(
+            1 for sid, _t, _n in self._pending.values() if sid == s.id)
         if mine >= MAX_REGIONS_PER_SESSION:
             raise self._refuse(s, "staging regions",
                                f"session {s.id.hex()} holds {mine} staging regions, limit "
@@ -173,25 +199,23 @@ class StagingRegions:
                                f"bytes all tenants hold exceeds service.staging_max_bytes="
                                f"{cfg.staging_max_bytes}; retry later or raise it")
         rid = next(self._ids)
-        name = f"ctxmem-stage-{rid}"
+        self._pending[rid] = (s.id, s.tenant, size)
+        loop = asyncio.get_running_loop()
         try:
-            fd, mm = _memfd(name, size, huge)
+            fd, mm, huge = await loop.run_in_executor(self._pool, _make, rid, nbytes, huge)
         except OSError as exc:
-            if not huge:
-                raise ResourceExhausted(
-                    f"staging region of {size} bytes for tenant {s.tenant!r}: "
-                    f"memfd failed: {exc.strerror} (errno {exc.errno}); the host is out of "
-                    f"memory or fds") from None
-            # No huge pages to back it (an empty pool answers ENOMEM at the mapping, a
-            # kernel without hugetlb EINVAL): normal pages.
-            log.info("staging region %d: no huge pages (%s); normal pages", rid,
-                     errno.errorcode.get(exc.errno or 0, exc.errno))
-            huge = False
-            size = round_up(HEADER_BYTES + nbytes, mmap.PAGESIZE)
-            fd, mm = _memfd(name, size, False)
+            raise ResourceExhausted(
+                f"staging region of {size} bytes for tenant {s.tenant!r}: memfd failed: "
+                f"{exc.strerror} (errno {exc.errno}); the host is out of memory or fds"
+            ) from None
+        finally:
+            del self._pending[rid]
         view = memoryview(mm)
-        r = StagingRegion(rid, s.id, s.tenant, size, huge, fd, mm, view)
-        view[:HEADER_BYTES] = pack_header(rid, int(huge), size).ljust(HEADER_BYTES, b"\0")
+        r = StagingRegion(rid, s.id, s.tenant, len(mm), huge, fd, mm, view)
+        if s.ending:  # the session ended while its memory was made
+            r.close()
+            raise UnknownSession(f"session {s.id.hex()} ended while staging region {rid} "
+                                 f"was made; reconnect")
         self.regions[rid] = r
         self._counters["staging_regions_created"] += 1
         return r

@@ -30,7 +30,8 @@ async def serve_staging_op(store: BlockStore, session_id: bytes, op: int, body: 
     s = store.session(session_id)
     if op == SHM_OP_STAGE_CREATE:
         nbytes = staging_wire.decode_create(body)
-        r = store.staging.create(s, nbytes, store.cfg.quotas.of(s.tenant).staging_max_bytes)
+        r = await store.staging.create(s, nbytes,
+                                       store.cfg.quotas.of(s.tenant).staging_max_bytes)
         return Status.OK, staging_wire.encode_create_reply(store.staging.created(r))
     if op == SHM_OP_STAGE_PUT:
         req = staging_wire.decode_put(body)
