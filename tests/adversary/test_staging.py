@@ -429,3 +429,44 @@ def test_huge_pages_fall_back_to_normal_pages(
             assert region.put(ns, keys, [0]).stored == 1
         got = _get(ns, keys)
         assert got[0] is not None and bytes(got[0]) == b"\x5a" * BLOCK
+
+
+def test_a_region_freed_during_a_put_is_unmapped_only_after_its_copy(
+        svc: ServiceHandle) -> None:
+    """The client sends a STAGE_PUT on one connection and, without waiting, frees the
+    region on another connection of the same session. Whichever the service serves
+    first: the put is stored whole from the service's own mapping, or refused as a
+    region no longer the session's; never an internal error, never a wrong byte; the
+    region is gone afterwards."""
+    n = 48
+    keys = _keys(n, b"freed")
+    with RawSession(svc.endpoint, LAYOUT, model_id="m") as raw:
+        created, fd = _raw_create(raw, n * BLOCK)
+        os.pwrite(fd, b"\x4d" * (n * BLOCK), HDR)
+        os.close(fd)
+        sock, status = shm_connect(raw.health.shm_socket, raw.session_id, raw.token)
+        assert status == Status.OK
+        body = b"".join(staging_wire.encode_put(
+            raw.handle, created.region_id, b"".join(keys), 32,
+            [HDR + i * BLOCK for i in range(n)], [BLOCK] * n, None))
+        sock.sendall(SHM_OP.pack(b"CXSO", SHM_OP_STAGE_PUT, len(body)) + body)
+        assert isinstance(raw.data, ShmChannel)
+        raw.data.call(8, [staging_wire.encode_free(created.region_id)])  # STAGE_FREE
+        _m, st, _op, length = SHM_OP_REPLY.unpack(recv_exact(sock, SHM_OP_REPLY.size))
+        reply = recv_exact(sock, length)
+        sock.close()
+        if st == Status.OK:
+            assert staging_wire.decode_put_reply(reply, n).stored == n
+            lease = raw.acquire(keys)
+            assert raw.read(lease) == [b"\x4d" * BLOCK] * n
+            raw.release(lease)
+        else:
+            from ctxmem_common.shm_ops import decode_error
+
+            assert st == Status.ERROR, st
+            err = decode_error(reply)
+            assert isinstance(err, InvalidArgument) and "not a region of session" in str(
+                err), err
+            assert len(raw.acquire(keys).slots) == 0
+        with pytest.raises(InvalidArgument, match="not a region of session"):
+            _raw_put(raw, created.region_id, keys[:1], [HDR])

@@ -440,17 +440,18 @@ class BlockStore:
         committed (a block whose CRC differs from ``declared``, when given, is not
         stored). The entries were checked by ``staging.check_entries``. Returns the
         outcome per key (``staging_wire.STORED``, ``EXISTING``, ``REFUSED_CRC``)."""
-        a, exists = await self._puts.allocate(s, ns, keys)
-        new = [i for i, e in enumerate(exists) if not e]
-        offs: list[int] = offsets[new].tolist()
-        computed: list[int] = []
+        with self.staging.using(region):  # mapped until the copy is done, whatever frees it
+            a, exists = await self._puts.allocate(s, ns, keys)
+            new = [i for i, e in enumerate(exists) if not e]
+            offs: list[int] = offsets[new].tolist()
+            computed: list[int] = []
 
-        async def fill() -> list[int]:
-            computed[:] = await self.staging.copy(region, offs, a.slots, ns.block_nbytes)
-            return computed
+            async def fill() -> list[int]:
+                computed[:] = await self.staging.copy(region, offs, a.slots, ns.block_nbytes)
+                return computed
 
-        want: list[int] = [] if declared is None else declared[new].tolist()
-        await self._puts.commit_filled(a, fill, want)
+            want: list[int] = [] if declared is None else declared[new].tolist()
+            await self._puts.commit_filled(a, fill, want)
         if self.commit_hook is not None:
             await self.commit_hook(ns, a.keys)
         return staging_outcomes(exists, computed, declared)

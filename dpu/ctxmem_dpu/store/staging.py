@@ -41,7 +41,7 @@ import itertools
 import logging
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -250,6 +250,18 @@ class StagingRegions:
         for r in [r for r in self.regions.values() if r.session_id == s.id]:
             self._free(r)
 
+    @contextlib.contextmanager
+    def using(self, r: StagingRegion) -> Iterator[None]:
+        """While a put reads ``r`` (from its checks to its copy's end): a STAGE_FREE or
+        the session's end meanwhile frees it, but unmaps it only once this ends."""
+        r.busy += 1
+        try:
+            yield
+        finally:
+            r.busy -= 1
+            if r.freed and r.busy == 0:
+                r.close()
+
     def close(self) -> None:
         for r in list(self.regions.values()):
             self._free(r)
@@ -297,16 +309,11 @@ class StagingRegions:
             g[1].append(index * self._dram.alloc.slabs[slab].slot_size)
             g[2].append(off)
         loop = asyncio.get_running_loop()
-        r.busy += 1
-        try:
+        with self.using(r):
             futs = [loop.run_in_executor(self._pool, _copy_part, r.view,
                                          self._dram.regions[slab].view, src, dst, nbytes)
                     for slab, (_pos, dst, src) in groups.items()]
             parts: list[list[int]] = await asyncio.gather(*futs)
-        finally:
-            r.busy -= 1
-            if r.freed and r.busy == 0:
-                r.close()
         crcs = [0] * len(refs)
         for (positions, _d, _s), part in zip(groups.values(), parts, strict=True):
             for p, c in zip(positions, part, strict=True):

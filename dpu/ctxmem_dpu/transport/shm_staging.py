@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ctxmem_common import staging_wire
+from ctxmem_common.errors import CtxmemError
 from ctxmem_common.shm_ops import Body
 from ctxmem_common.wire import SHM_OP_STAGE_CREATE, SHM_OP_STAGE_PUT, Status
 
@@ -38,7 +39,12 @@ async def serve_staging_op(store: BlockStore, session_id: bytes, op: int, body: 
         ns = store.namespace(s, req.handle)
         r = store.staging.region(s, req.region_id)
         store.staging.check_entries(r, req.offsets, req.lengths, ns.block_nbytes)
-        out = await store.put_staged(s, ns, r, req.keys.tolist(), req.offsets, req.crcs)
+        try:
+            out = await store.put_staged(s, ns, r, req.keys.tolist(), req.offsets, req.crcs)
+        except ValueError as exc:  # not the body's fault: never answered BAD_REQUEST
+            if isinstance(exc, CtxmemError):
+                raise
+            raise CtxmemError(f"staged put from region {r.id}: {exc}; report it") from exc
         return Status.OK, staging_wire.encode_put_reply(out)
     store.staging.free(s, staging_wire.decode_free(body))
     return Status.OK, b""
