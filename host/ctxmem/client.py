@@ -37,9 +37,12 @@ import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import grpc
+
+if TYPE_CHECKING:
+    from ctxmem.staging import StagingRegion
 
 from ctxmem.group import NamespaceGroup
 from ctxmem.namespace import LookupResult, Namespace, PutResult
@@ -462,6 +465,15 @@ class Client:
         each key's blocks in every member are stored, counted and loaded as one unit,
         whole or not at all (:mod:`ctxmem.group`)."""
         return NamespaceGroup(members)
+
+    def staging(self, nbytes: int, tenant: str = "default") -> StagingRegion:
+        """A staging region of at least ``nbytes`` data bytes: service-owned memory
+        mapped here, counted in ``tenant``'s quota, that puts are made from in one call
+        per batch (:mod:`ctxmem.staging`; shared memory only). Close it (or use it as a
+        context manager); :meth:`close` frees it on the service too."""
+        from ctxmem.staging import open_region
+
+        return open_region(self, nbytes, tenant)
 
     def close(self) -> None:
         """Close the data channels, end this client's sessions on the service

@@ -122,6 +122,18 @@ class ServiceConfig:
     # that can open the socket file (its mode, 0660, is then the only gate).
     shm_allowed_uids: list[int] = field(default_factory=list)
     shm_allowed_gids: list[int] = field(default_factory=list)
+    # Staging memory owned by the service (issue 27 item 1; docs/architecture.md,
+    # "Staged puts"): sealed memfds a same-host client maps and fills, then puts with one
+    # STAGE_PUT that the service copies into slots with the CRC32C fused. The most bytes
+    # of staging regions all tenants together may hold (each tenant is capped by
+    # quotas.*.staging_max_bytes); 0 turns staging off.
+    staging_max_bytes: Size = Size(1 << 30)
+    # Back staging regions with huge pages (MFD_HUGETLB, 2 MiB) when the kernel's pool has
+    # them, else normal pages. Off by default: a client can punch a hole in a hugetlb
+    # region (fallocate), and if the pool is empty when the service next touches that
+    # page the service gets SIGBUS; turn it on where the pool has headroom for every
+    # region (vm.nr_hugepages) and the clients are trusted not to punch holes.
+    staging_hugepages: bool = False
     # A session with no control-plane call and no data-plane request (and no shared-memory
     # connection open) for this long is closed with its allocations and leases, so a
     # client that vanished cannot hold slots, pins or a session slot forever (issue 12).
@@ -275,6 +287,9 @@ class TenantQuota:
     dram_held_max: float = 0.0
     max_sessions: int = 64
     max_namespaces: int = 64
+    # Bytes of staging regions (service-owned memory a client maps and puts from) the
+    # tenant's sessions may hold at once; a STAGE_CREATE past it is refused.
+    staging_max_bytes: Size = Size(256 << 20)
     # The tenant's share of the I/O threads within a class (loads, stores) against other
     # tenants with work waiting: 2.0 gets twice the jobs of a tenant at 1.0.
     io_weight: float = 1.0

@@ -14,11 +14,14 @@ Shared memory (Unix stream socket)::
                                                                  body_len u64 + body
 
 OP is the control fast path (:mod:`ctxmem_common.shm_ops`: ACQUIRE, RELEASE, LOOKUP,
-ALLOCATE, COMMIT without gRPC), offered when Health says ``shm_ops``. Its replies share
-the MAP replies' queue, so every reply comes back in request order (a RELEASE flagged
-no-reply has none). ``status`` OK: the op's answer; ERROR: an ErrorCode and a message
-(the same error as over gRPC); UNSUPPORTED: ask over gRPC instead; BAD_REQUEST: the frame
-was malformed, and the service closes the connection after this reply.
+ALLOCATE, COMMIT without gRPC), offered when Health says ``shm_ops``. The staging ops
+(STAGE_CREATE, STAGE_PUT, STAGE_FREE: :mod:`ctxmem_common.staging_wire`) are OPs too; an
+OK answer to STAGE_CREATE carries the new region's memfd as SCM_RIGHTS with its header.
+Their replies share the MAP replies' queue, so every reply comes back in request order
+(a RELEASE flagged no-reply has none). ``status`` OK: the op's answer; ERROR: an
+ErrorCode and a message (the same error as over gRPC); UNSUPPORTED: ask over gRPC
+instead; BAD_REQUEST: the frame was malformed, and the service closes the connection
+after this reply.
 
 TCP::
 
@@ -70,8 +73,16 @@ SHM_OP_RELEASE = 2
 SHM_OP_LOOKUP = 3
 SHM_OP_ALLOCATE = 4
 SHM_OP_COMMIT = 5
+# Staging memory owned by the service (ctxmem_common.staging_wire): served on the
+# shared-memory socket only (a TCP connection answers them UNSUPPORTED).
+SHM_OP_STAGE_CREATE = 6
+SHM_OP_STAGE_PUT = 7
+SHM_OP_STAGE_FREE = 8
+SHM_STAGE_OPS = frozenset({SHM_OP_STAGE_CREATE, SHM_OP_STAGE_PUT, SHM_OP_STAGE_FREE})
 SHM_OP_NAMES = {SHM_OP_ACQUIRE: "acquire", SHM_OP_RELEASE: "release",
-                SHM_OP_LOOKUP: "lookup", SHM_OP_ALLOCATE: "allocate", SHM_OP_COMMIT: "commit"}
+                SHM_OP_LOOKUP: "lookup", SHM_OP_ALLOCATE: "allocate", SHM_OP_COMMIT: "commit",
+                SHM_OP_STAGE_CREATE: "stage_create", SHM_OP_STAGE_PUT: "stage_put",
+                SHM_OP_STAGE_FREE: "stage_free"}
 
 TCP_HELLO = struct.Struct("<4s16s16s")
 TCP_REQ = struct.Struct("<4sBxxx16sIQ")

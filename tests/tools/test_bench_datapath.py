@@ -93,6 +93,15 @@ def test_bench_dram_only_runs_the_dram_rows_without_a_flash_tier(tmp_path: Path)
     names = {r["name"] for r in doc["results"]}
     assert {"dram_put_2MiB", "dram_get_2MiB_verify", "dram_put_64KiB", "dram_get_64KiB",
             "lookup_10k_p99"} <= names
+    # The staged put (issue 27 item 1) beside each put row, against the same memcpy limit
+    # (and again against the two passes of a verified put).
+    rows = rows_of(doc)
+    for size in ("2MiB", "64KiB"):
+        staged, put = rows[f"dram_put_staged_{size}"], rows[f"dram_put_{size}"]
+        assert staged["value"] > 0 and staged["unit"] == "GB/s"
+        assert staged["limit"] == put["limit"] > 0
+        assert staged["service_cpu_s_per_gb"] is not None
+        assert {f"dram_put_staged_{size}_p99", f"dram_put_staged_{size}_of_two_pass"} <= names
     assert not {n for n in names if n.startswith(("flash_", "dram_")) and "_xts" in n}
     assert not {n for n in names if n.startswith("flash_")}
     assert not (tmp_path / "work" / "plain" / "flash0.img").exists()

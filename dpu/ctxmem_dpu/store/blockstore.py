@@ -61,6 +61,8 @@ from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.store.recovery import Recovery, audit
 from ctxmem_dpu.store.remote import RemoteBlocks
 from ctxmem_dpu.store.sessions import SessionRegistry
+from ctxmem_dpu.store.staging import StagingRegion, StagingRegions
+from ctxmem_dpu.store.staging import outcomes as staging_outcomes
 from ctxmem_dpu.store.stats import new_counters, snapshot
 from ctxmem_dpu.store.writethrough import WriteThrough
 from ctxmem_dpu.tiers import flash_owner
@@ -136,6 +138,10 @@ class BlockStore:
         self._gets = GetPath(self._ctx, self._index, self._registry, self._quotas,
                              self._placement, self._promotion, self._invalidator,
                              self._groups)
+        #: Staging regions (service-owned memory clients put from; issue 27 item 1),
+        #: freed with their session.
+        self.staging = StagingRegions(cfg, self._ctx.dram, self.counters)
+        self._registry.on_session_end.append(self.staging.session_ended)
         self._tasks: list[asyncio.Task[None]] = []
         #: Awaited after a Commit made blocks visible, with the namespace and the
         #: allocation's keys, before the Commit is answered (the pod tier: a re-put of a
@@ -263,6 +269,7 @@ class BlockStore:
             await self._keeper.close()
         ctx.io.shutdown()
         self._puts.close()
+        self.staging.close()
         ctx.flash.close()
         ctx.dram.close()
 
@@ -424,6 +431,30 @@ class BlockStore:
         n = await self._puts.commit(s, allocation_id, client_crcs, abort)
         await hook(a.ns, a.keys)
         return n
+
+    async def put_staged(self, s: Session, ns: Namespace, region: StagingRegion,
+                         keys: Sequence[bytes], offsets: np.ndarray,
+                         declared: np.ndarray | None) -> np.ndarray:
+        """A staged put (:mod:`~ctxmem_dpu.store.staging`): a slot per key not stored,
+        each block copied from ``region`` at ``offsets[i]`` with its CRC32C fused, then
+        committed (a block whose CRC differs from ``declared``, when given, is not
+        stored). The entries were checked by ``staging.check_entries``. Returns the
+        outcome per key (``staging_wire.STORED``, ``EXISTING``, ``REFUSED_CRC``)."""
+        with self.staging.using(region):  # mapped until the copy is done, whatever frees it
+            a, exists = await self._puts.allocate(s, ns, keys)
+            new = [i for i, e in enumerate(exists) if not e]
+            offs: list[int] = offsets[new].tolist()
+            computed: list[int] = []
+
+            async def fill() -> list[int]:
+                computed[:] = await self.staging.copy(region, offs, a.slots, ns.block_nbytes)
+                return computed
+
+            want: list[int] = [] if declared is None else declared[new].tolist()
+            await self._puts.commit_filled(a, fill, want)
+        if self.commit_hook is not None:
+            await self.commit_hook(ns, a.keys)
+        return staging_outcomes(exists, computed, declared)
 
     async def commit_group(self, s: Session, allocation_ids: Sequence[bytes],
                            client_crcs: Sequence[Sequence[int]]) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.keys import validate_keys
@@ -124,6 +124,16 @@ class PutPath:
         # (leaked). The client, not answered, may find its blocks stored.
         return await self._ctx.io.uncancellable(self._commit_now(a, client_crcs))
 
+    async def commit_filled(self, a: Allocation, fill: Callable[[], Awaitable[list[int]]],
+                            declared: Sequence[int]) -> int:
+        """Commit ``a``, whose slots the service fills itself (a staged put,
+        :mod:`~ctxmem_dpu.store.staging`): ``fill`` copies into them and returns each
+        slot's CRC32C of the bytes it stored (one pass, so no second check);
+        ``declared``: the client's CRCs (empty: none declared). Blocks committed."""
+        self._registry.grant_ended(a.id)  # the client never had write access: nothing to end
+        a.done = True
+        return await self._ctx.io.uncancellable(self._commit_now(a, declared, fill))
+
     async def commit_group(self, s: Session, allocation_ids: Sequence[bytes],
                            client_crcs: Sequence[Sequence[int]]) -> int:
         """Commit the allocations of a block group's members together, all or nothing
@@ -207,11 +217,19 @@ class PutPath:
         counters["group_commits"] += 1
         return len(committed)
 
-    async def _commit_now(self, a: Allocation, client_crcs: Sequence[int]) -> int:
+    async def _commit_now(self, a: Allocation, client_crcs: Sequence[int],
+                          fill: Callable[[], Awaitable[list[int]]] | None = None) -> int:
         work_as(IoClass.STORE, a.ns.tenant)  # write-through I/O goes behind gets
         dram = self._ctx.dram
         counters = self._ctx.counters
-        crcs = await self._crcs.of_slots(dram, a.slots, a.ns.block_nbytes)
+        if fill is None:
+            crcs = await self._crcs.of_slots(dram, a.slots, a.ns.block_nbytes)
+        else:
+            try:
+                crcs = await fill()
+            except BaseException:
+                self._registry.drop_allocation(a)
+                raise
         faults.point("commit.after_crc")
         self._registry.forget_allocation(a)
         per_ns = self._index.namespace(a.ns.digest)

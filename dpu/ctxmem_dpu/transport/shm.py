@@ -18,6 +18,10 @@ The socket is shared by clients that do not trust each other, so (issue 12):
   (bad op, a body over ``service.shm_op_max_bytes``, a body that does not decode) is
   answered BAD_REQUEST, counted (``shm_ops_refused``) and the connection closed; a body
   that stalls is dropped after ``data_plane.read_timeout_s``;
+* staging regions (STAGE_CREATE, STAGE_PUT, STAGE_FREE: :mod:`.shm_staging`,
+  :mod:`ctxmem_dpu.store.staging`) are OP frames too; a STAGE_CREATE's answer carries
+  the region's memfd (a dup owned by the queued reply, closed once sent or when the
+  connection ends, so a client that does not read holds at most its queue's worth);
 * with ``service.shm_allowed_uids`` / ``shm_allowed_gids`` set, a peer whose SO_PEERCRED
   uid and gid are in neither list is answered PEER_NOT_ALLOWED at accept and closed
   (``shm_peers_refused``).
@@ -36,12 +40,14 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ctxmem_common import safepaths
+from ctxmem_common.staging_wire import decode_create_reply
 from ctxmem_common.wire import (
     SHM_HELLO,
     SHM_MAP,
     SHM_MAP_REPLY,
     SHM_OP_NAMES,
     SHM_OP_REPLY,
+    SHM_OP_STAGE_CREATE,
     SHM_STATUS,
     Status,
 )
@@ -87,6 +93,9 @@ class _Replies:
         # (status, region, generation, None) for a MAP reply; (status, op, 0, body) for a
         # fast-path reply
         self._queue: deque[tuple[int, int, int, bytes | None]] = deque()
+        # A queued fast-path reply's fd (a STAGE_CREATE's region, dup'd; closed once sent
+        # or when the connection ends), by the reply's identity in the queue.
+        self._fds: dict[int, int] = {}
         self._queued_bytes = 0
         self._wake = asyncio.Event()
         self._drained = asyncio.Event()
@@ -96,13 +105,28 @@ class _Replies:
         """Queue a MAP reply; SlowReader when ``limit`` replies are already waiting."""
         self._append((status, region, generation, None), 0)
 
-    def push_op(self, status: Status, op: int, body: bytes) -> None:
-        """Queue a fast-path reply; SlowReader when ``limit`` replies or
+    def push_op(self, status: Status, op: int, body: bytes, fd: int = -1) -> None:
+        """Queue a fast-path reply (with ``fd``, which it then owns, sent as SCM_RIGHTS
+        with its first byte); SlowReader when ``limit`` replies or
         :data:`MAX_QUEUED_BYTES` are already waiting."""
-        if self._queued_bytes + len(body) > MAX_QUEUED_BYTES:
-            raise SlowReader(f"{self._queued_bytes} bytes of replies unread (at most "
-                             f"{MAX_QUEUED_BYTES} may wait)")
-        self._append((status, op, 0, body), len(body))
+        item = (int(status), op, 0, body)
+        try:
+            if self._queued_bytes + len(body) > MAX_QUEUED_BYTES:
+                raise SlowReader(f"{self._queued_bytes} bytes of replies unread (at most "
+                                 f"{MAX_QUEUED_BYTES} may wait)")
+            self._append(item, len(body))
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        if fd >= 0:
+            self._fds[id(item)] = fd
+
+    def close_fds(self) -> None:
+        """Close the fds of replies never sent (the connection ended)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def _append(self, item: tuple[int, int, int, bytes | None], nbytes: int) -> None:
         if len(self._queue) >= self._limit:
@@ -121,7 +145,9 @@ class _Replies:
                  ) -> tuple[bytes, list[int]]:
         """The reply's bytes and the fd it carries (none unless OK and still current)."""
         if body is not None:  # a fast-path reply: region is the op
-            return SHM_OP_REPLY.pack(b"CXSP", status, region, len(body)) + body, []
+            fd = self._fds.get(id(self._queue[0])) if self._queue else None
+            return (SHM_OP_REPLY.pack(b"CXSP", status, region, len(body)) + body,
+                    [] if fd is None else [fd])
         r = self._dram.regions.get(region) if status == Status.OK else None
         if status == Status.OK and (r is None or r.generation != generation):
             status = Status.STALE  # recycled while the reply waited
@@ -150,8 +176,12 @@ class _Replies:
                 except BlockingIOError:
                     await self._writable(loop)
                     continue
-                body = self._queue.popleft()[3]
+                item = self._queue.popleft()
+                body = item[3]
                 self._queued_bytes -= len(body) if body is not None else 0
+                sent_fd = self._fds.pop(id(item), None)
+                if sent_fd is not None:  # the peer has its own copy now
+                    os.close(sent_fd)
                 pending = msg[sent:]  # the fd went with the first byte
                 continue
             try:
@@ -185,6 +215,7 @@ class ShmServer(SocketDataServer):
 
     transport = "shm"
     connection_kind = "shared-memory"
+    staging_ops = True
 
     def __init__(self, store: BlockStore, path: str) -> None:
         super().__init__(store)
@@ -252,6 +283,7 @@ class ShmServer(SocketDataServer):
             for t in (reader, writer):
                 t.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+            replies.close_fds()
             self.store.shm_detached(s)
 
     async def _maps(self, conn: socket.socket, s: Session, replies: _Replies) -> None:
@@ -287,7 +319,13 @@ class ShmServer(SocketDataServer):
 
         out = await self._run_op(conn, s, op, length, "shm_ops", refuse)
         if out is not None:
-            replies.push_op(out[0], op, out[1])
+            fd = -1
+            if op == SHM_OP_STAGE_CREATE and out[0] == Status.OK:
+                # The new region's memfd goes with the answer (a dup: the region may be
+                # freed before the reply is sent).
+                region = decode_create_reply(out[1]).region_id
+                fd = os.dup(self.store.staging.regions[region].fd)
+            replies.push_op(out[0], op, out[1], fd)
 
     async def _refuse_op(self, s: Session, replies: _Replies, op: int, reason: str
                          ) -> NoReturn:

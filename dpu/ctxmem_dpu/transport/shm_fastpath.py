@@ -23,9 +23,11 @@ from ctxmem_common.wire import (
     SHM_OP_COMMIT,
     SHM_OP_LOOKUP,
     SHM_OP_RELEASE,
+    SHM_STAGE_OPS,
     Status,
 )
 from ctxmem_dpu.control import block_ops
+from ctxmem_dpu.transport.shm_staging import serve_staging_op
 
 if TYPE_CHECKING:
     from ctxmem_dpu.store import BlockStore
@@ -42,12 +44,22 @@ class Malformed(Exception):
 
 
 async def serve_op(store: BlockStore, session_id: bytes, op: int, body: Body,
-                   pod: bool) -> tuple[Status, bytes] | None:
+                   pod: bool, staging: bool = False) -> tuple[Status, bytes] | None:
     """Run one op for the connection's session: (status, reply body), or None for a
     RELEASE flagged no-reply. A CtxmemError becomes Status.ERROR with its code and
-    message; Malformed propagates."""
+    message; Malformed propagates. ``staging``: the connection can carry a staging
+    region's fd (the shared-memory socket); elsewhere the staging ops are UNSUPPORTED."""
     if pod and op in POD_GRPC_ONLY:
         return Status.UNSUPPORTED, b""
+    if op in SHM_STAGE_OPS:
+        if not staging:
+            return Status.UNSUPPORTED, b""
+        try:
+            return await serve_staging_op(store, session_id, op, body)
+        except CtxmemError as exc:
+            return Status.ERROR, wire_ops.encode_error(exc)
+        except ValueError as exc:
+            raise Malformed(str(exc)) from None
     try:
         if op == SHM_OP_RELEASE:
             try:

@@ -121,6 +121,8 @@ class SocketDataServer(DataServer):
     """
 
     connection_kind: ClassVar[str]  # for the log: "shared-memory", "TCP data"
+    #: Whether this socket serves the staging ops (it can pass a region's fd: Unix only).
+    staging_ops: ClassVar[bool] = False
 
     def __init__(self, store: BlockStore, limits: DataPlaneConfig | None = None) -> None:
         super().__init__(store)
@@ -352,7 +354,8 @@ class SocketDataServer(DataServer):
         body = bytearray(length)
         await self._recv_into(conn, memoryview(body), f"receiving a {name} body")
         try:
-            out = await serve_op(self.store, s.id, op, body, self.pod)  # not copied
+            out = await serve_op(self.store, s.id, op, body, self.pod,  # not copied
+                                 staging=self.staging_ops)
         except Malformed as exc:
             await refuse(f"malformed {name}: {exc}")
         del body

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import mmap
+import os
 import socket
 import threading
 import time
@@ -35,7 +36,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ctxmem.transport.base import DataChannel, Grant, TransportError
+from ctxmem.transport.base import DataChannel, Grant, TransportError, op_answer
 from ctxmem.transport.base import FastPathUnsupported as FastPathUnsupported  # its old home
 from ctxmem.transport.verified import ReadProgress, copy_checked, scrub
 from ctxmem_common.codecs import (
@@ -44,7 +45,7 @@ from ctxmem_common.codecs import (
     copy_crc32c_from_slots,
     copy_crc32c_to_slots,
 )
-from ctxmem_common.errors import CtxmemError
+from ctxmem_common.errors import CtxmemError, Unavailable
 from ctxmem_common.packed_slots import PackedSlots
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import (
@@ -52,6 +53,7 @@ from ctxmem_common.wire import (
     SHM_MAP,
     SHM_MAP_REPLY,
     SHM_OP,
+    SHM_OP_NAMES,
     SHM_OP_REPLY,
     SHM_STATUS,
     STATUS_TEXT,
@@ -132,6 +134,48 @@ class ShmChannel(DataChannel):
         CtxmemError class as over gRPC, FastPathUnsupported, or Unavailable when the
         socket fails or the reply does not match (the channel is then broken)."""
         return self._fast_call(op, parts, reply, meanwhile)
+
+    def call_with_fd(self, op: int, parts: Sequence[bytes]) -> tuple[bytes, int]:
+        """:meth:`call` for an op whose OK answer carries one fd with its header
+        (SCM_RIGHTS: a staging region's memfd, :mod:`ctxmem.staging`): (body, fd), the
+        caller owning the fd. Raises as :meth:`call` does (an fd that came with an error
+        answer is closed)."""
+        name = SHM_OP_NAMES[op]
+        fds: list[int] = []
+        with self._lock:
+            if self._broken:
+                raise Unavailable(f"{self.where} data channel {self.endpoint} is broken "
+                                  f"({self._broken}); reconnecting")
+            try:
+                self._send_op(op, parts)
+                self.unanswered = False
+                msg, fds, _flags, _addr = socket.recv_fds(self._sock, SHM_OP_REPLY.size, 1)
+                if not msg:
+                    raise TransportError("shared-memory socket closed by the service")
+                msg += _recv_exact(self._sock, SHM_OP_REPLY.size - len(msg))
+                magic, status, got_op, length = SHM_OP_REPLY.unpack(msg)
+                if magic != b"CXSP" or got_op != op or length > _MAX_REPLY_BYTES:
+                    raise TransportError(f"reply {magic!r} op {got_op} of {length} bytes "
+                                         f"does not answer {name}")
+                body = _recv_body(self._sock, length)
+                if status == Status.BAD_REQUEST:
+                    raise TransportError(f"the service refused {name} as malformed")
+            except (OSError, TransportError) as exc:
+                for fd in fds:
+                    os.close(fd)
+                self._broken = f"{name}: {exc}"
+                raise Unavailable(f"{self.where} fast path {name} on {self.endpoint} "
+                                  f"failed: {exc}; reconnecting") from None
+        try:
+            out = op_answer(self.where, name, status, body)
+            if len(fds) != 1:
+                raise TransportError(f"{name} answered OK with {len(fds)} fds (one "
+                                     f"expected); report it")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return out, fds[0]
 
     def _send_op(self, op: int, parts: Sequence[bytes]) -> None:
         self._sock.sendall(SHM_OP.pack(b"CXSO", op, sum(map(len, parts))))

@@ -12,6 +12,7 @@ from ctxmem_common.codecs.crc import FUSED as CRC32C_FUSED
 from ctxmem_common.codecs.crc import IMPLEMENTATION as CRC32C_IMPLEMENTATION
 from ctxmem_common.codecs.crc import (
     copy_crc32c,
+    copy_crc32c_between,
     copy_crc32c_from_slots,
     copy_crc32c_to_slots,
     crc32c,
@@ -21,5 +22,6 @@ from ctxmem_common.codecs.xts import IMPLEMENTATION as XTS_IMPLEMENTATION
 from ctxmem_common.codecs.xts import XtsCipher, derive_namespace_key, xts_tweak
 
 __all__ = ["CRC32C_FUSED", "CRC32C_IMPLEMENTATION", "XTS_IMPLEMENTATION", "XtsCipher",
-           "copy_crc32c", "copy_crc32c_from_slots", "copy_crc32c_to_slots", "crc32c", "crc32c_many",
+           "copy_crc32c", "copy_crc32c_between", "copy_crc32c_from_slots",
+           "copy_crc32c_to_slots", "crc32c", "crc32c_many",
            "derive_namespace_key", "xts_tweak"]

@@ -9,9 +9,12 @@ In one run, on the same buffers and the same flash file, it measures:
   then a CRC32C of what was copied, each on every CPU) with no call between, the
   ceiling of that design here; each put row is printed again against it
   (``dram_put_*_of_two_pass``);
-* through a real service and the shim: DRAM-hit get and put, cold flash get (each batch
-  evicted to flash first, so every byte is read from the device, decrypted and
-  CRC-checked), demotion to flash, for 2 MiB and 64 KiB blocks, encryption on and off;
+* through a real service and the shim: DRAM-hit get and put, a staged put
+  (``dram_put_staged_*``: blocks already in a service-owned staging region, one call,
+  the service's fused copy + CRC32C; shared memory only, bench/staged.py), cold flash
+  get (each batch evicted to flash first, so every byte is read from the device,
+  decrypted and CRC-checked), demotion to flash, for 2 MiB and 64 KiB blocks,
+  encryption on and off;
 * a 10,000-key Lookup (p50/p99 of one call over 1,000 calls, target p99 < 2 ms, once the
   write-back demotion of the blocks it finds is done; ``lookup_10k_busy_*``: the calls made
   while it ran, reported) and a 100,000-key one (reported, no target);
@@ -69,6 +72,7 @@ from ctxmem_common.progress import Progress, progress
 from ctxmem_tools.bench.cpu import CpuMeter
 from ctxmem_tools.bench.device_probe import DeviceProbe, paired_fraction
 from ctxmem_tools.bench.pinning import Pinning, add_pinning_args
+from ctxmem_tools.bench.staged import bench_staged
 from ctxmem_tools.launcher import ServiceProcess, local_config
 
 MiB = 1 << 20
@@ -381,6 +385,9 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
                     f"{name}_paired", nbytes / statistics.median(times) / GB, "GB/s",
                     nbytes / max(statistics.median(dev), cap) / GB,
                     paired_fraction(times, dev, cap), *meter.per_gb(name)))
+        # The staged put beside the put (shared memory): bench/staged.py.
+        bench_staged(client, ns, bufs, rounds, size, crypt, tag.encode(),
+                     limit_for(put_n, limits), meter, results)
         if with_lookup:
             lk = chain_hashes(np.arange(10_000), 1, salt=b"lookup")
             stored = lk[:5000]

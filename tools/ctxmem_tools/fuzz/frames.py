@@ -33,6 +33,7 @@ from ctxmem_common.wire import (
     SHM_OP_LOOKUP,
     SHM_OP_NAMES,
     SHM_OP_RELEASE,
+    SHM_STAGE_OPS,
     SHM_STATUS,
     TCP_HELLO,
     TCP_NO_ID,
@@ -197,6 +198,8 @@ class FrameTarget:
         elif op == SHM_OP_RELEASE:
             body = encode_release([self._an_id() for _ in range(r.randrange(4))],
                                   r.random() < 0.5)
+        elif op in SHM_STAGE_OPS:  # shared memory only: TCP answers them UNSUPPORTED
+            body = r.randbytes(r.choice((0, 4, 8, 20, 64)))
         else:
             assert op == SHM_OP_COMMIT
             body = encode_commit(self._an_id(), [r.randrange(1 << 32)
@@ -205,7 +208,7 @@ class FrameTarget:
         ident, index, length = TCP_NO_ID, 0, len(body)
         pick = r.random()
         if pick < 0.1:
-            op = r.choice((0, 6, 99, 255))
+            op = r.choice((0, 9, 99, 255))
         elif pick < 0.2:
             length = r.choice((1 << 40, U64_MAX, (16 << 20) + 8192, max(0, length - 1)))
         elif pick < 0.25:
