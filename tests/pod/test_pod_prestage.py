@@ -95,9 +95,10 @@ def test_the_tenant_bound_refuses_past_its_limit_and_spares_other_tenants(
         tmp_path: Path, clients: Clients) -> None:
     """Tenant x's blocks sit on node 1, frozen (SIGSTOP) while x's prefetches on node 2
     pull from it: with a bound of 4, a Prefetch of 6 remote blocks admits 4 and refuses 2,
-    a second one of 2 refuses both; tenant y (its blocks on node 3) prefetches and gets
-    meanwhile as if x were idle. Once node 1 runs again, x's 4 are in DRAM (remote→dram)
-    and the refused ones are fetched by the get (remote)."""
+    a second one (2 more) finds x at its bound and is refused whole; tenant y (its blocks
+    on node 3) prefetches and gets meanwhile as if x were idle. Once node 1 runs again,
+    x's 4 are in DRAM (remote→dram) and the refused ones are fetched by the get
+    (remote)."""
     with LocalPod(tmp_path / "pod", 3, pod={
             "prefetch_max_blocks_per_tenant": 4, "fetch_timeout_s": 60.0,
             "connect_timeout_s": 30.0, "node_ttl_s": 60.0}) as pod:
@@ -120,23 +121,25 @@ def test_the_tenant_bound_refuses_past_its_limit_and_spares_other_tenants(
             x2.prefetch(kx[:6])
             clients.stats_when(n2.endpoint, lambda st: st["pod_prefetch_refused_blocks"]
                                - before["pod_prefetch_refused_blocks"] >= 2)
+            st = clients.stats(n2.endpoint)
+            # x: 4 admitted and still in flight (node 1 is frozen), 2 refused.
+            assert [int(st[n] - before[n]) for n in PREFETCH] == [4, 0, 2]
+            # x at its bound: the next Prefetch is refused whole, the index not asked.
             x2.prefetch(kx[6:8])
-            st = clients.stats_when(n2.endpoint, lambda st: st["pod_prefetch_refused_blocks"]
-                                    - before["pod_prefetch_refused_blocks"] >= 4)
-            # x: 4 admitted and still in flight (node 1 is frozen), 2 + 2 refused.
-            assert [int(st[n] - before[n]) for n in PREFETCH] == [4, 0, 4]
+            assert clients.stats(n2.endpoint)["pod_prefetch_refused_calls"] \
+                - before["pod_prefetch_refused_calls"] == 1  # the RPC counts it before answering
             # y meanwhile: its Prefetch is admitted in full and lands, its gets are served.
             y2.prefetch(ky[:2])
             st = clients.stats_when(n2.endpoint, lambda st: st["pod_prefetch_done_blocks"]
                                     - before["pod_prefetch_done_blocks"] >= 2)
-            assert [int(st[n] - before[n]) for n in PREFETCH] == [6, 2, 4]
+            assert [int(st[n] - before[n]) for n in PREFETCH] == [6, 2, 2]
             assert _sources(y2, ky) == [TIER_REMOTE_DRAM] * 2 + [TIER_REMOTE] * 3
             assert _get(y2, ky, dy) == 5
         finally:
             proc.send_signal(signal.SIGCONT)
         st = clients.stats_when(n2.endpoint, lambda st: st["pod_prefetch_done_blocks"]
                                 - before["pod_prefetch_done_blocks"] >= 6, timeout_s=60)
-        assert [int(st[n] - before[n]) for n in PREFETCH] == [6, 6, 4]
+        assert [int(st[n] - before[n]) for n in PREFETCH] == [6, 6, 2]
         fetched = st["pod_fetch_blocks_peer"]
         assert _sources(x2, kx[:4]) == [TIER_REMOTE_DRAM] * 4
         assert clients.stats(n2.endpoint)["pod_fetch_blocks_peer"] == fetched
@@ -262,3 +265,35 @@ def test_a_copy_prefetched_while_a_gets_check_is_in_flight_is_not_served(
 
     with RedisServer(tmp_path / "redis") as server:
         asyncio.run(run(server.url))
+
+
+def test_the_vllm_connectors_lookahead_stages_remote_blocks(pod: LocalPod,
+                                                            clients: Clients) -> None:
+    """The engines' lookahead needs no change: the vLLM connector's scheduler side sends
+    Prefetch for a new request's blocks (``on_new_request``), and on a pod node that
+    pulls the ones another node holds; the load that follows reads them from DRAM."""
+    from ctxmem.integrations.vllm_core import SchedulerCore
+    from ctxmem.integrations.vllm_types import Namespaces, NamespaceSpec, block_keys
+    from tests.pod.podtest import LAYOUT
+
+    n1, n2, _ = pod.nodes
+    spec = NamespaceSpec(model_id="tiny", tenant="default", tp_size=1,
+                         tags={"engine": "vllm"}, layout_for_rank=lambda _rank: LAYOUT)
+    hashes = ctxmem.chain_hashes(range(16 * 4), 16)
+    keys = block_keys(hashes)
+    data = blocks(4, 66)
+    ns1 = Namespaces(clients.client(n1.endpoint), spec).get(0, None)
+    ns2 = Namespaces(clients.client(n2.endpoint), spec).get(0, None)
+    assert ns1.put(keys, data).stored == 4
+    wait_for(lambda: ns2.lookup(keys).num_hits == 4, what="publish")
+    before = clients.stats(n2.endpoint)
+    sched = SchedulerCore(clients.client(n2.endpoint), spec, 16)
+    try:
+        sched.on_new_request("req-1", hashes, None)
+        st = clients.stats_when(n2.endpoint, lambda st: st["pod_prefetch_done_blocks"]
+                                - before["pod_prefetch_done_blocks"] >= 4)
+    finally:
+        sched.shutdown()
+    assert [int(st[n] - before[n]) for n in PREFETCH] == [4, 4, 0]
+    assert _sources(ns2, keys) == [TIER_REMOTE_DRAM] * 4
+    assert _get(ns2, keys, data) == 4

@@ -225,8 +225,14 @@ class PodNode:
         the background (pre-staging: bounded by the fetch timeout, and per tenant by
         ``pod.prefetch_max_blocks_per_tenant`` blocks in flight; the blocks past it are
         not pulled, counted ``pod_prefetch_refused_blocks``). Their first Acquire reports
-        ``remote→dram``. Errors are logged, never raised."""
-        if self.prestage_budget.limit == 0:
+        ``remote→dram``. A Prefetch that finds its tenant at the bound already is refused
+        whole, without asking the index (``pod_prefetch_refused_calls``). Errors are
+        logged, never raised."""
+        budget = self.prestage_budget
+        if budget.limit == 0:
+            return
+        if budget.held(ns.tenant) >= budget.limit:
+            self.store.counters["pod_prefetch_refused_calls"] += 1
             return
 
         async def run() -> None:

@@ -66,9 +66,9 @@ COUNTERS = (
     # Pre-staging (docs/pod.md): remote blocks a Prefetch admitted to pull in the
     # background, those pulls finished (landed or not: in flight = admitted - done), and
     # remote blocks not pulled because the tenant had pod.prefetch_max_blocks_per_tenant
-    # in flight.
+    # in flight; Prefetch calls refused whole (the tenant at that bound when they came).
     "pod_prefetch_admitted_blocks", "pod_prefetch_done_blocks",
-    "pod_prefetch_refused_blocks",
+    "pod_prefetch_refused_blocks", "pod_prefetch_refused_calls",
     # Fetched copies another pull adopted while an Acquire's index check was in flight,
     # dropped before that Acquire (its check did not see them; pod/fetch.py).
     "pod_copies_unchecked",
