@@ -131,8 +131,8 @@ class GetPath:
             if b.dram is None:
                 cold.append(b)
                 sources.append(TIER_FLASH)
-            else:  # a copy not yet read reports how it came (remote, remote→dram)
-                sources.append(b.fetched or (TIER_FLASH if b.read_ahead else TIER_DRAM))
+            else:
+                sources.append(TIER_FLASH if b.read_ahead else TIER_DRAM)
         if all(b.io is not None for b in cold):
             read_ahead()
         try:
@@ -160,10 +160,11 @@ class GetPath:
         hits: list[int] = []
         on_flash: list[Block] = []
         flash_hits: list[int] = []
+        if self._index.copies_of(ns.digest):  # a pod's copies: their first read says how
+            sources = self._copy_sources(run, sources[:n])  # came (remote, remote→dram)
         for b in run:
             b.hits += 1
             b.read_ahead = False
-            b.fetched = ""
             hits.append(b.hits)
             if b.flash is not None:
                 on_flash.append(b)
@@ -186,6 +187,16 @@ class GetPath:
         if not (deferred and n == len(run)):
             self._counters["misses"] += len(keys) - n
         return lease, sources[:n]
+
+    @staticmethod
+    def _copy_sources(run: list[Block], sources: list[str]) -> list[str]:
+        """``sources`` with each fetched copy's first read reported as it came
+        (``Block.fetched``: ``remote``, ``remote→dram``), that mark cleared. Only for a
+        namespace holding copies, so other gets pay one dict probe."""
+        out = [b.fetched or src for b, src in zip(run, sources, strict=True)]
+        for b in run:
+            b.fetched = ""
+        return out
 
     def _read_ahead(self, ns: Namespace, blocks: list[Block]) -> Callable[[], None]:
         """A function that starts promoting ``blocks`` (a get's next piece) in the
