@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from crc32c import crc32c
 
-from ctxmem_common.protoconv import TIER_REMOTE
+from ctxmem_common.protoconv import TIER_REMOTE, TIER_REMOTE_DRAM
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.store.context import StoreContext
@@ -90,9 +90,10 @@ class RemoteBlocks:
         there and was checked in place: length, CRC32C and authenticator). No copy and no
         second read. Slots whose block did not land, or whose key was stored meanwhile
         as this node's own block, are freed; a copy another pull adopted meanwhile is
-        replaced (this one was checked against the index later). ``fetched``: the source
-        a copy's first Acquire reports (``Block.fetched``). Returns how many entered the
-        index."""
+        replaced by a get's (``fetched`` ``remote``: this one was checked against the
+        index later) and kept over a Prefetch's (``remote→dram``). ``fetched``: the
+        source a copy's first Acquire reports (``Block.fetched``). Returns how many
+        entered the index."""
         return self._index_fetched(ns, refs, items, landed, fetched)
 
     def free_landing(self, refs: Sequence[SlotRef]) -> None:
@@ -111,10 +112,12 @@ class RemoteBlocks:
                 continue
             cur = per_ns.get(key)
             if cur is not None:
-                # This node's own block (put meanwhile) wins; a copy another pull adopted
-                # while this one fetched gives way: this pull's index check is the later
-                # one (a copy is served only by an Acquire that checked it: pod/fetch.py).
-                if origin is None or cur.origin is None:
+                # This node's own block (put meanwhile) wins. A copy another pull adopted
+                # while this one fetched gives way to a get's (its index check is the
+                # later one; a get serves only copies its own check saw: pod/fetch.py),
+                # never to a Prefetch's: a copy a get just adopted and is about to lease
+                # is not replaced behind its back.
+                if origin is None or cur.origin is None or fetched == TIER_REMOTE_DRAM:
                     dram.free(ref)
                     continue
                 self.drop_copies([cur])
