@@ -46,6 +46,9 @@ class Block:
     # entry; never demoted to flash, published or served to peers (docs/pod.md, "Deletes
     # and re-puts across nodes"). ``None``: this node's own block.
     origin: bytes | None = None
+    # A copy not yet read: the source its first Acquire reports, ``"remote"`` (fetched
+    # on demand by a get) or ``"remote→dram"`` (pulled ahead by a Prefetch); then "".
+    fetched: str = ""
 
 
 @dataclass(slots=True)

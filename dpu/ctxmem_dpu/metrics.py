@@ -65,6 +65,8 @@ class StoreCollector:
                                    labels=["tier"])
         hits.add_metric(["dram"], c["hits_dram"])
         hits.add_metric(["flash"], c["hits_flash"])
+        hits.add_metric(["remote"], c["hits_remote"])  # pod copies' first reads
+        hits.add_metric(["remote→dram"], c["hits_remote_dram"])
         yield hits
         yield CounterMetricFamily("ctxmem_misses", "Keys asked for by Acquire and not served",
                                   value=c["misses"])

@@ -67,6 +67,10 @@ class PodConfig:
     max_unauthenticated_per_source: int = 16
     # Remote blocks pulled per Acquire/Prefetch (one request per holder node).
     fetch_max_blocks: int = 256
+    # Remote blocks of one tenant that Prefetch pulls in the background at once on this
+    # node (pre-staging); a Prefetch's remote blocks past it are not pulled (counted
+    # pod_prefetch_refused_blocks: a get fetches them on demand). 0: Prefetch pulls none.
+    prefetch_max_blocks_per_tenant: int = 1024
 
     # Lease of a slab on a shared flash device (flash.devices[].shared), renewed every
     # third of it: a dead node's slabs are taken over this long after its last renewal.
@@ -142,6 +146,9 @@ def check_pod(pod: PodConfig) -> None:
                 "max_unauthenticated", "max_unauthenticated_per_source"):
         if getattr(pod, key) < 1:
             raise ConfigError(f"pod.{key}: must be >= 1")
+    if pod.prefetch_max_blocks_per_tenant < 0:
+        raise ConfigError("pod.prefetch_max_blocks_per_tenant: must be >= 0 (0: Prefetch "
+                          "pulls no remote blocks)")
 
 
 def index_authentication(pod: PodConfig, environ: Mapping[str, str] | None = None

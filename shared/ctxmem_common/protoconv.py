@@ -18,6 +18,7 @@ __all__ = [
     "TIER_FLASH",
     "TIER_NONE",
     "TIER_REMOTE",
+    "TIER_REMOTE_DRAM",
     "TRANSPORTS",
     "layout_from_pb",
     "layout_to_pb",
@@ -31,13 +32,16 @@ __all__ = [
 TIER_DRAM = "dram"
 TIER_FLASH = "flash"
 TIER_REMOTE = "remote"  # pod tier: another node holds it (docs/pod.md)
+# An Acquire's source only: a remote block a Prefetch pulled into this node's DRAM before
+# the get asked for it (docs/pod.md, "Pre-staging"); an on-demand fetch is TIER_REMOTE.
+TIER_REMOTE_DRAM = "remote→dram"
 TIER_NONE = ""  # not stored (a miss), or "any tier" where a request names one
 
 # Tier names <-> protocol enum. TIER_UNSPECIFIED means "no tier": a miss in a Lookup
 # answer, "every tier" in an Evict request.
 _TIER_TO_PB: dict[str, pb.Tier] = {
     TIER_DRAM: pb.TIER_DRAM, TIER_FLASH: pb.TIER_FLASH, TIER_REMOTE: pb.TIER_REMOTE,
-    TIER_NONE: pb.TIER_UNSPECIFIED}
+    TIER_REMOTE_DRAM: pb.TIER_REMOTE_DRAM, TIER_NONE: pb.TIER_UNSPECIFIED}
 _TIER_FROM_PB: dict[int, str] = {v: k for k, v in _TIER_TO_PB.items()}
 
 # Transport names, in the order a client prefers them when several are offered.

@@ -18,7 +18,14 @@ import numpy as np
 
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.proto import ctxmem_pb2 as pb
-from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH, TIER_NONE, TIER_REMOTE, tier_to_pb
+from ctxmem_common.protoconv import (
+    TIER_DRAM,
+    TIER_FLASH,
+    TIER_NONE,
+    TIER_REMOTE,
+    TIER_REMOTE_DRAM,
+    tier_to_pb,
+)
 from ctxmem_dpu.control.lookup_wire import tier_codes
 from ctxmem_dpu.tiers.dram import int_array
 
@@ -41,7 +48,7 @@ SlotArrays = tuple[list[int], list[int], list[int], list[int], list[int]]
 # uint64 length, uint32 CRC32C (what encode_acquire_reply and pack_acquire write as is).
 LeaseSlots = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 # A leased block's source tier as pb.Tier (a dict lookup per block, not a call).
-_SOURCE_PB = {t: tier_to_pb(t) for t in (TIER_DRAM, TIER_FLASH)}
+_SOURCE_PB = {t: tier_to_pb(t) for t in (TIER_DRAM, TIER_FLASH, TIER_REMOTE, TIER_REMOTE_DRAM)}
 
 
 def open_namespace(store: BlockStore, session_id: bytes, handle: int

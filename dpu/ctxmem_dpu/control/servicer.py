@@ -372,8 +372,7 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         members = block_ops.group_members(self.store, s, ns, request.group_namespace_handles)
         keys = list(request.keys)
         if self.pod is not None:
-            for m in members:
-                await self.pod.fetch.pull(m, keys)
+            await self.pod.fetch.pull_group(members, keys)
         leases, tiers = await self.store.acquire_group(s, members, keys)
         resp = pb.AcquireResponse(
             lease_id=leases[0].id, num_acquired=len(leases[0].blocks),

@@ -18,15 +18,17 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import is_
+from operator import is_, is_not
 
 from crc32c import crc32c
 
+from ctxmem_common.protoconv import TIER_REMOTE, TIER_REMOTE_DRAM
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.pod import copies as copies_mod
 from ctxmem_dpu.pod.entries import RemoteEntry, unpack_entry
 from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
+from ctxmem_dpu.pod.prestage import TenantBudget
 from ctxmem_dpu.pod.sources import RemoteSource
 from ctxmem_dpu.store import BlockStore
 
@@ -74,7 +76,25 @@ class RemoteFetch:
         local = self.store.lookup_blocks(ns, keys, prefix=False)
         copies = self.store.fetched_copies(ns.digest)
         if copies:  # fetched copies are checked in the same round trip (pod/copies.py)
+            local, remote, _held = await self._merged_checking(ns, keys, local, copies)
+            return local, remote
+        return await self._merged_plain(ns, keys, local)
+
+    async def _merged_held(self, ns: Namespace, keys: Sequence[bytes]
+                           ) -> tuple[list[Block | None], list[bytes | None],
+                                      list[Block | None]]:
+        """:meth:`merged`, and per key the fetched copy this check looked at (``None``:
+        none), for :meth:`_unchecked`."""
+        local = self.store.lookup_blocks(ns, keys, prefix=False)
+        copies = self.store.fetched_copies(ns.digest)
+        if copies:  # fetched copies are checked in the same round trip (pod/copies.py)
             return await self._merged_checking(ns, keys, local, copies)
+        return (*await self._merged_plain(ns, keys, local), [None] * len(keys))
+
+    async def _merged_plain(self, ns: Namespace, keys: Sequence[bytes],
+                            local: list[Block | None]
+                            ) -> tuple[list[Block | None], list[bytes | None]]:
+        """:meth:`merged` when the namespace has no fetched copies."""
         # Gather the misses in C; scatter their entries back in one comprehension (faster
         # than map(list.__setitem__): a 10,000-key Lookup; docs/pod.md, "Lookup cost").
         flags = list(map(is_, local, repeat(None)))
@@ -88,29 +108,61 @@ class RemoteFetch:
 
     async def _merged_checking(self, ns: Namespace, keys: Sequence[bytes],
                                local: list[Block | None], copies: dict[bytes, Block]
-                               ) -> tuple[list[Block | None], list[bytes | None]]:
-        """:meth:`merged` when the namespace has fetched copies: the keys that are copies
-        are asked along with the misses; those the index no longer names are dropped."""
+                               ) -> tuple[list[Block | None], list[bytes | None],
+                                          list[Block | None]]:
+        """:meth:`_merged_held` when the namespace has fetched copies: the keys that are
+        copies are asked along with the misses; those the index no longer names are
+        dropped."""
         ask, held = copies_mod.keys_to_ask(keys, local, copies)
         if not any(ask):
-            return local, [None] * len(keys)
+            return local, [None] * len(keys), held
         got = await self.lookup(ns.digest, list(compress(keys, ask)))
         remote, stale = copies_mod.check(keys, local, ask, held, got)
         if stale:
             self.store.drop_copies(stale)
-        return local, remote
+        return local, remote, held
 
     async def pull(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Fetch the remote blocks in the leading run of ``keys`` (local or remote, up to
-        ``pod.fetch_max_blocks`` remote ones) into local DRAM. Returns how many were
-        adopted; the run a following Acquire sees ends at the first that was not.
+        ``pod.fetch_max_blocks`` remote ones) into local DRAM, for the Acquire that
+        follows (no await between this and the Acquire's walk of the index). Returns how
+        many were adopted; the run a following Acquire sees ends at the first that was
+        not.
 
         Each block lands once, where it will be read: DRAM slots are reserved first
         (:meth:`BlockStore.landing`), a source that :attr:`~RemoteSource.lands` receives
         each block straight into its slot and verifies it there (authenticator, length,
         CRC32C), and the slots are indexed as they are (:meth:`BlockStore.adopt_landed`):
-        no buffer between the socket and the slot, no second read."""
-        local, remote = await self.merged(ns, keys)
+        no buffer between the socket and the slot, no second read.
+
+        A fetched copy is served only by an Acquire whose own index check saw it (or
+        that adopted it): one that another pull (a Prefetch's) adopted while this check
+        was in flight is dropped before returning (:meth:`_unchecked`), since its entry
+        was read before this check and may name bytes deleted since."""
+        n, ours, held = await self._pull(ns, keys, None)
+        self._unchecked(ns, keys, held, ours)
+        return n
+
+    async def pull_group(self, members: Sequence[Namespace], keys: Sequence[bytes]) -> None:
+        """:meth:`pull` for each member of a block group, the copies no member's check
+        saw dropped once all are pulled (the group's Acquire follows with no await)."""
+        done = [(m, *await self._pull(m, keys, None)) for m in members]
+        for m, _n, ours, held in done:
+            self._unchecked(m, keys, held, ours)
+
+    async def prestage(self, ns: Namespace, keys: Sequence[bytes],
+                       budget: TenantBudget) -> int:
+        """A Prefetch's background pull: :meth:`pull`'s run, as many of its remote blocks
+        as ``ns.tenant``'s ``budget`` admits (the rest refused, counted), adopted as
+        copies whose first Acquire reports ``remote→dram``. Returns how many landed."""
+        n, _ours, _held = await self._pull(ns, keys, budget)
+        return n
+
+    async def _pull(self, ns: Namespace, keys: Sequence[bytes], budget: TenantBudget | None
+                    ) -> tuple[int, set[bytes], list[Block | None]]:
+        """(blocks adopted, the keys whose blocks landed, the copies the check looked
+        at)."""
+        local, remote, held = await self._merged_held(ns, keys)
         want: list[RemoteEntry] = []
         raws: list[bytes] = []  # the packed entries: the adopted copies' origins
         for key, b, raw in zip(keys, local, remote, strict=True):
@@ -124,8 +176,22 @@ class RemoteFetch:
                 break
             want.append(e)
             raws.append(raw)
+        if budget is None:
+            return (*await self._land(ns, want, raws, TIER_REMOTE), held)
+        taken = budget.take(ns.tenant, len(want)) if want else 0
+        try:
+            n, ours = await self._land(ns, want[:taken], raws[:taken], TIER_REMOTE_DRAM)
+            return n, ours, held
+        finally:
+            budget.give(ns.tenant, taken)
+
+    async def _land(self, ns: Namespace, want: list[RemoteEntry], raws: list[bytes],
+                    fetched: str) -> tuple[int, set[bytes]]:
+        """Fetch ``want`` into reserved DRAM slots and adopt the leading run that landed
+        (``fetched``: the source their first Acquire reports). Returns how many were
+        adopted and the keys of the run that landed."""
         if not want:
-            return 0
+            return 0, set()
         store = self.store
         refs = await store.landing(ns, len(want))
         views = [store.dram.view(ref, ns.block_nbytes) for ref in refs]
@@ -144,9 +210,28 @@ class RemoteFetch:
         if run < len(want):
             log.debug("%d remote entries of namespace %s were misses", len(want) - run,
                       ns.digest.hex())
-        return store.adopt_landed(ns, refs, [(e.key, e.crc32c, raw) for e, raw in
-                                             zip(want, raws, strict=True)],
-                                  [i < run for i in range(len(want))])
+        n = store.adopt_landed(ns, refs, [(e.key, e.crc32c, raw) for e, raw in
+                                          zip(want, raws, strict=True)],
+                               [i < run for i in range(len(want))], fetched)
+        return n, {e.key for e in want[:run]}
+
+    def _unchecked(self, ns: Namespace, keys: Sequence[bytes], held: list[Block | None],
+                   ours: set[bytes]) -> None:
+        """Drop the copies of ``keys`` that the pull's check did not look at (``held``)
+        and that it did not adopt itself (``ours``): another pull adopted them while this
+        one awaited, under an index entry read before this check. Common case: one
+        C-level comparison of the copies per key with ``held``."""
+        copies = self.store.fetched_copies(ns.digest)
+        if not copies:
+            return
+        now = list(map(copies.get, keys))
+        if now == held:  # Block compares by identity
+            return
+        late = [b for b in compress(now, map(is_not, now, held))
+                if b is not None and b.key not in ours]
+        if late:
+            self._counters["pod_copies_unchecked"] += len(late)
+            self.store.drop_copies(late)
 
     async def fetch(self, ns_digest: bytes, entries: Sequence[RemoteEntry]
                     ) -> list[bytes | None]:

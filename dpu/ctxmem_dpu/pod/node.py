@@ -23,6 +23,7 @@ from ctxmem_dpu.pod.index import ClusterIndex, IndexUnavailable
 from ctxmem_dpu.pod.peer_client import PeerSource
 from ctxmem_dpu.pod.peer_rdma import open_device
 from ctxmem_dpu.pod.peer_server import PeerServer
+from ctxmem_dpu.pod.prestage import TenantBudget
 from ctxmem_dpu.pod.publisher import Publisher
 from ctxmem_dpu.pod.redis_conn import connect
 from ctxmem_dpu.pod.sources import RemoteSource
@@ -84,6 +85,10 @@ class PodNode:
                                self.keys, rdma=self.rdma)
         self.fetch = RemoteFetch(store, self.index, [*extra_sources, self.peer], counters,
                                  self.pod.fetch_max_blocks)
+        #: Remote blocks each tenant's Prefetch pulls hold at once (docs/pod.md,
+        #: "Pre-staging").
+        self.prestage_budget = TenantBudget(self.pod.prefetch_max_blocks_per_tenant,
+                                            counters)
         self._tasks: set[asyncio.Task[None]] = set()
         self._beat: asyncio.Task[None] | None = None
         self._index_down = False
@@ -216,13 +221,27 @@ class PodNode:
         await self.close()
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> None:
-        """Pull remote blocks of ``keys`` in the background (bounded by the fetch
-        timeout); errors are logged, never raised."""
+        """Pull the remote blocks of the leading run of ``keys`` into this node's DRAM in
+        the background (pre-staging: bounded by the fetch timeout, and per tenant by
+        ``pod.prefetch_max_blocks_per_tenant`` blocks in flight; the blocks past it are
+        not pulled, counted ``pod_prefetch_refused_blocks``). Their first Acquire reports
+        ``remote→dram``. A Prefetch that finds its tenant at the bound already is refused
+        whole, without asking the index (``pod_prefetch_refused_calls``). Errors are
+        logged, never raised."""
+        budget = self.prestage_budget
+        if budget.limit == 0:
+            return
+        if budget.held(ns.tenant) >= budget.limit:
+            self.store.counters["pod_prefetch_refused_calls"] += 1
+            return
+
         async def run() -> None:
             try:
-                await self.fetch.pull(ns, keys)
+                await self.fetch.prestage(ns, keys, self.prestage_budget)
             except Exception as exc:
-                log.warning("pod prefetch of %d keys failed: %s", len(keys), exc)
+                log.warning("pod prefetch of %d keys of namespace %s (tenant %r) failed: "
+                            "%s; a get fetches them on demand", len(keys), ns.digest.hex(),
+                            ns.tenant, exc)
 
         task = asyncio.create_task(run())
         self._tasks.add(task)

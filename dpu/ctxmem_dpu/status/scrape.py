@@ -80,7 +80,9 @@ def status_document(now: Scrape, prev: Scrape | None = None) -> dict[str, Any]:
     """The ``--json`` document (docs/operations.md lists every key)."""
     hits = {t: now.value("ctxmem_hits_total", tier=t) for t in TIERS}
     misses = now.value("ctxmem_misses_total")
-    asked = sum(hits.values()) + misses
+    # Every tier's hits: in a pod a fetched copy's first read is "remote" or "remote→dram".
+    served = now.value("ctxmem_hits_total")
+    asked = served + misses
     tiers: dict[str, Any] = {}
     for t in TIERS:
         used = now.value("ctxmem_tier_used_bytes", tier=t)
@@ -137,7 +139,7 @@ def status_document(now: Scrape, prev: Scrape | None = None) -> dict[str, Any]:
         "interval_s": dt if prev is not None else None,
         "health": {"ready": now.ready, "status": health},
         "tiers": tiers,
-        "hit_rate": _ratio(sum(hits.values()), asked),
+        "hit_rate": _ratio(served, asked),
         "misses": misses,
         "rates": rates,
         "tenants": tenant_rows,

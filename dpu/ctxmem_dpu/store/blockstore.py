@@ -36,7 +36,7 @@ from ctxmem_common.config import Config
 from ctxmem_common.errors import InvalidArgument
 from ctxmem_common.keys import validate_keys
 from ctxmem_common.layout import KVLayout
-from ctxmem_common.protoconv import TIER_DRAM
+from ctxmem_common.protoconv import TIER_DRAM, TIER_REMOTE
 from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session, SessionTables
@@ -596,10 +596,11 @@ class BlockStore:
 
     def adopt_landed(self, ns: Namespace, refs: Sequence[SlotRef],
                      items: Sequence[tuple[bytes, int, bytes | None]],
-                     landed: Sequence[bool]) -> int:
+                     landed: Sequence[bool], fetched: str = TIER_REMOTE) -> int:
         """Index fetched blocks that landed, verified, in their slots (key, CRC32C,
-        origin per slot); see :meth:`RemoteBlocks.adopt_landed`."""
-        return self._remote.adopt_landed(ns, refs, items, landed)
+        origin per slot; ``fetched``: the source their first Acquire reports); see
+        :meth:`RemoteBlocks.adopt_landed`."""
+        return self._remote.adopt_landed(ns, refs, items, landed, fetched)
 
     def free_landing(self, refs: Sequence[SlotRef]) -> None:
         self._remote.free_landing(refs)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ctxmem_common.keys import validate_keys
-from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH
+from ctxmem_common.protoconv import TIER_DRAM, TIER_FLASH, TIER_REMOTE, TIER_REMOTE_DRAM
 from ctxmem_dpu.blocks import Block, Lease, Namespace, Session
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.groups import GroupSiblings
@@ -83,7 +83,7 @@ class GetPath:
                 self._unpin(b)
             del lease.blocks[n:]
         self._counters["group_partial_misses"] += cut
-        rank = {TIER_DRAM: 0, TIER_FLASH: 1}
+        rank = {TIER_DRAM: 0, TIER_REMOTE_DRAM: 1, TIER_FLASH: 2, TIER_REMOTE: 3}
         tiers = [max(col, key=rank.__getitem__) for col in zip(*(x[:n] for x in sources),
                                                                    strict=True)]
         return leases, tiers if n else []
@@ -160,6 +160,8 @@ class GetPath:
         hits: list[int] = []
         on_flash: list[Block] = []
         flash_hits: list[int] = []
+        if self._index.copies_of(ns.digest):  # a pod's copies: their first read says how
+            sources = self._copy_sources(run, sources[:n])  # came (remote, remote→dram)
         for b in run:
             b.hits += 1
             b.read_ahead = False
@@ -176,11 +178,25 @@ class GetPath:
         self._counters["get_blocks"] += n
         self._counters["get_bytes"] += n * ns.block_nbytes
         served = sources[:n]
-        self._counters["hits_dram"] += served.count(TIER_DRAM)
-        self._counters["hits_flash"] += served.count(TIER_FLASH)
+        in_dram, on_flash_n = served.count(TIER_DRAM), served.count(TIER_FLASH)
+        self._counters["hits_dram"] += in_dram
+        self._counters["hits_flash"] += on_flash_n
+        if in_dram + on_flash_n != n:  # pod copies' first reads
+            self._counters["hits_remote"] += served.count(TIER_REMOTE)
+            self._counters["hits_remote_dram"] += served.count(TIER_REMOTE_DRAM)
         if not (deferred and n == len(run)):
             self._counters["misses"] += len(keys) - n
         return lease, sources[:n]
+
+    @staticmethod
+    def _copy_sources(run: list[Block], sources: list[str]) -> list[str]:
+        """``sources`` with each fetched copy's first read reported as it came
+        (``Block.fetched``: ``remote``, ``remote→dram``), that mark cleared. Only for a
+        namespace holding copies, so other gets pay one dict probe."""
+        out = [b.fetched or src for b, src in zip(run, sources, strict=True)]
+        for b in run:
+            b.fetched = ""
+        return out
 
     def _read_ahead(self, ns: Namespace, blocks: list[Block]) -> Callable[[], None]:
         """A function that starts promoting ``blocks`` (a get's next piece) in the

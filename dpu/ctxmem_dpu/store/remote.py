@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from crc32c import crc32c
 
+from ctxmem_common.protoconv import TIER_REMOTE, TIER_REMOTE_DRAM
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.store.context import StoreContext
@@ -72,7 +73,8 @@ class RemoteBlocks:
         finally:
             for v in views:
                 v.release()
-        return self._index_fetched(ns, refs, [(k, c, o) for k, _d, c, o in fresh], good)
+        return self._index_fetched(ns, refs, [(k, c, o) for k, _d, c, o in fresh], good,
+                                   TIER_REMOTE)
 
     async def landing(self, ns: Namespace, n: int) -> list[SlotRef]:
         """``n`` DRAM slots of ``ns`` for fetched blocks to land in (the fetch source
@@ -82,13 +84,17 @@ class RemoteBlocks:
 
     def adopt_landed(self, ns: Namespace, refs: Sequence[SlotRef],
                      items: Sequence[tuple[bytes, int, bytes | None]],
-                     landed: Sequence[bool]) -> int:
+                     landed: Sequence[bool], fetched: str = TIER_REMOTE) -> int:
         """Index the blocks that landed, verified, in the slots of :meth:`landing` (per
         slot: key, CRC32C, origin as in :meth:`adopt`; ``landed``: whether its block is
         there and was checked in place: length, CRC32C and authenticator). No copy and no
-        second read. Slots whose block did not land, or whose key was stored meanwhile,
-        are freed. Returns how many entered the index."""
-        return self._index_fetched(ns, refs, items, landed)
+        second read. Slots whose block did not land, or whose key was stored meanwhile
+        as this node's own block, are freed; a copy another pull adopted meanwhile is
+        replaced by a get's (``fetched`` ``remote``: this one was checked against the
+        index later) and kept over a Prefetch's (``remote→dram``). ``fetched``: the
+        source a copy's first Acquire reports (``Block.fetched``). Returns how many
+        entered the index."""
+        return self._index_fetched(ns, refs, items, landed, fetched)
 
     def free_landing(self, refs: Sequence[SlotRef]) -> None:
         """Slots of :meth:`landing` that will not be adopted (the fetch failed)."""
@@ -96,16 +102,28 @@ class RemoteBlocks:
 
     def _index_fetched(self, ns: Namespace, refs: Sequence[SlotRef],
                        items: Sequence[tuple[bytes, int, bytes | None]],
-                       good: Sequence[bool]) -> int:
+                       good: Sequence[bool], fetched: str) -> int:
         dram = self._ctx.dram
         per_ns = self._index.namespace(ns.digest)
         n = 0
         for ref, (key, crc, origin), ok in zip(refs, items, good, strict=True):
-            if not ok or key in per_ns:
+            if not ok:
                 dram.free(ref)
                 continue
+            cur = per_ns.get(key)
+            if cur is not None:
+                # This node's own block (put meanwhile) wins. A copy another pull adopted
+                # while this one fetched gives way to a get's (its index check is the
+                # later one; a get serves only copies its own check saw: pod/fetch.py),
+                # never to a Prefetch's: a copy a get just adopted and is about to lease
+                # is not replaced behind its back.
+                if origin is None or cur.origin is None or fetched == TIER_REMOTE_DRAM:
+                    dram.free(ref)
+                    continue
+                self.drop_copies([cur])
             b = Block(ns.digest, key, ns.block_nbytes, ns.slot_size, crc,
-                      self._index.next_seq(), dram=ref, origin=origin)
+                      self._index.next_seq(), dram=ref, origin=origin,
+                      fetched=fetched if origin is not None else "")
             self._index.dram_lru.add(b)
             if origin is not None:
                 self._index.add_copy(b)  # DRAM only: not dirty, never demoted

@@ -60,6 +60,18 @@ COUNTERS = (
     "group_commits", "group_partial_misses", "group_members_reclaimed",
     # Flash blocks a get's Acquire promoted ahead of the shim's next Acquire (promotion).
     "read_ahead_blocks",
+    # Pod copies served by their first Acquire (the others are DRAM hits): fetched on
+    # demand by that get, and pre-staged by a Prefetch (remote→dram; docs/pod.md).
+    "hits_remote", "hits_remote_dram",
+    # Pre-staging (docs/pod.md): remote blocks a Prefetch admitted to pull in the
+    # background, those pulls finished (landed or not: in flight = admitted - done), and
+    # remote blocks not pulled because the tenant had pod.prefetch_max_blocks_per_tenant
+    # in flight; Prefetch calls refused whole (the tenant at that bound when they came).
+    "pod_prefetch_admitted_blocks", "pod_prefetch_done_blocks",
+    "pod_prefetch_refused_blocks", "pod_prefetch_refused_calls",
+    # Fetched copies another pull adopted while an Acquire's index check was in flight,
+    # dropped before that Acquire (its check did not see them; pod/fetch.py).
+    "pod_copies_unchecked",
 )
 
 

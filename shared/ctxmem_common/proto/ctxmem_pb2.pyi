@@ -13,6 +13,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DRAM: _ClassVar[Tier]
     TIER_FLASH: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
+    TIER_REMOTE_DRAM: _ClassVar[Tier]
 
 class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ TIER_UNSPECIFIED: Tier
 TIER_DRAM: Tier
 TIER_FLASH: Tier
 TIER_REMOTE: Tier
+TIER_REMOTE_DRAM: Tier
 TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_TCP: Transport
