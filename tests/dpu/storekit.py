@@ -25,7 +25,8 @@ def store_config(**over: Any) -> Config:
         "service": {"lease_ttl_s": over.pop("lease_ttl_s", 30.0),
                     "allocation_ttl_s": over.pop("allocation_ttl_s", 30.0)},
     }
-    raw.update(over)
+    for section, values in over.items():  # a section given is merged into the above
+        raw[section] = {**raw[section], **values} if section in raw else values
     return config_from_dict(raw)
 
 
