@@ -1,15 +1,18 @@
 """``store/quotas.py``: fair shares, ceilings, held-slab caps and the order in which
-DRAM victims are offered across tenants, on a DRAM tier of eight 1 MiB slabs (four blocks
-a slab) whose every slab and LRU position the test places by hand (``parts.py``)."""
+DRAM and flash victims are offered across tenants, on a DRAM tier of eight 1 MiB slabs
+(four blocks a slab) and an 8 MiB flash file, whose every slab and LRU position the test
+places by hand (``parts.py``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from ctxmem_common.errors import ResourceExhausted
 from ctxmem_dpu.blocks import Block, Lease
 
-from .parts import Parts, keys_of, parts
+from .parts import SLOT, Parts, keys_of, parts
 
 
 def _no_skip(_b: Block) -> bool:
@@ -145,3 +148,49 @@ def test_stats_name_the_first_tenants_and_sum_the_rest() -> None:
 
 def _lease(p: Parts, blocks: list[Block]) -> Lease:
     return Lease(b"L", b"S", p.tables.namespaces[blocks[0].ns], blocks, float("inf"))
+
+
+async def _on_flash(p: Parts, tenant: str, n: int) -> list[Block]:
+    """``n`` blocks of ``tenant`` made durable on flash (their DRAM copies kept)."""
+    blocks = p.put(p.namespace(tenant), tenant, n, dirty=True)
+    assert await p.demotion().demote(blocks) == {}
+    return blocks
+
+
+async def test_flash_victims_take_from_the_tenant_over_its_share_until_it_is_at_it(
+        tmp_path: Path) -> None:
+    with parts(flash_file=tmp_path / "f.img") as p:
+        p.session("a")
+        p.session("b")
+        # 7 MiB of slabs: a share of 3.5 MiB (14 slots) each; room for 21 slots (three a
+        # slab beside its header table).
+        a_blocks = await _on_flash(p, "a", 16)
+        b_blocks = await _on_flash(p, "b", 4)
+        share = p.quotas.flash_guaranteed("a", {"a", "b"})
+        assert share == p.ctx.flash.capacity_bytes() // 2 == 14 * SLOT
+        assert p.quotas.flash_bytes() == {"a": 16 * SLOT, "b": 4 * SLOT}
+        over = 2  # a's blocks above its share
+        taken: list[Block] = []
+        for b in p.quotas.flash_victims("b", _no_skip):
+            taken.append(b)
+            p.quotas.flash_evicted(b)  # as placement does: usage follows the walk
+        # a's oldest until it is at its share, then b's own (b is under its share).
+        assert keys_of(taken) == keys_of(a_blocks[:over] + b_blocks)
+        assert p.quotas.counters == {("a", "evictions_flash"): over,
+                                     ("b", "evictions_flash"): 4}
+
+
+async def test_a_tenant_over_its_flash_ceiling_evicts_only_its_own(tmp_path: Path) -> None:
+    with parts(flash_file=tmp_path / "f.img",
+               quotas={"tenants": {"a": {"flash_guaranteed": 0.0625, "flash_max": 0.125}}}
+               ) as p:
+        p.session("a")
+        p.session("b")
+        b_blocks = await _on_flash(p, "b", 16)  # b over its share (14 slots)
+        a_blocks = await _on_flash(p, "a", 4)
+        assert p.quotas.flash_ceiling("a") <= 4 * SLOT  # and over its guarantee
+        assert keys_of(list(p.quotas.flash_victims("a", _no_skip))) == keys_of(a_blocks)
+        # Demoting several tenants' blocks at once (None): whoever is over their share, in
+        # flash LRU order (usage as it stands: nothing is evicted here).
+        assert keys_of(list(p.quotas.flash_victims(None, _no_skip))) == \
+            keys_of(b_blocks + a_blocks)
