@@ -111,6 +111,7 @@ def parts(dram: str = "8MiB", flash_file: Path | None = None, **over: Any) -> It
     if flash_file is not None:
         (name, path), = make_flash(flash_file)
         devices.append(FlashDevice(0, name, path, cfg.flash.slab_size, cfg.flash.o_direct))
+        devices[0].slow_io_s = cfg.flash.slow_io_s  # as the store's open_devices does
     ctx = StoreContext(cfg, DramTier(cfg.dram.size, cfg.dram.slab_size),
                        FlashTier(devices), new_counters(), IOPool(1))
     index = BlockIndex(cfg)
