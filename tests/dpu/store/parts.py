@@ -76,11 +76,13 @@ class Parts:
         self.index.namespace(digest)
         return ns
 
-    def put(self, ns: Namespace, tag: str, n: int, dirty: bool = False) -> list[Block]:
+    def put(self, ns: Namespace, tag: str, n: int, dirty: bool = False,
+            indexed: bool = True) -> list[Block]:
         """``n`` committed blocks of ``ns`` in DRAM (keys ``kit.keys(tag, n)``, content
         :func:`tests.kit.tiled` with its CRC32C), added to the DRAM LRU in key order (the
         first is the least recently used); ``dirty``: not on flash yet (in the dirty set,
-        in the same order)."""
+        in the same order); not ``indexed``: written and checksummed only, as a Commit
+        hands them to a write-through."""
         refs = self.ctx.dram.allocate(SLOT, n, slab_owner(ns))
         assert refs is not None, f"no room for {n} blocks of {ns.tenant}"
         out = []
@@ -89,8 +91,9 @@ class Parts:
             self.ctx.dram.view(ref, SLOT)[:] = data
             b = Block(ns.digest, key, SLOT, SLOT, crc32c(data), self.index.next_seq(),
                       dram=ref)
-            self.index.namespace(ns.digest)[key] = b
-            self.index.dram_lru.add(b)
+            if indexed:
+                self.index.namespace(ns.digest)[key] = b
+                self.index.dram_lru.add(b)
             if dirty:
                 self.index.dirty[b] = None
             out.append(b)
