@@ -11,6 +11,7 @@ import ast
 import importlib
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -58,6 +59,27 @@ def test_a_guarded_package_imports_where_ci_runs(name: str) -> None:
         pytest.skip("CTXMEM_REQUIRE_DEPS is not 1 (deploy/setup.sh sets it for CI's run)")
     importlib.import_module(name)  # raises, failing the test, when the install is broken
     assert name in sys.modules
+
+
+#: Programs deploy/setup.sh installs whose absence makes tests skip (skipif on them).
+PROGRAMS = {
+    "valgrind": "tests/tools/test_bench_stable.py (callgrind)",
+    "gcc": "tests/tools/test_bench_stable.py, the native CRC32C helper",
+    "promtool": "tests/ops/test_dashboards.py (Debian's prometheus package)",
+    "py-spy": "tests/tools/test_bench_profile.py (the dev extra)",
+}
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+def test_a_program_setup_installs_is_there_where_ci_runs(program: str) -> None:
+    if not REQUIRED:
+        pytest.skip("CTXMEM_REQUIRE_DEPS is not 1 (deploy/setup.sh sets it for CI's run)")
+    beside = Path(sys.executable).with_name(program)  # a venv's console script
+    assert shutil.which(program) or beside.exists(), (
+        f"{program} is missing, so {PROGRAMS[program]} would skip; deploy/setup.sh "
+        f"installs it")
+    if program == "valgrind":
+        assert Path("/usr/include/valgrind/callgrind.h").exists()
 
 
 def test_ci_requires_them_before_its_pytest_run() -> None:
