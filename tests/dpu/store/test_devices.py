@@ -20,7 +20,7 @@ from ..storekit import make_flash, store_config
 async def test_every_device_opens_in_order_with_the_configs_slow_threshold(
         tmp_path: Path) -> None:
     cfg = store_config(flash={"slow_io_s": 0.25})
-    paths = make_flash(tmp_path / "a.img") + [("flash1", make_flash(tmp_path / "b.img")[0][1])]
+    paths = [*make_flash(tmp_path / "a.img"), ("flash1", make_flash(tmp_path / "b.img")[0][1])]
     io = IOPool(1)
     try:
         devices, keeper = await open_devices(cfg, io, paths, None)
@@ -42,7 +42,7 @@ async def test_a_device_that_fails_to_open_closes_those_before_it(tmp_path: Path
     io = IOPool(1)
     try:
         with pytest.raises(FlashIOError, match=r"flash device 'flash1': cannot open .*missing"):
-            await open_devices(cfg, io, good + [("flash1", str(tmp_path / "missing.img"))],
+            await open_devices(cfg, io, [*good, ("flash1", str(tmp_path / "missing.img"))],
                                None)
         # flash0 was closed: its lock and owner record are free for the next opener.
         with FlashDevice(0, "flash0", good[0][1], cfg.flash.slab_size, True) as again:
