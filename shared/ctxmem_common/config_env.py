@@ -8,8 +8,8 @@ has no ctxmem config file), a value every process on a device must share (the se
 ``ctxmem check`` and the storage tools alike), a codec chosen at import before any config
 is read, or a test and benchmark hook. ``docs/config.md`` renders this table
 (:func:`ctxmem_common.config.reference_markdown`), and ``tests/shared/test_config_env.py``
-fails when the code of ``dpu/``, ``host/`` or ``shared/`` names a ``CTXMEM_*`` variable
-that is not listed here.
+fails when the code of ``dpu/``, ``host/`` or ``shared/`` names a ``CTXMEM_*`` variable,
+or reads any other by name, that is not listed here.
 """
 
 from __future__ import annotations
@@ -82,6 +82,22 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("CTXMEM_BENCH_NO_SESSION_AUTH", "service",
            f"`1`: the security benchmark's baseline without session checks (insecure mode "
            f"only); {_HOOK}"),
+    # Not ctxmem's own: the platform's, read where they mean what they always mean.
+    EnvVar("XDG_RUNTIME_DIR", "service, `ctxmem serve --print-default-config`",
+           "where the embedded default config puts the shm socket for a user other than "
+           "root (see the top of this page)"),
+    EnvVar("XDG_STATE_HOME", "service, `ctxmem serve --print-default-config`",
+           "where the embedded default config puts the flash file and master key for a "
+           "user other than root"),
+    EnvVar("HOME", "service", "`~/.local/state` when `XDG_STATE_HOME` is unset"),
+    EnvVar("NOTIFY_SOCKET", "service", "systemd's readiness socket (`READY=1`, "
+                                       "`STOPPING=1`), set by systemd for a `Type=notify` unit"),
+    EnvVar("CI", "the `ctxmem` command line", "set: no progress bars"),
+    EnvVar("GRPC_ENABLE_FORK_SUPPORT", "client",
+           "set to `true` by `import ctxmem` unless the process set it: blocking gRPC "
+           "survives `fork()` only so, chosen before gRPC is imported"),
+    EnvVar("GRPC_POLL_STRATEGY", "client",
+           "set to `poll` by `import ctxmem` unless the process set it (with fork support)"),
 )
 
 

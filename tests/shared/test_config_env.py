@@ -46,8 +46,35 @@ def test_every_variable_the_code_names_is_listed_with_its_reason() -> None:
         f"(ctxmem_common.config), or list the variable there with why it stays")
 
 
+# A read of the process environment by a literal name: os.environ.get("X"),
+# environ["X"], env.setdefault("X", ...) in a module that touches the environment.
+READ = re.compile(r'(?:\.(?:get|setdefault|pop)\(\s*|environ\[\s*)"([A-Z][A-Z0-9_]*)"')
+# The WSGI request's environ in ctxmem_dpu.metrics (request fields, not the process's).
+WSGI = {"PATH_INFO", "REQUEST_METHOD", "CONTENT_LENGTH", "HTTP_"}
+
+
+def _read_by_name() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for top in ("dpu", "host", "shared"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            text = path.read_text()
+            if path.name == "config_env.py" or ("environ" not in text and
+                                                "getenv" not in text):
+                continue
+            for name in set(READ.findall(text)) - WSGI:
+                found.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_other_variable_read_by_name_is_listed() -> None:
+    listed = {v.name for v in ENVIRONMENT}
+    read = _read_by_name()
+    assert {"NOTIFY_SOCKET", "XDG_RUNTIME_DIR", "CI"} <= set(read)  # the scan sees them
+    assert {n: f for n, f in read.items() if n not in listed} == {}
+
+
 def test_every_listed_variable_is_still_named_in_the_code() -> None:
-    named = set(_named_in_code())
+    named = set(_named_in_code()) | set(_read_by_name())
     stale = [v.name for v in ENVIRONMENT
              if v.name not in named and not any(v.name.startswith(p) for p in named
                                                 if p.endswith("_"))]
