@@ -148,6 +148,9 @@ run_tests() {
     fi
     log "pytest (host: unit, integration against real service processes, engines, deploy)"
     export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1  # LMCache sends nothing out
+    # Everything above is installed: a test's importorskip of it must not quietly skip
+    # (tests/deploy/test_ci_dependencies.py fails instead).
+    export CTXMEM_REQUIRE_DEPS=1
     "$VENV/bin/pytest" -q -m "not vm and not slow" tests
     # ctxmem-kv beside vLLM (CPU), LMCache and SGLang, each installed with plain pip in a
     # fresh venv (cached; ~12 min cold, ~25 s warm; it says so loudly when

@@ -38,7 +38,7 @@ class Block:
     hits: int = 0
     deleted: bool = False
     io: asyncio.Future[None] | None = None
-    # Promoted ahead of a get's next Acquire (store.promotion.COLD_PIECE_BYTES): that
+    # Promoted ahead of a get's next Acquire (flash.cold_piece_bytes): that
     # Acquire still counts it a flash hit, as it was before the get began.
     read_ahead: bool = False
     # A copy fetched from another node of a pod: the index entry (packed, as the cluster

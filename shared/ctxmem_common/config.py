@@ -32,6 +32,7 @@ from ctxmem_common.config_defaults import (
     default_config_yaml,
     default_shm_socket,
 )
+from ctxmem_common.config_env import env_rows
 from ctxmem_common.config_pod import PodConfig, check_pod
 from ctxmem_common.config_s3 import S3AccessKey, S3Config, check_s3
 from ctxmem_common.config_schema import Size, build, reference_rows
@@ -255,6 +256,16 @@ class FlashConfig:
     # when making room would mean demoting inline while more than this many bytes of
     # committed blocks already wait for flash. 0: never shed (a put waits, as before).
     shed_backlog_bytes: Size = Size(0)
+    # A single device call (read, write, fdatasync) slower than this many seconds marks
+    # the device slow: the store serves around it (DRAM only) until a probe is fast again
+    # (docs/reliability.md). The chaos campaign and the reliability tests lower it.
+    slow_io_s: float = 2.0
+    # How often (seconds) failed or slow flash devices are probed to bring them back.
+    probe_interval_s: float = 2.0
+    # A get whose run holds more than this many bytes of flash-only blocks is served in
+    # pieces: each Acquire promotes one piece and reads the next ahead (issue 17). 0 (the
+    # default): off, a cold get promotes its whole run (docs/benchmarks.md has the A/Bs).
+    cold_piece_bytes: Size = Size(0)
 
 
 @dataclass(frozen=True)
@@ -398,6 +409,9 @@ def _check(cfg: Config) -> None:
     if cfg.flash.demote_batch < 1:
         raise ConfigError(f"flash.demote_batch: must be >= 1 (blocks per background "
                           f"demotion batch), got {cfg.flash.demote_batch}")
+    if not (cfg.flash.slow_io_s > 0 and cfg.flash.probe_interval_s > 0):
+        raise ConfigError(f"flash.slow_io_s and flash.probe_interval_s: must be > 0 (seconds), "
+                          f"got {cfg.flash.slow_io_s} and {cfg.flash.probe_interval_s}")
     if cfg.flash.demote_batch_bytes > 1 << 30:
         raise ConfigError(f"flash.demote_batch_bytes: must be at most 1 GiB (0: batches by "
                           f"flash.demote_batch blocks only), got {cfg.flash.demote_batch_bytes}")
@@ -611,7 +625,16 @@ def reference_markdown() -> str:
         "(`ctxmem_common.device_settings`) and validated with the rest of the config: a bad "
         "key fails at load, naming its path; `docs/storage.md` lists their keys.",
         "",
+        "## Environment variables",
+        "",
+        "Everything the service tunes is a key above. An environment variable remains "
+        "only where this table (`ctxmem_common.config_env.ENVIRONMENT`) says why; a test "
+        "fails when the code reads a `CTXMEM_*` variable it does not list.",
+        "",
+        "| variable | read by | why it is not a config key |",
+        "|---|---|---|",
     ]
     return "\n".join(head + reference_rows(Config, "") + dev
                      + reference_rows(FlashDeviceConfig, "flash.devices[].") + keys
-                     + reference_rows(S3AccessKey, "s3.access_keys.ID.") + tail)
+                     + reference_rows(S3AccessKey, "s3.access_keys.ID.") + tail
+                     + env_rows() + [""])

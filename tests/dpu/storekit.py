@@ -12,17 +12,21 @@ from ctxmem_dpu.store import BlockStore
 from tests.kit import byte_layout
 
 LAYOUT = byte_layout(64 << 10)  # 64 KiB blocks
+# Keys every store_config's flash section starts from: a suite lowers the health timings
+# for its tests with monkeypatch.setitem(FLASH, "probe_interval_s", 0.05).
+FLASH: dict[str, Any] = {"slab_size": "1MiB"}
 
 
 def store_config(**over: Any) -> Config:
     raw: dict[str, Any] = {
         "dram": {"size": over.pop("dram_size", "4MiB"), "slab_size": "1MiB"},
-        "flash": {"slab_size": "1MiB", "write_policy": over.pop("write_policy", "write_back")},
+        "flash": {**FLASH, "write_policy": over.pop("write_policy", "write_back")},
         "encryption": {"enabled": over.pop("encryption", True)},
         "service": {"lease_ttl_s": over.pop("lease_ttl_s", 30.0),
                     "allocation_ttl_s": over.pop("allocation_ttl_s", 30.0)},
     }
-    raw.update(over)
+    for section, values in over.items():  # a section given is merged into the above
+        raw[section] = {**raw[section], **values} if section in raw else values
     return config_from_dict(raw)
 
 

@@ -1,8 +1,7 @@
 """A cold get of many flash blocks is served in pieces, the next one read ahead
-(``ctxmem_dpu.store.promotion.COLD_PIECE_BYTES``, off by default, on here through
-``CTXMEM_COLD_PIECE_BYTES``): through the shim every block still comes back exact and
-checked, the run still ends at the first miss with nothing past it written, and the
-service counts the blocks it promoted ahead."""
+(``flash.cold_piece_bytes``, off by default, on here): through the shim every block still
+comes back exact and checked, the run still ends at the first miss with nothing past it
+written, and the service counts the blocks it promoted ahead."""
 
 from __future__ import annotations
 
@@ -24,10 +23,9 @@ def _data(n: int) -> list[np.ndarray]:
 
 
 @pytest.fixture
-def svc(service_factory: Callable[..., ServiceHandle], monkeypatch: pytest.MonkeyPatch
-        ) -> ServiceHandle:
-    monkeypatch.setenv("CTXMEM_COLD_PIECE_BYTES", str(4 * LAYOUT.block_nbytes))
-    return service_factory(transports=["shm", "tcp"])
+def svc(service_factory: Callable[..., ServiceHandle]) -> ServiceHandle:
+    return service_factory(transports=["shm", "tcp"],
+                           flash={"cold_piece_bytes": 4 * LAYOUT.block_nbytes})
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

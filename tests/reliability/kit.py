@@ -19,8 +19,10 @@ from tests.kit import byte_layout
 
 BLOCK = 16 << 10
 LAYOUT = byte_layout(BLOCK)
-FAULT_ENV = {"CTXMEM_FLASH_PROBE_INTERVAL_S": "0.05", "CTXMEM_FLASH_SLOW_IO_S": "1.0",
-             "CTXMEM_FAULT_JOURNAL": "1"}
+FAULT_ENV = {"CTXMEM_FAULT_JOURNAL": "1"}
+# The service's flash health timings here: failed devices probed every 50 ms, an I/O over
+# 1 s is slow (the chaos campaign's values).
+FAST_HEALTH = {"probe_interval_s": 0.05, "slow_io_s": 1.0}
 
 
 def patch_file(path: str | Path, off: int, data: bytes) -> None:
@@ -50,6 +52,7 @@ class FaultyService(ServiceProcess):
         self.ctl = workdir / "faults.json"
         self.gen = 0
         self._write({})
+        config["flash"] = {**FAST_HEALTH, **config.get("flash", {})}
         cfg = local_config(workdir, dram_size=config.pop("dram_size", "8MiB"),
                            dram_slab=config.pop("dram_slab", "2MiB"),
                            flash_size=config.pop("flash_size", "48MiB"),

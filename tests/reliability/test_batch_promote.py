@@ -17,7 +17,7 @@ from ctxmem_dpu import faults
 from ctxmem_dpu.store import BlockStore
 from ctxmem_dpu.tiers.flash import FlashDevice
 
-from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
+from ..dpu.storekit import FLASH, get, make_flash, open_store, payload, put, session, store_config
 from .kit import patch_file, settled_audit
 
 K = [b"blk-%04d" % i for i in range(64)]
@@ -25,7 +25,7 @@ K = [b"blk-%04d" % i for i in range(64)]
 
 @pytest.fixture(autouse=True)
 def _fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ctxmem_dpu.store.health.PROBE_INTERVAL_S", 0.05)
+    monkeypatch.setitem(FLASH, "probe_interval_s", 0.05)  # flash.probe_interval_s
     faults.reset()
     yield
     faults.reset()

@@ -19,7 +19,17 @@ from ctxmem_dpu import faults
 from ctxmem_dpu.check import check_command, check_devices
 from ctxmem_dpu.store import BlockStore
 
-from ..dpu.storekit import MASTER, get, make_flash, open_store, payload, put, session, store_config
+from ..dpu.storekit import (
+    FLASH,
+    MASTER,
+    get,
+    make_flash,
+    open_store,
+    payload,
+    put,
+    session,
+    store_config,
+)
 from .kit import patch_file, settled_audit
 
 K = [bytes([i]) * 8 for i in range(1, 120)]
@@ -27,7 +37,7 @@ K = [bytes([i]) * 8 for i in range(1, 120)]
 
 @pytest.fixture(autouse=True)
 def _fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ctxmem_dpu.store.health.PROBE_INTERVAL_S", 0.05)
+    monkeypatch.setitem(FLASH, "probe_interval_s", 0.05)  # flash.probe_interval_s
     faults.reset()
 
 

@@ -18,7 +18,7 @@ from ctxmem_dpu import faults
 from ctxmem_dpu.store import BlockStore
 from tests.kit import until_async
 
-from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
+from ..dpu.storekit import FLASH, get, make_flash, open_store, payload, put, session, store_config
 from .kit import FaultyService, content, keys, served, settled_audit, tiers
 from .kit import put as put_live
 
@@ -27,8 +27,8 @@ K = [bytes([i]) * 8 for i in range(1, 200)]
 
 @pytest.fixture(autouse=True)
 def _fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr("ctxmem_dpu.store.health.PROBE_INTERVAL_S", 0.05)
-    monkeypatch.setattr("ctxmem_dpu.tiers.flash_io.SLOW_IO_S", 0.2)
+    monkeypatch.setitem(FLASH, "probe_interval_s", 0.05)  # flash.probe_interval_s
+    monkeypatch.setitem(FLASH, "slow_io_s", 0.2)  # flash.slow_io_s
     faults.reset()
     yield
     faults.reset()

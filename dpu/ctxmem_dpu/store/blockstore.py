@@ -43,7 +43,6 @@ from ctxmem_dpu.blocks import Allocation, Block, Lease, Namespace, Session, Sess
 from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.pod.entries import SharedLocation
 from ctxmem_dpu.policy import SegmentedLRU
-from ctxmem_dpu.store import health as health_mod
 from ctxmem_dpu.store.context import IOPool, StoreContext
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.devices import open_devices
@@ -293,12 +292,11 @@ class BlockStore:
         probe_at = 0.0
         owner_at = time.monotonic() + flash_owner.LEASE_S / 3
         while True:
-            # Read through the module: tests lower the interval by patching it.
-            await asyncio.sleep(min(0.2, health_mod.PROBE_INTERVAL_S))
+            await asyncio.sleep(min(0.2, self.cfg.flash.probe_interval_s))
             now = time.monotonic()
             self._registry.expire(self.counters, now)
             if now >= probe_at:
-                probe_at = now + health_mod.PROBE_INTERVAL_S
+                probe_at = now + self.cfg.flash.probe_interval_s
                 await self._health.revive()
             if now >= owner_at:
                 owner_at = now + flash_owner.LEASE_S / 3

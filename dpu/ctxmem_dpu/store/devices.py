@@ -38,6 +38,7 @@ async def open_devices(cfg: Config, io: IOPool, flash_paths: Sequence[tuple[str,
                 fence = SlabFence(name, leases.node_id)
             devices.append(await io.run(FlashDevice, i, name, path, cfg.flash.slab_size,
                                         cfg.flash.o_direct, True, fence))
+            devices[-1].slow_io_s = cfg.flash.slow_io_s
         if leases is not None and any(d.fence is not None for d in devices):
             from ctxmem_dpu.pod.slab_leases import SlabLeaseKeeper
 

@@ -16,14 +16,10 @@ import stat
 from collections.abc import Callable, Iterable
 
 from ctxmem_dpu.store.context import StoreContext
-from ctxmem_dpu.tiers import flash_io
 from ctxmem_dpu.tiers.flash import FlashDevice, FlashIOError
 
 log = logging.getLogger("ctxmem_dpu.store")
 
-# How often failed flash devices are probed (see FlashDevice.probe). Tests and the chaos
-# campaign lower it with CTXMEM_FLASH_PROBE_INTERVAL_S (or by patching this attribute).
-PROBE_INTERVAL_S = float(os.environ.get("CTXMEM_FLASH_PROBE_INTERVAL_S", "2.0"))
 # Bound on one call of a device's locator (a storage backend's locate(), a sysfs walk).
 LOCATE_TIMEOUT_S = 5.0
 
@@ -77,14 +73,15 @@ class DeviceHealth:
         self.full.difference_update(devices)
 
     def check_slow(self, devices: Iterable[int]) -> None:
-        """Mark a device failed when it completed an I/O slower than ``SLOW_IO_S`` since
+        """Mark a device failed when it completed an I/O slower than its ``slow_io_s``
+        (``flash.slow_io_s``) since
         the last check: a device that answers in seconds stalls every get behind it."""
         for d in devices:
             dev = self._ctx.flash.devices[d]
             if dev.slow_ios > self._slow_seen.get(d, 0):
                 self._slow_seen[d] = dev.slow_ios
                 self.mark_unhealthy(d, FlashIOError(
-                    0, f"I/O slower than {flash_io.SLOW_IO_S:g} s"), reason="slow")
+                    0, f"I/O slower than {dev.slow_io_s:g} s"), reason="slow")
 
     async def refresh_owners(self) -> None:
         """Extend this service's lease in every device's owner record (see

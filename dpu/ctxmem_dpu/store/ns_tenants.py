@@ -73,7 +73,9 @@ class NamespaceTenants:
             fd = safepaths.open_nofollow(self.path, os.O_RDONLY, "namespace tenants file")
         except FileNotFoundError:
             fd = -1
-        except OSError as exc:  # an unsafe path included: accounting only, not fatal
+        except OSError as exc:  # accounting only, not fatal (an unsafe path, a link or
+            # another user's file, is not an OSError: UnsafePathError, the store does not
+            # start on it, as for its other files)
             log.warning("namespace tenants file %s not read (%s); blocks recovered from "
                         "flash count under no tenant until their namespace is opened",
                         self.path, exc)

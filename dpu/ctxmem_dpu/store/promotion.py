@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -44,8 +43,7 @@ log = logging.getLogger("ctxmem_dpu.store")
 # in flight. Off (0) by default: in paired A/Bs on the 2-core test box (AES-XTS, 64 MiB
 # batches) 16 MiB pieces gained 0-27% on 64 KiB cold gets (2-5% in the last, quietest
 # sets) and cost 0.07-0.15 more service CPU s/GB (more Acquires and Releases, read-ahead
-# bookkeeping). CTXMEM_COLD_PIECE_BYTES (e.g. 16777216) turns it on, to measure on a DPU.
-COLD_PIECE_BYTES = int(os.environ.get("CTXMEM_COLD_PIECE_BYTES", "0"))
+# bookkeeping). flash.cold_piece_bytes (e.g. 16MiB) turns it on, to measure on a DPU.
 
 
 @dataclass(slots=True)
@@ -106,20 +104,19 @@ class Promotion:
             self._ctx.counters[counter] += len(cold)
         return len(cold), in_dram
 
-    @staticmethod
-    def piece_blocks(ns: Namespace) -> int:
+    def piece_blocks(self, ns: Namespace) -> int:
         """How many flash-only blocks of ``ns`` one Acquire promotes (a piece); 0 when
-        cold gets are not served in pieces."""
-        if COLD_PIECE_BYTES <= 0:
+        cold gets are not served in pieces (``flash.cold_piece_bytes``)."""
+        piece_bytes = self._ctx.cfg.flash.cold_piece_bytes
+        if piece_bytes <= 0:
             return 0
-        return max(1, COLD_PIECE_BYTES // max(1, ns.block_nbytes))
+        return max(1, piece_bytes // max(1, ns.block_nbytes))
 
-    @staticmethod
-    def cold_piece(ns: Namespace, run: list[Block]) -> tuple[int, list[Block]]:
+    def cold_piece(self, ns: Namespace, run: list[Block]) -> tuple[int, list[Block]]:
         """Where an Acquire cuts ``run`` (its length when it needs no cut) so that it
-        promotes at most ``COLD_PIECE_BYTES`` of flash-only blocks, and the flash-only
+        promotes at most ``flash.cold_piece_bytes`` of flash-only blocks, and the flash-only
         blocks of the piece after (to promote ahead: :meth:`prefetch`)."""
-        per_piece = Promotion.piece_blocks(ns)
+        per_piece = self.piece_blocks(ns)
         if not per_piece:
             return len(run), []
         cold_at = [i for i, b in enumerate(run) if b.dram is None]

@@ -16,7 +16,6 @@ from typing import NamedTuple
 from ctxmem_common.flash_format import slots_per_slab
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.pod.entries import SharedLocation
-from ctxmem_dpu.tiers import flash_io
 from ctxmem_dpu.tiers.base import Tier
 from ctxmem_dpu.tiers.flash_device import FlashSlabAllocator, FormattedDevice
 from ctxmem_dpu.tiers.flash_io import DeviceFile, FlashIOError, ShortRead, scan_buffers
@@ -43,14 +42,6 @@ __all__ = [
     "ShortRead",
     "scan_buffers",
 ]
-
-
-def __getattr__(name: str) -> object:
-    # SLOW_IO_S is read live from flash_io, where the devices use it (a test or the
-    # chaos campaign lowers it there), so messages that quote it quote the value in force.
-    if name == "SLOW_IO_S":
-        return flash_io.SLOW_IO_S
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Extent(NamedTuple):

@@ -40,7 +40,6 @@ from ctxmem_common.flash_format import (
 )
 from ctxmem_dpu.alloc import Slab, SlabAllocator, SlotRef
 from ctxmem_dpu.storage.nvme_resv import RESV_TYPE, NvmeReservation, node_key
-from ctxmem_dpu.tiers import flash_io
 from ctxmem_dpu.tiers.flash_fence import SlabFence, SlabFenced
 from ctxmem_dpu.tiers.flash_io import ZEROS, DeviceFile, FlashIOError, ShortRead, scan_buffers
 
@@ -607,7 +606,7 @@ class FormattedDevice(DeviceFile):
     def probe(self) -> None:
         """Is a failed device usable again? Its superblock must be ours, it must be as long
         as its slabs need, and a write, sync and read of the probe sector must succeed,
-        faster than SLOW_IO_S. Raises FlashIOError otherwise."""
+        faster than three times ``slow_io_s``. Raises FlashIOError otherwise."""
         t0 = time.perf_counter()
         self.forget_tables()
         self.check_identity()
@@ -626,7 +625,7 @@ class FormattedDevice(DeviceFile):
         if back[: len(stamp)] != stamp:
             raise FlashIOError(errno.EIO, f"flash device {self.name!r}: probe sector read "
                                           f"back differs")
-        if time.perf_counter() - t0 > 3 * flash_io.SLOW_IO_S:
+        if time.perf_counter() - t0 > 3 * self.slow_io_s:
             raise FlashIOError(errno.ETIMEDOUT, f"flash device {self.name!r}: still slow")
 
     def scrub_slab_headers(self) -> int:

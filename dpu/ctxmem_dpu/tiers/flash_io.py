@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from ctxmem_common import safepaths
+from ctxmem_common.config import FlashConfig
 from ctxmem_common.flash_format import SECTOR, BufferPool
 from ctxmem_dpu import faults
 from ctxmem_dpu.tiers.flash_owner import DeviceOwner
@@ -30,10 +31,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A single device call (read, write, fdatasync) slower than this marks the device slow:
-# the store then treats it as failed (DRAM only) until a probe is fast again. Tests and
-# the chaos campaign lower it with CTXMEM_FLASH_SLOW_IO_S.
-SLOW_IO_S = float(os.environ.get("CTXMEM_FLASH_SLOW_IO_S", "2.0"))
 ZEROS = mmap.mmap(-1, 1 << 20)  # never written: a source of aligned zero bytes
 
 # Header tables read by a warm restart (every device's scan), pooled across slabs; the
@@ -99,7 +96,10 @@ class DeviceFile:
         # at the flash path is refused (issue 12; ctxmem_common.safepaths).
         self._flags = (os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
                        | (os.O_DIRECT if o_direct else 0))
-        self.slow_ios = 0  # device calls slower than SLOW_IO_S (the store reads this)
+        # A device call slower than this (seconds) is counted in slow_ios, which the store
+        # reads: flash.slow_io_s, set by the store once the device is open.
+        self.slow_io_s = FlashConfig.slow_io_s
+        self.slow_ios = 0
         safepaths.check_flash_path(path, name)
         try:
             self.fd = os.open(path, self._flags)
@@ -157,7 +157,7 @@ class DeviceFile:
 
     def _slow(self, t0: float) -> None:
         dt = time.perf_counter() - t0
-        if dt > SLOW_IO_S:
+        if dt > self.slow_io_s:
             self.slow_ios += 1
             log.warning("flash device %s: one I/O took %.3f s (slow device)", self.name, dt)
 

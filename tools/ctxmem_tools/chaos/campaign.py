@@ -284,8 +284,7 @@ def run_campaign(faults: int, seed: int, workdir: Path | None = None, device_fra
     flash_fs = base / "fs" if "full_filesystem" in selected else None
     if flash_fs is not None:  # the two 64 MiB flash files and a little room
         mount_tmpfs(flash_fs, 2 * 64 * 2**20 + 8 * 2**20)
-    env = {ENV_CTL: str(base / "faults.json"), ENV_JOURNAL: "1",
-           "CTXMEM_FLASH_PROBE_INTERVAL_S": "0.05", "CTXMEM_FLASH_SLOW_IO_S": "1.0"}
+    env = {ENV_CTL: str(base / "faults.json"), ENV_JOURNAL: "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

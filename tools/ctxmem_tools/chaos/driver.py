@@ -40,6 +40,11 @@ def fresh_client(endpoint: str, timeout_s: float = 15.0) -> Client:
                   channel_options=[("grpc.use_local_subchannel_pool", 1)])
 
 
+# The service's flash health timings in a campaign: failed devices probed every 50 ms, a
+# device call over 1 s is slow (flash.probe_interval_s, flash.slow_io_s).
+FAST_HEALTH = {"probe_interval_s": 0.05, "slow_io_s": 1.0}
+
+
 class ServiceDriver:
     """The service under test, its fault controls and the key model."""
 
@@ -74,7 +79,8 @@ class ServiceDriver:
                            flash_size="64MiB", flash_slab="4MiB", flash_path=str(flash["flash0"]),
                            transports=["shm"], lease_ttl_s=30.0,
                            allocation_ttl_s=allocation_ttl_s, write_policy=write_policy,
-                           logging={"level": os.environ.get("CTXMEM_CHAOS_LOG", "warning")})
+                           logging={"level": os.environ.get("CTXMEM_CHAOS_LOG", "warning")},
+                           flash=FAST_HEALTH)
         cfg["flash"]["devices"].append({"name": "flash1", "backend": "local",
                                         "path": str(flash["flash1"]), "size": "64MiB",
                                         "create": True})

@@ -180,7 +180,7 @@ class FaultInjector(Workload):
             "eio_write": {"write": "eio"},
             "enospc_write": {"write": "enospc"},
             "eio_sync": {"sync": "eio"},
-            "slow_device": {"delay_s": 1.2},  # CTXMEM_FLASH_SLOW_IO_S is 1.0 here
+            "slow_device": {"delay_s": 1.2},  # flash.slow_io_s is 1.0 here (driver.FAST_HEALTH)
             "flaky_device": {"read": "eio", "write": "eio", "prob": 0.3},
         }
         spec = specs.get(kind, {})

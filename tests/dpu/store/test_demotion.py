@@ -1,0 +1,68 @@
+"""``store/demotion.py`` with ``store/placement.py``: a put that needs DRAM demotes the
+blocks not yet on flash in victim order, ``flash.demote_batch`` of them at least, makes
+them durable, drops their DRAM copies and takes their slots; a block whose DRAM bytes
+changed since its commit is dropped, not written. One 8 MiB flash file (1 MiB slabs)
+behind eight 1 MiB DRAM slabs of four blocks each (``parts.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ctxmem_dpu.blocks import Block
+
+from .parts import Parts, keys_of, parts
+
+
+def _where(p: Parts, blocks: list[Block]) -> list[str]:
+    """Each block's copies: "dram", "flash" (durable) or "dram+flash"."""
+    out = []
+    for b in blocks:
+        tiers = [t for t, on in (("dram", b.dram is not None),
+                                 ("flash", b.flash is not None and b.durable)) if on]
+        out.append("+".join(tiers) or "gone")
+    return out
+
+
+async def test_a_put_demotes_its_victims_in_lru_order_a_batch_at_least(tmp_path: Path
+                                                                      ) -> None:
+    with parts(flash_file=tmp_path / "f.img", flash={"demote_batch": 4}) as p:
+        p.session("a")
+        ns = p.namespace("a")
+        blocks = p.put(ns, "a", 32, dirty=True)  # the whole tier, none on flash yet
+        blocks[0].pins = 1  # leased: neither demoted nor dropped
+        blocks[1].hits = 2
+        p.index.dram_lru.touch(blocks[1], 2)  # protected: a victim after the others
+        demotion = p.demotion()
+        refs = await p.placement.reserve_dram(ns, 3, demotion.demote)
+        assert len(refs) == 3
+        # max(3, demote_batch) = 4 victims, the LRU ones in probation: written, synced,
+        # indexed on flash, and their DRAM slots reused.
+        assert _where(p, blocks[:7]) == ["dram", "dram", "flash", "flash", "flash", "flash",
+                                        "dram"]
+        assert keys_of(list(p.index.dirty)) == keys_of([blocks[0], blocks[1], *blocks[6:]])
+        assert keys_of(p.index.flash_lru.order()) == keys_of(blocks[2:6])
+        assert (p.ctx.counters["demoted_blocks"], p.ctx.counters["evictions_dram"],
+                p.ctx.counters["dirty_dropped"]) == (4, 4, 0)
+        # Read back from the flash file: each record is the block it names, exact.
+        dev = p.ctx.flash.devices[0]
+        for b in blocks[2:6]:
+            assert b.flash is not None
+            hdr = dev.read_header(b.flash.slot)
+            assert hdr is not None and (hdr.key, hdr.crc, hdr.seq) == (b.key, b.crc, b.seq)
+
+
+async def test_a_block_changed_in_dram_since_its_commit_is_dropped_not_written(
+        tmp_path: Path) -> None:
+    with parts(flash_file=tmp_path / "f.img") as p:
+        p.session("a")
+        ns = p.namespace("a")
+        blocks = p.put(ns, "a", 3, dirty=True)
+        assert blocks[1].dram is not None
+        p.ctx.dram.view(blocks[1].dram, 4)[:] = b"\xff\xfe\xfd\xfc"  # a client writing late
+        failed = await p.demotion().demote(blocks)
+        assert list(failed) == [blocks[1]]
+        assert type(failed[blocks[1]]).__name__ == "DramChanged"
+        assert _where(p, blocks) == ["dram+flash", "gone", "dram+flash"]
+        assert blocks[1].key not in p.index.namespace(ns.digest)
+        assert p.ctx.counters["dram_crc_mismatch"] == 1
+        assert p.ctx.counters["demoted_blocks"] == 2
