@@ -60,6 +60,11 @@ COUNTERS = (
     "group_commits", "group_partial_misses", "group_members_reclaimed",
     # Flash blocks a get's Acquire promoted ahead of the shim's next Acquire (promotion).
     "read_ahead_blocks",
+    # A cold get's payload reads (promotion, issue 27 item 4): runs read, runs another I/O
+    # thread read while the checking thread decrypted and checked the runs before them,
+    # runs handed out but taken back unstarted (the threads were busy), runs the checking
+    # thread read itself while another read was in flight.
+    "cold_read_runs", "cold_reads_ahead", "cold_reads_taken_back", "cold_reads_helped",
 )
 
 
