@@ -59,9 +59,10 @@ HEADER_RUN = 256
 # box the service CPU per GB of cold unencrypted 64 KiB gets was 1-10% lower in each of 7
 # paired A/Bs (2 MiB: -8% to +4%), wall clock x0.99-1.14 (the gains while the
 # shared virtual disk was busy and a read's cost there was mostly per request). Encrypted
-# runs go through this thread's staging buffer and are decrypted before the thread's next
-# read; 4 MiB of them measured x0.92-1.17 in process but x0.96 (64 KiB) and x0.74 (2 MiB)
-# in whole-bench pairs, so they stay at 1 MiB (blocks of 1 MiB or more: one per I/O).
+# runs (then through a staging buffer) measured x0.92-1.17 at 4 MiB in process but x0.96
+# (64 KiB) and x0.74 (2 MiB) in whole-bench pairs, so they stay at 1 MiB (blocks of 1 MiB
+# or more: one per I/O); since issue 27 item 4 they too land in the DRAM slots and are
+# decrypted there, and 1 MiB is the pipeline's step (see read_payloads).
 PAYLOAD_RUN = 4 << 20
 XTS_PAYLOAD_RUN = 1 << 20
 # Demotion writes payloads of adjacent slots (consecutive extents of one slab, the order
