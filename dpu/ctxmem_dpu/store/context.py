@@ -9,6 +9,7 @@ index.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from ctxmem_common.config import Config
-from ctxmem_dpu.store.ioqueue import PriorityExecutor
+from ctxmem_dpu.store.ioqueue import IoWork, PriorityExecutor
 from ctxmem_dpu.tiers.dram import DramTier
 from ctxmem_dpu.tiers.flash import FlashTier
 
@@ -50,11 +51,19 @@ class IOPool:
         """Start ``fn`` on the I/O threads without awaiting it (pipelined scans)."""
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def parallel(self, fn: Callable[[list[Any]], list[T]], jobs: list[Any]
-                 ) -> Awaitable[list[T]]:
+    def submit_as(self, work: IoWork, fn: Callable[..., T], *args: Any
+                  ) -> concurrent.futures.Future[T]:
+        """Start ``fn`` on the I/O threads from any thread (an I/O thread handing a
+        pipelined read to another: ``promotion``), marked ``work``; a plain future."""
+        return self._pool.submit_as(work, fn, *args)
+
+    def parallel(self, fn: Callable[[list[Any]], list[T]], jobs: list[Any],
+                 parts: int | None = None) -> Awaitable[list[T]]:
         """``fn`` over ``jobs`` split into one contiguous part per I/O thread, in parallel:
         device reads and writes overlap (queue depth > 1) with AES-XTS and CRC32C on the
         other thread (all three release the GIL). Results keep the jobs' order.
+        ``parts``: fewer parts than threads (a pipelined promotion leaves threads free
+        for the reads its parts hand out).
 
         The parts are submitted to the threads now, in the call, before the caller
         awaits: work submitted after it (a get's read-ahead, see ``promotion``) queues
@@ -63,7 +72,7 @@ class IOPool:
         If a part raises, the awaitable raises that error only once every part has
         ended: the callers free or reuse the slots and extents the parts write into as
         soon as it raises, so no thread may still be writing then."""
-        n = max(1, min(self.threads, len(jobs)))
+        n = max(1, min(self.threads if parts is None else parts, len(jobs)))
         size = -(-len(jobs) // n)
         futs = [self.submit(fn, jobs[i:i + size]) for i in range(0, len(jobs), size)]
 

@@ -112,7 +112,12 @@ class PriorityExecutor(concurrent.futures.Executor):
                ) -> concurrent.futures.Future[Any]:
         if kwargs:
             raise TypeError("PriorityExecutor.submit takes positional arguments only")
-        work = CURRENT.get()
+        return self.submit_as(CURRENT.get(), fn, *args)
+
+    def submit_as(self, work: IoWork, fn: Callable[..., Any], /, *args: Any
+                  ) -> concurrent.futures.Future[Any]:
+        """:meth:`submit` under the mark ``work`` (from any thread: an I/O thread handing
+        a pipelined read to another, where :data:`CURRENT` is not the task's mark)."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cv:
             if self._stopping:

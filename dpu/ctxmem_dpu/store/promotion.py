@@ -12,6 +12,7 @@ marked failed instead and nothing on it is touched.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +30,10 @@ from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
-from ctxmem_dpu.store.ioqueue import IoClass, work_as
+from ctxmem_dpu.store.ioqueue import CURRENT, IoClass, work_as
 from ctxmem_dpu.store.placement import Demote, Placement
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError, ReadFailure, ShortRead
+from ctxmem_dpu.tiers.flash_records import ReadTally, SubmitRead
 
 log = logging.getLogger("ctxmem_dpu.store")
 
@@ -193,13 +195,30 @@ class Promotion:
             jobs.append(ReadJob(dev, b.flash.slot, ctx.dram.slot_view(ref), b,
                                 self._keyring.for_device(b.ns, dev.name),
                                 self._keyring.authenticator(b.ns)))
-        reads = ctx.io.parallel(_reader(ns.block_nbytes), jobs)
+        # A pipeline (issue 27 item 4): half the I/O threads (one of two) check, each
+        # handing its next runs' reads to the others; the reads land in the DRAM slots.
+        tally = ReadTally()
+        work = CURRENT.get()
+
+        def ahead(fn: Callable[[int], BaseException | None], k: int
+                  ) -> concurrent.futures.Future[BaseException | None]:
+            return ctx.io.submit_as(work, fn, k)
+
+        reads = ctx.io.parallel(_reader(ns.block_nbytes, ahead, tally), jobs,
+                                parts=max(1, ctx.io.threads // 2))
         if on_io is not None:
             try:  # never leave the reads un-awaited: they write into the DRAM slots
                 on_io()
             except Exception:
                 log.exception("starting a get's read-ahead failed")
-        return await self._finish(jobs, refs, reads, fut, result)
+        try:
+            return await self._finish(jobs, refs, reads, fut, result)
+        finally:
+            counters = ctx.counters
+            counters["cold_read_runs"] += tally.runs
+            counters["cold_reads_ahead"] += tally.ahead
+            counters["cold_reads_taken_back"] += tally.taken_back
+            counters["cold_reads_helped"] += tally.helped
 
     async def _finish(self, jobs: list[ReadJob], refs: list[SlotRef],
                       reads: Awaitable[list[BaseException | None]],
@@ -257,9 +276,11 @@ class Promotion:
         return result
 
 
-def _reader(block_nbytes: int) -> Callable[[list[ReadJob]], list[BaseException | None]]:
+def _reader(block_nbytes: int, ahead: SubmitRead | None = None, tally: ReadTally | None = None
+            ) -> Callable[[list[ReadJob]], list[BaseException | None]]:
     """The I/O-thread work of a promotion: for a part of the jobs, read and check each
-    record into its view; one result per job (None: verified)."""
+    record into its view; one result per job (None: verified). ``ahead`` and ``tally``:
+    the payload reads' pipeline (:meth:`FlashDevice.read_payloads`)."""
 
     def headers(part: list[ReadJob]) -> list[RecordHeader | FlashIOError | None]:
         """The part's record headers, read per device in runs of its header tables
@@ -333,7 +354,8 @@ def _reader(block_nbytes: int) -> Callable[[list[ReadJob]], list[BaseException |
                 return None
 
             got = dev.read_payloads([(part[i].slot, part[i].view, part[i].block.length,
-                                      part[i].block.crc) for i in group], cipher, authentic)
+                                      part[i].block.crc) for i in group], cipher, authentic,
+                                    ahead, tally)
             for i, err in zip(group, got, strict=True):
                 if isinstance(err, ReadFailure) and i in unsure:
                     # A CRC mismatch after decrypting with a key the header cannot confirm

@@ -72,6 +72,11 @@ COUNTERS = (
     # Fetched copies another pull adopted while an Acquire's index check was in flight,
     # dropped before that Acquire (its check did not see them; pod/fetch.py).
     "pod_copies_unchecked",
+    # A cold get's payload reads (promotion, issue 27 item 4): runs read, runs another I/O
+    # thread read while the checking thread decrypted and checked the runs before them,
+    # runs handed out but taken back unstarted (the threads were busy), runs the checking
+    # thread read itself while another read was in flight.
+    "cold_read_runs", "cold_reads_ahead", "cold_reads_taken_back", "cold_reads_helped",
 )
 
 

@@ -9,8 +9,10 @@ the index.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
 import numpy as np
@@ -57,9 +59,10 @@ HEADER_RUN = 256
 # box the service CPU per GB of cold unencrypted 64 KiB gets was 1-10% lower in each of 7
 # paired A/Bs (2 MiB: -8% to +4%), wall clock x0.99-1.14 (the gains while the
 # shared virtual disk was busy and a read's cost there was mostly per request). Encrypted
-# runs go through this thread's staging buffer and are decrypted before the thread's next
-# read; 4 MiB of them measured x0.92-1.17 in process but x0.96 (64 KiB) and x0.74 (2 MiB)
-# in whole-bench pairs, so they stay at 1 MiB (blocks of 1 MiB or more: one per I/O).
+# runs (then through a staging buffer) measured x0.92-1.17 at 4 MiB in process but x0.96
+# (64 KiB) and x0.74 (2 MiB) in whole-bench pairs, so they stay at 1 MiB (blocks of 1 MiB
+# or more: one per I/O); since issue 27 item 4 they too land in the DRAM slots and are
+# decrypted there, and 1 MiB is the pipeline's step (see read_payloads).
 PAYLOAD_RUN = 4 << 20
 XTS_PAYLOAD_RUN = 1 << 20
 # Demotion writes payloads of adjacent slots (consecutive extents of one slab, the order
@@ -67,6 +70,111 @@ XTS_PAYLOAD_RUN = 1 << 20
 # (adjacent sectors of the slab's header table) by one I/O too: 64 KiB blocks stop paying
 # a device round trip and a Python call each (issue 17 item 3).
 WRITE_RUN = 2 << 20
+
+
+# A cold get's payload reads are pipelined (FlashDevice.read_payloads with ``ahead``): the
+# reads of up to READ_DEPTH runs past the one being decrypted and checked are handed to
+# the other I/O threads.
+READ_DEPTH = 2
+
+#: Hands ``fn(k)`` (a run's read) to another I/O thread; returns its future.
+SubmitRead = Callable[[Callable[[int], "BaseException | None"], int],
+                      "concurrent.futures.Future[BaseException | None]"]
+
+#: Tests only: called with (event, run) as a pipelined read goes: ``"issued"`` (handed to
+#: another thread), ``"reading"`` (its preadv starts, on whichever thread), ``"checking"``
+#: and ``"checked"`` (this thread decrypts and checks it). None in service.
+trace: Callable[[str, int], None] | None = None
+
+
+@dataclass
+class ReadTally:
+    """How a promotion's payload runs were read (thread-safe; merged into the store's
+    counters on the loop): ``runs`` read, ``ahead`` of them read by another I/O thread
+    while this one decrypted and checked earlier runs, ``taken_back`` handed out but not
+    started when needed (read by the checking thread), ``helped`` read by the checking
+    thread while another read was in flight."""
+
+    runs: int = 0
+    ahead: int = 0
+    taken_back: int = 0
+    helped: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, runs: int, ahead: int, taken_back: int, helped: int) -> None:
+        with self.lock:
+            self.runs += runs
+            self.ahead += ahead
+            self.taken_back += taken_back
+            self.helped += helped
+
+
+class _ReadPipeline:
+    """The reads of ``n`` runs, in order, up to ``READ_DEPTH`` ahead of the run being
+    checked (see :meth:`FlashDevice.read_payloads`). ``read(k)`` reads run ``k`` (raising
+    FlashIOError or ValueError on failure); without ``submit`` every read is made here
+    when waited for."""
+
+    def __init__(self, read: Callable[[int], None], n: int, submit: SubmitRead | None,
+                 tally: ReadTally | None) -> None:
+        self._read = read
+        self._n = n
+        self._submit = submit
+        self._tally = tally
+        self._futs: dict[int, concurrent.futures.Future[BaseException | None]] = {}
+        self._done: dict[int, BaseException | None] = {}
+        self._next = 0
+        self._ahead = self._taken_back = self._helped = 0
+
+    def _call(self, k: int) -> BaseException | None:
+        try:
+            self._read(k)
+        except (FlashIOError, ValueError) as exc:
+            exc.__traceback__ = None  # its frames hold the slot views
+            return exc
+        return None
+
+    def wait(self, k: int) -> BaseException | None:
+        """Run ``k``'s read, ended: None, or the error that failed it. Hands out the
+        reads of runs ``k + 1 .. k + READ_DEPTH`` first."""
+        if self._submit is None:
+            return self._call(k)
+        while self._next <= min(k + READ_DEPTH, self._n - 1):
+            j = self._next
+            self._next += 1
+            if j == k:
+                continue  # read here, below: nothing to overlap it with
+            self._futs[j] = self._submit(self._call, j)
+            if trace is not None:
+                trace("issued", j)
+        if k in self._done:  # read here while an earlier run's read was in flight
+            return self._done.pop(k)
+        fut = self._futs.pop(k, None)
+        if fut is None:
+            return self._call(k)
+        if fut.cancel():  # not started (the other threads are busy): read it here
+            self._taken_back += 1
+            return self._call(k)
+        while not fut.done():
+            # In flight on another thread: read the next queued run here meanwhile.
+            later = next((j for j in sorted(self._futs) if self._futs[j].cancel()), None)
+            if later is None:
+                break
+            del self._futs[later]
+            self._helped += 1
+            self._done[later] = self._call(later)
+        self._ahead += 1
+        return fut.result()
+
+    def close(self) -> None:
+        """Take back every read not started, wait for those in flight (no thread may
+        still write into a slot once the caller goes on), and tally."""
+        for fut in self._futs.values():
+            if not fut.cancel():
+                concurrent.futures.wait([fut])
+        self._futs.clear()
+        if self._tally is not None:
+            self._tally.add(self._n, self._ahead, self._taken_back, self._helped)
 
 
 _SLAB_OF, _INDEX_OF = itemgetter(0), itemgetter(1)
@@ -325,21 +433,34 @@ class FlashDevice(FormattedDevice):
 
     def read_payloads(self, items: list[tuple[SlotRef, memoryview, int, int]],
                       cipher: XtsCipher | None,
-                      then: Callable[[int], BaseException | None] | None = None
-                      ) -> list[BaseException | None]:
+                      then: Callable[[int], BaseException | None] | None = None,
+                      ahead: SubmitRead | None = None,
+                      tally: ReadTally | None = None) -> list[BaseException | None]:
         """Read records' payloads into their slots and check each CRC32C; the headers must
         have been checked (:meth:`check_header`). ``items``: (slot on flash, ``dst`` — the
         4 KiB-aligned DRAM slot, ``length``, ``crc``).
 
         Items are read in device order; those whose slots follow each other in one slab
-        are read by one device I/O of at most ``PAYLOAD_RUN`` bytes (one ``preadv``
-        straight into the slots), or with ``cipher`` of at most ``XTS_PAYLOAD_RUN``
-        bytes (into this thread's staging buffer, then decrypted slot by slot).
-        ``then(i)``, when given, is called for item ``i`` right after its CRC32C held, while
-        its bytes are in cache (promotion checks the authenticator there); what it returns
-        is the item's result. Returns, per item, ``None`` (read and checked), a
-        :class:`ReadFailure` (``ours``: bad length or CRC) or the :class:`FlashIOError` of
-        the read that covered it."""
+        are read by one device I/O (one ``preadv`` straight into the DRAM slots, no
+        staging buffer) of at most ``PAYLOAD_RUN`` bytes, or with ``cipher`` of at most
+        ``XTS_PAYLOAD_RUN`` (then decrypted in place, slot by slot with each slot's own
+        tweak). Each run is then checked while its bytes are in cache: decryption, CRC32C,
+        and ``then(i)``, when given, for item ``i`` right after its CRC32C held (promotion
+        checks the authenticator there); what it returns is the item's result.
+
+        ``ahead``: a pipeline (issue 27 item 4). With it, the reads of the next
+        ``READ_DEPTH`` runs are handed to other I/O threads (``ahead(fn, k)`` submits
+        ``fn(k)``) before this thread decrypts and checks the current run, so the device
+        reads run k + 1 while run k is decrypted; a read nobody has started by the time
+        it is needed is taken back and read here (never a wait on a queued job), and
+        while this thread waits on a read another thread has in flight it reads the
+        next queued one itself (two reads in flight). Every read handed out has ended
+        before this returns, whatever happens: no thread writes into a slot after it.
+        ``tally`` counts the runs and how they were read.
+
+        Returns, per item, ``None`` (read and checked), a :class:`ReadFailure` (``ours``:
+        bad length or CRC) or the :class:`FlashIOError` of the read that covered it (the
+        other runs are still read and checked)."""
         out: list[BaseException | None] = [None] * len(items)
         todo: list[int] = []
         for i, (_slot, dst, length, _crc) in enumerate(items):
@@ -349,6 +470,7 @@ class FlashDevice(FormattedDevice):
                 todo.append(i)
         todo.sort(key=lambda i: (items[i][0].slab, items[i][0].index))
         limit = PAYLOAD_RUN if cipher is None else XTS_PAYLOAD_RUN
+        runs: list[list[int]] = []
         k = 0
         while k < len(todo):
             first, dst0, _l, _c = items[todo[k]]
@@ -363,43 +485,55 @@ class FlashDevice(FormattedDevice):
                     break
                 total += len(dst)
                 j += 1
-            run = todo[k:j]
-            try:
-                self._read_run(first, [items[i][1] for i in run], cipher)
-            except (FlashIOError, ValueError) as exc:
-                exc.__traceback__ = None  # its frames hold the slot views
-                for i in run:
-                    out[i] = exc
-            else:
+            runs.append(todo[k:j])
+            k = j
+
+        def read(r: int) -> None:
+            run = runs[r]
+            if trace is not None:
+                trace("reading", r)
+            dsts = [items[i][1] for i in run]
+            self._pread(dsts if len(dsts) > 1 else dsts[0], self.payload_offset(items[run[0]][0]))
+
+        pipe = _ReadPipeline(read, len(runs), ahead, tally)
+        try:
+            for r, run in enumerate(runs):
+                err = pipe.wait(r)
+                if err is not None:
+                    for i in run:
+                        out[i] = err
+                    continue
+                if trace is not None:
+                    trace("checking", r)
+                if cipher is not None:
+                    try:
+                        self._decrypt_run(items[run[0]][0], [items[i][1] for i in run],
+                                          cipher)
+                    except ValueError as exc:
+                        exc.__traceback__ = None  # its frames hold the slot views
+                        for i in run:
+                            out[i] = exc
+                        continue
                 for i in run:
                     _slot, dst, length, crc = items[i]
                     if crc32c(dst[:length]) != crc:
                         out[i] = ReadFailure("payload CRC32C mismatch", ours=True)
                     elif then is not None:
                         out[i] = then(i)
-            k = j
+                if trace is not None:
+                    trace("checked", r)
+        finally:
+            pipe.close()
         return out
 
-    def _read_run(self, first: SlotRef, dsts: list[memoryview], cipher: XtsCipher | None
-                  ) -> None:
-        """One device read of the payloads of adjacent slots ``first``, ``first + 1``, ...
-        into ``dsts`` (decrypted with ``cipher``)."""
+    def _decrypt_run(self, first: SlotRef, dsts: list[memoryview], cipher: XtsCipher) -> None:
+        """Decrypt, in place, the payloads of adjacent slots ``first``, ``first + 1``, ...
+        just read into ``dsts`` (each its own XTS data unit, tweaked by its offset)."""
         off = self.payload_offset(first)
-        if cipher is None:
-            self._pread(dsts if len(dsts) > 1 else dsts[0], off)
-            return
-        total = sum(len(d) for d in dsts)
-        buf = staging.payload_buf(total)
-        tmp = memoryview(buf)[:total]
-        try:
-            self._pread(tmp, off)
-            at = 0
-            for dst in dsts:
-                cipher.decrypt_into(tmp[at : at + len(dst)], dst,
-                                    xts_tweak(self.superblock.tweak_id, off + at))
-                at += len(dst)
-        finally:
-            tmp.release()
+        tweak_id = self.superblock.tweak_id
+        for dst in dsts:
+            cipher.decrypt_into(dst, dst, xts_tweak(tweak_id, off))
+            off += len(dst)
 
     def read_payload(self, slot: SlotRef, dst: memoryview, length: int, crc: int,
                      cipher: XtsCipher | None) -> None:
