@@ -48,14 +48,15 @@ def test_bench_png_from_a_quick_run(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     doc = json.loads(out.read_text())
     w, h = png_size(png)
     assert w > 600 and h > 600
-    # Every figure is one bar (2 tags x 2 sizes x put/get/demote/cold get, the verify
-    # pair of each size, the two Lookup percentiles), each its JSON fraction; its twins
-    # against other limits (12 here: 8 *_paired, 4 *_of_two_pass) are in the JSON only.
+    # Every figure is one bar (2 tags x 2 sizes x put/staged put/get/demote/cold get, the
+    # verify pair of each size, the two Lookup percentiles), each its JSON fraction; its
+    # twins against other limits (16 here: 8 *_paired, 8 *_of_two_pass: the put and the
+    # staged put of each tag and size) are in the JSON only.
     bars = plot_bench(doc, str(tmp_path / "again.png"))
     assert [b.label for b in bars] == expected_bars(doc)
-    assert len(bars) == 22
+    assert len(bars) == 26
     assert len([r for r in doc["results"]
-                if r["name"].endswith(("_paired", "_of_two_pass"))]) == 12
+                if r["name"].endswith(("_paired", "_of_two_pass"))]) == 16
     fractions = {r["name"]: r["fraction_of_limit"] for r in doc["results"]}
     assert all(b.fraction == fractions[b.label] for b in bars)
 
