@@ -260,6 +260,39 @@ def recv_into_exactly(sock: socket.socket, view: memoryview, deadline: Deadline,
         got += k
 
 
+def recv_block_into(sock: socket.socket, view: memoryview, deadline: Deadline,
+                    what: str) -> None:
+    """:func:`recv_into_exactly` for a block's bytes: on a plain socket, one blocking
+    ``recv_into`` with ``MSG_WAITALL`` (the kernel fills the whole block before the
+    thread runs again: one system call and one GIL hand-off per block instead of one per
+    socket-buffer's worth), bounded by ``SO_RCVTIMEO`` set to what is left of
+    ``deadline``. A TLS socket takes no flags: :func:`recv_into_exactly` there."""
+    if isinstance(sock, ssl.SSLSocket):
+        recv_into_exactly(sock, view, deadline, what)
+        return
+    got, n = 0, len(view)
+    sock.settimeout(None)  # blocking: the wait is in the kernel, bounded by SO_RCVTIMEO
+    try:
+        while got < n:
+            left = deadline.left()
+            if left <= 0:
+                raise TimeoutError("peer fetch: the deadline (pod.fetch_timeout_s) passed "
+                                   f"after {got} of {n} bytes of {what}")
+            sec = int(left)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            struct.pack("ll", sec, max(1, int((left - sec) * 1e6))))
+            try:
+                k = sock.recv_into(view[got:] if got else view, n - got, socket.MSG_WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
+                continue  # the deadline check above raises
+            if not k:
+                raise ConnectionError(f"peer closed the connection after {got} of {n} "
+                                      f"bytes of {what}")
+            got += k
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+
+
 def recv_exactly(sock: socket.socket, n: int, deadline: Deadline, what: str) -> bytes:
     buf = bytearray(n)
     recv_into_exactly(sock, memoryview(buf), deadline, what)

@@ -98,6 +98,10 @@ BLOCKS: dict[str, tuple[str, str]] = {
     "docs/benchmarks.md: # the code before (main) and after, alternated, same machine state:":
         ("static", "a benchmark run (minutes, a quiet machine; tests never run benchmarks); "
                    "its `ctxmem bench pod` flags go through the command's parser"),
+    "docs/benchmarks.md: # before (b0daf77) and after, alternated, 7 pairs, each tree's "
+    "services and bench:":
+        ("static", "a benchmark run (minutes, a quiet machine; tests never run benchmarks); "
+                   "its `ctxmem bench pod` flags go through the command's parser"),
     "docs/benchmarks.md: ctxmem bench engine --lengths 512,2048 --rounds 7 --json "
     "docs/bench-engine.json":
         ("static", "four real vLLM servers per prompt length (~10 minutes); "

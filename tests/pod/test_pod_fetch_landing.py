@@ -25,6 +25,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,16 +53,19 @@ def _address(view: memoryview) -> int:
 
 @pytest.fixture
 def recv_targets(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The address each ``recv_into`` of the peer client starts writing at."""
+    """The address each receive of the peer client starts writing at (headers, and
+    blocks: ``recv_block_into``, one ``MSG_WAITALL`` receive per block on a plain
+    socket)."""
     seen: list[int] = []
-    real = w.recv_into_exactly
+    for name in ("recv_into_exactly", "recv_block_into"):
+        real = getattr(w, name)
 
-    def recording(sock: socket.socket, view: memoryview, deadline: w.Deadline,
-                  what: str) -> None:
-        seen.append(_address(view))
-        real(sock, view, deadline, what)
+        def recording(sock: socket.socket, view: memoryview, deadline: w.Deadline,
+                      what: str, real: Any = real) -> None:
+            seen.append(_address(view))
+            real(sock, view, deadline, what)
 
-    monkeypatch.setattr(w, "recv_into_exactly", recording)
+        monkeypatch.setattr(w, name, recording)
     return seen
 
 

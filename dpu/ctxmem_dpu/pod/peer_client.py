@@ -378,6 +378,7 @@ class PeerSource(RemoteSource):
         assert sock is not None and tr is not None
         hdr = memoryview(conn.hdr)
         entries, views = part.entries, part.views
+
         for start in range(0, len(entries), w.MAX_KEYS):
             chunk = entries[start:start + w.MAX_KEYS]
             deadline.arm(sock)
@@ -393,7 +394,7 @@ class PeerSource(RemoteSource):
                 if status != 1 or nbytes != e.nbytes or len(view) != nbytes:
                     raise PeerFailed(f"answer for key {e.key.hex()[:16]}: status {status}, "
                                      f"{nbytes} bytes where the index says {e.nbytes}")
-                w.recv_into_exactly(sock, view, deadline, f"block {e.key.hex()[:16]}")
+                w.recv_block_into(sock, view, deadline, f"block {e.key.hex()[:16]}")
                 got = crc32c(view)
                 if crc != e.crc32c or got != crc:
                     part.counts["pod_fetch_bad"] += 1

@@ -23,9 +23,14 @@ and the blocks stay pinned (and the keys valid) until the fetcher says done or
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import os
 import secrets
+import select
+import socket
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -36,6 +41,7 @@ from ctxmem_common.errors import ConfigError, CtxmemError
 from ctxmem_common.identity import is_local_listen
 from ctxmem_common.netaddr import split_hostport
 from ctxmem_common.podkeys import PodKeys
+from ctxmem_dpu.blocks import Block
 from ctxmem_dpu.listenguard import FdReserve, Unauthenticated
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.pod.peer_rdma import grant_blocks, holder_endpoint
@@ -45,6 +51,12 @@ from ctxmem_dpu.transport.rdma_endpoint import SessionEndpoint
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256  # authenticated peer connections open at once
+#: Threads that send plaintext answers (all connections together): each answer's blocks
+#: are authenticated and sent from their pinned slots there, off the event loop.
+SEND_THREADS = 8
+#: The send buffer asked for on a connection that answers over plaintext (the kernel caps
+#: it at net.core.wmem_max and doubles it).
+SEND_BUFFER = 4 << 20
 
 
 class PeerServer:
@@ -67,6 +79,8 @@ class PeerServer:
         self._rdma = rdma  # serve over RDMA to peers that attach (docs/pod.md)
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._senders = concurrent.futures.ThreadPoolExecutor(
+            SEND_THREADS, thread_name_prefix="ctxmem-peer-send")
         self._authenticated = 0
         self._unauth = Unauthenticated("peer-fetch", pod.max_unauthenticated,
                                        pod.max_unauthenticated_per_source,
@@ -93,6 +107,7 @@ class PeerServer:
                 await t
         await self._server.wait_closed()
         self._server = None
+        self._senders.shutdown(wait=False)
 
     async def __aenter__(self) -> PeerServer:
         await self.start()
@@ -284,19 +299,68 @@ class PeerServer:
                 if b is not None:
                     store.unpin(b)
 
+    async def _answer_off_loop(self, writer: asyncio.StreamWriter, fd: int,
+                               tr: w.Transcript, auth: BlockAuthenticator,
+                               blocks: list[Block | None]) -> None:
+        """A plaintext answer sent by a sender thread (:func:`_send_answer`): the
+        authenticator (GMAC) and ``sendmsg`` of each block straight from its pinned slot,
+        so the loop serves other connections meanwhile and the answers of several
+        connections go out on several cores. The thread writes on a duplicate of the
+        connection's descriptor (its number cannot be reused under it, whatever the
+        transport does); the transport holds nothing of ours then (drained first) and
+        writes nothing while this awaits. If this task is cancelled, the socket is shut
+        down and the thread waited for before the caller unpins the slots."""
+        await asyncio.wait_for(writer.drain(), self._timeout)
+        sock = socket.socket(fileno=os.dup(fd))
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < SEND_BUFFER:
+            # Room for a whole block: one sendmsg per block, not one per few hundred KiB
+            # (each partial send costs a poll and a GIL hand-off on a busy node).
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        views = [self._store.dram.view(b.dram, b.length)
+                 if b is not None and b.dram is not None else None for b in blocks]
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._senders, _send_answer, sock, tr, auth, blocks, views, self._timeout)
+        try:
+            try:
+                await asyncio.shield(fut)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # the thread's send ends at once
+                while not fut.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait({fut})
+                writer.transport.abort()  # half an answer sent: the connection is done
+                raise
+        finally:
+            sock.close()
+            for v in views:
+                if v is not None:
+                    v.release()
+        for b, v in zip(blocks, views, strict=True):
+            if b is not None and v is not None:
+                self._counters["pod_served_blocks"] += 1
+                self._counters["pod_served_bytes"] += b.length
+
     async def _answer(self, writer: asyncio.StreamWriter, tr: w.Transcript,
                       auth: BlockAuthenticator, ns_digest: bytes, keys: list[bytes]) -> None:
         store = self._store
         blocks = await store.pin_for_peer(ns_digest, keys)
-        # Plaintext: each block is sent from its pinned slot (no copy of ours), and the
-        # slot stays pinned until the transport holds none of it: with a write-buffer
-        # limit of 0, drain returns only once everything written went to the kernel.
-        # TLS encrypts into buffers of its own anyway (a copy), and asyncio's TLS
-        # transport does not wake a drain at a limit of 0 (measured: a 2 MiB answer
-        # stalled until the timeout): there the block is copied as before.
         tls = writer.get_extra_info("ssl_object") is not None
-        if not tls:
-            writer.transport.set_write_buffer_limits(high=0)
+        sock = writer.get_extra_info("socket")
+        if not tls and sock is not None:
+            # Plaintext: sent by a sender thread straight from the pinned slots (below).
+            try:
+                await self._answer_off_loop(writer, sock.fileno(), tr, auth, blocks)
+            finally:
+                for b in blocks:
+                    if b is not None:
+                        store.unpin(b)
+            return
+        # TLS encrypts into buffers of its own anyway (a copy), and asyncio's TLS
+        # transport does not wake a drain at a write-buffer limit of 0 (measured: a 2 MiB
+        # answer stalled until the timeout): there each block is copied and written on
+        # the loop.
         try:
             for b in blocks:
                 if b is None or b.dram is None:
@@ -304,8 +368,7 @@ class PeerServer:
                     continue
                 # The authenticator over the pinned slot's bytes (GMAC in C; a committed
                 # block's bytes do not change while it is pinned), never cached.
-                view = store.dram.view(b.dram, b.length)
-                data = bytes(view) if tls else view
+                data = bytes(store.dram.view(b.dram, b.length))
                 tag = auth.tag(b.key, data, tr.answer_context(b.seq))
                 writer.write(w.ANSWER.pack(1, b.crc, b.length, b.seq, tag))
                 writer.write(data)
@@ -324,3 +387,51 @@ class PeerServer:
             for b in blocks:
                 if b is not None:
                     store.unpin(b)
+
+
+def _send_answer(sock: socket.socket, tr: w.Transcript, auth: BlockAuthenticator,
+                 blocks: list[Block | None], views: list[memoryview | None],
+                 timeout_s: float) -> None:
+    """On a sender thread: each block's answer header (with its authenticator over the
+    pinned slot's bytes) and the bytes themselves, by ``sendmsg`` from the slot (no copy
+    of ours), on ``sock`` (non-blocking: the loop's; a poll waits for room). Each block
+    within ``timeout_s`` (a slow reader holds the pins at most that long per block)."""
+    for b, view in zip(blocks, views, strict=True):
+        if b is None or view is None:
+            _send_all(sock, [w.ANSWER.pack(0, 0, 0, 0, w.NO_TAG)], timeout_s)
+            continue
+        tag = auth.tag(b.key, view, tr.answer_context(b.seq))
+        _send_all(sock, [w.ANSWER.pack(1, b.crc, b.length, b.seq, tag), view], timeout_s)
+
+
+def _send_all(sock: socket.socket, parts: list[bytes | memoryview], timeout_s: float) -> None:
+    """``sendmsg`` of ``parts`` until all went to the kernel (a poll for room between
+    partial sends), within ``timeout_s``; raises ``TimeoutError`` past it and
+    ``ConnectionError`` when the peer went away or the socket was shut down."""
+    bufs = [memoryview(p) for p in parts]
+    end = time.monotonic() + timeout_s
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while bufs:
+        try:
+            n = sock.sendmsg(bufs)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        while n and bufs:
+            if n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][n:]
+                n = 0
+        if not bufs:
+            return
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"peer-fetch answer: the reader took no bytes for "
+                               f"{timeout_s:g} s")
+        for _fd, ev in poller.poll(min(left, 1.0) * 1000):
+            if ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                raise ConnectionError(f"peer-fetch answer: the connection ended (poll "
+                                      f"events {ev:#x}) with {sum(map(len, bufs))} bytes "
+                                      f"of a block unsent")
