@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import urllib.request
 
+from prometheus_client.parser import text_string_to_metric_families
+
 import ctxmem
 from ctxmem_dpu.metrics import POD_COUNTER_HELP
 from ctxmem_dpu.store.stats import COUNTERS
 from ctxmem_tools.pod_launcher import LocalPod
-from prometheus_client.parser import text_string_to_metric_families
 from tests.pod.podtest import Clients, blocks, wait_for
 
 
