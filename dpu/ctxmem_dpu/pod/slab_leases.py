@@ -40,9 +40,13 @@ writer lives, and after that until a taker needs the room).
 heartbeat and reading the held slabs' headers: a header naming another node (taken
 after this node was paused past its lease) revokes the slab at once. A lease the index
 lost is re-created; one the index says another node holds while the device names this
-node is taken back. A renewal that fails (index unreachable, timeout) or a heartbeat that
-cannot be written changes nothing, but the local deadline (sent-time + lease - margin)
-lapses: every write batch checks it and the header's epoch on the device, so the node
+node is taken back. A renewal the index does not answer (unreachable, restarting,
+timeout) renews on the device alone a slab whose header, read in that round after the
+heartbeat was written, still names this node at its epoch (its reservation key still
+registered, where the target has them): to the heartbeat's deadline, since no taker can
+judge this node dead before then (see :meth:`SlabLeaseKeeper.renew`). A heartbeat that
+cannot be written renews nothing: the local deadline (sent-time + lease - margin)
+lapses; every write batch checks it and the header's epoch on the device, so the node
 stops writing before a taker could observe its heartbeat stopped for a lease. What the
 epoch cannot do without fencing in the device (NVMe persistent reservations, not built):
 see :mod:`ctxmem_dpu.tiers.flash_fence`.
