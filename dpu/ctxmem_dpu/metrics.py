@@ -53,6 +53,50 @@ T = TypeVar("T")
 # The states ``ctxmem_flash_device_state`` reports, one series each per device.
 DEVICE_STATES = ("healthy", "failed", "taken_over", "full")
 
+# The pod tier's counters (docs/pod.md), each exported as ``ctxmem_<name>_total``: the
+# store keeps them (0 until they move, also on a node without the pod tier), Stats
+# reports them under the same names.
+POD_COUNTER_HELP: dict[str, str] = {
+    "pod_lookup_keys": "Keys this node asked the cluster index for (its local misses)",
+    "pod_lookup_hits": "Keys the cluster index named a live holder for",
+    "pod_index_errors": "Cluster index requests that failed (unreachable, timed out)",
+    "pod_published": "Index entries this node published (its blocks, their locations)",
+    "pod_publish_batches": "Batches of index updates this node sent",
+    "pod_publish_dropped": "Index updates dropped (the publish queue was full)",
+    "pod_published_now": "Index updates a Delete or a re-putting Commit sent itself",
+    "pod_resyncs": "Full republishes of this node's blocks (the index lost them)",
+    "pod_fetch_blocks_peer": "Blocks fetched from another node by peer fetch",
+    "pod_fetch_bytes_peer": "Bytes fetched from another node by peer fetch",
+    "pod_fetch_blocks_shared_flash": "Blocks read straight from shared flash",
+    "pod_fetch_bytes_shared_flash": "Bytes read straight from shared flash",
+    "pod_fetch_copied_bytes": "Fetched bytes copied into their slot after the source "
+                              "returned them (shared flash; peer fetch lands in place)",
+    "pod_fetch_misses": "Remote entries whose block could not be fetched (misses)",
+    "pod_fetch_bad": "Fetched blocks that failed their length or CRC32C check (misses)",
+    "pod_fetch_unauthenticated": "Fetched blocks whose authenticator did not verify, or "
+                                 "from a source that does not verify (misses)",
+    "pod_peer_errors": "Peer fetch calls that failed (connection, protocol, timeout)",
+    "pod_peer_misses": "Blocks a peer answered as not held",
+    "pod_peer_refused": "Peer fetch requests this node refused (handshake, bounds)",
+    "pod_served_blocks": "Blocks this node served to other nodes",
+    "pod_served_bytes": "Bytes this node served to other nodes",
+    "pod_peer_rdma_blocks": "Blocks fetched from peers over RDMA (also in peer fetch)",
+    "pod_peer_rdma_bytes": "Bytes fetched from peers over RDMA (also in peer fetch)",
+    "pod_served_rdma_blocks": "Blocks served to peers over RDMA (also in served)",
+    "pod_served_rdma_bytes": "Bytes served to peers over RDMA (also in served)",
+    "pod_peer_rdma_fallbacks": "Peer fetches that fell back from RDMA to TCP",
+    "pod_rdma_setup_errors": "RDMA setups that failed (the peer fetch used TCP)",
+    "pod_copies_dropped": "Fetched copies dropped because the index no longer named them",
+    "pod_copies_unchecked": "Fetched copies another pull adopted while an Acquire's index "
+                            "check was in flight, dropped before that Acquire",
+    "pod_prefetch_admitted_blocks": "Remote blocks a Prefetch admitted to pull",
+    "pod_prefetch_done_blocks": "Prefetch pulls finished, landed or not (in flight = "
+                                "admitted - done)",
+    "pod_prefetch_refused_blocks": "Remote blocks a Prefetch did not pull (the tenant at "
+                                   "pod.prefetch_max_blocks_per_tenant)",
+    "pod_prefetch_refused_calls": "Prefetch calls refused whole (the tenant at its bound)",
+}
+
 
 class StoreCollector:
     def __init__(self, store: BlockStore) -> None:
@@ -218,6 +262,8 @@ class StoreCollector:
                                   value=c["lookup_keys"])
         yield CounterMetricFamily("ctxmem_lookup_hits", "Keys Lookup found stored",
                                   value=c["lookup_hits"])
+        for name, text in POD_COUNTER_HELP.items():
+            yield CounterMetricFamily(f"ctxmem_{name}", text, value=c[name])
 
     def _tenant_quotas(self, s: dict[str, float]) -> Metric:
         """Each tenant's ceiling (``quotas.*.dram_max``/``flash_max``) in bytes, for the

@@ -78,6 +78,9 @@ POINTS: dict[str, str] = {
     # caller's deadline passes before or after its session is made; tests/adversary).
     "connect.before_session": "connect: caller authenticated, no session made yet",
     "connect.after_session": "connect: session made, not yet answered",
+    # Not a crash point: armed with eio, a pod node's heartbeat on a shared device is not
+    # written (the node cannot show it lives; tests/dpu/pod/test_index_outage.py).
+    "lease.before_beat": "pod: a heartbeat about to be written on a shared device",
 }
 ACTIONS = ("kill", "powercut", "crash", "eio", "sleep")
 

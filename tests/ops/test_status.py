@@ -7,14 +7,17 @@ import contextlib
 import io
 import json
 import os
+import secrets
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 import ctxmem
 from ctxmem_dpu.status.command import status_command
-from ctxmem_dpu.status.render import render_text
+from ctxmem_dpu.status.render import render_text, status_renderable
 from ctxmem_dpu.status.scrape import scrape, status_document
 from tests.conftest import ServiceHandle
 from tests.kit import model_layout, until
@@ -182,3 +185,71 @@ def test_status_failed_then_recovered_device(service_factory: Callable[..., Serv
     assert doc["devices"] == [{"name": "flash0", "state": "healthy"}]
     assert doc["device_events"] == {"failed": 1, "recovered": 1, "reattached": 0}
     assert doc["health"]["status"] == "serving"
+
+
+def test_status_shows_how_a_shared_device_is_fenced(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod node on a shared flash file (no NVMe reservations: the slab epochs alone
+    fence it) with a real redis-server: the status document and the screen say "shared:
+    epoch only" (`ctxmem_flash_shared_fencing{mode}`). Its writes then fail as a
+    Reservation Conflict does (the fault layer's `ebade`: another node preempted its key):
+    the mode turns to "preempted", the health to degraded naming the device, in red."""
+    from ctxmem_common.faultpoints import read_ack, write_control
+    from ctxmem_tools.launcher import ServiceProcess, local_config
+    from ctxmem_tools.pod_launcher import pod_section
+    from ctxmem_tools.redis_server import RedisServer
+    from tests.dpu.pod.podkit import format_shared
+
+    shared = tmp_path / "shared0.img"
+    format_shared(str(shared), 16 << 20, size=256 << 20)
+    ctl = tmp_path / "faults.json"
+    write_control(ctl, 0, points="", devices={})
+    monkeypatch.setenv("CTXMEM_FAULT_CTL", str(ctl))  # the service's fault layer, idle
+    with RedisServer(tmp_path / "redis") as redis:
+        cfg = local_config(tmp_path / "node1", flash_path=str(shared), flash_slab="16MiB",
+                           write_policy="write_through")
+        cfg["flash"]["devices"][0].update(name="shared0", shared=True, create=False)
+        cfg["pod"] = pod_section(redis.url, "node1", secrets.token_hex(16), slab_lease_s=2.0,
+                                 shared_spare_slabs=1)
+        svc = ServiceProcess(tmp_path / "node1", cfg)
+        try:
+            with ctxmem.Client(svc.endpoint) as c:
+                ns = c.open_namespace(LAYOUT, model_id="m", tenant="a")
+                ns.put([b"k0"], [np.zeros(LAYOUT.block_nbytes, np.uint8)])
+                rc, out, err = _run(["--url", svc.metrics_listen, "--json"])
+                assert rc == 0, err
+                doc = json.loads(out)
+                assert doc["devices"] == [{"name": "shared0", "state": "healthy",
+                                           "fencing": "epoch_only"}]
+                assert doc["health"]["status"] == "serving"
+                row = next(ln for ln in render_text(doc, width=110).splitlines()
+                           if "shared0" in ln)
+                assert "healthy (shared: epoch only)" in row, row
+
+                write_control(ctl, 1, devices={"shared0": {"write": "ebade"}})
+                until(lambda: (read_ack(ctl) or {}).get("gen") == 1, 10,
+                      "the service to arm the fault", 0.05)
+                with pytest.raises(ctxmem.Unavailable, match="preempted"):
+                    ns.put([b"k1"], [np.ones(LAYOUT.block_nbytes, np.uint8)])
+            rc, out, err = _run(["--url", svc.metrics_listen, "--json"])
+            assert rc == 0, err
+            doc = json.loads(out)
+            assert doc["devices"] == [{"name": "shared0", "state": "healthy",
+                                       "fencing": "preempted"}]
+            assert doc["health"]["status"] == (
+                "degraded: flash device shared0: this node's reservation was preempted (it "
+                "writes nothing more there; restart it)")
+            text = render_text(doc, width=160)
+            assert text.startswith("ctxmem degraded: flash device shared0: this node's "
+                                   "reservation was preempted"), text
+            row = next(ln for ln in text.splitlines() if ln.strip("│ ").startswith("shared0"))
+            assert "healthy (shared: preempted)" in row, row
+            # In colour the device's state is red (green while it may write).
+            console = Console(record=True, width=160, force_terminal=True,
+                              color_system="standard", file=io.StringIO())
+            console.print(status_renderable(doc))
+            coloured = next(ln for ln in console.export_text(styles=True).splitlines()
+                            if "shared0" in ln and "preempted)" in ln)
+            assert "\x1b[31m" in coloured and "\x1b[32m" not in coloured, repr(coloured)
+        finally:
+            svc.stop()

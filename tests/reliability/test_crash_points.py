@@ -39,9 +39,11 @@ OPS: dict[str, list[str]] = {
 def test_every_named_point_is_covered() -> None:
     armed = {spec.split(":")[0] for specs in OPS.values() for spec in specs}
     # The connect.* points are slept at, not crashed at (tests/adversary/test_sessions.py);
-    # a block group's commit is crashed at in tests/reliability/test_block_groups.py.
+    # a block group's commit is crashed at in tests/reliability/test_block_groups.py; the
+    # pod heartbeat is failed with eio in tests/dpu/pod/test_index_outage.py.
     assert armed | {"rebuild.after_scan", "connect.before_session",
-                    "connect.after_session", "commit.group_between_members"} == set(POINTS)
+                    "connect.after_session", "commit.group_between_members",
+                    "lease.before_beat"} == set(POINTS)
 
 
 def _verify_after_restart(svc: FaultyService, durable: list[bytes], cut: list[bytes],

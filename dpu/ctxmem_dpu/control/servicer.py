@@ -371,9 +371,10 @@ class ContextMemoryServicer(pb_grpc.ContextMemoryServicer):
         keys are misses for the whole group)."""
         members = block_ops.group_members(self.store, s, ns, request.group_namespace_handles)
         keys = list(request.keys)
-        if self.pod is not None:
-            await self.pod.fetch.pull_group(members, keys)
-        leases, tiers = await self.store.acquire_group(s, members, keys)
+        recheck = None
+        if self.pod is not None:  # (recheck: copies adopted between members are dropped)
+            recheck = await self.pod.fetch.pull_group(members, keys)
+        leases, tiers = await self.store.acquire_group(s, members, keys, recheck)
         resp = pb.AcquireResponse(
             lease_id=leases[0].id, num_acquired=len(leases[0].blocks),
             source_tiers=[tier_to_pb(t) for t in tiers],

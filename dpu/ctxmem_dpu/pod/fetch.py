@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import is_, is_not
 
@@ -139,29 +139,42 @@ class RemoteFetch:
         that adopted it): one that another pull (a Prefetch's) adopted while this check
         was in flight is dropped before returning (:meth:`_unchecked`), since its entry
         was read before this check and may name bytes deleted since."""
-        n, ours, held = await self._pull(ns, keys, None)
-        self._unchecked(ns, keys, held, ours)
+        n, seen = await self._pull(ns, keys, None)
+        self._unchecked(ns, keys, seen)
         return n
 
-    async def pull_group(self, members: Sequence[Namespace], keys: Sequence[bytes]) -> None:
+    async def pull_group(self, members: Sequence[Namespace], keys: Sequence[bytes]
+                         ) -> Callable[[Namespace], None]:
         """:meth:`pull` for each member of a block group, the copies no member's check
-        saw dropped once all are pulled (the group's Acquire follows with no await)."""
-        done = [(m, *await self._pull(m, keys, None)) for m in members]
-        for m, _n, ours, held in done:
-            self._unchecked(m, keys, held, ours)
+        saw (or pull adopted) dropped once all are pulled. Returns the same sweep for one
+        member, for the group's Acquire to run right before it looks at that member's
+        index (no await between): it leases the members one after another, awaiting a
+        member's flash promotion in between, and meanwhile another pull (a get's, whose
+        index entry was read before a Delete or re-put returned) may adopt over a later
+        member's copy (``BlockStore.acquire_group``'s ``recheck``)."""
+        done = [(m, (await self._pull(m, keys, None))[1]) for m in members]
+        seen = {m.digest: s for m, s in done}
+        for m, s in done:
+            self._unchecked(m, keys, s)
+
+        def recheck(ns: Namespace) -> None:
+            s = seen.get(ns.digest)
+            if s is not None:
+                self._unchecked(ns, keys, s)
+        return recheck
 
     async def prestage(self, ns: Namespace, keys: Sequence[bytes],
                        budget: TenantBudget) -> int:
         """A Prefetch's background pull: :meth:`pull`'s run, as many of its remote blocks
         as ``ns.tenant``'s ``budget`` admits (the rest refused, counted), adopted as
         copies whose first Acquire reports ``remote→dram``. Returns how many landed."""
-        n, _ours, _held = await self._pull(ns, keys, budget)
+        n, _seen = await self._pull(ns, keys, budget)
         return n
 
     async def _pull(self, ns: Namespace, keys: Sequence[bytes], budget: TenantBudget | None
-                    ) -> tuple[int, set[bytes], list[Block | None]]:
-        """(blocks adopted, the keys whose blocks landed, the copies the check looked
-        at)."""
+                    ) -> tuple[int, list[Block | None]]:
+        """(blocks adopted, per key the copy this pull vouches for: the one it adopted,
+        else the one its index check looked at, ``None`` for none)."""
         local, remote, held = await self._merged_held(ns, keys)
         want: list[RemoteEntry] = []
         raws: list[bytes] = []  # the packed entries: the adopted copies' origins
@@ -177,21 +190,26 @@ class RemoteFetch:
             want.append(e)
             raws.append(raw)
         if budget is None:
-            return (*await self._land(ns, want, raws, TIER_REMOTE), held)
-        taken = budget.take(ns.tenant, len(want)) if want else 0
-        try:
-            n, ours = await self._land(ns, want[:taken], raws[:taken], TIER_REMOTE_DRAM)
-            return n, ours, held
-        finally:
-            budget.give(ns.tenant, taken)
+            n, ours = await self._land(ns, want, raws, TIER_REMOTE)
+        else:
+            taken = budget.take(ns.tenant, len(want)) if want else 0
+            try:
+                n, ours = await self._land(ns, want[:taken], raws[:taken], TIER_REMOTE_DRAM)
+            finally:
+                budget.give(ns.tenant, taken)
+        if ours:
+            held = [ours.get(k, h) for k, h in zip(keys, held, strict=True)]
+        return n, held
 
     async def _land(self, ns: Namespace, want: list[RemoteEntry], raws: list[bytes],
-                    fetched: str) -> tuple[int, set[bytes]]:
+                    fetched: str) -> tuple[int, dict[bytes, Block | None]]:
         """Fetch ``want`` into reserved DRAM slots and adopt the leading run that landed
         (``fetched``: the source their first Acquire reports). Returns how many were
-        adopted and the keys of the run that landed."""
+        adopted and, per key of the run that landed, the copy its key holds right after
+        the adoption (this pull's, or the one a Prefetch's adoption kept; ``None``: this
+        node's own block)."""
         if not want:
-            return 0, set()
+            return 0, {}
         store = self.store
         refs = await store.landing(ns, len(want))
         views = [store.dram.view(ref, ns.block_nbytes) for ref in refs]
@@ -213,22 +231,23 @@ class RemoteFetch:
         n = store.adopt_landed(ns, refs, [(e.key, e.crc32c, raw) for e, raw in
                                           zip(want, raws, strict=True)],
                                [i < run for i in range(len(want))], fetched)
-        return n, {e.key for e in want[:run]}
+        copies = store.fetched_copies(ns.digest)  # (no await since the adoption)
+        return n, {e.key: copies.get(e.key) for e in want[:run]}
 
-    def _unchecked(self, ns: Namespace, keys: Sequence[bytes], held: list[Block | None],
-                   ours: set[bytes]) -> None:
-        """Drop the copies of ``keys`` that the pull's check did not look at (``held``)
-        and that it did not adopt itself (``ours``): another pull adopted them while this
-        one awaited, under an index entry read before this check. Common case: one
-        C-level comparison of the copies per key with ``held``."""
+    def _unchecked(self, ns: Namespace, keys: Sequence[bytes], seen: list[Block | None]
+                   ) -> None:
+        """Drop the copies of ``keys`` that are not the ones the pull vouches for
+        (``seen``: adopted by it, or looked at by its check): another pull adopted them
+        while this one awaited, under an index entry read before this check. By
+        identity, not by key: a get's pull adopts over an earlier copy of the same key.
+        Common case: one C-level comparison of the copies per key with ``seen``."""
         copies = self.store.fetched_copies(ns.digest)
         if not copies:
             return
         now = list(map(copies.get, keys))
-        if now == held:  # Block compares by identity
+        if now == seen:  # Block compares by identity
             return
-        late = [b for b in compress(now, map(is_not, now, held))
-                if b is not None and b.key not in ours]
+        late = [b for b in compress(now, map(is_not, now, seen)) if b is not None]
         if late:
             self._counters["pod_copies_unchecked"] += len(late)
             self.store.drop_copies(late)

@@ -40,9 +40,13 @@ writer lives, and after that until a taker needs the room).
 heartbeat and reading the held slabs' headers: a header naming another node (taken
 after this node was paused past its lease) revokes the slab at once. A lease the index
 lost is re-created; one the index says another node holds while the device names this
-node is taken back. A renewal that fails (index unreachable, timeout) or a heartbeat that
-cannot be written changes nothing, but the local deadline (sent-time + lease - margin)
-lapses: every write batch checks it and the header's epoch on the device, so the node
+node is taken back. A renewal the index does not answer (unreachable, restarting,
+timeout) renews on the device alone a slab whose header, read in that round after the
+heartbeat was written, still names this node at its epoch (its reservation key still
+registered, where the target has them): to the heartbeat's deadline, since no taker can
+judge this node dead before then (see :meth:`SlabLeaseKeeper.renew`). A heartbeat that
+cannot be written renews nothing: the local deadline (sent-time + lease - margin)
+lapses; every write batch checks it and the header's epoch on the device, so the node
 stops writing before a taker could observe its heartbeat stopped for a lease. What the
 epoch cannot do without fencing in the device (NVMe persistent reservations, not built):
 see :mod:`ctxmem_dpu.tiers.flash_fence`.
@@ -62,6 +66,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ctxmem_common.flash_format import NodeBeat
+from ctxmem_dpu import faults
 from ctxmem_dpu.tiers.flash import FlashDevice
 from ctxmem_dpu.tiers.flash_owner import boot_id, process_start
 
@@ -281,6 +286,9 @@ class SlabLeaseKeeper:
         self._run = run
         self.spare = spare
         self.revoked = 0
+        # Renewals of a held slab made on the device alone while the index could not be
+        # reached (see renew).
+        self.device_renewals = 0
         self._beat = 0
         self._beat_deadline = 0.0  # monotonic: writes stop unless the heartbeat advanced
         self._live = {d.index: Liveness(leases.lease_s) for d in self.devices}
@@ -288,8 +296,9 @@ class SlabLeaseKeeper:
     def _deadline(self, index_deadline: float) -> float:
         return min(index_deadline, self._beat_deadline)
 
-    async def heartbeat(self) -> None:
-        """Advance this node's heartbeat on every shared device; read the others'."""
+    async def heartbeat(self) -> bool:
+        """Advance this node's heartbeat on every shared device; True when it was written
+        on each (the writes' deadline then moved on)."""
         self._beat += 1
         sent = time.monotonic()
         me = os.getpid()
@@ -300,6 +309,7 @@ class SlabLeaseKeeper:
             if dev.fence is not None and dev.fence.stopped:
                 continue  # preempted: it writes nothing more there (SlabFence.stop)
             try:
+                faults.point("lease.before_beat")
                 await self._run(dev.write_beat, beat)
             except OSError as exc:
                 ok = False
@@ -308,6 +318,7 @@ class SlabLeaseKeeper:
                             beat.node, exc)
         if ok:
             self._beat_deadline = self.leases.deadline(sent)
+        return ok
 
     async def _observe(self, dev: FlashDevice, owners: list[tuple[str, int]]
                        ) -> dict[str, NodeBeat]:
@@ -434,8 +445,17 @@ class SlabLeaseKeeper:
     async def renew(self) -> None:
         """Advance the heartbeat, then renew every lease held: a slab whose header on the
         device names another node now is revoked; a lease the index lost is re-created;
-        one the index gives another node while the device names this node is taken back."""
-        await self.heartbeat()
+        one the index gives another node while the device names this node is taken back.
+
+        When the index cannot be reached (restarting, cut off), a slab whose header, read
+        this round after the heartbeat was written, still names this node at its epoch
+        (and, where the target has reservations, whose key is still registered) is renewed
+        on the device alone, until the heartbeat's deadline: no other node can take it
+        before then, since a taker needs this node's heartbeat unchanged for a whole
+        lease on its own clock (or its process gone, on this host), the same rule the
+        index's lease is only a cache of (docs/reliability.md, "Write-through while the
+        index restarts")."""
+        beat_ok = await self.heartbeat()
         for dev in self.devices:
             fence = dev.fence
             assert fence is not None
@@ -445,8 +465,9 @@ class SlabLeaseKeeper:
             try:
                 # Where the target has reservations: is this node's key still registered?
                 # (A node that took its slabs preempted it: the fence stops.)
-                await self._run(dev.check_registration)
+                registered = bool(await self._run(dev.check_registration))
             except OSError as exc:
+                registered = False
                 log.warning("flash device %s: reading its reservations failed: %s", dev.name,
                             exc)
             try:
@@ -457,25 +478,51 @@ class SlabLeaseKeeper:
                 log.warning("flash device %s: reading slab headers failed: %s", dev.name,
                             exc)
                 owners = None
+            # The index did not answer this round: the rest of the round asks the device
+            # only (one bounded wait per round, not one per slab: the next heartbeat is
+            # not held up behind a slab count of timeouts).
+            index_down: LeaseError | None = None
+            on_device = 0
             for slab in held:
                 epoch = fence.epoch(slab)
                 if owners is not None and owners[slab] != (fence.node_id, epoch):
                     self._revoke(dev, slab, epoch, owners[slab])
                     continue
-                try:
-                    deadline = await self.leases.renew(uuid, slab, epoch)
-                    if deadline is None and owners is not None:
-                        log.warning("flash device %s: the index names another holder of "
-                                    "slab %d, whose header names node %s at epoch %d; "
-                                    "taking the index's lease back", dev.name, slab,
-                                    fence.node_id, epoch)
-                        deadline = await self.leases.renew(uuid, slab, epoch, force=True)
-                except LeaseError as exc:
-                    log.warning("flash device %s: %s; slab %d is written until its lease "
-                                "lapses here", dev.name, exc, slab)
+                deadline: float | None = None
+                if index_down is None:
+                    try:
+                        deadline = await self.leases.renew(uuid, slab, epoch)
+                        if deadline is None and owners is not None:
+                            log.warning("flash device %s: the index names another holder "
+                                        "of slab %d, whose header names node %s at epoch "
+                                        "%d; taking the index's lease back", dev.name, slab,
+                                        fence.node_id, epoch)
+                            deadline = await self.leases.renew(uuid, slab, epoch,
+                                                               force=True)
+                    except LeaseError as exc:
+                        index_down = exc
+                if index_down is not None:
+                    if (owners is not None and beat_ok and registered
+                            and not fence.stopped):
+                        fence.grant(slab, epoch, self._beat_deadline)
+                        self.device_renewals += 1
+                        on_device += 1
                     continue
                 if deadline is not None:
                     fence.grant(slab, epoch, self._deadline(deadline))
+            if index_down is not None:
+                if on_device:
+                    log.warning("flash device %s: %s; %d slab leases renewed on the device "
+                                "alone (their headers name node %s at their epochs and its "
+                                "heartbeat advanced)", dev.name, index_down, on_device,
+                                fence.node_id)
+                else:
+                    why = ("the heartbeat was not written" if not beat_ok else
+                           "the slab headers could not be read" if owners is None else
+                           "its reservation key could not be checked" if not registered
+                           else "the node writes nothing more there")
+                    log.warning("flash device %s: %s; %s, so the slabs are written until "
+                                "their leases lapse here", dev.name, index_down, why)
 
     def _revoke(self, dev: FlashDevice, slab: int, epoch: int, on_device: tuple[str, int]
                 ) -> None:

@@ -471,15 +471,18 @@ class BlockStore:
 
     # -- get -------------------------------------------------------------------------
     async def acquire_group(self, s: Session, members: Sequence[Namespace],
-                            keys: Sequence[bytes]) -> tuple[list[Lease], list[str]]:
+                            keys: Sequence[bytes],
+                            recheck: Callable[[Namespace], None] | None = None
+                            ) -> tuple[list[Lease], list[str]]:
         """Lease a block group's leading run: the leading ``keys`` that every member
         namespace holds and whose every member block verifies (promoted and checked as
         :meth:`acquire` does). One lease per member, in ``members``' order, each of the
         same length; each block's source tier is the farthest of its members'. A key that
         one member lacks, or whose block in one member fails its check, ends the run
         there in every member: a whole miss, never part of a group
-        (:meth:`GetPath.acquire_group`)."""
-        return await self._gets.acquire_group(s, members, keys)
+        (:meth:`GetPath.acquire_group`; ``recheck``: run for each member right before its
+        index is looked at)."""
+        return await self._gets.acquire_group(s, members, keys, recheck)
 
     async def acquire(self, s: Session, ns: Namespace, keys: Sequence[bytes],
                       keys_checked: bool = False) -> tuple[Lease, list[str]]:

@@ -50,7 +50,9 @@ class GetPath:
         self._unpin = invalidator.unpin
 
     async def acquire_group(self, s: Session, members: Sequence[Namespace],
-                            keys: Sequence[bytes]) -> tuple[list[Lease], list[str]]:
+                            keys: Sequence[bytes],
+                            recheck: Callable[[Namespace], None] | None = None
+                            ) -> tuple[list[Lease], list[str]]:
         """Lease a block group's leading run: the leading ``keys`` that every member
         namespace holds and whose every member block verifies (promoted and checked as
         :meth:`acquire` does). One lease per member, in ``members``' order, each of the
@@ -58,7 +60,10 @@ class GetPath:
         one member lacks, or whose block in one member fails its check, ends the run
         there in every member: a whole miss, never part of a group. Members are leased
         one after another, each pinned before the next is looked at, and every lease is
-        then cut to the shortest run."""
+        then cut to the shortest run. ``recheck``: run for each member right before its
+        index is looked at (no await between; a pod's sweep of fetched copies no check
+        saw, adopted while an earlier member's blocks were promoted:
+        ``RemoteFetch.pull_group``)."""
         validate_keys(keys)
         self._groups.declare([ns.digest for ns in members])
         n = len(keys)
@@ -69,6 +74,8 @@ class GetPath:
         sources: list[list[str]] = []
         try:
             for ns in members:
+                if recheck is not None:
+                    recheck(ns)
                 lease, src = await self.acquire(s, ns, keys[:n], keys_checked=True)
                 leases.append(lease)
                 sources.append(src)

@@ -267,9 +267,11 @@ class Quotas:
     def flash_victims(self, tenant: str | None, skip: Callable[[Block], bool]
                       ) -> Iterator[Block]:
         """Flash eviction candidates for demoting blocks of ``tenant`` (None: mixed): its
-        own first, then blocks of tenants above their guaranteed flash share (usage
-        updated as the caller evicts: it calls :meth:`flash_evicted`). A tenant over its
-        flash ceiling evicts only its own."""
+        own first when it is at or over its guaranteed flash share, then blocks of tenants
+        above theirs (usage updated as the caller evicts: it calls :meth:`flash_evicted`),
+        its own last when it is under its share. A tenant at or over its flash ceiling
+        evicts only its own, also when its ceiling is below its guaranteed share
+        (``flash_max`` under the fair share; docs/security.md, "Fair eviction")."""
         self._flash_use = self.flash_bytes()
         active = self.active_tenants()
         lru = self._index.flash_lru
@@ -278,6 +280,8 @@ class Quotas:
             if over:
                 yield from (b for b in lru.victims(skip) if self.tenant_of(b) == tenant)
             if self._flash_use[tenant] >= self.flash_ceiling(tenant):
+                if not over:  # at its ceiling while under its share: its own, only
+                    yield from (b for b in lru.victims(skip) if self.tenant_of(b) == tenant)
                 return
         for b in lru.victims(skip):
             t = self.tenant_of(b)

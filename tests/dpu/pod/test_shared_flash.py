@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from ctxmem_common.errors import Unavailable
 from ctxmem_common.flash_format import OWNER_OFFSET, SECTOR, OwnerRecord, RecordHeader
+from ctxmem_dpu import faults
 from ctxmem_dpu.pod.shared_flash import SharedFlashSource
 from ctxmem_dpu.pod.slab_leases import SlabLeases
 from ctxmem_dpu.tiers import flash_owner
@@ -231,12 +232,18 @@ async def test_fence_stops_writes_when_lease_taken_over_or_not_renewed(
         # The renewal finds the lease gone: revoked, never written again.
         await until_async(lambda: dev.fence.lost(slab), 10 * LEASE_S,
                           "the renewal to find the lease gone", 0.1)
-        # The index unreachable: the leases lapse locally and nothing is written.
-        redis_server.stop()
-        await asyncio.sleep(LEASE_S)
-        fenced = a.counters["flash_fenced_writes"]
-        assert await put_durable(a, "a", s, ns, [b"third"]) == []
-        assert a.counters["flash_fenced_writes"] > fenced or not dev.fence.slabs()
+        # The index unreachable and the heartbeat not written (so the device alone renews
+        # nothing either: tests/dpu/pod/test_index_outage.py): the leases lapse locally
+        # and nothing is written.
+        faults.configure(points="lease.before_beat:eio@1+")
+        try:
+            redis_server.stop()
+            await asyncio.sleep(LEASE_S)
+            fenced = a.counters["flash_fenced_writes"]
+            assert await put_durable(a, "a", s, ns, [b"third"]) == []
+            assert a.counters["flash_fenced_writes"] > fenced or not dev.fence.slabs()
+        finally:
+            faults.reset()
         redis_server.start()
 
 
@@ -345,18 +352,23 @@ async def test_a_delete_under_a_lapsed_lease_waits_and_keeps_the_device_in_servi
 
 async def test_a_write_through_commit_under_a_lapsed_lease_names_the_lease(
         redis_server: Any, shared: str) -> None:
-    """With the index gone the node's slab leases lapse: a write-through Commit is refused
-    (nothing is acknowledged that a new owner could overwrite), saying it is the lease,
-    not a failed device: the device stays in service and the same put succeeds once the
-    index is back (the pod campaign's only cause of refused puts: docs/reliability.md)."""
+    """With the index gone and the node's heartbeat not written (so the device alone
+    renews nothing: tests/dpu/pod/test_index_outage.py) the node's slab leases lapse: a
+    write-through Commit is refused (nothing is acknowledged that a new owner could
+    overwrite), saying it is the lease, not a failed device: the device stays in service
+    and the same put succeeds once the index is back."""
     url = redis_server.url
     async with node(url, "a", shared, SLAB, LEASE_S, write_policy="write_through") as a:
         s, ns = session(a, 64)
         assert await put(a, s, ns, {b"first": block_bytes(b"first", 64 << 10)}) == 1
-        redis_server.stop()
-        await asyncio.sleep(LEASE_S + 0.2)  # past the lease: renewals failed meanwhile
-        with pytest.raises(Unavailable) as err:
-            await put(a, s, ns, {b"second": block_bytes(b"second", 64 << 10)})
+        faults.configure(points="lease.before_beat:eio@1+")
+        try:
+            redis_server.stop()
+            await asyncio.sleep(LEASE_S + 0.2)  # past the lease: renewals failed meanwhile
+            with pytest.raises(Unavailable) as err:
+                await put(a, s, ns, {b"second": block_bytes(b"second", 64 << 10)})
+        finally:
+            faults.reset()
         text = str(err.value)
         assert "Errno 110" in text and "no current lease" in text, text
         assert "out of service until a probe" not in text, text

@@ -194,3 +194,27 @@ async def test_a_tenant_over_its_flash_ceiling_evicts_only_its_own(tmp_path: Pat
         # flash LRU order (usage as it stands: nothing is evicted here).
         assert keys_of(list(p.quotas.flash_victims(None, _no_skip))) == \
             keys_of(b_blocks + a_blocks)
+
+
+async def test_a_tenant_at_its_flash_ceiling_below_its_fair_share_evicts_only_its_own(
+        tmp_path: Path) -> None:
+    """``flash_max`` below the fair share: the tenant reaches its ceiling while under its
+    guarantee. At the ceiling it makes room among its own blocks only (docs/security.md,
+    "Fair eviction"), never another tenant's, and not nothing (before, the walk returned
+    before its own blocks: its demotions found no room at all)."""
+    with parts(flash_file=tmp_path / "f.img",
+               quotas={"tenants": {"a": {"flash_max": 0.125}}}) as p:
+        p.session("a")
+        p.session("b")
+        b_blocks = await _on_flash(p, "b", 16)  # b over its share (14 slots)
+        a_blocks = await _on_flash(p, "a", 4)
+        ceiling = p.quotas.flash_ceiling("a")
+        share = p.quotas.flash_guaranteed("a", {"a", "b"})
+        assert ceiling <= 4 * SLOT < share == 14 * SLOT  # at its ceiling, under its share
+        taken: list[Block] = []
+        for b in p.quotas.flash_victims("a", _no_skip):
+            taken.append(b)
+            p.quotas.flash_evicted(b)
+        assert keys_of(taken) == keys_of(a_blocks)
+        assert p.quotas.counters == {("a", "evictions_flash"): 4}
+        assert b_blocks  # (b's blocks, over b's share, were not offered to a)
