@@ -199,8 +199,9 @@ class Recovery:
 
 
 def audit(ctx: StoreContext, index: BlockIndex, invalidator: Invalidator) -> list[str]:
-    """Cross-check the index against the flash allocators; see ``BlockStore.audit``."""
-    problems: list[str] = []
+    """The index's own invariants (:meth:`BlockIndex.audit`), then the index against the
+    flash allocators; see ``BlockStore.audit``."""
+    problems = index.audit(ctx.flash.enabled)
     owners: dict[Extent, Block] = {}
     for per_ns in index.blocks.values():
         for b in per_ns.values():
