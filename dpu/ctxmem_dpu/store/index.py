@@ -141,6 +141,22 @@ class BlockIndex:
         if dirty:
             self.dirty.update(dict.fromkeys(blocks))
 
+    def found_on_flash(self, digest: bytes, keys: Sequence[bytes], blocks: Sequence[Block]
+                       ) -> None:
+        """The index rebuild found ``blocks`` (durable, flash only, keys ``keys``, none
+        indexed yet) in namespace ``digest``: into its map and the flash LRU in order, in
+        one update each."""
+        self.namespace(digest).update(zip(keys, blocks, strict=True))
+        self.flash_lru.add_unhit(blocks)
+
+    def replaced_on_flash(self, old: Block | None, b: Block) -> None:
+        """The index rebuild files ``b`` (durable, flash only, never read) under its key in
+        place of ``old`` (``None``: none), in the flash LRU too."""
+        if old is not None:
+            self.flash_lru.remove(old)
+        self.namespace(b.ns)[b.key] = b
+        self.flash_lru.add(b)
+
     def made_visible(self, b: Block) -> None:
         """``b``, written through to flash (durable, in the flash LRU already), becomes
         visible: into its namespace's map and the DRAM LRU."""
