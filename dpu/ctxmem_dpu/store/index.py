@@ -7,6 +7,7 @@ blocks that are in DRAM only and wait for the demoter.
 
 Every change of a block's state goes through a method of :class:`BlockIndex` (issue 27
 item 2): it entered the index (:meth:`~BlockIndex.committed`, :meth:`~BlockIndex.made_visible`,
+:meth:`~BlockIndex.found_on_flash`, :meth:`~BlockIndex.replaced_on_flash`,
 :meth:`~BlockIndex.fetched`), got a DRAM copy (:meth:`~BlockIndex.promoted`), lost it
 (:meth:`~BlockIndex.dropped_dram`), became durable (:meth:`~BlockIndex.made_durable`), lost
 its flash copy (:meth:`~BlockIndex.dropped_flash`, :meth:`~BlockIndex.not_durable`), was
