@@ -506,7 +506,7 @@ class BlockStore:
     def pin(self, b: Block) -> None:
         """Keep ``b``'s slots from being evicted or reused until :meth:`unpin` (a
         data-plane server sending it)."""
-        b.pins += 1
+        self._index.pin(b)
 
     def unpin(self, b: Block) -> None:
         """Undo one :meth:`pin`; the last unpin of a deleted block frees its storage."""
@@ -532,17 +532,8 @@ class BlockStore:
         return await self._delete(ns.digest, keys)
 
     async def _delete(self, digest: bytes, keys: Sequence[bytes]) -> int:
-        per_ns = self._index.get(digest)
-        gone = [b for k in keys if (b := per_ns.pop(k, None)) is not None]
-        self._index.announce(gone, False)
-        for b in gone:
-            b.deleted = True
-            if b.origin is not None:
-                self._index.drop_copy(b)
-            b.pins += 1  # ours until the header is dead; the last unpin frees the storage
-            self._index.dram_lru.remove(b)
-            self._index.flash_lru.remove(b)
-            self._index.dirty.pop(b, None)
+        # Pinned once each: ours until the header is dead; the last unpin frees the storage.
+        gone = self._index.deleted(digest, keys)
 
         async def invalidate() -> None:
             try:

@@ -31,9 +31,7 @@ import errno
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
@@ -218,8 +216,8 @@ class Demotion:
             return failures
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        for b in blocks:  # claimed before any await: no concurrent demotion takes them
-            b.pins += 1
+        self._index.pin_many(blocks)  # claimed before any await: no concurrent demotion
+        for b in blocks:  # takes them
             b.io = fut
         # The blocks that got an extent, and their extents, in the same order.
         planned: list[Block] = []
@@ -263,7 +261,6 @@ class Demotion:
                 b.flash = ext
                 wrote.add(ext.device)
                 if not b.deleted:
-                    b.durable = True
                     durable.append(b)
             else:
                 self._not_written(b, ext, err, failures)
@@ -357,13 +354,7 @@ class Demotion:
         if not blocks:
             return
         index, ctx = self._index, self._ctx
-        deque(map(index.dirty.pop, blocks, repeat(None)), maxlen=0)
-        lru = index.flash_lru
-        if max(map(_HITS, blocks)) < lru.protect_after_hits:
-            lru.add_unhit(blocks)
-        else:
-            for b in blocks:
-                lru.add(b, b.hits)
+        index.made_durable(blocks)
         ctx.counters["demoted_blocks"] += len(blocks)
         ctx.counters["demoted_bytes"] += sum(map(_LENGTH, blocks))
         devices = ctx.flash.devices
@@ -376,9 +367,7 @@ class Demotion:
         freed by the last unpin."""
         self._ctx.counters["dram_crc_mismatch"] += 1
         log.warning("%s; dropped (a miss), not persisted", err)
-        b.deleted = True
-        self._index.forget(b)
-        self._index.dirty.pop(b, None)
+        self._index.changed(b)
 
     def _no_room(self, size: int, n: int) -> FlashIOError:
         """Why ``n`` extents of ``size`` could not be found: no device usable (ENODEV) or

@@ -134,7 +134,7 @@ class GetPath:
         sources: list[str] = []
         cold: list[Block] = []
         for b in run:
-            b.pins += 1
+            b.pins += 1  # BlockIndex.pin, inlined: the hot loop of an Acquire
             if b.dram is None:
                 cold.append(b)
                 sources.append(TIER_FLASH)
@@ -164,21 +164,9 @@ class GetPath:
         for b in run[n:]:
             self._unpin(b)
         run = run[:n]
-        hits: list[int] = []
-        on_flash: list[Block] = []
-        flash_hits: list[int] = []
         if self._index.copies_of(ns.digest):  # a pod's copies: their first read says how
             sources = self._copy_sources(run, sources[:n])  # came (remote, remote→dram)
-        for b in run:
-            b.hits += 1
-            b.read_ahead = False
-            hits.append(b.hits)
-            if b.flash is not None:
-                on_flash.append(b)
-                flash_hits.append(b.hits)
-        self._index.dram_lru.touch_many(run, hits)  # one batched touch per lease
-        if on_flash:
-            self._index.flash_lru.touch_many(on_flash, flash_hits)
+        self._index.touched(run)
         lease = Lease(self._registry.new_id(), s.id, ns, run,
                       time.monotonic() + self._ctx.cfg.service.lease_ttl_s)
         self._registry.add_lease(s, lease)

@@ -16,6 +16,7 @@ from ctxmem_dpu.blocks import Block
 from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
+from ctxmem_dpu.store.index import unpin
 from ctxmem_dpu.tiers.flash import Extent, FlashIOError
 from ctxmem_dpu.tiers.flash_fence import SlabFenced
 
@@ -139,9 +140,7 @@ class Invalidator:
     def unpin(self, b: Block) -> None:
         """Drop one pin (lease, in-flight I/O, a transfer); the last unpin of a deleted
         block frees its storage."""
-        b.pins -= 1
-        assert b.pins >= 0, f"block {b.key.hex()[:16]} unpinned more often than pinned"
-        if b.pins == 0 and b.deleted and b.io is None:
+        if unpin(b):
             self.release_storage(b)
 
     def release_storage(self, b: Block) -> None:

@@ -154,13 +154,10 @@ class Placement:
         """Evict ``b``'s DRAM copy (unpinned); a block with no flash copy is gone."""
         assert b.dram is not None and b.pins == 0
         self._ctx.dram.free(b.dram)
-        b.dram = None
-        self._index.dram_lru.remove(b)
-        self._index.dirty.pop(b, None)
+        tenant = self._quotas.tenant_of(b)
+        self._index.dropped_dram(b)
         self._ctx.counters["evictions_dram"] += 1
-        self._quotas.count(self._quotas.tenant_of(b), "evictions_dram")
-        if b.flash is None:
-            self._index.forget(b)
+        self._quotas.count(tenant, "evictions_dram")
 
     def drop_dram_many(self, blocks: list[Block]) -> None:
         """:meth:`drop_dram` of each of ``blocks`` (each with a DRAM copy, unpinned), as
@@ -172,20 +169,11 @@ class Placement:
         assert max(map(_PINS, blocks)) == 0, "drop_dram_many: a block is pinned"
         index, quotas = self._index, self._quotas
         self._ctx.dram.free_many([b.dram for b in blocks])  # type: ignore[misc]
-        remove, dirty_pop = index.dram_lru.remove, index.dirty.pop
-        gone: list[Block] = []
-        for b in blocks:
-            b.dram = None
-            remove(b)
-            dirty_pop(b, None)
-            if b.flash is None:
-                gone.append(b)
         self._ctx.counters["evictions_dram"] += len(blocks)
         first = dict(zip(map(_NS, blocks), blocks, strict=True))
         for digest, n in Counter(map(_NS, blocks)).items():
             quotas.count(quotas.tenant_of(first[digest]), "evictions_dram", n)
-        for b in gone:
-            index.forget(b)
+        index.dropped_dram_many(blocks)
 
     async def reserve_flash(self, slot_size: int, n: int, tenant: str | None = None
                             ) -> list[Extent] | None:
@@ -217,17 +205,9 @@ class Placement:
                     or not flash.devices[b.flash.device].healthy)):
                 if room >= n:
                     break
-                assert b.flash is not None
-                ext = b.flash
-                b.flash = None
-                b.durable = False
-                index.flash_lru.remove(b)
-                self._ctx.counters["evictions_flash"] += 1
                 self._quotas.flash_evicted(b)
-                if b.dram is None:
-                    index.forget(b)
-                else:
-                    index.dirty[b] = None
+                ext = index.dropped_flash(b)
+                self._ctx.counters["evictions_flash"] += 1
                 evicted.append(ext)
                 dev = flash.devices[ext.device]
                 slab = dev.alloc.slabs[ext.slot.slab]

@@ -90,8 +90,7 @@ class Promotion:
         cold = [b for k in keys if (b := per_ns.get(k)) is not None and b.dram is None]
         in_dram = sum(1 for k in keys if (b := per_ns.get(k)) is not None and b.dram is not None)
         if cold:
-            for b in cold:
-                b.pins += 1
+            self._index.pin_many(cold)
 
             async def run() -> None:
                 try:
@@ -245,8 +244,7 @@ class Promotion:
         for (dev, _slot, _v, b, _c, _a), ref, err in zip(jobs, refs, results, strict=True):
             b.io = None
             if err is None and not b.deleted:
-                b.dram = ref
-                self._index.dram_lru.add(b, b.hits)
+                self._index.promoted(b, ref)
                 ctx.counters["promoted_blocks"] += 1
                 continue
             ctx.dram.free(ref)
@@ -263,8 +261,7 @@ class Promotion:
                 ctx.flash.free(b.flash)
                 if err.ours:
                     dead.append(b.flash)  # its own record, bad payload: zero the header
-                b.flash = None
-                self._index.forget(b)
+                self._index.flash_lost(b)
             elif err is not None:
                 ctx.counters["flash_read_errors"] += 1
                 reason = ("truncated" if isinstance(err, ShortRead) else

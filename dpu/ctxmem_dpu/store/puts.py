@@ -205,11 +205,7 @@ class PutPath:
                 for b in fresh:
                     by_key.setdefault(b.key, []).append(b)
             committed = [b for blocks in by_key.values() for b in blocks]
-            for a, fresh in zip(allocs, members, strict=True):
-                self._index.namespace(a.ns.digest).update({b.key: b for b in fresh})
-            self._index.dram_lru.add_unhit(committed)
-            if self._ctx.flash.enabled:
-                self._index.dirty.update(dict.fromkeys(committed))
+            self._index.committed(committed, self._ctx.flash.enabled)
         faults.point("commit.after_index")
         self._index.announce(committed, True)
         counters["put_blocks"] += len(committed)
@@ -257,10 +253,7 @@ class PutPath:
             committed = fresh
             # New blocks, never used: at probation's most recent end in order, as one
             # ``add`` each would put them (``add_unhit``), inserted in bulk.
-            per_ns.update({b.key: b for b in fresh})
-            self._index.dram_lru.add_unhit(fresh)
-            if self._ctx.flash.enabled:
-                self._index.dirty.update(dict.fromkeys(fresh))
+            self._index.committed(fresh, self._ctx.flash.enabled)
         faults.point("commit.after_index")
         self._index.announce(committed, True)
         counters["put_blocks"] += len(committed)

@@ -81,7 +81,6 @@ class Recovery:
         losers: list[Extent] = []
         ties: list[tuple[Block, Block]] = []
         index = self._index.blocks
-        flash_lru = self._index.flash_lru
         legacy = 0
         for dev in self._ctx.flash.devices:
             dev_index = dev.index
@@ -104,8 +103,7 @@ class Recovery:
                 if (cols.namespace.count(ns0) == len(blocks) and len(set(cols.key)) == len(blocks)
                         and per_ns.keys().isdisjoint(cols.key)):
                     # The common case: one namespace, no key seen before.
-                    per_ns.update(zip(cols.key, blocks, strict=True))
-                    flash_lru.add_unhit(blocks)
+                    self._index.found_on_flash(ns0, cols.key, blocks)
                     continue
                 for b in blocks:
                     per_ns = index.get(b.ns)
@@ -121,9 +119,7 @@ class Recovery:
                             ties.append((old, b))
                             continue
                         losers.append(old.flash)
-                        flash_lru.remove(old)
-                    per_ns[b.key] = b
-                    flash_lru.add_unhit((b,))
+                    self._index.replaced_on_flash(old, b)
             faults.point("rebuild.after_scan")
         flash_io.scan_buffers.clear()
         if legacy:
@@ -142,9 +138,7 @@ class Recovery:
                       other.flash)
             if not await self.verify(keep) and await self.verify(other):
                 keep, other = other, keep
-                index[keep.ns][keep.key] = keep
-                flash_lru.remove(other)
-                flash_lru.add(keep)
+                self._index.replaced_on_flash(other, keep)
             assert other.flash is not None
             losers.append(other.flash)
         if losers:
@@ -199,8 +193,9 @@ class Recovery:
 
 
 def audit(ctx: StoreContext, index: BlockIndex, invalidator: Invalidator) -> list[str]:
-    """Cross-check the index against the flash allocators; see ``BlockStore.audit``."""
-    problems: list[str] = []
+    """The index's own invariants (:meth:`BlockIndex.audit`), then the index against the
+    flash allocators; see ``BlockStore.audit``."""
+    problems = index.audit(ctx.flash.enabled)
     owners: dict[Extent, Block] = {}
     for per_ns in index.blocks.values():
         for b in per_ns.values():

@@ -124,13 +124,8 @@ class RemoteBlocks:
             b = Block(ns.digest, key, ns.block_nbytes, ns.slot_size, crc,
                       self._index.next_seq(), dram=ref, origin=origin,
                       fetched=fetched if origin is not None else "")
-            self._index.dram_lru.add(b)
-            if origin is not None:
-                self._index.add_copy(b)  # DRAM only: not dirty, never demoted
-            else:
-                per_ns[key] = b
-                if self._ctx.flash.enabled:
-                    self._index.dirty[b] = None
+            # A copy (origin) stays in DRAM only: not dirty, never demoted.
+            self._index.fetched(b, self._ctx.flash.enabled)
             n += 1
         return n
 
@@ -143,14 +138,7 @@ class RemoteBlocks:
         for b in blocks:
             if b.deleted:  # dropped already (two checks at once found it stale)
                 continue
-            per_ns = index.get(b.ns)
-            if per_ns.get(b.key) is b:
-                del per_ns[b.key]
-            index.drop_copy(b)
-            index.dram_lru.remove(b)
-            index.dirty.pop(b, None)
-            b.deleted = True
-            b.pins += 1
+            index.copy_dropped(b)
             invalidator.unpin(b)  # frees the DRAM slot now, or at the last unpin
             n += 1
         self._ctx.counters["pod_copies_dropped"] += n
@@ -161,9 +149,7 @@ class RemoteBlocks:
         ones are promoted first when the namespace is open here, else they are misses."""
         per_ns = self._index.get(ns_digest)
         found = [per_ns.get(k) for k in keys]
-        for b in found:
-            if b is not None:
-                b.pins += 1
+        self._index.pin_many(b for b in found if b is not None)
         cold = [b for b in found if b is not None and b.dram is None]
         ns = self._registry.namespaces.get(ns_digest)
         failed: set[Block] = set(cold)

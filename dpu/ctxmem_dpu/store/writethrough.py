@@ -67,14 +67,11 @@ class WriteThrough:
                 # block goes, with its DRAM slot and any flash record.
                 if err is not None or not b.durable:
                     errors.append(err or OSError(errno.EIO, "not written"))
-                self._index.flash_lru.remove(b)
-                b.durable = False
-                b.deleted = True
+                self._index.not_durable(b)
                 if b.pins == 0 and b.io is None:
                     self._invalidator.release_storage(b)
                 continue
-            per_ns[b.key] = b
-            self._index.dram_lru.add(b)
+            self._index.made_visible(b)
             visible.append(b)
         if errors:
             self._fail(a, errors, len(blocks), len(visible))
@@ -118,8 +115,7 @@ class WriteThrough:
                         errors.append(err or OSError(errno.EIO, "not written"))
                     self._drop(b)
                     continue
-                per_ns[b.key] = b
-                self._index.dram_lru.add(b)
+                self._index.made_visible(b)
                 visible.append(b)
         if errors:
             self._fail(allocs[0], errors, n, len(visible))
@@ -128,9 +124,7 @@ class WriteThrough:
     def _drop(self, b: Block) -> None:
         """A block not made visible: it goes, with its DRAM slot and any flash record
         (its header zeroed before the extent is reused)."""
-        self._index.flash_lru.remove(b)
-        b.durable = False
-        b.deleted = True
+        self._index.not_durable(b)
         if b.pins == 0 and b.io is None:
             self._invalidator.release_storage(b)
 
