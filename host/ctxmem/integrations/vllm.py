@@ -266,11 +266,15 @@ class CtxmemConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerCore | None = None
         self.worker: WorkerCore | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # Several KV cache groups: loads are asynchronous, because vLLM takes a failed
+            # load of such a model only as a failed request (get_transfer_results), never
+            # as block ids (those are per group), and only for an asynchronous load.
             self.scheduler = SchedulerCore(
                 client, self.ns_spec, self.block_size,
                 save_decode=as_bool(config_get(extra, "save_decode", True)),
                 prefetch=as_bool(config_get(extra, "prefetch", True)),
-                async_load=as_bool(config_get(extra, "async_load", False)))
+                async_load=len(groups) > 1 or as_bool(config_get(extra, "async_load",
+                                                                 False)))
             if as_bool(config_get(extra, "kv_events", True)):
                 self.scheduler.tokens_of = self._tokens_of
         else:
@@ -355,6 +359,18 @@ class CtxmemConnector(KVConnectorBase_V1, SupportsHMA):
         done = self.worker.take_finished_loads()
         return None, (done or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's snapshot of finished loads, with the requests whose load fell short (a
+        model with several KV cache groups: recomputed whole, see ``failed_recving``)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self.worker.take_finished_and_failed_loads()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
 
@@ -369,6 +385,9 @@ class CtxmemConnector(KVConnectorBase_V1, SupportsHMA):
         return stored_events(self.worker.take_stored(), self.block_size)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler is not None:
+            for req_id in getattr(connector_output, "failed_recving", None) or ():
+                self.scheduler.load_failed(req_id)
         events = getattr(connector_output, "kv_cache_events", None)
         if not isinstance(events, CtxmemKVEvents):
             return

@@ -77,6 +77,8 @@ class _ReqState:
     """Groups 1, 2, ...'s block ids (a model with several KV cache groups)."""
     saved_upto: int = -1
     prefetched: bool = False
+    load_failed: bool = False
+    """A load of this request fell short and vLLM recomputes it: no second load."""
 
 
 class SchedulerCore:
@@ -200,7 +202,7 @@ class SchedulerCore:
         st.local_blocks = local
         st.hit_blocks = 0
         st.hit_tiers = []
-        if local >= max_blocks:
+        if local >= max_blocks or st.load_failed:
             return 0
         st.hit_blocks = self.lookup_hits(st.keys[local:max_blocks], salt, st.hit_tiers)
         return max(0, (local + st.hit_blocks) * self.block_size - num_computed_tokens)
@@ -283,6 +285,13 @@ class SchedulerCore:
                 st.saved_upto = full
         return meta
 
+    def load_failed(self, req_id: str) -> None:
+        """vLLM recomputes ``req_id`` after its load fell short: offer it no more hits
+        (the same blocks would fall short again)."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.load_failed = True
+
     def request_finished(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
@@ -311,6 +320,7 @@ class WorkerCore:
         self._layer_loads: list[tuple[Future[int], TransferSpec, Any]] = []
         self._layer_index: dict[str, int] = {}
         self._async_done: set[str] = set()
+        self._async_failed: set[str] = set()
         self._async_lock = threading.Lock()
         self._warn = RateLimitedLog(log)
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
@@ -415,8 +425,11 @@ class WorkerCore:
     def _fail(self, spec: TransferSpec, n: int) -> None:
         if n < len(spec.block_ids):
             with self._errors_lock:
-                self._errors.update(spec.block_ids[n:])
-                for ids in spec.group_block_ids:
+                if not spec.group_block_ids:
+                    self._errors.update(spec.block_ids[n:])
+                for ids in spec.groups() if spec.group_block_ids else ():
+                    # vLLM's null block (a sliding-window group's, before the window)
+                    # is no request's: never reported
                     self._errors.update(b for b in ids[n:] if b != NULL_BLOCK)
             self.stats["failed_blocks"] += len(spec.block_ids) - n
         self.stats["loaded_blocks"] += n
@@ -473,9 +486,18 @@ class WorkerCore:
             self._warn.warning("async", "ctxmem async load failed: %s", exc)
             n = 0
         finally:
-            self._fail(spec, n)
+            # Several KV cache groups: vLLM cannot map a block id back to a request (ids
+            # are per group), so a short load fails the request as a whole (recomputed).
+            whole = bool(spec.group_block_ids) and n < len(spec.keys)
+            if whole:
+                self.stats["failed_blocks"] += len(spec.keys) - n
+                self.stats["loaded_blocks"] += n
+            else:
+                self._fail(spec, n)
             with self._async_lock:
                 self._async_done.add(spec.req_id)
+                if whole:
+                    self._async_failed.add(spec.req_id)
 
     def take_finished_loads(self) -> set[str]:
         """Requests whose asynchronous load finished (their failed blocks, if any, are
@@ -483,6 +505,14 @@ class WorkerCore:
         with self._async_lock:
             done, self._async_done = self._async_done, set()
         return done
+
+    def take_finished_and_failed_loads(self) -> tuple[set[str], set[str]]:
+        """:meth:`take_finished_loads`, and of those the requests (of a model with
+        several KV cache groups) whose load fell short: each to be recomputed whole."""
+        with self._async_lock:
+            done, self._async_done = self._async_done, set()
+            failed, self._async_failed = self._async_failed, set()
+        return done, failed
 
     def wait_for_layer(self, layer_name: str) -> None:
         from ctxmem.integrations.vllm_layout import scatter_blocks
