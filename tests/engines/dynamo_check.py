@@ -22,8 +22,8 @@ the engine config is built as Dynamo's worker builds it (``create_engine_config`
   Dynamo's ``make_kv_connector_protocol`` refuses it for prefill/decode hand-off;
 * each disaggregated worker (``--disaggregation-mode prefill``/``decode``): vLLM resolves
   ``MultiConnector`` and its children, ``NixlConnector`` first and ``CtxmemConnector``
-  from ctxmem's module, all with the wrapper's ``engine_id``; HMA off (ctxmem is not
-  ``SupportsHMA``); the required KV cache layout ``LBHNC`` (NIXL's; ctxmem requires
+  from ctxmem's module, all with the wrapper's ``engine_id``; every child supports HMA
+  (ctxmem is ``SupportsHMA``); the required KV cache layout ``LBHNC`` (NIXL's; ctxmem requires
   none); Dynamo's ``make_kv_connector_protocol`` chooses ``NixlConnectorProtocol``, bound
   to the NIXL child's config (its ``kv_role``), and its prefill request asks for
   ``do_remote_decode``; Dynamo's NIXL side-channel host detection does not look inside
@@ -186,9 +186,10 @@ def check_worker(check: Checker, where: str, env: dict[str, str], args: list[str
         child_stats = exc
     check(isinstance(child_stats, CtxmemConnectorStats),
           f"{where}: MultiConnector rebuilds ctxmem's stats by name ({child_stats!r})")
-    check(not KVConnectorFactory.supports_hma_config(kt)
-          and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is True,
-          f"{where}: HMA turned off (ctxmem is not SupportsHMA)")
+    check(KVConnectorFactory.supports_hma_config(kt),
+          f"{where}: every child supports HMA (ctxmem is SupportsHMA; vLLM's "
+          f"disable_hybrid_kv_cache_manager: "
+          f"{vllm_config.scheduler_config.disable_hybrid_kv_cache_manager})")
     layout = cls.get_required_kvcache_layout(vllm_config)
     check(layout == "LBHNC", f"{where}: required KV cache layout {layout} (NIXL's)")
     nixl_role = children[0][1].kv_transfer_config.kv_role

@@ -419,3 +419,84 @@ def test_a_shed_save_is_counted_logged_and_leaves_the_engine_running(
     monkeypatch.undo()
     b = Engine(service.endpoint)
     assert b.admit("r2", tokens, [4, 5, 6, 7]) == 0, "nothing was stored"
+
+
+class GroupEngine:
+    """Two KV cache groups (as vLLM's hybrid allocator gives a model with full-attention
+    and sliding-window layers): group 0 of L layers, group 1 of one layer of another
+    head count, each its own namespace; a key's blocks of both move as one block group."""
+
+    def __init__(self, endpoint: str, layerwise: bool = False) -> None:
+        f0 = PagedFormat("bhnc", B, N, H, 2 * D, torch.bfloat16)
+        f1 = PagedFormat("bhnc", B, N, 1, 2 * D, torch.bfloat16)
+        spec = NamespaceSpec(
+            model_id="tiny-hybrid", tenant="default", tp_size=1, tags={"engine": "vllm"},
+            layout_for_rank=lambda r: ctxmem_layout(f0, L, tp_rank=r, tp_size=1),
+            groups=[("0/2:FullAttentionSpec",
+                     lambda r: ctxmem_layout(f0, L, tp_rank=r, tp_size=1)),
+                    ("1/2:SlidingWindowSpec:32",
+                     lambda r: ctxmem_layout(f1, 1, tp_rank=r, tp_size=1))])
+        self.client = ctxmem.Client(endpoint)
+        self.sched = SchedulerCore(self.client, spec, N, prefetch=False)
+        self.worker = WorkerCore(self.client, spec, 0, layerwise=layerwise)
+        self.full = [torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
+        self.swa = [torch.zeros(B, 1, N, 2 * D, dtype=torch.bfloat16)]
+        self.worker.register_groups([{f"full.{i}": c for i, c in enumerate(self.full)},
+                                     {"swa.0": self.swa[0]}])
+
+    def admit(self, req: str, tokens: list[int], ids: tuple[list[int], list[int]]) -> Any:
+        hashes = _hashes(tokens)
+        ext = self.sched.num_new_matched_tokens(req, hashes, len(tokens), 0, None)
+        self.sched.update_after_alloc(req, ids, ext)
+        meta = self.sched.build([(req, ids)], [], {req: len(tokens)},
+                                lambda r: (hashes, len(hashes), len(tokens)))
+        self.worker.start_load(meta)
+        self.worker.finish_loads()
+        return ext, meta
+
+
+def test_kv_cache_groups_save_and_load_as_block_groups(service: Any) -> None:
+    """(Block id 0 is vLLM's null block: never a request's own.) Every group's blocks
+    are saved and loaded, the sliding-window group's null blocks
+    (before its window) left alone; one group missing a key is a miss of that key in
+    every group; a key whose block one group no longer holds is not saved at all."""
+    tokens = list(range(300, 300 + 4 * N + 3))
+    a = GroupEngine(service.endpoint, layerwise=True)
+    assert not a.worker.layerwise, "layer-wise loading covers one group: turned off"
+    ext, meta = a.admit("r1", tokens, ([1, 2, 3, 4, 5], [5, 6, 7, 8, 9]))
+    assert ext == 0
+    _fill(a.full, [1, 2, 3, 4], seed=11)
+    _fill(a.swa, [5, 6, 7, 8], seed=12)
+    a.worker.save(meta)
+    assert a.worker.stats["saved_blocks"] == 4
+    tags = sorted(ns.tags["vllm_kv_group"] for ns in a.worker.namespaces._ns.values())
+    assert tags == ["0/2:FullAttentionSpec", "1/2:SlidingWindowSpec:32"]
+
+    b = GroupEngine(service.endpoint)
+    ext, meta = b.admit("r2", tokens, ([9, 8, 7, 6, 5], [0, 0, 4, 3, 2]))
+    assert ext == 4 * N and meta.loads[0].group_block_ids == [[0, 0, 4, 3]]
+    for src, dst in zip(a.full, b.full, strict=True):
+        assert all(torch.equal(src[s], dst[d]) for s, d in zip([1, 2, 3, 4], [9, 8, 7, 6],
+                                                                strict=True))
+    assert torch.equal(b.swa[0][4], a.swa[0][7]) and torch.equal(b.swa[0][3], a.swa[0][8])
+    assert not b.swa[0][0].any(), "vLLM's null block is never written"
+    assert b.worker.take_load_errors() == set() and b.worker.stats["loaded_blocks"] == 4
+
+    # The sliding-window group loses the third key: a hit of two, in both groups.
+    keys = block_keys(_hashes(tokens))
+    b.worker.namespaces.member(1, 0, None).delete(keys[2:3])
+    c = GroupEngine(service.endpoint)
+    ext, meta = c.admit("r3", tokens, ([1, 2, 3, 4, 5], [6, 7, 8, 9, 0]))
+    assert ext == 2 * N and [len(s.keys) for s in meta.loads] == [2]
+    assert not c.full[0][3].any(), "no group's block of the missing key is loaded"
+
+    # A save where the sliding-window group holds no block of the first two keys (vLLM
+    # freed them): only the keys every group holds are stored.
+    other = list(range(900, 900 + 3 * N + 1))
+    d = GroupEngine(service.endpoint)
+    _, meta = d.admit("r4", other, ([1, 2, 3, 4], [0, 0, 4, 5]))
+    d.worker.save(meta)
+    assert d.worker.stats["saved_blocks"] == 1
+    assert d.worker.namespaces.member(0, 0, None).lookup(block_keys(_hashes(other))[2:]) \
+        .num_hits == 1
+    assert d.sched.lookup_hits(block_keys(_hashes(other)), None) == 0

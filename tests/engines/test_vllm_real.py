@@ -11,6 +11,15 @@ this checkout's source roots on ``PYTHONPATH``, against a real ctxmem service:
   on the CPU backend; request 1 stores, the repeat, a shared-prefix request and a fresh
   ``LLM`` load, and their greedy tokens and logprobs equal the recompute (also with
   ``async_load`` and ``layerwise``; failed loads recomputed).
+* ``vllm_hybrid_e2e.py`` -- a tiny random-weight Gemma-3 (three sliding-window layers,
+  one full-attention layer) in a real ``LLM`` with vLLM's hybrid KV cache manager on:
+  four KV cache groups, each in its own namespace, a key's blocks of all groups one
+  block group; the repeat and a fresh ``LLM`` load every group and answer as the cold
+  run; one group missing a key makes that key a miss in all of them.
+* ``vllm_groups_check.py`` -- the same with vLLM's real config and scheduler objects
+  (``VllmConfig``, ``KVCacheConfig``, ``Request``, ``KVCacheBlocks``,
+  ``SchedulerOutput``): ``supports_hma``, the null block of a sliding-window group, a
+  Mamba group refused.
 * ``vllm_tier_check.py`` -- ``CtxmemSecondaryTier`` built by vLLM's
   ``TieringOffloadingSpec``/``SecondaryTierFactory`` from ``module_path`` and driven by
   vLLM's ``TieringOffloadingManager`` (cascade, async lookup, promotion, hit source, KV
@@ -91,6 +100,22 @@ def _run(python: str, script: str, workdir: Path, ok_line: str, timeout: int,
 def test_real_vllm_connector_end_to_end(vllm_python: str, tmp_path: Path) -> None:
     """CtxmemConnector in a real vLLM ``LLM`` on CPU (see ``vllm_e2e.py``)."""
     _run(vllm_python, "vllm_e2e.py", tmp_path, "E2E OK", 600)
+
+
+def test_real_vllm_hybrid_kv_cache_groups(vllm_python: str, tmp_path: Path) -> None:
+    """A tiny Gemma-3 (sliding-window and full-attention layers): vLLM keeps its hybrid
+    KV cache manager with CtxmemConnector, every group's blocks are offloaded and loaded
+    as block groups, the answer is unchanged, and one group missing a key is a miss of
+    that key in every group (see ``vllm_hybrid_e2e.py``)."""
+    _run(vllm_python, "vllm_hybrid_e2e.py", tmp_path, "HYBRID E2E OK", 600)
+
+
+def test_vllm_kv_cache_groups_with_real_config(vllm_python: str, tmp_path: Path) -> None:
+    """The connector's KV cache groups driven by vLLM's real ``VllmConfig``,
+    ``KVCacheConfig``, ``Request``, ``KVCacheBlocks`` and ``SchedulerOutput`` (see
+    ``vllm_groups_check.py``)."""
+    out = _run(vllm_python, "vllm_groups_check.py", tmp_path, "GROUPS CHECK OK", 300)
+    assert "FAIL" not in out, out
 
 
 def test_real_vllm_offloading_tier(vllm_python: str, tmp_path: Path) -> None:

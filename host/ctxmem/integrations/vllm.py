@@ -34,6 +34,7 @@ layout: ``bhnc``, ``flash_attn``, ``flashinfer`` or ``mla``). See ``docs/engines
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+try:  # vLLM's hybrid memory allocator (several KV cache groups), where vLLM has it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # an older vLLM: one KV cache group, nothing to declare
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stands in for vLLM's ``SupportsHMA`` where vLLM has none."""
 
 from ctxmem.integrations._common import (
     VLLM_HIT_SOURCES,
@@ -88,13 +95,46 @@ class CtxmemConnectorMetadata(KVConnectorMetadata, CoreMetadata):
     """Scheduler -> worker plan for one step: blocks to load and blocks to save."""
 
 
-def _group0(kv_cache_config: Any) -> tuple[Any, list[str]]:
-    group = kv_cache_config.kv_cache_groups[0]
+def _group_spec(group: Any) -> tuple[Any, list[str]]:
     spec = group.kv_cache_spec
     specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
     if specs:
         spec = specs[group.layer_names[0]]
     return spec, list(group.layer_names)
+
+
+def _group0(kv_cache_config: Any) -> tuple[Any, list[str]]:
+    return _group_spec(kv_cache_config.kv_cache_groups[0])
+
+
+def kv_groups(kv_cache_config: Any, block_size: int) -> tuple[list[tuple[Any, list[str]]],
+                                                              str]:
+    """Every KV cache group's (spec, layer names), and "" -- or, where ctxmem cannot
+    store this model's groups, why not. A group is stored when its blocks are paged
+    attention KV of the engine's block size (full attention, sliding window, chunked
+    local attention); a state pool (Mamba/SSM: one state per request, not per block)
+    or a group of another block size is not (then nothing is offloaded)."""
+    groups = [_group_spec(g) for g in kv_cache_config.kv_cache_groups]
+    if len(groups) == 1:
+        return groups, ""
+    for i, (spec, _) in enumerate(groups):
+        kind = type(spec).__name__
+        if not hasattr(spec, "num_kv_heads") or not hasattr(spec, "head_size") \
+                or "Mamba" in kind:
+            return groups, f"KV cache group {i} is {kind}, not paged attention KV"
+        if int(spec.block_size) != block_size:
+            return groups, (f"KV cache group {i} ({kind}) has {spec.block_size}-token "
+                            f"blocks, the engine's block hashes {block_size}")
+    return groups, ""
+
+
+def group_tag(index: int, count: int, spec: Any) -> str:
+    """A KV cache group's namespace tag: its index, the number of groups and its kind
+    (e.g. ``1/4:SlidingWindowSpec:64``), so a group's blocks never land in another's."""
+    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size",
+                                                                None)
+    kind = type(spec).__name__ + (f":{window}" if window else "")
+    return f"{index}/{count}:{kind}"
 
 
 def layout_from_spec(spec: Any, num_layers: int, *, tp_rank: int, tp_size: int,
@@ -121,6 +161,12 @@ def layout_from_spec(spec: Any, num_layers: int, *, tp_rank: int, tp_size: int,
                          dtype_name=dtype), "canonical"
 
 
+def _rank_layout(spec: Any, num_layers: int, tp_size: int, rope_dim: int | None,
+                 rank: int) -> KVLayout:
+    return layout_from_spec(spec, num_layers, tp_rank=rank, tp_size=tp_size,
+                            rope_dim=rope_dim)[0]
+
+
 def tp_shared_spec(ns: NamespaceSpec, model_config: Any, tp_size: int,
                    rank_layout: KVLayout) -> NamespaceSpec:
     """``ctxmem.tp_shared``: store one block per KV head so engines of any TP size share
@@ -141,8 +187,11 @@ def tp_shared_spec(ns: NamespaceSpec, model_config: Any, tp_size: int,
                          weights_revision=ns.weights_revision)
 
 
-class CtxmemConnector(KVConnectorBase_V1):
-    """Offloads full KV blocks to ctxmem and loads prefix hits back."""
+class CtxmemConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads full KV blocks to ctxmem and loads prefix hits back. A model with several
+    KV cache groups (vLLM's hybrid allocator: full attention and sliding-window layers)
+    has one namespace per group, and each key's blocks of every group move as one block
+    group (:meth:`ctxmem.Client.open_group`): a hit is every group's blocks or none."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -154,7 +203,12 @@ class CtxmemConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         self.block_size = int(cache_config.block_size)
         self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-        spec, self.layer_names = _group0(kv_cache_config)
+        groups, self.groups_refused = kv_groups(kv_cache_config, self.block_size)
+        spec, self.layer_names = groups[0]
+        self.group_layers = [names for _, names in groups]
+        if self.groups_refused:
+            log.warning("ctxmem: this model's KV cache groups cannot be stored (%s); the "
+                        "connector offloads and loads nothing", self.groups_refused)
         hf = getattr(model_config, "hf_text_config", None) or getattr(model_config,
                                                                       "hf_config", None)
         rope_dim = getattr(hf, "qk_rope_head_dim", None)
@@ -185,7 +239,16 @@ class CtxmemConnector(KVConnectorBase_V1):
             weights_revision=weights_revision_of(config_get(extra, "weights_revision"),
                                                  model_config),
         )
-        if as_bool(config_get(extra, "tp_shared", False)):
+        if len(groups) > 1:
+            self.ns_spec.groups = [
+                (group_tag(i, len(groups), s), functools.partial(
+                    _rank_layout, s, len(names), self.tp_size, rope_dim))
+                for i, (s, names) in enumerate(groups)]
+            self.ns_spec.layout_for_rank = self.ns_spec.groups[0][1]
+        if as_bool(config_get(extra, "tp_shared", False)) and len(groups) > 1:
+            log.warning("ctxmem.tp_shared covers one KV cache group; this model has %d: "
+                        "blocks stay per TP rank", len(groups))
+        elif as_bool(config_get(extra, "tp_shared", False)):
             self.ns_spec = tp_shared_spec(self.ns_spec, model_config, self.tp_size,
                                           layout_from_spec(spec, len(self.layer_names),
                                                            tp_rank=0, tp_size=1,
@@ -203,11 +266,15 @@ class CtxmemConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerCore | None = None
         self.worker: WorkerCore | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # Several KV cache groups: loads are asynchronous, because vLLM takes a failed
+            # load of such a model only as a failed request (get_transfer_results), never
+            # as block ids (those are per group), and only for an asynchronous load.
             self.scheduler = SchedulerCore(
                 client, self.ns_spec, self.block_size,
                 save_decode=as_bool(config_get(extra, "save_decode", True)),
                 prefetch=as_bool(config_get(extra, "prefetch", True)),
-                async_load=as_bool(config_get(extra, "async_load", False)))
+                async_load=len(groups) > 1 or as_bool(config_get(extra, "async_load",
+                                                                 False)))
             if as_bool(config_get(extra, "kv_events", True)):
                 self.scheduler.tokens_of = self._tokens_of
         else:
@@ -238,6 +305,8 @@ class CtxmemConnector(KVConnectorBase_V1):
     # -- worker side -----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
+        if self.groups_refused:
+            return
         caches = {n: kv_caches[n] for n in self.layer_names if n in kv_caches}
         kv_layout = "NHD"
         try:
@@ -246,6 +315,12 @@ class CtxmemConnector(KVConnectorBase_V1):
             kv_layout = str(get_kv_cache_layout())
         except Exception:
             pass
+        if len(self.group_layers) > 1:
+            self.worker.register_groups(
+                [{n: kv_caches[n] for n in names if n in kv_caches}
+                 for names in self.group_layers],
+                hint=config_get(self.extra, "kv_format"), kv_layout=kv_layout)
+            return
         self.worker.register(caches, hint=config_get(self.extra, "kv_format"),
                              kv_layout=kv_layout)
 
@@ -257,7 +332,8 @@ class CtxmemConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
-        if meta is not None and self.worker is not None and meta.loads:
+        if meta is not None and self.worker is not None and meta.loads \
+                and not self.groups_refused:
             self.worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -273,7 +349,7 @@ class CtxmemConnector(KVConnectorBase_V1):
         if self.worker is None:
             return
         self.worker.finish_loads()
-        if meta is not None and meta.saves:
+        if meta is not None and meta.saves and not self.groups_refused:
             self.worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
@@ -282,6 +358,18 @@ class CtxmemConnector(KVConnectorBase_V1):
             return None, None
         done = self.worker.take_finished_loads()
         return None, (done or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's snapshot of finished loads, with the requests whose load fell short (a
+        model with several KV cache groups: recomputed whole, see ``failed_recving``)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self.worker.take_finished_and_failed_loads()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
@@ -297,6 +385,9 @@ class CtxmemConnector(KVConnectorBase_V1):
         return stored_events(self.worker.take_stored(), self.block_size)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler is not None:
+            for req_id in getattr(connector_output, "failed_recving", None) or ():
+                self.scheduler.load_failed(req_id)
         events = getattr(connector_output, "kv_cache_events", None)
         if not isinstance(events, CtxmemKVEvents):
             return
@@ -342,6 +433,8 @@ class CtxmemConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         self._requests[request.request_id] = request
+        if self.groups_refused:
+            return 0, False
         n = self.scheduler.num_new_matched_tokens(
             request.request_id, request.block_hashes, int(request.num_tokens),
             int(num_computed_tokens), getattr(request, "cache_salt", None))
@@ -366,21 +459,27 @@ class CtxmemConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        self.scheduler.update_after_alloc(request.request_id, blocks.get_block_ids()[0],
+        self.scheduler.update_after_alloc(request.request_id, blocks.get_block_ids(),
                                           num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A load restores every KV cache group (one block group per key)."""
+        return tuple(range(len(self.group_layers)))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
+        if self.groups_refused:
+            return CtxmemConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
-        new = [(r.req_id, r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs]
+        new = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
         tokens = {r.req_id: r.num_computed_tokens + scheduled.get(r.req_id, 0)
                   for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = set(getattr(cached, "resumed_req_ids", None) or ())
-        cached_list: list[tuple[str, list[int] | None, bool]] = []
+        cached_list: list[tuple[str, Any, bool]] = []
         for i, req_id in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
-            cached_list.append((req_id, ids[0] if ids is not None else None, req_id in resumed))
+            cached_list.append((req_id, ids, req_id in resumed))
             tokens[req_id] = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
 
         def hashes_of(req_id: str) -> tuple[list[Any], int, int]:
@@ -400,6 +499,12 @@ class CtxmemConnector(KVConnectorBase_V1):
             self.scheduler.request_finished(request.request_id)
         self._requests.pop(request.request_id, None)
         return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``SupportsHMA`` end of a request (every KV cache group's blocks):
+        saves were put as each step finished, so the blocks can be freed now."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
 
 def _register_connector_name() -> None:

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ctxmem.client import Client, Namespace
 from ctxmem.integrations._common import (
@@ -31,6 +31,7 @@ from ctxmem.integrations._common import (
     tier_rank,
 )
 from ctxmem.integrations.vllm_types import (
+    NULL_BLOCK,
     CoreMetadata,
     Namespaces,
     NamespaceSpec,
@@ -45,6 +46,21 @@ __all__ = ["CoreMetadata", "NamespaceSpec", "SchedulerCore", "TransferSpec", "Wo
 
 log = logging.getLogger(__name__)
 
+BlockIds = Sequence[int] | Sequence[Sequence[int]]
+"""One group's block ids, or (vLLM's hybrid allocator) a tuple of every group's."""
+
+
+def per_group(ids: BlockIds, num_groups: int) -> list[list[int]]:
+    """``ids`` as a list of every group's block ids: a flat list is group 0's (the
+    other groups, if any, then hold no blocks: :data:`NULL_BLOCK`)."""
+    flat = not len(ids) or isinstance(ids[0], int)
+    out = [list(cast(Sequence[int], ids))] if flat else \
+        [list(g) for g in cast(Sequence[Sequence[int]], ids)]
+    n = max((len(g) for g in out), default=0)
+    while len(out) < num_groups:
+        out.append([NULL_BLOCK] * n)
+    return out[:num_groups]
+
 
 @dataclass
 class _ReqState:
@@ -57,8 +73,12 @@ class _ReqState:
     outermost over ranks where they differ): ``dram``, ``flash``, and with a pod tier
     ``peer`` or ``shared_flash``."""
     block_ids: list[int] = field(default_factory=list)
+    group_ids: list[list[int]] = field(default_factory=list)
+    """Groups 1, 2, ...'s block ids (a model with several KV cache groups)."""
     saved_upto: int = -1
     prefetched: bool = False
+    load_failed: bool = False
+    """A load of this request fell short and vLLM recomputes it: no second load."""
 
 
 class SchedulerCore:
@@ -106,7 +126,7 @@ class SchedulerCore:
                                                                 range(self.spec.heads[0])))
                 return
             for rank in range(self.spec.tp_size):
-                self.namespaces.get(rank, salt).prefetch(keys)
+                self.namespaces.group(rank, salt).prefetch(keys)
         except CtxmemError as exc:
             self._warn.warning("prefetch", "ctxmem prefetch failed: %s", exc)
 
@@ -124,7 +144,7 @@ class SchedulerCore:
             if self.spec.heads is not None:
                 hits, found = self._lookup_heads(keys, salt)
             for rank in range(self.spec.tp_size if self.spec.heads is None else 0):
-                res = self.namespaces.get(rank, salt).lookup(keys)
+                res = self.namespaces.group(rank, salt).lookup(keys)
                 hits = min(hits, res.num_hits)
                 found = [max(a, b, key=tier_rank) for a, b in
                          zip(found or res.tiers, res.tiers, strict=False)]
@@ -182,44 +202,60 @@ class SchedulerCore:
         st.local_blocks = local
         st.hit_blocks = 0
         st.hit_tiers = []
-        if local >= max_blocks:
+        if local >= max_blocks or st.load_failed:
             return 0
         st.hit_blocks = self.lookup_hits(st.keys[local:max_blocks], salt, st.hit_tiers)
         return max(0, (local + st.hit_blocks) * self.block_size - num_computed_tokens)
 
-    def update_after_alloc(self, req_id: str, block_ids: Sequence[int],
+    def _set_ids(self, st: _ReqState, ids: BlockIds, append: bool = False) -> None:
+        groups = per_group(ids, self.spec.num_groups)
+        if append:
+            st.block_ids = st.block_ids + groups[0]
+            st.group_ids = [(st.group_ids[g - 1] if g - 1 < len(st.group_ids) else [])
+                            + groups[g] for g in range(1, len(groups))]
+        else:
+            st.block_ids, st.group_ids = groups[0], groups[1:]
+
+    @staticmethod
+    def _slice(st: _ReqState, start: int, stop: int) -> list[list[int]]:
+        return [list(g[start:stop]) for g in st.group_ids]
+
+    def update_after_alloc(self, req_id: str, block_ids: BlockIds,
                            num_external_tokens: int) -> None:
+        """``block_ids``: the request's blocks, one list per KV cache group (or group 0's
+        alone)."""
         st = self._reqs.get(req_id)
         if st is None:
             return
-        st.block_ids = list(block_ids)
+        self._set_ids(st, block_ids)
         if num_external_tokens <= 0 or req_id in self._pending_loads:
             return
         n = min(num_external_tokens // self.block_size, st.hit_blocks)
         start = st.local_blocks
         self._pending_loads[req_id] = TransferSpec(
-            req_id, st.salt, st.keys[start:start + n], list(block_ids[start:start + n]),
-            is_async=self.async_load)
+            req_id, st.salt, st.keys[start:start + n], list(st.block_ids[start:start + n]),
+            is_async=self.async_load, group_block_ids=self._slice(st, start, start + n))
         st.saved_upto = max(st.saved_upto, start + n)
 
-    def build(self, new_reqs: Sequence[tuple[str, Sequence[int]]],
-              cached_reqs: Sequence[tuple[str, Sequence[int] | None, bool]],
+    def build(self, new_reqs: Sequence[tuple[str, BlockIds]],
+              cached_reqs: Sequence[tuple[str, BlockIds | None, bool]],
               tokens_after_step: Mapping[str, int],
               hashes_of: Callable[[str], tuple[Sequence[Any], int, int]]) -> CoreMetadata:
         """Plan this step. ``new_reqs``: (id, all block ids); ``cached_reqs``: (id, new
-        block ids or None, resumed from preemption); ``tokens_after_step``: computed
+        block ids or None, resumed from preemption) -- block ids one list per KV cache
+        group (or group 0's alone); ``tokens_after_step``: computed
         tokens once this step ran; ``hashes_of(id)`` -> (block hashes, publishable count,
         prompt length)."""
         meta = CoreMetadata()
         for req_id, block_ids in new_reqs:
             st = self._reqs.get(req_id)
             if st is not None:
-                st.block_ids = list(block_ids)
+                self._set_ids(st, block_ids)
         for req_id, new_ids, resumed in cached_reqs:
             st = self._reqs.get(req_id)
             if st is None or new_ids is None:
                 continue
-            st.block_ids = list(new_ids) if resumed else st.block_ids + list(new_ids)
+            self._set_ids(st, new_ids, append=not resumed)
         meta.loads = list(self._pending_loads.values())
         self._pending_loads.clear()
         for req_id, tokens in tokens_after_step.items():
@@ -239,7 +275,8 @@ class SchedulerCore:
                     st.saved_upto += st.hit_blocks
             if full > st.saved_upto:
                 spec = TransferSpec(req_id, st.salt, st.keys[st.saved_upto:full],
-                                    st.block_ids[st.saved_upto:full])
+                                    st.block_ids[st.saved_upto:full],
+                                    group_block_ids=self._slice(st, st.saved_upto, full))
                 if self.tokens_of is not None:
                     spec.parent = st.keys[st.saved_upto - 1] if st.saved_upto else None
                     spec.token_ids = list(self.tokens_of(req_id))[
@@ -247,6 +284,13 @@ class SchedulerCore:
                 meta.saves.append(spec)
                 st.saved_upto = full
         return meta
+
+    def load_failed(self, req_id: str) -> None:
+        """vLLM recomputes ``req_id`` after its load fell short: offer it no more hits
+        (the same blocks would fall short again)."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.load_failed = True
 
     def request_finished(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
@@ -267,12 +311,16 @@ class WorkerCore:
         self.layer_names: list[str] = []
         self.caches: list[Any] = []
         self.fmt: Any = None
+        self.group_caches: list[list[Any]] = []
+        """Every KV cache group's layer caches, group 0 (``caches``) first."""
+        self.group_fmts: list[Any] = []
         self._errors: set[int] = set()
         self._errors_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxmem-load")
         self._layer_loads: list[tuple[Future[int], TransferSpec, Any]] = []
         self._layer_index: dict[str, int] = {}
         self._async_done: set[str] = set()
+        self._async_failed: set[str] = set()
         self._async_lock = threading.Lock()
         self._warn = RateLimitedLog(log)
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
@@ -289,26 +337,62 @@ class WorkerCore:
         self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
         self.fmt = detect_format(self.caches[0], hint=hint, kv_layout=kv_layout,
                                  num_kv_heads=num_kv_heads)
-        layout = self.namespaces.spec.layout_for_rank(self.tp_rank)
-        got = len(self.caches) * self.fmt.layer_block_nbytes
+        self.group_caches, self.group_fmts = [self.caches], [self.fmt]
+        return self._check(0, self.caches, self.fmt)
+
+    def register_groups(self, groups: Sequence[Mapping[str, Any]], *,
+                        hint: str | None = None, kv_layout: str = "NHD") -> list[KVLayout]:
+        """Every KV cache group's layer caches (a model with several groups: vLLM's
+        hybrid allocator), group 0 first. Their blocks load all at once (layer-wise
+        loading covers one group only: it is turned off here, with a warning)."""
+        from ctxmem.integrations.vllm_layout import detect_format
+
+        if len(groups) == 1:
+            return [self.register(groups[0], hint=hint, kv_layout=kv_layout)]
+        if self.layerwise:
+            log.warning("ctxmem.layerwise loads one KV cache group; this model has %d: "
+                        "its blocks load all layers at once", len(groups))
+            self.layerwise = False
+        self.register(groups[0], hint=hint, kv_layout=kv_layout)
+        layouts = [self.namespaces.spec.groups[0][1](self.tp_rank)]
+        for g, caches in enumerate(groups[1:], start=1):
+            tensors = list(caches.values())
+            fmt = detect_format(tensors[0], hint=hint, kv_layout=kv_layout)
+            self.group_caches.append(tensors)
+            self.group_fmts.append(fmt)
+            layouts.append(self._check(g, tensors, fmt))
+        return layouts
+
+    def _check(self, group: int, caches: Sequence[Any], fmt: Any) -> KVLayout:
+        spec = self.namespaces.spec
+        layout = spec.groups[group][1](self.tp_rank) if spec.groups else \
+            spec.layout_for_rank(self.tp_rank)
+        got = len(caches) * fmt.layer_block_nbytes
         heads = self.namespaces.spec.heads
-        if heads is not None and heads[1] != self.fmt.num_heads:
+        if heads is not None and heads[1] != fmt.num_heads:
             raise CtxmemError(
-                f"ctxmem.tp_shared: this rank's cache holds {self.fmt.num_heads} KV heads, "
+                f"ctxmem.tp_shared: this rank's cache holds {fmt.num_heads} KV heads, "
                 f"the model's split expects {heads[1]}; turn ctxmem.tp_shared off")
         if got != layout.block_nbytes * (heads[1] if heads is not None else 1):
             raise CtxmemError(
-                f"ctxmem: the paged KV cache gives {got} bytes per block "
-                f"({len(self.caches)} layers of {self.fmt}), the namespace layout "
+                f"ctxmem: the paged KV cache of KV cache group {group} gives {got} bytes "
+                f"per block ({len(caches)} layers of {fmt}), the namespace layout "
                 f"{layout} expects {layout.block_nbytes}; set ctxmem.kv_format or report "
                 f"this layout")
         return layout
+
+    @property
+    def multi_group(self) -> bool:
+        return len(self.group_caches) > 1
 
     # -- loads -----------------------------------------------------------------------
     def _fetch(self, spec: TransferSpec, staging: Any) -> int:
         from ctxmem.integrations.vllm_layout import block_views
 
         try:
+            if isinstance(staging, list):  # several KV cache groups: one block group
+                grp = self.namespaces.group(self.tp_rank, spec.salt)
+                return grp.get(spec.keys, [block_views(t) for t in staging])
             ns = self.namespaces.get(self.tp_rank, spec.salt)
             if self.namespaces.spec.heads is not None:
                 return self._fetch_heads(ns, spec, staging)
@@ -341,22 +425,47 @@ class WorkerCore:
     def _fail(self, spec: TransferSpec, n: int) -> None:
         if n < len(spec.block_ids):
             with self._errors_lock:
-                self._errors.update(spec.block_ids[n:])
+                if not spec.group_block_ids:
+                    self._errors.update(spec.block_ids[n:])
+                for ids in spec.groups() if spec.group_block_ids else ():
+                    # vLLM's null block (a sliding-window group's, before the window)
+                    # is no request's: never reported
+                    self._errors.update(b for b in ids[n:] if b != NULL_BLOCK)
             self.stats["failed_blocks"] += len(spec.block_ids) - n
         self.stats["loaded_blocks"] += n
 
-    def start_load(self, meta: CoreMetadata) -> None:
-        """All layers now (sync), or fetch in the background and scatter per layer."""
+    def _staging(self, spec: TransferSpec) -> Any:
+        """Where a load's blocks land before the scatter: one tensor, or one per KV cache
+        group (a list) for a model with several."""
         import torch
 
+        out = [torch.empty((len(spec.keys), len(c), *f.block_shape), dtype=f.dtype)
+               for c, f in zip(self.group_caches or [self.caches], self.group_fmts
+                               or [self.fmt], strict=True)]
+        return out if self.multi_group else out[0]
+
+    def _scatter(self, spec: TransferSpec, staging: Any, n: int) -> None:
+        """The first ``n`` loaded blocks into the paged caches: every group's, except
+        where a group's block is the null block (a sliding-window group keeps no block
+        before its window: that part of the block group is read, and dropped)."""
         from ctxmem.integrations.vllm_layout import scatter_blocks
 
+        if not isinstance(staging, list):
+            scatter_blocks(self.caches, self.fmt, spec.block_ids[:n], staging[:n])
+            return
+        for ids, caches, fmt, data in zip(spec.groups(), self.group_caches,
+                                          self.group_fmts, staging, strict=True):
+            rows = [i for i, b in enumerate(ids[:n]) if b != NULL_BLOCK]
+            if rows:
+                scatter_blocks(caches, fmt, [ids[i] for i in rows], data[rows])
+
+    def start_load(self, meta: CoreMetadata) -> None:
+        """All layers now (sync), or fetch in the background and scatter per layer."""
         self._layer_loads = []
         for spec in meta.loads:
             if not spec.keys:
                 continue
-            staging = torch.empty((len(spec.keys), len(self.caches), *self.fmt.block_shape),
-                                  dtype=self.fmt.dtype)
+            staging = self._staging(spec)
             if spec.is_async:
                 self._pool.submit(self._load_async, spec, staging)
                 continue
@@ -365,23 +474,30 @@ class WorkerCore:
                 self._layer_loads.append((fut, spec, staging))
                 continue
             n = self._fetch(spec, staging)
-            scatter_blocks(self.caches, self.fmt, spec.block_ids[:n], staging[:n])
+            self._scatter(spec, staging, n)
             self._fail(spec, n)
 
     def _load_async(self, spec: TransferSpec, staging: Any) -> None:
-        from ctxmem.integrations.vllm_layout import scatter_blocks
-
         n = 0
         try:
             n = self._fetch(spec, staging)
-            scatter_blocks(self.caches, self.fmt, spec.block_ids[:n], staging[:n])
+            self._scatter(spec, staging, n)
         except Exception as exc:  # never leave the request waiting: report and recompute
             self._warn.warning("async", "ctxmem async load failed: %s", exc)
             n = 0
         finally:
-            self._fail(spec, n)
+            # Several KV cache groups: vLLM cannot map a block id back to a request (ids
+            # are per group), so a short load fails the request as a whole (recomputed).
+            whole = bool(spec.group_block_ids) and n < len(spec.keys)
+            if whole:
+                self.stats["failed_blocks"] += len(spec.keys) - n
+                self.stats["loaded_blocks"] += n
+            else:
+                self._fail(spec, n)
             with self._async_lock:
                 self._async_done.add(spec.req_id)
+                if whole:
+                    self._async_failed.add(spec.req_id)
 
     def take_finished_loads(self) -> set[str]:
         """Requests whose asynchronous load finished (their failed blocks, if any, are
@@ -389,6 +505,14 @@ class WorkerCore:
         with self._async_lock:
             done, self._async_done = self._async_done, set()
         return done
+
+    def take_finished_and_failed_loads(self) -> tuple[set[str], set[str]]:
+        """:meth:`take_finished_loads`, and of those the requests (of a model with
+        several KV cache groups) whose load fell short: each to be recomputed whole."""
+        with self._async_lock:
+            done, self._async_done = self._async_done, set()
+            failed, self._async_failed = self._async_failed, set()
+        return done, failed
 
     def wait_for_layer(self, layer_name: str) -> None:
         from ctxmem.integrations.vllm_layout import scatter_blocks
@@ -429,6 +553,9 @@ class WorkerCore:
         for spec in meta.saves:
             if not spec.keys:
                 continue
+            if self.multi_group:
+                self._save_groups(spec)
+                continue
             try:
                 ns = self.namespaces.get(self.tp_rank, spec.salt)
                 staging = gather_blocks(self.caches, self.fmt, spec.block_ids)
@@ -449,6 +576,32 @@ class WorkerCore:
                 self._warn.warning("shed", "ctxmem shed a save (blocks not saved): %s", exc)
             except CtxmemError as exc:
                 self._warn.warning("put", "ctxmem put failed (blocks not saved): %s", exc)
+
+    def _save_groups(self, spec: TransferSpec) -> None:
+        """Put each key's blocks of every KV cache group as one block group (committed in
+        all of the group's namespaces at once). A key one group no longer holds (its
+        block is the null block) is left out: half a group is never stored."""
+        from ctxmem.integrations.vllm_layout import block_views, gather_blocks
+
+        groups = spec.groups()
+        rows = [i for i in range(len(spec.keys))
+                if all(i < len(ids) and ids[i] != NULL_BLOCK for ids in groups)]
+        if not rows:
+            return
+        keys = [spec.keys[i] for i in rows]
+        try:
+            grp = self.namespaces.group(self.tp_rank, spec.salt)
+            staging = [gather_blocks(c, f, [ids[i] for i in rows]) for ids, c, f in
+                       zip(groups, self.group_caches, self.group_fmts, strict=True)]
+            res = grp.put(keys, [block_views(t) for t in staging])
+            self.stats["saved_blocks"] += res.stored // len(groups)
+            if spec.token_ids and len(rows) == len(spec.keys):
+                self.stored.append(spec)
+        except Shed as exc:
+            self.stats["shed_blocks"] += len(keys)
+            self._warn.warning("shed", "ctxmem shed a save (blocks not saved): %s", exc)
+        except CtxmemError as exc:
+            self._warn.warning("put", "ctxmem put failed (blocks not saved): %s", exc)
 
     def take_stored(self) -> list[TransferSpec]:
         stored, self.stored = self.stored, []
