@@ -28,13 +28,14 @@ Run: CTXMEM_VM_PASSENV=PYTHONPATH bash tests/vm/run.sh .venv/bin/pytest -m vm \
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import mmap
 import os
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -291,6 +292,15 @@ def test_register_acquire_report_and_preempt_on_spdk(two_hosts: tuple[str, str])
         assert st.registrants == () and st.rtype == 0, st  # the last one out released it
 
 
+async def _step(aw: Awaitable[T], what: str, timeout_s: float = 180.0) -> T:
+    """One step of the preempted-node test, bounded and named: a run in a loaded guest once
+    hung in this test past pytest's timeout without saying where."""
+    try:
+        return await asyncio.wait_for(aw, timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"{what} did not finish within {timeout_s:.0f} s") from None
+
+
 async def test_a_preempted_node_refuses_durable_writes_on_spdk(
         two_hosts: tuple[str, str], tmp_path: Path, monkeypatch: Any) -> None:
     dev_a, dev_b = two_hosts
@@ -310,9 +320,10 @@ async def test_a_preempted_node_refuses_durable_writes_on_spdk(
                                                               nr.node_key("b")}
                 sa, nsa = session(a, 64)
                 first = block_bytes(b"first", 64 << 10)
-                assert await put(a, sa, nsa, {b"first": first}) == 1
+                assert await _step(put(a, sa, nsa, {b"first": first}), "a's first put") == 1
                 sb, nsb = session(b, 64)
-                assert await put(b, sb, nsb, {b"b1": block_bytes(b"b1", 64 << 10)}) == 1
+                b1 = {b"b1": block_bytes(b"b1", 64 << 10)}
+                assert await _step(put(b, sb, nsb, b1), "b's first put") == 1
                 blk = a.index[nsa.digest][b"first"]
                 loc = a.shared_location(blk)
                 assert loc is not None
@@ -320,7 +331,8 @@ async def test_a_preempted_node_refuses_durable_writes_on_spdk(
                 done = db.fence_out("a")
                 assert done.startswith("preempted and aborted node 'a'"), done
                 with pytest.raises(Unavailable) as err:
-                    await put(a, sa, nsa, {b"second": block_bytes(b"second", 64 << 10)})
+                    await _step(put(a, sa, nsa, {b"second": block_bytes(b"second", 64 << 10)}),
+                                "a's put after the preemption")
                 text = str(err.value)
                 assert "preempted" in text and "restart the service" in text, text
                 assert b"second" not in a.index[nsa.digest], "a refused put was indexed"
@@ -328,11 +340,12 @@ async def test_a_preempted_node_refuses_durable_writes_on_spdk(
                 assert da.healthy  # not a failed device: this node may not write it
                 # b writes on; a's acknowledged block is still served, by a and from
                 # the device to b.
-                assert await put(b, sb, nsb, {b"b2": block_bytes(b"b2", 64 << 10)}) == 1
-                assert await get(a, sa, nsa, [b"first"]) == [first]
+                b2 = {b"b2": block_bytes(b"b2", 64 << 10)}
+                assert await _step(put(b, sb, nsb, b2), "b's second put") == 1
+                assert await _step(get(a, sa, nsa, [b"first"]), "a's get") == [first]
                 entry = RemoteEntry("a", "flash", blk.seq, blk.length, blk.crc, loc)
                 with SharedFlashSource([dev_b], MASTER, timeout_s=60.0) as src:
-                    got = await src.fetch(nsa.digest, [entry], [b"first"])
+                    got = await _step(src.fetch(nsa.digest, [entry], [b"first"]), "b's device read")
                 assert got[0] is not None and bytes(got[0]) == first
         finally:
             _zero(dev_a, MIB + 4 * SLAB)  # the next test finds no slab of ours
