@@ -19,7 +19,8 @@ def blocks(n: int, seed: int) -> list[np.ndarray]:
     return kit.blocks(n, LAYOUT.block_nbytes, seed)
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0,
+             what: str | Callable[[], str] = "") -> None:
     """:func:`tests.kit.until` with the pod tests' defaults."""
     kit.until(cond, timeout_s, what or "the condition")
 

@@ -42,6 +42,13 @@ def test_pod_across_a_master_failover(tmp_path: Path, clients: Clients, index_ex
             batches.append(keys)
             return keys
 
+        def diagnosis() -> str:
+            pod_stats = {n.endpoint: {k: v for k, v in clients.stats(n.endpoint).items()
+                                      if k.startswith("pod_") and v}
+                         for n in (n1, n2)}
+            return (f"stats: {pod_stats}\nnode 1's log:\n{n1.log()[-4000:]}\n"
+                    f"node 2's log:\n{n2.log()[-4000:]}")
+
         first = put_batch()
         wait_for(lambda: clients.hits(n2.endpoint, first) == 2, what="publish")
         assert clients.get(n2.endpoint, first, data) == 2
@@ -72,22 +79,39 @@ def test_pod_across_a_master_failover(tmp_path: Path, clients: Clients, index_ex
                 assert clients.get(n2.endpoint, k, data) in (0, 2)
             time.sleep(0.1)
         assert during >= 3, "the failover was too quick to write through it"
-        after = put_batch()
+        put_batch()  # after the failover (checked with the rest below)
 
         # Caught up: every block node 1 wrote is a byte-exact hit on node 2, the lagging
-        # ones too (lost with the master, republished by node 1).
-        for keys in batches:
+        # ones too (lost with the master, republished by node 1). A get (Clients.get checks
+        # every byte) waits, bounded, like the Lookup: on a loaded machine an index call
+        # past pod.index_timeout_s (0.5 s) or a peer fetch past its deadline is a miss by
+        # design, so one get right after the failover may miss (CI saw it once).
+        for i, keys in enumerate(batches):
             wait_for(lambda keys=keys: clients.hits(n2.endpoint, keys) == 2,  # type: ignore[misc]
                      timeout_s=20, what="node 1 to republish after the failover")
-            assert clients.get(n2.endpoint, keys, data) == 2
-        assert clients.get(n2.endpoint, after, data) == 2
+            wait_for(lambda keys=keys: clients.get(n2.endpoint, keys, data) == 2,  # type: ignore[misc]
+                     timeout_s=20, what=lambda i=i: f"batch {i} to be 2 byte-exact hits "  # type: ignore[misc]
+                                                    f"on node 2\n{diagnosis()}")
         s1, s2 = clients.stats(n1.endpoint), clients.stats(n2.endpoint)
         assert s1["pod_index_errors"] >= 1 and s2["pod_index_errors"] >= 1
         assert s1["pod_resyncs"] >= 2  # the first beat, then after the failover
         assert s2["pod_fetch_bad"] == 0
+        # The trouble is logged once per outage, not per failed call (the failover makes
+        # several): each outage's first line has its one recovery line.
+        # (Node 1 logs its recovery line just after the publish that node 2 found, so it
+        # is waited for.)
+        def publisher_lines() -> tuple[int, int]:
+            log1 = n1.log()
+            return (log1.count("publishing to the cluster index failed"),
+                    log1.count("publishing caught up"))
+
+        wait_for(lambda: publisher_lines()[0] == publisher_lines()[1],
+                 what=lambda: f"node 1's lines (failed, caught up) {publisher_lines()} to "
+                              f"pair up\n{n1.log()}")
         log1, log2 = n1.log(), n2.log()
-        assert log1.count("publishing to the cluster index failed") == 1, log1
-        assert log2.count("cluster index unreachable") == 1, log2
+        assert publisher_lines()[0] >= 1, log1
+        fails = log2.count("cluster index unreachable")
+        assert fails >= 1 and fails == log2.count("cross-node lookups resumed"), log2
         assert "republishing what this node holds" in log1
         for n in (n1, n2):
             assert n.proc is not None and n.proc.poll() is None
