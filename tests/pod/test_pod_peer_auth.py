@@ -23,6 +23,7 @@ under keys the service holds.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import socket
@@ -355,7 +356,12 @@ def test_an_index_without_authentication(tmp_path: Path,
 class TlsRelay:
     """A holder of a valid pod-CA member certificate on the path to node 1 (the network
     redirects node 1's address to it): it terminates TLS on both legs and pipes the bytes
-    through, recording what node 1 sends in plaintext."""
+    through, recording what node 1 sends in plaintext.
+
+    On an event loop of its own (one thread): an ``ssl.SSLSocket`` read by one thread
+    while another writes to it is not safe (TLS 1.3 reads may write: session tickets), and
+    a threaded relay once broke its upstream leg (node 1 logged an SSLError, never saw the
+    relayed proof, and counted no refusal)."""
 
     def __init__(self, cert: Path, key: Path, ca: Path, target: tuple[str, int]) -> None:
         self.target = target
@@ -367,53 +373,51 @@ class TlsRelay:
         self.client.load_cert_chain(cert, key)
         self.client.load_verify_locations(ca)
         self.client.check_hostname = False
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
-        self.port = self.sock.getsockname()[1]
         self.seen = bytearray()  # node 1 → fetcher, decrypted
         self.relayed = 0
-        threading.Thread(target=self._run, daemon=True).start()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._relay, "127.0.0.1", 0, ssl=self.server),
+            self._loop).result(10)
+        self.port = self._server.sockets[0].getsockname()[1]
 
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
-
-    def _relay(self, conn: socket.socket) -> None:
-        conn.settimeout(20)
+    async def _relay(self, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter
+                     ) -> None:
         try:
-            with self.server.wrap_socket(conn, server_side=True) as down, \
-                    socket.create_connection(self.target, timeout=20) as raw, \
-                    self.client.wrap_socket(raw) as up:
-                self.relayed += 1
-                other = threading.Thread(target=self._pipe, args=(down, up, None),
-                                         daemon=True)
-                other.start()
-                self._pipe(up, down, self.seen)
-                other.join(20)
-        except (OSError, ssl.SSLError):
-            pass
+            up_r, up_w = await asyncio.wait_for(asyncio.open_connection(
+                *self.target, ssl=self.client, server_hostname=""), 20)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError):
+            down_w.close()
+            return
+        self.relayed += 1
+        await asyncio.gather(self._pipe(down_r, up_w, None), self._pipe(up_r, down_w,
+                                                                         self.seen))
 
     @staticmethod
-    def _pipe(src: ssl.SSLSocket, dst: ssl.SSLSocket, record: bytearray | None) -> None:
+    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter,
+                    record: bytearray | None) -> None:
         try:
-            while chunk := src.recv(65536):
+            while chunk := await asyncio.wait_for(src.read(65536), 20):
                 if record is not None:
                     record += chunk
-                dst.sendall(chunk)
-        except (OSError, ssl.SSLError):
+                dst.write(chunk)
+                await dst.drain()
+        except (OSError, ssl.SSLError, asyncio.TimeoutError):
             pass
-        finally:  # one leg ended: end both (the other pipe's recv fails at once)
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+        finally:  # one leg ended: end the other (its pipe's read then ends too)
+            dst.close()
 
     def close(self) -> None:
-        self.sock.close()
+        async def stop() -> None:
+            self._server.close()
+            await self._server.wait_closed()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
 
 
 def test_a_member_certificate_relaying_between_two_nodes_reads_nothing(
