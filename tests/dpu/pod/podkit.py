@@ -94,8 +94,21 @@ async def node(url: str, node_id: str, path: str, slab_size: int, lease_s: float
                                       write_policy),
                            [(DEVICE, path)],
                            MASTER, slab_leases=SlabLeases(client, node_id, lease_s))
-        async with store:
+        # Start and stop bounded and named (a guest run once hung somewhere in a test
+        # built on this without saying where).
+        try:
+            await asyncio.wait_for(store.__aenter__(), NODE_START_TIMEOUT_S)
+        except TimeoutError:
+            raise AssertionError(f"node {node_id}'s store did not start within "
+                                 f"{NODE_START_TIMEOUT_S:.0f} s") from None
+        try:
             yield store
+        finally:
+            try:
+                await asyncio.wait_for(store.close(), NODE_START_TIMEOUT_S)
+            except TimeoutError:
+                raise AssertionError(f"node {node_id}'s store did not stop within "
+                                     f"{NODE_START_TIMEOUT_S:.0f} s") from None
     finally:
         await client.aclose()
 
