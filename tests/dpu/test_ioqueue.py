@@ -140,8 +140,8 @@ class Starts:
             with self.lock:
                 self.order.append(name)
             self.started[name].set()
-            if gate is not None:
-                assert gate.wait(10), f"{name}: its gate never opened"
+            if gate is not None:  # longer than any wait of the tests for a start
+                assert gate.wait(60), f"{name}: its gate never opened"
             return name
 
         return run
@@ -151,17 +151,38 @@ class Starts:
             assert self.started[n].wait(10), f"{n} never started; started: {self.order}"
 
 
+class Clock:
+    """A test clock standing still; ``looked`` is set once it is read after ``arm``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.looked = threading.Event()
+        self.armed = False
+
+    def __call__(self) -> float:
+        if self.armed:
+            self.looked.set()
+        return self.now
+
+    def arm(self) -> None:
+        self.looked.clear()
+        self.armed = True
+
+
 def test_a_load_finds_a_thread_that_no_store_holds() -> None:
     """Two threads, loads about: a store runs on one; the next store waits, so a load
     arriving starts at once on the other thread, before that store."""
-    now = [0.0]
-    ex = PriorityExecutor(2, clock=lambda: now[0])
+    clock = Clock()
+    ex = PriorityExecutor(2, clock=clock)
     s = Starts()
     _submit_as(ex, IoClass.LOAD, "v", s.job("warm")).result(10)  # a load just ended
     gate = threading.Event()
     _submit_as(ex, IoClass.STORE, "", s.job("s1", gate))
     s.wait("s1")
+    clock.arm()
     _submit_as(ex, IoClass.STORE, "", s.job("s2", gate))
+    # The free thread asks whether loads are about (the clock), and keeps s2 waiting.
+    assert clock.looked.wait(10), "the free thread never looked at s2"
     _submit_as(ex, IoClass.LOAD, "v", s.job("load", gate))
     s.wait("load")  # with s2 on the second thread, blocked on the gate, it never would
     assert "s2" not in s.order, s.order
