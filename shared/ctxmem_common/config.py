@@ -62,6 +62,12 @@ class ServiceConfig:
     lease_ttl_s: float = 30.0
     allocation_ttl_s: float = 30.0
     io_threads: int = 2
+    # The most bytes one I/O-thread job moves before the I/O queue may start another in
+    # its place (store/ioqueue.py, "Pieces"): a demotion's payloads go in parts of at
+    # most this (one block at least), a cold get's checks yield between runs after this
+    # many bytes. A running job is never interrupted, so a get waits at most about one
+    # piece of the work running when it arrives. 0: no bound (a part per I/O thread).
+    io_piece_bytes: Size = Size(1 << 20)
     # The gRPC port before authentication (docs/security.md, "Listeners"): a connection
     # must finish its TLS handshake and HTTP/2 preface within grpc_handshake_timeout_s,
     # and at most grpc_max_connections are open at once (grpc core counts every
@@ -425,6 +431,9 @@ def _check(cfg: Config) -> None:
         if dev.backend == "local" and not dev.path:
             raise ConfigError(f"flash.devices[{i}].path: required for backend 'local'")
         dev.device_spec(f"flash.devices[{i}]")  # names, sizes, which keys each backend takes
+    if cfg.service.io_piece_bytes < 0:
+        raise ConfigError(f"service.io_piece_bytes: {cfg.service.io_piece_bytes} is "
+                          f"negative; give a size (e.g. 1MiB) or 0 for no bound")
     if cfg.service.commit_crc_threads < 0:
         raise ConfigError(f"service.commit_crc_threads: {cfg.service.commit_crc_threads} is "
                           f"negative; use 0 (min(4, CPUs)) or a thread count")

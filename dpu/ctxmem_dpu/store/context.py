@@ -12,12 +12,12 @@ import asyncio
 import concurrent.futures
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from ctxmem_common.config import Config
-from ctxmem_dpu.store.ioqueue import IoWork, PriorityExecutor
+from ctxmem_dpu.store.ioqueue import CURRENT, IoWork, PriorityExecutor
 from ctxmem_dpu.tiers.dram import DramTier
 from ctxmem_dpu.tiers.flash import FlashTier
 
@@ -47,6 +47,10 @@ class IOPool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, fn, *args)
 
+    async def run_as(self, work: IoWork, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`run` under the mark ``work``, whatever the current task's."""
+        return await asyncio.wrap_future(self._pool.submit_as(work, fn, *args))
+
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Start ``fn`` on the I/O threads without awaiting it (pipelined scans)."""
         return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -57,13 +61,22 @@ class IOPool:
         pipelined read to another: ``promotion``), marked ``work``; a plain future."""
         return self._pool.submit_as(work, fn, *args)
 
+    def submit_pieces(self, fn: Callable[..., Generator[None, None, T]], *args: Any
+                      ) -> asyncio.Future[T]:
+        """Start ``fn(*args)``, a generator, on the I/O threads in pieces (each ``next()``
+        one, re-queued between them: :meth:`PriorityExecutor.submit_pieces`), under the
+        current task's mark; its return value is the future's."""
+        return asyncio.wrap_future(self._pool.submit_pieces(CURRENT.get(), fn, *args))
+
     def parallel(self, fn: Callable[[list[Any]], list[T]], jobs: list[Any],
-                 parts: int | None = None) -> Awaitable[list[T]]:
+                 parts: int | None = None, per_part: int = 0) -> Awaitable[list[T]]:
         """``fn`` over ``jobs`` split into one contiguous part per I/O thread, in parallel:
         device reads and writes overlap (queue depth > 1) with AES-XTS and CRC32C on the
         other thread (all three release the GIL). Results keep the jobs' order.
         ``parts``: fewer parts than threads (a pipelined promotion leaves threads free
-        for the reads its parts hand out).
+        for the reads its parts hand out). ``per_part``: at most this many jobs per part
+        (more parts then, each an I/O job of its own, which bounds how long one runs:
+        ``service.io_piece_bytes``).
 
         The parts are submitted to the threads now, in the call, before the caller
         awaits: work submitted after it (a get's read-ahead, see ``promotion``) queues
@@ -72,18 +85,22 @@ class IOPool:
         If a part raises, the awaitable raises that error only once every part has
         ended: the callers free or reuse the slots and extents the parts write into as
         soon as it raises, so no thread may still be writing then."""
+        return _collect([self.submit(fn, part)
+                         for part in self._split(jobs, parts, per_part)])
+
+    def parallel_pieces(self, fn: Callable[[list[Any]], Generator[None, None, list[T]]],
+                        jobs: list[Any], parts: int | None = None) -> Awaitable[list[T]]:
+        """:meth:`parallel` of a generator function: each part runs in pieces
+        (:meth:`submit_pieces`) and returns its results."""
+        return _collect([self.submit_pieces(fn, part) for part in self._split(jobs, parts)])
+
+    def _split(self, jobs: list[Any], parts: int | None, per_part: int = 0
+               ) -> list[list[Any]]:
         n = max(1, min(self.threads if parts is None else parts, len(jobs)))
         size = -(-len(jobs) // n)
-        futs = [self.submit(fn, jobs[i:i + size]) for i in range(0, len(jobs), size)]
-
-        async def collect() -> list[T]:
-            done = await asyncio.gather(*futs, return_exceptions=True)
-            for part in done:
-                if isinstance(part, BaseException):
-                    raise part
-            return [r for part in done for r in cast("list[T]", part)]
-
-        return collect()
+        if per_part > 0:
+            size = min(size, per_part)
+        return [jobs[i:i + size] for i in range(0, len(jobs), size)]
 
     async def uncancellable(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` run as a task of its own, which goes on to its end even if the
@@ -109,6 +126,15 @@ class IOPool:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+async def _collect(futs: list[asyncio.Future[list[T]]]) -> list[T]:
+    """The parts' results in order, once every part has ended (the first error then)."""
+    done = await asyncio.gather(*futs, return_exceptions=True)
+    for part in done:
+        if isinstance(part, BaseException):
+            raise part
+    return [r for part in done for r in cast("list[T]", part)]
 
 
 def _log_orphan(task: asyncio.Future[Any]) -> None:

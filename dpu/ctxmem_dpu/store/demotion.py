@@ -507,7 +507,14 @@ class Demotion:
                     for j, r in zip(jobs, results, strict=True)]
 
         fenced = await io.run(fences, jobs)
-        results = await io.parallel(payloads, list(zip(jobs, fenced, strict=True)))
+        # The payloads in parts of at most service.io_piece_bytes (one block at least),
+        # each an I/O job of its own: a get arriving waits for one part, not for half the
+        # batch (the I/O queue never interrupts a running job). The syncs below still
+        # cover every part: a block is durable only once all are written and synced.
+        piece = self._ctx.cfg.service.io_piece_bytes
+        per_part = max(1, piece // max(map(_SLOT_SIZE, map(_BLOCK, jobs)))) if piece else 0
+        results = await io.parallel(payloads, list(zip(jobs, fenced, strict=True)),
+                                    per_part=per_part)
         faults.point("demote.after_payload")
         results = await synced(results)
         faults.point("demote.after_payload_sync")

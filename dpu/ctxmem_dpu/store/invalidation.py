@@ -17,10 +17,12 @@ from ctxmem_dpu.logthrottle import throttled
 from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import unpin
+from ctxmem_dpu.store.ioqueue import IoClass, IoWork
 from ctxmem_dpu.tiers.flash import Extent, FlashIOError
 from ctxmem_dpu.tiers.flash_fence import SlabFenced
 
 log = logging.getLogger("ctxmem_dpu.store")
+_STORE = IoWork(IoClass.STORE)  # zeroing dead records' headers: never before a get
 
 
 class Invalidator:
@@ -104,10 +106,12 @@ class Invalidator:
         if free:
             self.begin(extents)
         try:
-            failed = await self._ctx.io.run(zero)
+            # Not on a get's path, whoever asked (a delete, a failed check): a store.
+            failed = await self._ctx.io.run_as(_STORE, zero)
             if stage:
                 faults.point(f"{stage}.after_zero")
-            failed.update(await self._ctx.io.run(sync, [d for d in by_dev if d not in failed]))
+            failed.update(await self._ctx.io.run_as(_STORE, sync,
+                                                    [d for d in by_dev if d not in failed]))
             if stage:
                 faults.point(f"{stage}.after_sync")
         finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -203,8 +203,11 @@ class Promotion:
                   ) -> concurrent.futures.Future[BaseException | None]:
             return ctx.io.submit_as(work, fn, k)
 
-        reads = ctx.io.parallel(_reader(ns.block_nbytes, ahead, tally), jobs,
-                                parts=max(1, ctx.io.threads // 2))
+        # Each part a job in pieces of service.io_piece_bytes (the I/O queue's bound on
+        # how long one runs), its reads ahead jobs of their own.
+        reads = ctx.io.parallel_pieces(
+            _reader(ns.block_nbytes, ahead, tally, ctx.cfg.service.io_piece_bytes), jobs,
+            parts=max(1, ctx.io.threads // 2))
         if on_io is not None:
             try:  # never leave the reads un-awaited: they write into the DRAM slots
                 on_io()
@@ -273,11 +276,14 @@ class Promotion:
         return result
 
 
-def _reader(block_nbytes: int, ahead: SubmitRead | None = None, tally: ReadTally | None = None
-            ) -> Callable[[list[ReadJob]], list[BaseException | None]]:
+def _reader(block_nbytes: int, ahead: SubmitRead | None = None, tally: ReadTally | None = None,
+            piece_bytes: int = 0
+            ) -> Callable[[list[ReadJob]], Generator[None, None, list[BaseException | None]]]:
     """The I/O-thread work of a promotion: for a part of the jobs, read and check each
     record into its view; one result per job (None: verified). ``ahead`` and ``tally``:
-    the payload reads' pipeline (:meth:`FlashDevice.read_payloads`)."""
+    the payload reads' pipeline (:meth:`FlashDevice.read_payload_pieces`). A generator
+    (``IOPool.parallel_pieces``): it yields between payload runs, once per
+    ``piece_bytes`` checked."""
 
     def headers(part: list[ReadJob]) -> list[RecordHeader | FlashIOError | None]:
         """The part's record headers, read per device in runs of its header tables
@@ -292,7 +298,7 @@ def _reader(block_nbytes: int, ahead: SubmitRead | None = None, tally: ReadTally
                 got[i] = h
         return got
 
-    def work(part: list[ReadJob]) -> list[BaseException | None]:
+    def work(part: list[ReadJob]) -> Generator[None, None, list[BaseException | None]]:
         out: list[BaseException | None] = [None] * len(part)
         identity: dict[FlashDevice, FlashIOError | None] = {}
 
@@ -350,9 +356,9 @@ def _reader(block_nbytes: int, ahead: SubmitRead | None = None, tally: ReadTally
                     return exc
                 return None
 
-            got = dev.read_payloads([(part[i].slot, part[i].view, part[i].block.length,
-                                      part[i].block.crc) for i in group], cipher, authentic,
-                                    ahead, tally)
+            got = yield from dev.read_payload_pieces(
+                [(part[i].slot, part[i].view, part[i].block.length, part[i].block.crc)
+                 for i in group], cipher, authentic, ahead, tally, piece_bytes)
             for i, err in zip(group, got, strict=True):
                 if isinstance(err, ReadFailure) and i in unsure:
                     # A CRC mismatch after decrypting with a key the header cannot confirm

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
@@ -436,6 +436,21 @@ class FlashDevice(FormattedDevice):
                       then: Callable[[int], BaseException | None] | None = None,
                       ahead: SubmitRead | None = None,
                       tally: ReadTally | None = None) -> list[BaseException | None]:
+        """:meth:`read_payload_pieces` in one go."""
+        steps = self.read_payload_pieces(items, cipher, then, ahead, tally)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                out: list[BaseException | None] = stop.value
+                return out
+
+    def read_payload_pieces(self, items: list[tuple[SlotRef, memoryview, int, int]],
+                            cipher: XtsCipher | None,
+                            then: Callable[[int], BaseException | None] | None = None,
+                            ahead: SubmitRead | None = None,
+                            tally: ReadTally | None = None, piece_bytes: int = 0
+                            ) -> Generator[None, None, list[BaseException | None]]:
         """Read records' payloads into their slots and check each CRC32C; the headers must
         have been checked (:meth:`check_header`). ``items``: (slot on flash, ``dst`` — the
         4 KiB-aligned DRAM slot, ``length``, ``crc``).
@@ -460,7 +475,11 @@ class FlashDevice(FormattedDevice):
 
         Returns, per item, ``None`` (read and checked), a :class:`ReadFailure` (``ours``:
         bad length or CRC) or the :class:`FlashIOError` of the read that covered it (the
-        other runs are still read and checked)."""
+        other runs are still read and checked).
+
+        A generator (the I/O queue's pieces, ``store/ioqueue.py``): it yields between
+        runs once it has checked ``piece_bytes`` since it last did (0: never), holding
+        nothing of its thread's then; its return value is the list above."""
         out: list[BaseException | None] = [None] * len(items)
         todo: list[int] = []
         for i, (_slot, dst, length, _crc) in enumerate(items):
@@ -496,8 +515,13 @@ class FlashDevice(FormattedDevice):
             self._pread(dsts if len(dsts) > 1 else dsts[0], self.payload_offset(items[run[0]][0]))
 
         pipe = _ReadPipeline(read, len(runs), ahead, tally)
+        since = 0  # bytes checked since the last piece ended
         try:
             for r, run in enumerate(runs):
+                if piece_bytes and since >= piece_bytes:
+                    since = 0
+                    yield  # a piece ends: what ranks before this job runs first
+                since += sum(len(items[i][1]) for i in run)
                 err = pipe.wait(r)
                 if err is not None:
                     for i in run:

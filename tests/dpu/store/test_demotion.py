@@ -7,6 +7,7 @@ behind eight 1 MiB DRAM slabs of four blocks each (``parts.py``)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ctxmem_dpu.blocks import Block
 
@@ -66,3 +67,29 @@ async def test_a_block_changed_in_dram_since_its_commit_is_dropped_not_written(
         assert blocks[1].key not in p.index.namespace(ns.digest)
         assert p.ctx.counters["dram_crc_mismatch"] == 1
         assert p.ctx.counters["demoted_blocks"] == 2
+
+
+async def test_a_demotions_payloads_go_in_parts_of_io_piece_bytes(tmp_path: Path) -> None:
+    """Issue 29 item 2: a demotion's payloads are I/O jobs of at most
+    ``service.io_piece_bytes`` (one block at least), so a get waits for one part, not for
+    the batch; every block is durable after, as in one part (0: one part per thread)."""
+    for piece, sizes in (("512KiB", [2, 2, 2, 1]), ("100KiB", [1] * 7), (0, [7])):
+        with parts(flash_file=tmp_path / f"f{piece}.img",
+                   service={"io_piece_bytes": piece}) as p:
+            p.session("a")
+            ns = p.namespace("a")
+            blocks = p.put(ns, "a", 7, dirty=True)
+            io = p.ctx.io
+            seen: list[int] = []
+            submit = io.submit
+
+            def spy(fn: Any, *args: Any, submit: Any = submit, seen: list[int] = seen
+                    ) -> Any:
+                if fn.__name__ == "payloads":
+                    seen.append(len(args[0]))
+                return submit(fn, *args)
+
+            io.submit = spy  # type: ignore[method-assign]
+            assert await p.demotion().demote(blocks) == {}
+            assert seen == sizes, (piece, seen)
+            assert _where(p, blocks) == ["dram+flash"] * 7

@@ -12,7 +12,9 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -320,4 +322,50 @@ def test_read_payloads_pipelined_equals_serial(tmp_path: Path, encrypted: bool,
         for v in views:
             v.release()
         dram.close()
+        dev.close()
+
+
+@pytest.mark.parametrize(("piece", "pieces"), [(0, 1), (1, 5), (4, 3)])
+def test_read_payload_pieces_yield_between_runs_per_piece_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int, pieces: int) -> None:
+    """The I/O queue's pieces (issue 29 item 2): a cold get's checks yield between payload
+    runs once ``piece_bytes`` were checked since the last yield (0: never), and return
+    what one ``read_payloads`` does; each piece may run on another thread."""
+    dev = _device(tmp_path)
+    cipher = XtsCipher(bytes(range(64)))
+    try:
+        recs = _store(dev, 40, cipher)
+        monkeypatch.setattr(flash_mod, "XTS_PAYLOAD_RUN", 4 * SLOT)
+        pick = [0, 1, 2, 3, 4, 5, 6, 9, 10, 30, 12]  # runs of 4, 3, 2, 1 and 1 slots
+        dram = mmap.mmap(-1, len(pick) * SLOT)
+        views = [memoryview(dram)[i * SLOT:(i + 1) * SLOT] for i in range(len(pick))]
+        items = [(recs[r][0], v, recs[r][1].length, recs[r][1].crc)
+                 for r, v in zip(pick, views, strict=True)]
+        steps = dev.read_payload_pieces(items, cipher, piece_bytes=piece * SLOT)
+        done: dict[str, Any] = {}
+
+        def one() -> None:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                done["out"] = stop.value
+
+        n = 0
+        while "out" not in done:
+            n += 1
+            if n % 2:
+                one()
+            else:  # every other piece on another thread
+                t = threading.Thread(target=one)
+                t.start()
+                t.join(10)
+        got = done["out"]
+        assert n == pieces
+        assert got == [None] * len(pick)
+        for r, v in zip(pick, views, strict=True):
+            assert bytes(v[: recs[r][1].length]) == recs[r][2]
+        for v in views:
+            v.release()
+        dram.close()
+    finally:
         dev.close()
