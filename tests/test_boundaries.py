@@ -200,8 +200,8 @@ def test_allow_list_has_no_stale_entries() -> None:
          "uses private ctxmem_dpu.tiers.flash._x"),
         ("ctxmem_dpu.tiers.flash", "from ..store import _Block\n",
          "uses private ctxmem_dpu.store._Block"),
-        ("ctxmem_dpu.transport.shm", "from ctxmem_dpu.store.placement import Placement\n",
-         "must not import ctxmem_dpu.store.placement, private to ctxmem_dpu.store"),
+        ("ctxmem_dpu.transport.shm", "from ctxmem_dpu.store.room import Room\n",
+         "must not import ctxmem_dpu.store.room, private to ctxmem_dpu.store"),
         ("ctxmem_dpu.pod.shared_flash", "from ctxmem_dpu.store import quotas\n",
          "must not import ctxmem_dpu.store.quotas, private to ctxmem_dpu.store"),
         ("ctxmem_dpu.pod.node", "import ctxmem_dpu.store.sessions as s\n",
@@ -225,7 +225,7 @@ def test_a_violation_is_caught(module: str, source: str, expected: str) -> None:
         ("ctxmem_tools.demo", "import ctxmem\nprint(ctxmem.__version__)\nimport os\nos._exit(0)\n"),
         # the store's package (its facade) is open to the transports and the pod
         ("ctxmem_dpu.pod.node", "from ctxmem_dpu.store import BlockStore, COUNTERS\n"),
-        ("ctxmem_dpu.app", "from ctxmem_dpu.store.placement import Placement\n"),
+        ("ctxmem_dpu.app", "from ctxmem_dpu.store.room import Room\n"),
         # private attributes of objects (not modules) are the object's business
         ("ctxmem_tools.demo", "from ctxmem.client import Client\nClient()._lock\n"),
     ],

@@ -1,4 +1,4 @@
-"""The block store: index, placement, leases, demotion and promotion.
+"""The block store: index, making room, leases, demotion and promotion.
 
 :class:`BlockStore` (``blockstore.py``) is the facade the servicer, the data-plane servers
 and the app use; every other module here holds one concept and is private to the store
@@ -10,7 +10,10 @@ and the app use; every other module here holds one concept and is private to the
 * ``sessions``  — sessions, namespaces, allocations, leases, expiry, grant-end hooks, the
   quarantine of slots a stale shared-memory writer can still reach;
 * ``index``     — the key → block map, the per-tier eviction order, the dirty set;
-* ``placement`` — DRAM and flash reservation, eviction;
+* ``room``      — making room in DRAM: victims dropped, or demoted first (the one
+  collaborator the put, get, promotion and peer paths are given);
+* ``flash_room`` — making room on flash for a demotion: slabs leased (shared flash),
+  then flash victims;
 * ``demotion`` / ``promotion`` — DRAM → flash (the demoter) and flash → DRAM;
 * ``puts``      — the put path: allocate (reserve DRAM slots), commit (CRC, index);
 * ``gets``      — the get path: acquire (the stored leading run, promoted, leased);

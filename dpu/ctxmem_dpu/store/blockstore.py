@@ -26,9 +26,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,19 +46,19 @@ from ctxmem_dpu.policy import SegmentedLRU
 from ctxmem_dpu.store.context import IOPool, StoreContext
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.devices import open_devices
+from ctxmem_dpu.store.flash_room import FlashRoom
 from ctxmem_dpu.store.gets import GetPath
 from ctxmem_dpu.store.groups import GroupSiblings
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
-from ctxmem_dpu.store.ns_tenants import NamespaceTenants
 from ctxmem_dpu.store.ns_tenants import default_path as ns_tenants_path
-from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.promotion import Promotion
 from ctxmem_dpu.store.puts import PutPath
 from ctxmem_dpu.store.quotas import Quotas
 from ctxmem_dpu.store.recovery import Recovery, audit
 from ctxmem_dpu.store.remote import RemoteBlocks
+from ctxmem_dpu.store.room import Room
 from ctxmem_dpu.store.sessions import SessionRegistry
 from ctxmem_dpu.store.staging import StagingRegion, StagingRegions
 from ctxmem_dpu.store.staging import outcomes as staging_outcomes
@@ -119,29 +119,40 @@ class BlockStore:
         self._quotas = Quotas(self._ctx, self._index, tables)
         self._registry = SessionRegistry(cfg, self._ctx.dram, self._index,
                                          self._invalidator.unpin, tables, self._quotas)
-        self._placement = Placement(self._ctx, self._index, self._health, self._invalidator,
-                                    self._quotas)
-        self._demotion = Demotion(self._ctx, self._index, self._placement, self._invalidator,
+        # Making room, one way down (store/room.py): DRAM room demotes victims, whose
+        # extents come from the flash room.
+        self._flash_room = FlashRoom(self._ctx, self._index, self._invalidator, self._quotas)
+        self._demotion = Demotion(self._ctx, self._index, self._flash_room, self._invalidator,
                                   self._health, keyring)
-        self._promotion = Promotion(self._ctx, self._index, self._placement,
-                                    self._invalidator, self._health, keyring,
-                                    self._demotion.demote)
+        self._room = Room(self._ctx, self._index, self._health, self._quotas,
+                          self._demotion)
+        self._promotion = Promotion(self._ctx, self._index, self._room, self._invalidator,
+                                    self._health, keyring)
         self._write_through = WriteThrough(self._ctx, self._index, self._demotion,
                                            self._invalidator)
         self._recovery = Recovery(self._ctx, self._index, self._invalidator, keyring)
         self._puts = PutPath(self._ctx, self._index, self._registry, self._quotas,
-                             self._placement, self._demotion, self._write_through)
-        self._remote = RemoteBlocks(self._ctx, self._index, self._placement, self._demotion,
-                                    self._promotion, self._invalidator, self._registry)
+                             self._room, self._write_through)
+        self._remote = RemoteBlocks(self._ctx, self._index, self._room, self._promotion,
+                                    self._invalidator, self._registry)
         self._groups = GroupSiblings(self._ctx, self._index, self._delete)
         self._gets = GetPath(self._ctx, self._index, self._registry, self._quotas,
-                             self._placement, self._promotion, self._invalidator,
-                             self._groups)
+                             self._room, self._promotion, self._invalidator, self._groups)
         #: Staging regions (service-owned memory clients put from; issue 27 item 1),
         #: freed with their session.
         self.staging = StagingRegions(cfg, self._ctx.dram, self.counters)
         self._registry.on_session_end.append(self.staging.session_ended)
-        self._tasks: list[asyncio.Task[None]] = []
+        #: What has started, closed in reverse by :meth:`close`, also after a failed
+        #: start (as ``Service``'s). What this constructor made goes last, unwound in
+        #: this order: the I/O threads stop (their queued work done), then the Commit
+        #: check's and the staging copies' threads, before the tiers they read and
+        #: write close (the flash tier holds the devices once :meth:`start` opened them).
+        self._stack = contextlib.AsyncExitStack()
+        self._stack.callback(self._ctx.dram.close)
+        self._stack.callback(self._close_flash)
+        self._stack.callback(self.staging.close)
+        self._stack.callback(self._puts.close)
+        self._stack.callback(self._ctx.io.shutdown)
         #: Awaited after a Commit made blocks visible, with the namespace and the
         #: allocation's keys, before the Commit is answered (the pod tier: a re-put of a
         #: key whose earlier removal the cluster index has not confirmed is published
@@ -215,62 +226,72 @@ class BlockStore:
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         """Open the flash devices, rebuild the index from them, start the demoter and the
-        reaper."""
+        reaper (and, on shared flash, the slab-lease keeper).
+
+        Each thing registers its close on the exit stack as soon as it has started, so
+        :meth:`close` unwinds exactly what started, in reverse: the reaper, the demoter
+        (it finishes its batch) and the keeper's task stop; the background tasks (prefetch,
+        invalidations) end; blocks still only in DRAM are written to flash and parked
+        headers zeroed; the keeper gives back its empty slabs; then what ``__init__``
+        made (the threads, the tiers and with them the devices)."""
+        stack = self._stack
         faults.install_from_env()
-        devices, self._keeper = await open_devices(self.cfg, self._ctx.io, self._flash_paths,
-                                                   self._slab_leases)
-        self._ctx.flash = FlashTier(devices)
+        devices, keeper = await open_devices(self.cfg, self._ctx.io, self._flash_paths,
+                                             self._slab_leases)
+        self._keeper = keeper
+        self._ctx.flash = FlashTier(devices)  # closed with the tier (see __init__)
+        if keeper is not None:
+            stack.push_async_callback(keeper.close)
+        stack.push_async_callback(self._flush)
+        stack.push_async_callback(self._await_background)
         await self._recovery.rebuild()
         # Who owns the recovered blocks' namespaces (issue 25: charged to their tenant,
         # not to nobody, before their tenant comes back).
-        self._quotas.ns_tenants = NamespaceTenants(ns_tenants_path(self.cfg))
-        self._quotas.ns_tenants.load(d for d, blocks in self._index.blocks.items() if blocks)
-        if self._keeper is not None:
-            keeper = self._keeper
-            self._placement.more_flash = lambda: keeper.top_up(more=1)
+        self._quotas.load_ns_tenants(ns_tenants_path(self.cfg),
+                                     (d for d, blocks in self._index.blocks.items() if blocks))
+        if keeper is not None:
+            self._flash_room.attach_keeper(keeper)
             await keeper.top_up()
-            self._tasks.append(asyncio.create_task(self._keeper.run(),
-                                                   name="ctxmem-slab-leases"))
-        self._tasks += [
-            asyncio.create_task(self._demotion.run(), name="ctxmem-demoter"),
-            asyncio.create_task(self._reaper(), name="ctxmem-reaper"),
-        ]
+            self._start_task(keeper.run(), "ctxmem-slab-leases", cancel=True)
+        # The demoter is never cancelled mid-I/O (that would strand blocks with half-done
+        # bookkeeping): it sees ``closed`` and returns after its current batch.
+        self._start_task(self._demotion.run(), "ctxmem-demoter", cancel=False)
+        self._start_task(self._reaper(), "ctxmem-reaper", cancel=True)
 
-    async def close(self) -> None:
-        """Stop background work, flush dirty blocks to flash (write-back), close tiers.
-        Idempotent."""
-        ctx = self._ctx
-        if ctx.closed:
-            return
-        ctx.closed = True
-        # The demoter and prefetch/invalidate tasks are never cancelled mid-I/O (that
-        # would strand blocks with half-done bookkeeping): the demoter sees ``closed``
-        # and returns after its current batch; the others are short and awaited.
-        for t in self._tasks:
-            if t.get_name() in ("ctxmem-reaper", "ctxmem-slab-leases"):
-                t.cancel()
-        pending: list[Awaitable[object]] = [*self._tasks, *ctx.io.tasks]
-        for job in pending:
-            try:
-                await job
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                log.exception("background task failed at shutdown")
-        if ctx.flash.enabled and self._index.dirty:
+    def _start_task(self, coro: Coroutine[Any, Any, None], name: str, cancel: bool) -> None:
+        """Run ``coro`` as the task ``name``; :meth:`close` cancels it (``cancel``) or
+        waits for it to see ``closed`` and return."""
+        task = asyncio.create_task(coro, name=name)
+        self._stack.push_async_callback(_stop_task, task, cancel)
+
+    async def _await_background(self) -> None:
+        """At close: the short background tasks (prefetch, invalidations, work whose
+        request was cancelled) end; they are never cancelled mid-I/O."""
+        for job in list(self._ctx.io.tasks):
+            await _ended(job)
+
+    async def _flush(self) -> None:
+        """At close, before the tiers close: dirty blocks written to flash (write-back),
+        then the headers a failed write or invalidation left behind zeroed."""
+        if self._ctx.flash.enabled and self._index.dirty:
             try:
                 await self._demotion.demote(list(self._index.dirty))
             except Exception:
                 log.exception("flushing dirty blocks to flash at shutdown failed")
-        # Headers a failed write may have left behind.
         await self._invalidator.retry_parked(log_errors=True)
-        if self._keeper is not None:
-            await self._keeper.close()
-        ctx.io.shutdown()
-        self._puts.close()
-        self.staging.close()
-        ctx.flash.close()
-        ctx.dram.close()
+
+    def _close_flash(self) -> None:
+        # The tier of the context at close: the devices once start opened them.
+        self._ctx.flash.close()
+
+    async def close(self) -> None:
+        """Stop background work, flush dirty blocks to flash (write-back), close tiers:
+        what started, in reverse (see :meth:`start`). Idempotent; after a failed start
+        it closes what did start."""
+        if self._ctx.closed:
+            return
+        self._ctx.closed = True
+        await self._stack.aclose()
 
     async def __aenter__(self) -> BlockStore:
         try:
@@ -563,7 +584,7 @@ class BlockStore:
             raise InvalidArgument(f"evict supports tier 'dram' only, got {tier!r}")
         if not self._ctx.flash.enabled:
             raise InvalidArgument("evict to flash needs a flash tier; none is configured")
-        return await self._demotion.evict(self._index.get(ns.digest), keys)
+        return await self._room.evict(self._index.get(ns.digest), keys)
 
     # -- the pod tier (ctxmem_dpu.pod) -----------------------------------------------
     @property
@@ -639,3 +660,20 @@ def _io_weights(cfg: Config) -> Callable[[str], float]:
     """Each tenant's ``io_weight`` (its own quota entry, else the default's)."""
     tenants, default = cfg.quotas.tenants, cfg.quotas.default.io_weight
     return lambda tenant: tenants[tenant].io_weight if tenant in tenants else default
+
+
+async def _ended(job: Awaitable[object]) -> None:
+    """Await a background task at close; its failure is logged, not raised."""
+    try:
+        await job
+    except asyncio.CancelledError:
+        pass
+    except Exception:
+        log.exception("background task failed at shutdown")
+
+
+async def _stop_task(task: asyncio.Task[None], cancel: bool) -> None:
+    """Stop a task :meth:`BlockStore.start` started (cancelled first when ``cancel``)."""
+    if cancel:
+        task.cancel()
+    await _ended(task)

@@ -31,7 +31,7 @@ import errno
 import itertools
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
@@ -47,11 +47,11 @@ from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block
 from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.store.context import StoreContext
+from ctxmem_dpu.store.flash_room import FlashRoom
 from ctxmem_dpu.store.health import DeviceHealth
-from ctxmem_dpu.store.index import BlockIndex, wait_io
+from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.ioqueue import IoClass, work_as
-from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError
 from ctxmem_dpu.tiers.flash_fence import SlabFenced
 
@@ -130,11 +130,11 @@ class DramChanged(Exception):
 class Demotion:
     """DRAM → flash."""
 
-    def __init__(self, ctx: StoreContext, index: BlockIndex, placement: Placement,
+    def __init__(self, ctx: StoreContext, index: BlockIndex, room: FlashRoom,
                  invalidator: Invalidator, health: DeviceHealth, keyring: Keyring) -> None:
         self._ctx = ctx
         self._index = index
-        self._placement = placement
+        self._room = room  # where its extents come from (leased slabs, flash victims)
         self._invalidator = invalidator
         self._health = health
         self._keyring = keyring
@@ -228,7 +228,7 @@ class Demotion:
         try:
             # Grouped by tenant too: flash eviction is fair per tenant (store.quotas).
             for (size, tenant), group in self._groups(blocks).items():
-                got = await self._placement.reserve_flash(size, len(group), tenant)
+                got = await self._room.reserve(size, len(group), tenant)
                 if got is None:
                     no_room = self._no_room(size, len(group))
                     failures.update(dict.fromkeys(group, no_room))
@@ -278,13 +278,13 @@ class Demotion:
         looked up once per namespace (one C-level pass when the batch has one)."""
         if len(set(map(_SIZE_NS, blocks))) == 1:
             b = blocks[0]
-            return {(b.slot_size, self._placement.tenant_of(b)): blocks}
+            return {(b.slot_size, self._room.tenant_of(b)): blocks}
         tenants: dict[bytes, str] = {}
         out: dict[tuple[int, str], list[Block]] = {}
         for b in blocks:
             tenant = tenants.get(b.ns)
             if tenant is None:
-                tenant = tenants[b.ns] = self._placement.tenant_of(b)
+                tenant = tenants[b.ns] = self._room.tenant_of(b)
             out.setdefault((b.slot_size, tenant), []).append(b)
         return out
 
@@ -381,20 +381,6 @@ class Demotion:
         names = ", ".join(d.name for d in devices if d.healthy)
         return FlashIOError(errno.ENOSPC, f"flash tier full: no room for {n} blocks of "
                             f"{size} bytes on {names}, none can be evicted")
-
-    async def evict(self, per_ns: dict[bytes, Block], keys: Sequence[bytes]) -> int:
-        """Make the DRAM blocks of ``keys`` durable on flash, then drop their DRAM copies;
-        returns how many were dropped (leased blocks keep theirs)."""
-        blocks = [b for k in keys if (b := per_ns.get(k)) is not None and b.dram is not None]
-        await wait_io(blocks)
-        await self.demote([b for b in blocks if b.flash is None])
-        # Some may have been taken by a background demotion meanwhile: let it finish.
-        await wait_io(blocks)
-        faults.point("evict.after_demote")
-        drop = [b for b in blocks
-                if b.dram is not None and b.flash is not None and b.durable and b.pins == 0]
-        self._placement.drop_dram_many(drop)
-        return len(drop)
 
     def _flash_full(self, n: int) -> None:
         self._ctx.counters["flash_full"] += 1

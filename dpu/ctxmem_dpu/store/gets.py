@@ -27,24 +27,24 @@ from ctxmem_dpu.store.context import StoreContext
 from ctxmem_dpu.store.groups import GroupSiblings
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
-from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.promotion import Promotion
 from ctxmem_dpu.store.quotas import Quotas
+from ctxmem_dpu.store.room import Room
 from ctxmem_dpu.store.sessions import SessionRegistry
 
 
 class GetPath:
-    """Acquire, over the store's index, placement, promotion, quotas and sessions."""
+    """Acquire, over the store's index, room, promotion, quotas and sessions."""
 
     def __init__(self, ctx: StoreContext, index: BlockIndex, registry: SessionRegistry,
-                 quotas: Quotas, placement: Placement, promotion: Promotion,
+                 quotas: Quotas, room: Room, promotion: Promotion,
                  invalidator: Invalidator, groups: GroupSiblings) -> None:
         self._ctx = ctx
         self._counters = ctx.counters
         self._index = index
         self._registry = registry
         self._quotas = quotas
-        self._placement = placement
+        self._room = room
         self._promotion = promotion
         self._groups = groups
         self._unpin = invalidator.unpin
@@ -109,7 +109,7 @@ class GetPath:
         per_ns = self._index.get(ns.digest)
         # One lease holds at most half the DRAM tier, so the rest can be evicted to stage
         # cold blocks; the shim asks for the remainder in a following Acquire.
-        max_run = max(1, self._placement.dram_capacity(ns.slot_size) // 2)
+        max_run = max(1, self._room.dram_capacity(ns.slot_size) // 2)
         run: list[Block] = []
         # Past two pieces of flash blocks (this one and the one read ahead) the rest is
         # the next Acquire's: not looked at now, so a get in pieces scans each key once.

@@ -31,7 +31,7 @@ from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex, wait_io
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.ioqueue import CURRENT, IoClass, work_as
-from ctxmem_dpu.store.placement import Demote, Placement
+from ctxmem_dpu.store.room import Room
 from ctxmem_dpu.tiers.flash import Extent, FlashDevice, FlashIOError, ReadFailure, ShortRead
 from ctxmem_dpu.tiers.flash_records import ReadTally, SubmitRead
 
@@ -70,16 +70,14 @@ class ReadJob(NamedTuple):
 class Promotion:
     """Flash → DRAM."""
 
-    def __init__(self, ctx: StoreContext, index: BlockIndex, placement: Placement,
-                 invalidator: Invalidator, health: DeviceHealth, keyring: Keyring,
-                 demote: Demote) -> None:
+    def __init__(self, ctx: StoreContext, index: BlockIndex, room: Room,
+                 invalidator: Invalidator, health: DeviceHealth, keyring: Keyring) -> None:
         self._ctx = ctx
         self._index = index
-        self._placement = placement
+        self._room = room  # DRAM slots for the blocks it brings in
         self._invalidator = invalidator
         self._health = health
         self._keyring = keyring
-        self._demote = demote
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes], unpin: Callable[[Block], None],
                  counter: str = "prefetch_blocks") -> tuple[int, int]:
@@ -173,7 +171,7 @@ class Promotion:
         blocks = [b for b in blocks if b.dram is None and b.flash is not None and not b.deleted]
         if not blocks:
             return result
-        refs = await self._placement.reserve_dram(ns, len(blocks), self._demote)
+        refs = await self._room.reserve_dram(ns, len(blocks))
         # Deleted or promoted by someone else while DRAM was being made: skip those.
         keep = [b.dram is None and b.flash is not None and not b.deleted and b.io is None
                 for b in blocks]

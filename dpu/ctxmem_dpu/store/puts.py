@@ -33,11 +33,10 @@ from ctxmem_common.keys import validate_keys
 from ctxmem_dpu import faults
 from ctxmem_dpu.blocks import Allocation, Block, Namespace, Session
 from ctxmem_dpu.store.context import StoreContext
-from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.ioqueue import IoClass, work_as
-from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.quotas import Quotas
+from ctxmem_dpu.store.room import Room
 from ctxmem_dpu.store.sessions import SessionRegistry
 from ctxmem_dpu.store.slotcrc import SlotCrcs, crc_threads
 from ctxmem_dpu.store.writethrough import WriteThrough
@@ -46,17 +45,15 @@ log = logging.getLogger("ctxmem_dpu.store")
 
 
 class PutPath:
-    """Allocate and commit, over the store's index, placement, quotas and sessions."""
+    """Allocate and commit, over the store's index, room, quotas and sessions."""
 
     def __init__(self, ctx: StoreContext, index: BlockIndex, registry: SessionRegistry,
-                 quotas: Quotas, placement: Placement, demotion: Demotion,
-                 write_through: WriteThrough) -> None:
+                 quotas: Quotas, room: Room, write_through: WriteThrough) -> None:
         self._ctx = ctx
         self._index = index
         self._registry = registry
         self._quotas = quotas
-        self._placement = placement
-        self._demotion = demotion
+        self._room = room
         self._write_through = write_through
         self._crcs = SlotCrcs(crc_threads(ctx.cfg.service.commit_crc_threads))
 
@@ -74,7 +71,7 @@ class PutPath:
         exists = [k in per_ns for k in keys]
         new_keys = [k for k, e in zip(keys, exists, strict=True) if not e]
         self._quotas.check_grants(s, "allocations")
-        slots = await self._placement.reserve_dram(ns, len(new_keys), self._demotion.demote)
+        slots = await self._room.reserve_dram(ns, len(new_keys))
         try:
             self._quotas.check_held(ns.tenant, {ref.slab for ref in slots})
         except BaseException:

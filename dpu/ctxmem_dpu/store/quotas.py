@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from ctxmem_common.config import TenantQuota
@@ -71,8 +71,9 @@ class Quotas:
         # Flash bytes per tenant while a flash eviction walks (see flash_victims).
         self._flash_use: Counter[str] = Counter()
         # The tenant of each namespace, kept across restarts: blocks recovered from flash
-        # are charged to their tenant before a session opens their namespace again.
-        self.ns_tenants = NamespaceTenants(None)
+        # are charged to their tenant before a session opens their namespace again. In
+        # memory only until :meth:`load_ns_tenants` names its file.
+        self._ns_tenants = NamespaceTenants(None)
         # Insecure mode (tenant names trusted, not authenticated): live names are capped.
         try:
             self._insecure = check_identity_mode(ctx.cfg) == "insecure"
@@ -90,12 +91,24 @@ class Quotas:
         ns = self._tables.namespaces.get(b.ns)
         if ns is not None:
             return ns.tenant
-        return self.ns_tenants.known.get(b.ns, UNKNOWN)
+        return self._ns_tenants.known.get(b.ns, UNKNOWN)
 
     def namespace_opened(self, digest: bytes, tenant: str) -> None:
         """A namespace was opened for the first time since the start: remember its tenant
         across restarts (:mod:`.ns_tenants`)."""
-        self.ns_tenants.record(digest, tenant)
+        self._ns_tenants.record(digest, tenant)
+
+    def load_ns_tenants(self, path: str | None, keep: Iterable[bytes]) -> None:
+        """Read the namespace tenants file at ``path`` (None: none is kept), keeping the
+        namespaces in ``keep``; from now on namespaces opened are appended to it.
+
+        Called once, by ``BlockStore.start`` after the index rebuild: the file lies next
+        to the first local flash file (``ns_tenants.default_path``, known once the
+        devices are open), and the namespaces to keep are those with blocks after the
+        rebuild. Before that, tenants are remembered in memory only."""
+        tenants = NamespaceTenants(path)
+        tenants.load(keep)
+        self._ns_tenants = tenants
 
     def active_tenants(self) -> set[str]:
         """Tenants with an open session: the ones a fair share is divided among."""

@@ -13,24 +13,22 @@ from ctxmem_common.protoconv import TIER_REMOTE, TIER_REMOTE_DRAM
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace
 from ctxmem_dpu.store.context import StoreContext
-from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
-from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.promotion import Promotion
+from ctxmem_dpu.store.room import Room
 from ctxmem_dpu.store.sessions import SessionRegistry
 
 
 class RemoteBlocks:
     """Adoption of fetched blocks and pinning for peers, over the store's objects."""
 
-    def __init__(self, ctx: StoreContext, index: BlockIndex, placement: Placement,
-                 demotion: Demotion, promotion: Promotion, invalidator: Invalidator,
+    def __init__(self, ctx: StoreContext, index: BlockIndex, room: Room,
+                 promotion: Promotion, invalidator: Invalidator,
                  registry: SessionRegistry) -> None:
         self._ctx = ctx
         self._index = index
-        self._placement = placement
-        self._demotion = demotion
+        self._room = room
         self._promotion = promotion
         self._invalidator = invalidator
         self._registry = registry
@@ -53,7 +51,7 @@ class RemoteBlocks:
                  if k not in per_ns and len(d) == ns.block_nbytes]
         if not fresh:
             return 0
-        refs = await self._placement.reserve_dram(ns, len(fresh), self._demotion.demote)
+        refs = await self._room.reserve_dram(ns, len(fresh))
         dram = self._ctx.dram
         views = [dram.view(ref, ns.block_nbytes) for ref in refs]
 
@@ -80,7 +78,7 @@ class RemoteBlocks:
         """``n`` DRAM slots of ``ns`` for fetched blocks to land in (the fetch source
         receives each block straight into its slot, :meth:`adopt_landed` indexes them):
         reserved like a put's, owned by the caller until adopted or freed."""
-        return await self._placement.reserve_dram(ns, n, self._demotion.demote)
+        return await self._room.reserve_dram(ns, n)
 
     def adopt_landed(self, ns: Namespace, refs: Sequence[SlotRef],
                      items: Sequence[tuple[bytes, int, bytes | None]],

@@ -66,7 +66,7 @@ HEADER_RUN = 256
 PAYLOAD_RUN = 4 << 20
 XTS_PAYLOAD_RUN = 1 << 20
 # Demotion writes payloads of adjacent slots (consecutive extents of one slab, the order
-# reserve_flash hands them out in) by one I/O of at most WRITE_RUN bytes, and their headers
+# FlashRoom.reserve hands them out in) by one I/O of at most WRITE_RUN bytes, and their headers
 # (adjacent sectors of the slab's header table) by one I/O too: 64 KiB blocks stop paying
 # a device round trip and a Python call each (issue 17 item 3).
 WRITE_RUN = 2 << 20
@@ -186,7 +186,7 @@ def adjacent_runs(slots: list[SlotRef], sizes: list[int], limit: int) -> list[li
     at least); the device reads or writes each run by one I/O.
 
     The common batch (one slab's consecutive slots, in order, of one size: what
-    ``reserve_flash`` hands a demotion) is recognised by C-level passes and cut into runs
+    ``FlashRoom.reserve`` hands a demotion) is recognised by C-level passes and cut into runs
     without a Python step per slot."""
     n = len(slots)
     if n > 1 and sizes.count(sizes[0]) == n:

@@ -20,12 +20,13 @@ from ctxmem_dpu.blocks import Block, Namespace, Session, SessionTables, slab_own
 from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.store.context import IOPool, StoreContext
 from ctxmem_dpu.store.demotion import Demotion
+from ctxmem_dpu.store.flash_room import FlashRoom
 from ctxmem_dpu.store.health import DeviceHealth
 from ctxmem_dpu.store.index import BlockIndex
 from ctxmem_dpu.store.invalidation import Invalidator
-from ctxmem_dpu.store.placement import Placement
 from ctxmem_dpu.store.promotion import Promotion
 from ctxmem_dpu.store.quotas import Quotas
+from ctxmem_dpu.store.room import Room
 from ctxmem_dpu.store.stats import new_counters
 from ctxmem_dpu.tiers.dram import DramTier
 from ctxmem_dpu.tiers.flash import FlashDevice, FlashTier
@@ -49,17 +50,21 @@ class Parts:
     quotas: Quotas
     health: DeviceHealth
     invalidator: Invalidator
-    placement: Placement
+    #: Room on flash (a demotion's extents), and room in DRAM above the demotion, built
+    #: in that order as ``BlockStore`` builds them.
+    flash_room: FlashRoom
+    demoter: Demotion
+    room: Room
 
     def demotion(self) -> Demotion:
-        """A demotion over these parts (to the flash file :func:`parts` was given)."""
-        return Demotion(self.ctx, self.index, self.placement, self.invalidator, self.health,
-                        Keyring(MASTER))
+        """The demotion over these parts (to the flash file :func:`parts` was given),
+        the one :attr:`room` demotes its victims through."""
+        return self.demoter
 
     def promotion(self) -> Promotion:
-        """A promotion over these parts (making room demotes through :meth:`demotion`)."""
-        return Promotion(self.ctx, self.index, self.placement, self.invalidator,
-                         self.health, Keyring(MASTER), self.demotion().demote)
+        """A promotion over these parts (making room through :attr:`room`)."""
+        return Promotion(self.ctx, self.index, self.room, self.invalidator, self.health,
+                         Keyring(MASTER))
 
     def session(self, tenant: str) -> Session:
         """An open session of ``tenant`` (makes it an active tenant)."""
@@ -122,9 +127,12 @@ def parts(dram: str = "8MiB", flash_file: Path | None = None, **over: Any) -> It
     quotas = Quotas(ctx, index, tables)
     health = DeviceHealth(ctx)
     invalidator = Invalidator(ctx, health)
+    flash_room = FlashRoom(ctx, index, invalidator, quotas)
+    demotion = Demotion(ctx, index, flash_room, invalidator, health, Keyring(MASTER))
+    room = Room(ctx, index, health, quotas, demotion)
     try:
-        yield Parts(cfg, ctx, index, tables, quotas, health, invalidator,
-                    Placement(ctx, index, health, invalidator, quotas))
+        yield Parts(cfg, ctx, index, tables, quotas, health, invalidator, flash_room,
+                    demotion, room)
     finally:
         ctx.io.shutdown()
         ctx.dram.close()

@@ -1,4 +1,4 @@
-"""``store/demotion.py`` with ``store/placement.py``: a put that needs DRAM demotes the
+"""``store/demotion.py`` under ``store/room.py``: a put that needs DRAM demotes the
 blocks not yet on flash in victim order, ``flash.demote_batch`` of them at least, makes
 them durable, drops their DRAM copies and takes their slots; a block whose DRAM bytes
 changed since its commit is dropped, not written. One 8 MiB flash file (1 MiB slabs)
@@ -33,8 +33,7 @@ async def test_a_put_demotes_its_victims_in_lru_order_a_batch_at_least(tmp_path:
         blocks[0].pins = 1  # leased: neither demoted nor dropped
         blocks[1].hits = 2
         p.index.dram_lru.touch(blocks[1], 2)  # protected: a victim after the others
-        demotion = p.demotion()
-        refs = await p.placement.reserve_dram(ns, 3, demotion.demote)
+        refs = await p.room.reserve_dram(ns, 3)
         assert len(refs) == 3
         # max(3, demote_batch) = 4 victims, the LRU ones in probation: written, synced,
         # indexed on flash, and their DRAM slots reused.

@@ -73,7 +73,7 @@ async def test_promoted_touched_pinned_and_deleted(tmp_path: Path) -> None:
         ns = p.namespace("a")
         blocks = p.put(ns, "a", 3, dirty=True)
         await p.demotion().demote(blocks)
-        p.placement.drop_dram_many(blocks[:2])
+        p.room.drop_dram_many(blocks[:2])
         p.index.pin_many(blocks[:2])
         res = await p.promotion().promote(ns, blocks[:2])
         assert not res.failed
@@ -105,10 +105,10 @@ async def test_audit_is_empty_after_a_mixed_workload(tmp_path: Path) -> None:
         demotion = p.demotion()
         await demotion.demote(a[:6])
         assert p.index.audit(flash_enabled=True) == []
-        await demotion.evict(p.index.get(b_ns.digest), keys_of(b[:4]))
+        await p.room.evict(p.index.get(b_ns.digest), keys_of(b[:4]))
         assert p.index.audit(flash_enabled=True) == []
         # A put that needs room: DRAM victims demoted and dropped.
-        refs = await p.placement.reserve_dram(a_ns, 8, demotion.demote)
+        refs = await p.room.reserve_dram(a_ns, 8)
         p.ctx.dram.free_many(refs)
         assert p.index.audit(flash_enabled=True) == []
         cold = [x for x in a + b if x.dram is None and x.key in p.index.get(x.ns)]

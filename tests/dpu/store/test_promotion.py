@@ -20,7 +20,7 @@ async def _on_flash_only(p: Parts, tag: str, n: int) -> list[Block]:
     """``n`` blocks made durable on flash, their DRAM copies dropped."""
     blocks = p.put(p.namespace("a"), tag, n, dirty=True)
     assert await p.demotion().demote(blocks) == {}
-    p.placement.drop_dram_many(blocks)
+    p.room.drop_dram_many(blocks)
     assert all(b.dram is None and b.durable for b in blocks)
     return blocks
 

@@ -79,7 +79,7 @@ def test_a_tenant_evicted_down_to_its_share_is_left_alone() -> None:
         taken: list[Block] = []
         for b in p.quotas.dram_victims("b", _no_skip):
             taken.append(b)
-            if b.ns == a_ns.digest:  # evict it as placement does: its slot goes back
+            if b.ns == a_ns.digest:  # evict it as the room does: its slot goes back
                 assert b.dram is not None
                 p.ctx.dram.free(b.dram)
                 b.dram = None
@@ -173,7 +173,7 @@ async def test_flash_victims_take_from_the_tenant_over_its_share_until_it_is_at_
         taken: list[Block] = []
         for b in p.quotas.flash_victims("b", _no_skip):
             taken.append(b)
-            p.quotas.flash_evicted(b)  # as placement does: usage follows the walk
+            p.quotas.flash_evicted(b)  # as the flash room does: usage follows the walk
         # a's oldest until it is at its share, then b's own (b is under its share).
         assert keys_of(taken) == keys_of(a_blocks[:over] + b_blocks)
         assert p.quotas.counters == {("a", "evictions_flash"): over,

@@ -19,8 +19,7 @@ from .parts import SLOT, Parts, keys_of, parts
 def _remote(p: Parts) -> RemoteBlocks:
     registry = SessionRegistry(p.cfg, p.ctx.dram, p.index, p.invalidator.unpin, p.tables,
                                p.quotas)
-    return RemoteBlocks(p.ctx, p.index, p.placement, p.demotion(), p.promotion(),
-                        p.invalidator, registry)
+    return RemoteBlocks(p.ctx, p.index, p.room, p.promotion(), p.invalidator, registry)
 
 
 def _item(key: bytes, crc_of: bytes | None = None, n: int = SLOT) -> tuple[bytes, bytes, int]:

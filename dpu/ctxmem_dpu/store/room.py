@@ -1,10 +1,20 @@
-"""Placement: reserving DRAM slots and flash extents, evicting to make room.
+"""Making room: where a request that needs space gets it. DRAM here; flash in
+:mod:`~ctxmem_dpu.store.flash_room`.
+
+:class:`Room` is the one collaborator the paths that need DRAM are given when they are
+built (the put path, promotion, blocks fetched from peers, the get path's run bound, the
+Evict call); none of them evicts or demotes by itself. Calls run one way:
+``Room`` → :class:`~ctxmem_dpu.store.demotion.Demotion` (a victim not yet on flash is
+written there first) → :class:`~ctxmem_dpu.store.flash_room.FlashRoom` (the demotion's
+extents: slabs leased on a pod's shared device, then flash victims). Nothing below calls
+back up: the demotion never evicts from DRAM, the flash room never demotes. (Two
+objects, not one: DRAM room is made by demoting, and a demotion needs flash room, so one
+object owning both would be called back by the demotion it calls.)
 
 Each tier evicts in its segmented-LRU order (``ctxmem_dpu.policy``); pinned blocks and
 blocks with I/O in flight are never victims. DRAM eviction drops the DRAM copy of blocks
 already durable on flash; a block not yet on flash is demoted first (batched), or, with no
-usable flash, dropped. Flash eviction drops the block, or only its flash copy when it is
-also in DRAM (the block is dirty again). When nothing can be freed the request fails with
+usable flash, dropped. When nothing can be freed the request fails with
 RESOURCE_EXHAUSTED; the service never crashes for it.
 
 Victims are chosen per tenant (``ctxmem_dpu.store.quotas``): a request evicts its own
@@ -16,52 +26,45 @@ tenant's puts, and a tenant at its DRAM ceiling only reuses its own slabs.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from operator import attrgetter
 
 from ctxmem_common.errors import ResourceExhausted, Shed
-from ctxmem_common.flash_format import slots_per_slab
+from ctxmem_dpu import faults
 from ctxmem_dpu.alloc import SlotRef
 from ctxmem_dpu.blocks import Block, Namespace, slab_owner
 from ctxmem_dpu.store.context import StoreContext
+from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.health import DeviceHealth
-from ctxmem_dpu.store.index import BlockIndex
-from ctxmem_dpu.store.invalidation import Invalidator
+from ctxmem_dpu.store.index import BlockIndex, wait_io
 from ctxmem_dpu.store.quotas import Quotas
-from ctxmem_dpu.tiers.flash import Extent
 
 _SLOT_SIZE = attrgetter("slot_size")
-
-Demote = Callable[[list[Block]], Awaitable[object]]
 _PINS = attrgetter("pins")
 _NS = attrgetter("ns")
 
 
-class Placement:
-    """Finds room in DRAM and on flash."""
+class Room:
+    """Finds room in DRAM: free slots, then DRAM victims (dropped, or demoted first)."""
 
     def __init__(self, ctx: StoreContext, index: BlockIndex, health: DeviceHealth,
-                 invalidator: Invalidator, quotas: Quotas) -> None:
+                 quotas: Quotas, demotion: Demotion) -> None:
         self._ctx = ctx
         self._index = index
         self._health = health
-        self._invalidator = invalidator
         self._quotas = quotas
-        # Shared flash: leases at least one more free slab (ctxmem_dpu.pod.slab_leases,
-        # SlabLeaseKeeper.top_up); returns how many it leased. None: no shared device.
-        self.more_flash: Callable[[], Awaitable[int]] | None = None
-
-    def tenant_of(self, b: Block) -> str:
-        """The tenant owning ``b`` (see ``Quotas.tenant_of``)."""
-        return self._quotas.tenant_of(b)
+        # Writes victims not yet on flash there (its extents from the flash room).
+        self._demotion = demotion
 
     def dram_capacity(self, slot_size: int) -> int:
         """How many blocks of ``slot_size`` the whole DRAM tier holds."""
         return self._ctx.dram.num_slabs * (self._ctx.cfg.dram.slab_size // slot_size)
 
-    async def reserve_dram(self, ns: Namespace, n: int, demote: Demote) -> list[SlotRef]:
-        """``n`` DRAM slots for ``ns`` (in slabs of ``ns`` alone), evicting (``demote``
-        first if needed) to make room."""
+    async def reserve_dram(self, ns: Namespace, n: int) -> list[SlotRef]:
+        """``n`` DRAM slots for ``ns`` (in slabs of ``ns`` alone), evicting to make room:
+        the victims already durable on flash (or fetched copies) are dropped; those not
+        yet on flash are demoted first, ``flash.demote_batch`` of them at least, then
+        dropped; with no usable flash they are dropped (counted in ``dirty_dropped``)."""
         if n == 0:
             return []
         cfg, quotas = self._ctx.cfg, self._quotas
@@ -104,7 +107,7 @@ class Placement:
             if not need_demote:
                 break
             self._shed_if_backed_up(ns, n)
-            await demote(need_demote)
+            await self._demotion.demote(need_demote)
             self.drop_dram_many([b for b in need_demote if b.dram is not None
                                  and b.flash is not None and b.pins == 0 and b.io is None])
             refs = self._allocate(ns, n)
@@ -175,58 +178,16 @@ class Placement:
             quotas.count(quotas.tenant_of(first[digest]), "evictions_dram", n)
         index.dropped_dram_many(blocks)
 
-    async def reserve_flash(self, slot_size: int, n: int, tenant: str | None = None
-                            ) -> list[Extent] | None:
-        """``n`` extents of ``slot_size`` for blocks of ``tenant`` (None: several),
-        evicting flash blocks (LRU, fairly: ``Quotas.flash_victims``) to make room;
-        ``None`` when the tier cannot make that much room.
-
-        A victim's header is zeroed and synced before its extent is freed, so a crash or
-        power cut can never bring an evicted block back over an extent reused since, and
-        a later delete of the key never misses a copy on flash."""
-        flash, index = self._ctx.flash, self._index
-        if self.more_flash is not None:
-            # Shared flash: lease free slabs before evicting anything.
-            while (exts := flash.allocate(slot_size, n)) is None and await self.more_flash():
-                pass
-            if exts is not None:
-                return exts
-        for _round in range(3):
-            exts = flash.allocate(slot_size, n)
-            if exts is not None:
-                return exts
-            room = self.flash_room(slot_size)
-            per_slab: Counter[tuple[int, int]] = Counter()
-            evicted: list[Extent] = []
-            # Never evict from a failed device: that frees no usable space, it only drops
-            # blocks that come back when the device does.
-            for b in self._quotas.flash_victims(tenant, skip=lambda b: (
-                    b.pins > 0 or b.io is not None or b.flash is None
-                    or not flash.devices[b.flash.device].healthy)):
-                if room >= n:
-                    break
-                self._quotas.flash_evicted(b)
-                ext = index.dropped_flash(b)
-                self._ctx.counters["evictions_flash"] += 1
-                evicted.append(ext)
-                dev = flash.devices[ext.device]
-                slab = dev.alloc.slabs[ext.slot.slab]
-                if slab.klass == slot_size:
-                    room += 1
-                else:
-                    per_slab[(ext.device, ext.slot.slab)] += 1
-                    if per_slab[(ext.device, ext.slot.slab)] == slab.used:
-                        room += slots_per_slab(dev.slab_size, slot_size)
-            if not evicted:
-                return None
-            await self._invalidator.invalidate(evicted, stage="flash_evict")
-        return flash.allocate(slot_size, n)
-
-    def flash_room(self, slot_size: int) -> int:
-        """Free extents of ``slot_size`` on healthy devices, free slabs included."""
-        room = 0
-        for dev in self._ctx.flash.devices:
-            if dev.healthy:
-                per = slots_per_slab(dev.slab_size, slot_size)
-                room += dev.alloc.free_slots(slot_size) + dev.alloc.free_slabs * per
-        return room
+    async def evict(self, per_ns: dict[bytes, Block], keys: Sequence[bytes]) -> int:
+        """The Evict call: make the DRAM blocks of ``keys`` durable on flash, then drop
+        their DRAM copies; returns how many were dropped (leased blocks keep theirs)."""
+        blocks = [b for k in keys if (b := per_ns.get(k)) is not None and b.dram is not None]
+        await wait_io(blocks)
+        await self._demotion.demote([b for b in blocks if b.flash is None])
+        # Some may have been taken by a background demotion meanwhile: let it finish.
+        await wait_io(blocks)
+        faults.point("evict.after_demote")
+        drop = [b for b in blocks
+                if b.dram is not None and b.flash is not None and b.durable and b.pins == 0]
+        self.drop_dram_many(drop)
+        return len(drop)
