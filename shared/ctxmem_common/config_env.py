@@ -8,8 +8,9 @@ has no ctxmem config file), a value every process on a device must share (the se
 ``ctxmem check`` and the storage tools alike), a codec chosen at import before any config
 is read, or a test and benchmark hook. ``docs/config.md`` renders this table
 (:func:`ctxmem_common.config.reference_markdown`), and ``tests/shared/test_config_env.py``
-fails when the code of ``dpu/``, ``host/`` or ``shared/`` names a ``CTXMEM_*`` variable,
-or reads any other by name, that is not listed here.
+fails when the code of ``dpu/``, ``host/`` or ``shared/`` (or the benchmark harness that
+runs inside a service, ``tools/ctxmem_tools/bench/authoff/``) names a ``CTXMEM_*``
+variable, or reads any other by name, that is not listed here.
 """
 
 from __future__ import annotations
@@ -82,6 +83,13 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("CTXMEM_BENCH_NO_SESSION_AUTH", "service",
            f"`1`: the security benchmark's baseline without session checks (insecure mode "
            f"only); {_HOOK}"),
+    EnvVar("CTXMEM_BENCH_AUTH_OFF", "a service started by `ctxmem bench --auth-ab` or "
+           "`ctxmem bench pod --auth-ab` (the harness's `sitecustomize.py` in "
+           "`tools/ctxmem_tools/bench/authoff/`, which those benches alone put on the "
+           "service's `PYTHONPATH`; the service's own code never reads it)",
+           f"`1`: block authenticators off (a constant tag, every check passes) and a "
+           f"WARNING in the service's log, to measure what they cost; a service started "
+           f"any other way ignores it; {_HOOK}"),
     # Not ctxmem's own: the platform's, read where they mean what they always mean.
     EnvVar("XDG_RUNTIME_DIR", "service, `ctxmem serve --print-default-config`",
            "where the embedded default config puts the shm socket for a user other than "

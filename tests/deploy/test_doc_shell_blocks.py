@@ -107,6 +107,11 @@ BLOCKS: dict[str, tuple[str, str]] = {
         ("static", "four real vLLM servers per prompt length (~10 minutes); "
                    "tests/engines/test_vllm_server.py runs `ctxmem bench engine --quick`; "
                    "the documented flags go through the command's parser"),
+    "docs/benchmarks.md: # block authenticators on and off, alternated, on real services "
+    "(issue 25 item 1):":
+        ("static", "two benchmark runs (about 5 minutes each, a quiet machine); "
+                   "tests/tools/test_bench_auth_ab.py runs both with --auth-ab on tiny "
+                   "sizes; the documented flags go through the commands' parsers"),
     "docs/benchmarks.md: set -x  # from the repository root":
         ("static", "needs a CUDA GPU (torch.cuda.get_device_name); the `ctxmem bench` "
                    "flags go through the commands' parsers"),

@@ -1,5 +1,6 @@
 """Config only through the schema: every ``CTXMEM_*`` environment variable the code of
-``dpu/``, ``host/`` and ``shared/`` names is listed, with why it is not a config key, in
+``dpu/``, ``host/`` and ``shared/`` names (and the benchmark harness that runs inside a
+service, ``tools/ctxmem_tools/bench/authoff/``) is listed, with why it is not a config key, in
 ``ctxmem_common.config_env.ENVIRONMENT`` (which docs/config.md renders), every listed one is
 still read, and the tuning knobs that were variables are schema keys with their defaults."""
 
@@ -16,13 +17,16 @@ from ctxmem_common.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"CTXMEM_[A-Z0-9_]+")
+# The code that runs in a service process: the product's, and the benchmark harness that
+# `ctxmem bench --auth-ab` loads into a service (its sitecustomize.py).
+TOPS = ("dpu", "host", "shared", "tools/ctxmem_tools/bench/authoff")
 
 
 def _named_in_code() -> dict[str, list[str]]:
     """Every CTXMEM_* name in the product's source (comments and docstrings included: a
     docstring that names a variable the code no longer reads is stale too) -> files."""
     found: dict[str, list[str]] = {}
-    for top in ("dpu", "host", "shared"):
+    for top in TOPS:
         for path in sorted((ROOT / top).rglob("*.py")):
             if path.name == "config_env.py" or "_pb2" in path.name:
                 continue
@@ -55,7 +59,7 @@ WSGI = {"PATH_INFO", "REQUEST_METHOD", "CONTENT_LENGTH", "HTTP_"}
 
 def _read_by_name() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
-    for top in ("dpu", "host", "shared"):
+    for top in TOPS:
         for path in sorted((ROOT / top).rglob("*.py")):
             text = path.read_text()
             if path.name == "config_env.py" or ("environ" not in text and

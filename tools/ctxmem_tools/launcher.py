@@ -86,11 +86,14 @@ class ServiceProcess:
 
     def __init__(self, workdir: Path, config: dict[str, Any] | None = None,
                  config_path: Path | None = None, start: bool = True,
-                 prefix: list[str] | None = None) -> None:
+                 prefix: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
         # Run the service under this command (``["ip", "netns", "exec", NAME]``: a node
         # in its own network namespace).
         self.prefix = list(prefix or [])
+        # Variables set for the service over this process's environment (a benchmark
+        # harness's: ctxmem_tools.bench.auth_ab).
+        self.env = dict(env or {})
         workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = config_path or workdir / "ctxmem.yaml"
         if config is not None:
@@ -143,7 +146,8 @@ class ServiceProcess:
             args += ["--config", str(self.config_path)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, **self.env,
+                                              "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if self.proc.poll() is not None:

@@ -44,11 +44,13 @@ class LocalPod:
     ``RedisServer`` (``pod`` then names ``index_ca_file``) or a
     :class:`RedisClusterServers` (the nodes get ``pod.index_cluster: true``). The pod
     stops it at close either way. ``master_key_hex``: the pod's master key (default: a
-    fresh one), which also names the index's keys (keyed hashes)."""
+    fresh one), which also names the index's keys (keyed hashes). ``env``: variables set
+    for every node over this process's environment (:class:`ServiceProcess`)."""
 
     def __init__(self, workdir: Path, n: int = 3, *, pod: dict[str, Any] | None = None,
                  index: RedisServer | RedisClusterServers | None = None,
-                 master_key_hex: str | None = None, **config: Any) -> None:
+                 master_key_hex: str | None = None, env: dict[str, str] | None = None,
+                 **config: Any) -> None:
         workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.workdir = workdir
         self.token = secrets.token_hex(16)
@@ -67,7 +69,7 @@ class LocalPod:
                 cfg = local_config(d, **config)
                 cfg["pod"] = pod_section(self.index.url, f"node{i + 1}", self.token,
                                          **pod)
-                self.nodes.append(ServiceProcess(d, cfg))
+                self.nodes.append(ServiceProcess(d, cfg, env=env))
         except BaseException:
             self.close()
             raise

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ from ctxmem_common.codecs import (
 from ctxmem_common.keys import chain_hashes
 from ctxmem_common.layout import KVLayout
 from ctxmem_common.progress import Progress, progress
+from ctxmem_tools.bench import auth_ab
 from ctxmem_tools.bench.cpu import CpuMeter
 from ctxmem_tools.bench.device_probe import DeviceProbe, paired_fraction
 from ctxmem_tools.bench.pinning import Pinning, add_pinning_args
@@ -81,6 +82,8 @@ GB = 1e9
 #: second measure (the service's default ``service.io_threads`` is 2 as well).
 PROBE_THREADS = 2
 PeerRound = Callable[[int, list[np.ndarray], list[np.ndarray]], None]
+#: ``--auth-ab``: the suffix of a row measured with block authenticators off.
+AUTH_OFF_SUFFIX = "_authoff"
 LOOKUP_10K_TARGET_MS = 2.0  # issue 17 item 5: p99 of a 10,000-key Lookup
 
 
@@ -271,6 +274,163 @@ def _pct(samples: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+@dataclass(frozen=True)
+class RowNames:
+    """The names of one block size's round rows (``crypt``: ``_xts`` or empty)."""
+
+    put: str
+    get: str
+    demote: str
+    cold: str
+    crypt: str
+
+    @classmethod
+    def of(cls, size: str, tag: str) -> RowNames:
+        crypt = "_xts" if tag == "xts" else ""
+        return cls(f"dram_put_{size}{crypt}", f"dram_get_{size}{crypt}",
+                   f"flash_demote_{size}{crypt}", f"flash_get_{size}{crypt}", crypt)
+
+    def suffixed(self, suffix: str) -> RowNames:
+        return RowNames(self.put + suffix, self.get + suffix, self.demote + suffix,
+                        self.cold + suffix, self.crypt)
+
+
+@dataclass
+class RoundTimes:
+    """Seconds per round of each row, and of the device probe beside the flash rows."""
+
+    put: list[float] = field(default_factory=list)
+    get: list[float] = field(default_factory=list)
+    cold: list[float] = field(default_factory=list)
+    demote: list[float] = field(default_factory=list)
+    dev_w: list[float] = field(default_factory=list)  # the probe's write beside each evict
+    dev_r: list[float] = field(default_factory=list)  # its read beside each cold get
+
+
+def _batch(block: int, batch: int) -> tuple[KVLayout, str, list[np.ndarray], list[np.ndarray]]:
+    """The layout of ``block``-byte blocks, its size label, a batch of random blocks and
+    as many buffers to get them into."""
+    layout = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=block // 2,
+                      tokens_per_block=1)
+    assert layout.block_nbytes == block
+    size = f"{block // MiB}MiB" if block >= MiB else f"{block // 1024}KiB"
+    rng = np.random.default_rng(7)
+    bufs = [rng.integers(0, 255, block, dtype=np.uint8) for _ in range(batch)]
+    outs = [np.empty(block, dtype=np.uint8) for _ in range(batch)]
+    return layout, size, bufs, outs
+
+
+def one_round(ns: Any, meter: CpuMeter, names: RowNames, keys: list[bytes],
+              bufs: list[np.ndarray], outs: list[np.ndarray], times: RoundTimes,
+              flash: bool, probe: DeviceProbe | None = None,
+              probe_first: bool = False) -> None:
+    """One round of :func:`bench_service` on namespace ``ns``: put, evict, cold get,
+    DRAM-hit get (each timed into ``times`` and metered under its row's name), the bytes
+    checked, the blocks deleted. With ``probe``, the device is written beside the evict
+    and read beside the cold get, before them if ``probe_first``, after them otherwise."""
+    batch = len(keys)
+    nbytes = sum(b.nbytes for b in bufs)
+    # Order: put, evict, cold get, DRAM-hit get. The demotion row is timed from the
+    # put's start to the evict's return (every block durable and dropped): the
+    # write-back demoter starts on a put's blocks as soon as they are committed, so
+    # an evict timed alone (after a get, as before session 10) found part of the
+    # batch already on flash and read up to 2.5x the disk's O_DIRECT write limit
+    # (issue 27). From put to durable no row can beat the disk.
+    if probe is not None and probe_first:
+        times.dev_w.append(probe.write(PROBE_THREADS))
+    with meter.phase(names.put, nbytes):
+        t0 = time.perf_counter()
+        res = ns.put(keys, bufs)
+        times.put.append(time.perf_counter() - t0)
+    assert res.stored == batch, res
+    if flash:
+        with meter.phase(names.demote, nbytes):
+            ns.evict(keys)
+            times.demote.append(time.perf_counter() - t0)
+        if probe is not None:
+            if not probe_first:
+                times.dev_w.append(probe.write(PROBE_THREADS))
+            else:
+                times.dev_r.append(probe.read(PROBE_THREADS))
+        with meter.phase(names.cold, nbytes):
+            t = time.perf_counter()
+            n = ns.get(keys, outs)
+            times.cold.append(time.perf_counter() - t)
+        if probe is not None and not probe_first:
+            times.dev_r.append(probe.read(PROBE_THREADS))
+        assert n == batch, f"cold get served {n} of {batch}"
+    # The cold get left the blocks in DRAM: this get is a DRAM hit (without flash,
+    # right after the put as before).
+    with meter.phase(names.get, nbytes):
+        t = time.perf_counter()
+        n = ns.get(keys, outs)
+        times.get.append(time.perf_counter() - t)
+    assert n == batch and all(np.array_equal(a, b) for a, b in zip(bufs, outs, strict=True))
+    ns.delete(keys)
+
+
+def round_rows(cases: list[tuple[str, list[float]]], nbytes: int, limits: dict[str, float],
+               meter: CpuMeter) -> list[Result]:
+    """Per ``(row name, seconds per round)``: the GB/s of the median round, with its limit
+    and CPU per GB (``meter``'s phase of that name), then its p50 and p99 in ms per batch
+    against the batch's time at the limit."""
+    out = []
+    for name, times in cases:
+        limit = limit_for(name, limits)
+        # Throughput from the median batch: robust to one slow batch on a busy 2-core box.
+        gbs = nbytes / statistics.median(times) / GB
+        out.append(Result(name, gbs, "GB/s", limit, gbs / limit, *meter.per_gb(name)))
+        ideal_ms = nbytes / (limit * GB) * 1e3
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            ms = _pct(times, q) * 1e3
+            out.append(Result(f"{name}_{label}", ms, "ms/batch", ideal_ms, ideal_ms / ms))
+    return out
+
+
+def bench_service_ab(svcs: dict[bool, ServiceProcess], transport: str, block: int,
+                     batch: int, rounds: int, tag: str, limits: dict[str, float],
+                     results: list[Result], bar: Progress | None = None,
+                     flash: bool = True) -> None:
+    """``--auth-ab``: :func:`bench_service`'s round (put, demotion, cold get, DRAM-hit
+    get) on two services at once, ``svcs[True]`` with block authenticators on and
+    ``svcs[False]`` with them off (bench/auth_ab.py), the arms alternated round by round
+    (:func:`~ctxmem_tools.bench.auth_ab.arm_order`). The "on" rows under their usual
+    names, the "off" ones with :data:`AUTH_OFF_SUFFIX`; each arm's service CPU from its
+    own Stats. No device probe, Lookup, staged put or verify rows: only the rows whose
+    paths the authenticators could touch."""
+    layout, size, bufs, outs = _batch(block, batch)
+    names = {on: RowNames.of(size, tag).suffixed("" if on else AUTH_OFF_SUFFIX)
+             for on in (True, False)}
+    times = {on: RoundTimes() for on in (True, False)}
+    with ExitStack() as stack:
+        clients = {on: stack.enter_context(Client(svcs[on].endpoint,
+                                                  transport=transport))  # type: ignore[arg-type]
+                   for on in (True, False)}
+        spaces = {on: c.open_namespace(layout, model_id=f"bench-{size}-{tag}")
+                  for on, c in clients.items()}
+        meters = {on: CpuMeter(functools.partial(_service_cpu, c)) for on, c in clients.items()}
+        for meter in meters.values():
+            meter.calibrate()
+        for r in range(rounds):
+            # The same keys on both services: each arm has its own.
+            keys = chain_hashes(np.arange(batch) + r * batch + block, 1, salt=tag.encode())
+            for on in auth_ab.arm_order(r):
+                one_round(spaces[on], meters[on], names[on], keys, bufs, outs, times[on],
+                          flash)
+            if bar is not None:
+                bar.update()
+    for on in (True, False):
+        n, t = names[on], times[on]
+        cases = [(n.put, t.put), (n.get, t.get)]
+        if flash:
+            cases += [(n.demote, t.demote), (n.cold, t.cold)]
+        results.extend(round_rows(cases, block * batch, limits, meters[on]))
+
+
+def _service_cpu(client: Client) -> float:
+    return float(client.stats()["process_cpu_seconds"])
+
+
 def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, rounds: int,
                   tag: str, limits: dict[str, float], results: list[Result],
                   with_lookup: bool, bar: Progress | None = None,
@@ -287,25 +447,19 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
     the same size), the device is written beside each evict and read beside each cold
     get, before it in odd rounds and after it in even ones, and the ``*_paired`` rows
     hold each round against its own probe (:mod:`~ctxmem_tools.bench.device_probe`)."""
-    layout = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=block // 2,
-                      tokens_per_block=1)
-    assert layout.block_nbytes == block
-    size = f"{block // MiB}MiB" if block >= MiB else f"{block // 1024}KiB"
-    rng = np.random.default_rng(7)
-    bufs = [rng.integers(0, 255, block, dtype=np.uint8) for _ in range(batch)]
-    outs = [np.empty(block, dtype=np.uint8) for _ in range(batch)]
+    layout, size, bufs, outs = _batch(block, batch)
     nbytes = block * batch
-    crypt = "_xts" if tag == "xts" else ""
-    put_n, get_n = f"dram_put_{size}{crypt}", f"dram_get_{size}{crypt}"
-    demote_n, cold_n = f"flash_demote_{size}{crypt}", f"flash_get_{size}{crypt}"
+    names = RowNames.of(size, tag)
+    put_n, get_n, demote_n, cold_n = names.put, names.get, names.demote, names.cold
+    crypt = names.crypt
     with Client(svc.endpoint, transport=transport) as client:  # type: ignore[arg-type]
         ns = client.open_namespace(layout, model_id=f"bench-{size}-{tag}")
         # Service and client CPU per phase, read around (never inside) each timed call.
         meter = CpuMeter(lambda: client.stats()["process_cpu_seconds"])
         meter.calibrate()
-        put_t, get_t, cold_t, demote_t = [], [], [], []
-        dev_w: list[float] = []  # the probe's write (and fdatasync) beside each evict
-        dev_r: list[float] = []  # its read beside each cold get
+        rt = RoundTimes()
+        put_t, get_t, cold_t, demote_t = rt.put, rt.get, rt.cold, rt.demote
+        dev_w, dev_r = rt.dev_w, rt.dev_r
         for r in range(rounds):
             # The peer goes first in odd rounds: whichever side runs right after the other
             # is slowed (a ctxmem put right after an LMCache round: ~25%, not GC, not its
@@ -313,44 +467,8 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
             if peer_round is not None and r % 2:
                 peer_round(r, bufs, outs)
             keys = chain_hashes(np.arange(batch) + r * batch + block, 1, salt=tag.encode())
-            # Order: put, evict, cold get, DRAM-hit get. The demotion row is timed from the
-            # put's start to the evict's return (every block durable and dropped): the
-            # write-back demoter starts on a put's blocks as soon as they are committed, so
-            # an evict timed alone (after a get, as before session 10) found part of the
-            # batch already on flash and read up to 2.5x the disk's O_DIRECT write limit
-            # (issue 27). From put to durable no row can beat the disk.
-            probe_first = flash and probe is not None and r % 2 == 1
-            if probe is not None and probe_first:
-                dev_w.append(probe.write(PROBE_THREADS))
-            with meter.phase(put_n, nbytes):
-                t0 = time.perf_counter()
-                res = ns.put(keys, bufs)
-                put_t.append(time.perf_counter() - t0)
-            assert res.stored == batch, res
-            if flash:
-                with meter.phase(demote_n, nbytes):
-                    ns.evict(keys)
-                    demote_t.append(time.perf_counter() - t0)
-                if probe is not None:
-                    if not probe_first:
-                        dev_w.append(probe.write(PROBE_THREADS))
-                    else:
-                        dev_r.append(probe.read(PROBE_THREADS))
-                with meter.phase(cold_n, nbytes):
-                    t = time.perf_counter()
-                    n = ns.get(keys, outs)
-                    cold_t.append(time.perf_counter() - t)
-                if probe is not None and not probe_first:
-                    dev_r.append(probe.read(PROBE_THREADS))
-                assert n == batch, f"cold get served {n} of {batch}"
-            # The cold get left the blocks in DRAM: this get is a DRAM hit (without flash,
-            # right after the put as before).
-            with meter.phase(get_n, nbytes):
-                t = time.perf_counter()
-                n = ns.get(keys, outs)
-                get_t.append(time.perf_counter() - t)
-            assert n == batch and all(np.array_equal(a, b) for a, b in zip(bufs, outs, strict=True))
-            ns.delete(keys)
+            one_round(ns, meter, names, keys, bufs, outs, rt, flash, probe,
+                      probe_first=flash and probe is not None and r % 2 == 1)
             if peer_round is not None and not r % 2:
                 peer_round(r, bufs, outs)
             if bar is not None:
@@ -367,15 +485,7 @@ def bench_service(svc: ServiceProcess, transport: str, block: int, batch: int, r
             for phase, moved in ((put_n, nbytes * rounds), (demote_n, 0)):
                 cpu = meter.phases[phase]
                 meter.add(durable_n, cpu.service_s, cpu.client_s, moved)
-        for name, times in cases:
-            limit = limit_for(name, limits)
-            # Throughput from the median batch: robust to one slow batch on a busy 2-core box.
-            gbs = nbytes / statistics.median(times) / GB
-            results.append(Result(name, gbs, "GB/s", limit, gbs / limit, *meter.per_gb(name)))
-            ideal_ms = nbytes / (limit * GB) * 1e3
-            for q, label in ((0.5, "p50"), (0.99, "p99")):
-                ms = _pct(times, q) * 1e3
-                results.append(Result(f"{name}_{label}", ms, "ms/batch", ideal_ms, ideal_ms / ms))
+        results.extend(round_rows(cases, nbytes, limits, meter))
         if flash and probe is not None:
             for name, times, dev in ((demote_n, demote_t, dev_w), (cold_n, cold_t, dev_r)):
                 # With AES-XTS the cipher may be the slower limit (as limit_for): its time
@@ -473,6 +583,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dram-only", action="store_true",
                    help="a service with no flash tier, unencrypted: only the DRAM put and "
                         "get rows, with no write-back demotion competing for the CPUs")
+    p.add_argument("--auth-ab", action="store_true",
+                   help="block authenticators on and off: two services of each kind, one "
+                        "with them off (a benchmark harness, bench/auth_ab.py), the rounds "
+                        "alternated on/off, off/on; only the put, demotion, cold get and "
+                        "DRAM-hit get rows, each printed with both figures, on/off and the "
+                        "service CPU per GB of each")
     add_pinning_args(p)
     return p
 
@@ -483,6 +599,9 @@ def run(argv: list[str] | None = None) -> int:
     pinning = Pinning.from_args(p, args)
     if args.dram_only and (args.peer or args.flash_device):
         p.error("--dram-only has no flash tier: it takes neither --peer nor --flash-device")
+    if args.auth_ab and (args.peer or args.flash_device):
+        p.error("--auth-ab runs two services at once, each with a flash file of its own: it "
+                "takes neither --peer nor --flash-device")
     peer_info: dict[str, object] | None = None
     mooncake_info: dict[str, object] | None = None
     use_lmcache = args.peer in ("lmcache", "lmcache,mooncake")
@@ -546,19 +665,30 @@ def run(argv: list[str] | None = None) -> int:
     # --odirect-path device: the service may be using that device meanwhile (its flash
     # tier on the same namespace), and its last batch is only borrowed while no service
     # runs.
-    probe = DeviceProbe(scratch, offset, 2 * MiB, count) if flash and not args.odirect_path \
-        else None
+    probe = DeviceProbe(scratch, offset, 2 * MiB, count) \
+        if flash and not args.odirect_path and not args.auth_ab else None
+    auth_off_counts: dict[str, tuple[int, int] | None] = {}
     try:
         for tag, enc in services:
-            cfg = local_config(base / tag, encryption=enc, dram_size=f"{4 * args.batch_mib}MiB",
-                               dram_slab="32MiB", flash_size=flash_size if flash else None,
-                               flash_slab="64MiB",
-                               transports=[args.transport], service={"rdma_listen": os.environ.get(
-                                   "CTXMEM_RDMA_LISTEN", "0.0.0.0"),  # rdma: any RoCE v2 GID
-                                   **pinning.service_section()})
-            if device_entry is not None:
-                cfg["flash"]["devices"] = [device_entry]
-                cfg["flash"]["o_direct"] = True
+            def config_for(workdir: Path, enc: bool = enc) -> dict[str, Any]:
+                cfg = local_config(workdir, encryption=enc,
+                                   dram_size=f"{4 * args.batch_mib}MiB", dram_slab="32MiB",
+                                   flash_size=flash_size if flash else None,
+                                   flash_slab="64MiB", transports=[args.transport],
+                                   service={"rdma_listen": os.environ.get(
+                                       "CTXMEM_RDMA_LISTEN", "0.0.0.0"),  # rdma: any RoCE v2
+                                       **pinning.service_section()})
+                if device_entry is not None:
+                    cfg["flash"]["devices"] = [device_entry]
+                    cfg["flash"]["o_direct"] = True
+                return cfg
+
+            if args.auth_ab:
+                auth_off_counts[tag] = _run_auth_ab(
+                    base / tag, config_for, pinning, args.transport, batch_bytes, rounds, tag,
+                    limits, results, bar, flash)
+                continue
+            cfg = config_for(base / tag)
             with pinning.spawning_service():
                 svc = ServiceProcess(base / tag, cfg)
             with svc:
@@ -603,13 +733,22 @@ def run(argv: list[str] | None = None) -> int:
             r.limit = ideal_ms
             r.fraction_of_limit = ideal_ms / r.value
     results.extend(of_two_pass(results, limits))
-    print(f"\n{'name':34} {'value':>10} {'unit':9} {'limit':>10} {'fraction':>9} "
+    w = max([34] + [len(r.name) for r in results])  # --auth-ab's names are longer
+    print(f"\n{'name':{w}} {'value':>10} {'unit':9} {'limit':>10} {'fraction':>9} "
           f"{'svc cpu s/GB':>12} {'cli cpu s/GB':>12}")
     for r in results:
         cpu = "" if r.service_cpu_s_per_gb is None and r.client_cpu_s_per_gb is None else \
             f" {_cpu_cell(r.service_cpu_s_per_gb)} {_cpu_cell(r.client_cpu_s_per_gb)}"
-        print(f"{r.name:34} {r.value:10.3f} {r.unit:9} {r.limit:10.3f} "
+        print(f"{r.name:{w}} {r.value:10.3f} {r.unit:9} {r.limit:10.3f} "
               f"{r.fraction_of_limit:9.2f}{cpu}")
+    ab_rows: list[auth_ab.AbRow] = []
+    if args.auth_ab:
+        ab_rows = auth_ab.pair_rows(results, AUTH_OFF_SUFFIX)
+        auth_ab.print_rows(ab_rows, rounds)
+        for tag, counts in auth_off_counts.items():
+            said = "no count logged at exit" if counts is None else \
+                f"{counts[0]} tags and {counts[1]} checks not computed"
+            print(f"  'off' service ({tag}): {said}")
     if peer_info is not None:
         peer_info["pairs"] = peer_lmcache.pair_rows(results, ["2MiB", "64KiB"])
         peer_lmcache.print_pairs(peer_info)
@@ -625,8 +764,14 @@ def run(argv: list[str] | None = None) -> int:
             "params": {"transport": args.transport, "batch_mib": args.batch_mib,
                        "rounds": rounds, "flash_device": device_entry,
                        "odirect_path": str(scratch), "peer": args.peer,
-                       "dram_only": args.dram_only, **pinning.as_json()},
+                       "dram_only": args.dram_only, "auth_ab": args.auth_ab,
+                       **pinning.as_json()},
         }
+        if args.auth_ab:
+            doc["auth_ab"] = [asdict(r) for r in ab_rows]
+            doc["auth_off_counts"] = {tag: None if c is None else
+                                      {"tags": c[0], "verifies": c[1]}
+                                      for tag, c in auth_off_counts.items()}
         if peer_info is not None:
             doc["peer"] = peer_info
         if mooncake_info is not None:
@@ -644,6 +789,34 @@ def run(argv: list[str] | None = None) -> int:
 
 
 PEER_CHOICES = ["lmcache", "mooncake", "lmcache,mooncake"]
+
+
+def _run_auth_ab(workdir: Path, config_for: Callable[[Path], dict[str, Any]],
+                 pinning: Pinning, transport: str, batch_bytes: int, rounds: int, tag: str,
+                 limits: dict[str, float], results: list[Result], bar: Progress,
+                 flash: bool) -> tuple[int, int] | None:
+    """``--auth-ab`` for one kind of service (``tag``): an "on" and an "off" service
+    (bench/auth_ab.py) side by side, each one's log checked for its arm at start and at
+    the end, :func:`bench_service_ab` for each block size. Returns what the "off"
+    service logged at exit: (tags, checks) the harness skipped, or None."""
+    logs: dict[bool, Path] = {}
+    with ExitStack() as stack:
+        svcs: dict[bool, ServiceProcess] = {}
+        for on in (True, False):
+            d = workdir / auth_ab.ARMS[on]
+            with pinning.spawning_service():
+                svcs[on] = stack.enter_context(ServiceProcess(d, config_for(d),
+                                                              env=auth_ab.arm_env(on)))
+            logs[on] = svcs[on].log_path
+            auth_ab.check_arm(logs[on], on, f"the {auth_ab.ARMS[on]} service ({tag})")
+        for block in (2 * MiB, 64 * 1024):
+            bench_service_ab(svcs, transport, block, batch_bytes // block, rounds, tag, limits,
+                             results, bar=bar, flash=flash)
+        for on in (True, False):
+            auth_ab.check_arm(logs[on], on, f"the {auth_ab.ARMS[on]} service ({tag})")
+    for on in (True, False):
+        (workdir / auth_ab.ARMS[on] / "flash0.img").unlink(missing_ok=True)
+    return auth_ab.exit_counts(logs[False])
 
 
 def _peer_rounds(peers: list[Any]) -> PeerRound:
