@@ -23,19 +23,20 @@ from ctxmem_common.layout import KVLayout
 T = TypeVar("T")
 
 
-def byte_layout(block: int) -> KVLayout:
-    """A one-layer ``uint8`` layout of one token per block, ``block`` bytes a block (the
-    K and V halves of one head)."""
-    return KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=block // 2,
-                    tokens_per_block=1)
+def byte_layout(block: int, tokens_per_block: int = 1) -> KVLayout:
+    """A one-layer ``uint8`` layout of one head, ``block`` bytes a block (the K and V
+    halves of ``tokens_per_block`` tokens)."""
+    return KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1,
+                    head_dim=block // (2 * tokens_per_block), tokens_per_block=tokens_per_block)
 
 
-def model_layout(tokens_per_block: int = 16, num_layers: int = 2,
-                 dtype: str = "bfloat16") -> KVLayout:
-    """A small model-shaped layout: two KV heads of 64 (a 16-token ``bfloat16`` block of
-    two layers is 16 KiB)."""
-    return KVLayout(dtype=dtype, num_layers=num_layers, num_kv_heads=2, head_dim=64,
-                    tokens_per_block=tokens_per_block)
+def model_layout(tokens_per_block: int = 16, num_layers: int = 2, dtype: str = "bfloat16",
+                 num_kv_heads: int = 2, head_dim: int = 64) -> KVLayout:
+    """A model-shaped layout, by default a small one: two KV heads of 64 (a 16-token
+    ``bfloat16`` block of two layers is 16 KiB; ``model_layout(num_layers=32,
+    num_kv_heads=8, head_dim=128)`` is Llama-3-8B's 2 MiB block)."""
+    return KVLayout(dtype=dtype, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, tokens_per_block=tokens_per_block)
 
 
 def keys(tag: str, n: int, start: int = 0) -> list[bytes]:
@@ -92,6 +93,32 @@ def until(pred: Callable[[], T], timeout: float, what: str | Callable[[], str],
         if time.monotonic() > deadline:
             raise _timed_out(timeout, what)
         time.sleep(interval)
+
+
+def read_until(read: Callable[[], T], done: Callable[[T], object], timeout: float,
+               interval: float = 0.05) -> T:
+    """What ``read()`` returns once ``done`` holds for it, or its last value when
+    ``timeout`` seconds pass: for a caller that asserts on the value itself (a count, the
+    service's stats), so that a timeout fails with the values seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = read()
+        if done(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(interval)
+
+
+async def read_until_async(read: Callable[[], T | Awaitable[T]], done: Callable[[T], object],
+                           timeout: float, interval: float = 0.02) -> T:
+    """:func:`read_until` inside an event loop (``read`` plain or async)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = read()
+        if asyncio.iscoroutine(got) or isinstance(got, asyncio.Future):
+            got = await got
+        if done(got) or time.monotonic() > deadline:  # type: ignore[arg-type]
+            return got  # type: ignore[return-value]
+        await asyncio.sleep(interval)
 
 
 async def until_async(pred: Callable[[], T | Awaitable[T]], timeout: float,

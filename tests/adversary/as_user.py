@@ -22,6 +22,7 @@ An op that fails prints ``{"error": CLASS, "message": TEXT}`` in its place.
 from __future__ import annotations
 
 import encodings.idna  # noqa: F401  (getaddrinfo needs it after the privileges drop)
+import functools
 import json
 import os
 import sys
@@ -31,19 +32,14 @@ import numpy as np
 
 import ctxmem
 from ctxmem_common.errors import CtxmemError
+from tests import kit
 
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)
+LAYOUT = kit.model_layout()
+keys = functools.partial(kit.chain_keys, LAYOUT)  # keys(start, n): blocks start..start+n
 
 
 def blocks(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8) for _ in range(n)]
-
-
-def keys(start: int, n: int) -> list[bytes]:
-    t = LAYOUT.tokens_per_block
-    return ctxmem.chain_hashes(range(start * t, (start + n) * t), t)
+    return kit.blocks(n, LAYOUT.block_nbytes, seed)
 
 
 def run(client: ctxmem.Client, tenant: str, op: list[Any]) -> Any:

@@ -29,9 +29,9 @@ from ctxmem_common.netaddr import split_hostport
 from ctxmem_tools.launcher import local_config
 from ctxmem_tools.locate_http import locate_body, locate_http, post_locate
 from tests.conftest import ServiceHandle
+from tests.kit import byte_layout
 
-LAYOUT = ctxmem.KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=2048,
-                         tokens_per_block=16)
+LAYOUT = byte_layout(64 << 10, tokens_per_block=16)
 TIMEOUT_S = 2.0
 MAX_BODY = 8 << 20  # ctxmem_dpu.control.locate_http.MAX_BODY_BYTES
 

@@ -36,7 +36,7 @@ from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from ctxmem_common.protoconv import transport_to_pb
 from tests.adversary.raw import RawSession
 from tests.conftest import ServiceHandle
-from tests.kit import blocks, chain_keys, model_layout
+from tests.kit import blocks, chain_keys, model_layout, read_until
 from tests.reliability.kit import FaultyService
 
 LAYOUT = model_layout()
@@ -60,16 +60,11 @@ def _until(endpoint: str, cond: Callable[[dict[str, float]], bool], timeout_s: f
            what: str) -> tuple[dict[str, float], float]:
     """Stats once ``cond`` holds, and the seconds it took; fails with the last Stats."""
     start = time.monotonic()
-    while True:
-        st = _stats(endpoint)
-        if cond(st):
-            return st, time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"after {timeout_s} s still not {what}: sessions "
-                                 f"{st['sessions']}, held {st['sessions_held']}, orphaned "
-                                 f"{st['orphaned_sessions_closed']}, idle "
-                                 f"{st['idle_sessions_closed']}")
-        time.sleep(0.05)
+    st = read_until(lambda: _stats(endpoint), cond, timeout_s)
+    assert cond(st), (f"after {timeout_s} s still not {what}: sessions {st['sessions']}, "
+                      f"held {st['sessions_held']}, orphaned "
+                      f"{st['orphaned_sessions_closed']}, idle {st['idle_sessions_closed']}")
+    return st, time.monotonic() - start
 
 
 @pytest.fixture

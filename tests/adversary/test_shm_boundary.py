@@ -29,11 +29,19 @@ from ctxmem_common.wire import SHM_HELLO, SHM_MAP, Status
 from tests.adversary.raw import RawSession
 from tests.adversary.shm_raw import run_in_child, shm_connect, shm_map
 from tests.conftest import ServiceHandle
-from tests.kit import blocks, model_layout
+from tests.kit import blocks, model_layout, until
 
 LAYOUT = model_layout()
 SMALL = {"dram_size": "32MiB", "dram_slab": "4MiB", "flash_size": "64MiB",
          "flash_slab": "4MiB"}
+
+
+def _read_to_eof(sock: socket.socket) -> bool:
+    """One read of ``sock``: whether the service has closed it (end of file or reset)."""
+    try:
+        return not sock.recv(65536)
+    except ConnectionResetError:
+        return True
 
 
 def _roundtrip(client: ctxmem.Client, seed: int, n: int = 8) -> None:
@@ -139,15 +147,7 @@ def test_map_flood_without_reading_never_freezes_the_service(
         # The flooder's connection is closed: after the replies already in its socket
         # buffer, it reads end of file.
         flood.settimeout(5)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if not flood.recv(65536):
-                    break
-            except ConnectionResetError:
-                break
-        else:
-            pytest.fail("the flooding connection was never closed")
+        until(lambda: _read_to_eof(flood), 10, "the flooding connection to be closed", 0)
         flood.close()
         assert svc.stats()["shm_slow_readers"] >= 1
     finally:
@@ -236,15 +236,9 @@ def test_unread_replies_past_the_deadline_close_the_connection(
             assert st == Status.OK
             sock.sendall(SHM_MAP.pack(b"CXSM", slot.region, slot.generation) * 2000)
             time.sleep(1.5)  # past the deadline, reading nothing
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:  # drain what was sent; then end of file
-                try:
-                    if not sock.recv(65536):
-                        break
-                except ConnectionResetError:
-                    break
-            else:
-                pytest.fail("the connection that read nothing was never closed")
+            # Drain what was sent; then end of file.
+            until(lambda: _read_to_eof(sock), 10,
+                  "the connection that read nothing to be closed", 0)
         assert svc.stats()["shm_slow_readers"] == 1
     finally:
         raw.close()

@@ -41,7 +41,7 @@ from tests.adversary.raw import RawSession
 from tests.adversary.shm_raw import shm_connect
 from tests.adversary.sockets import recv_exact
 from tests.conftest import ServiceHandle
-from tests.kit import byte_layout
+from tests.kit import byte_layout, salted_keys
 
 BLOCK = 64 << 10
 LAYOUT = byte_layout(BLOCK)
@@ -53,10 +53,6 @@ def svc(service_factory: Callable[..., ServiceHandle]) -> ServiceHandle:
     return service_factory(encryption=False, flash_size=None,
                            data_plane={"read_timeout_s": 2.0},
                            quotas={"default": {"staging_max_bytes": "4MiB"}})
-
-
-def _keys(n: int, salt: bytes) -> list[bytes]:
-    return ctxmem.chain_hashes(range(n), 1, salt=salt)
 
 
 def _get(ns: ctxmem.Namespace, keys: list[bytes]) -> list[np.ndarray | None]:
@@ -88,7 +84,7 @@ def test_a_staged_put_stores_exact_bytes_in_one_call(svc: ServiceHandle) -> None
     """The shim's API: blocks filled in the region, one put, exact bytes back; with CRCs
     declared, a wrong one is refused (not stored), the rest stored; a key already stored
     is not copied again."""
-    keys = _keys(6, b"exact")
+    keys = salted_keys("exact", 6)
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         before = svc.stats()
@@ -118,7 +114,7 @@ def test_a_staged_put_stores_exact_bytes_in_one_call(svc: ServiceHandle) -> None
 def test_the_stored_bytes_are_the_copy_not_the_region(svc: ServiceHandle) -> None:
     """After the put the client overwrites, unmaps and closes its region: the stored
     block is the service's copy (and the service's own mapping outlives the client's)."""
-    keys = _keys(2, b"own")
+    keys = salted_keys("own", 2)
     with ctxmem.Client(svc.endpoint, transport="shm") as c, \
             RawSession(svc.endpoint, LAYOUT, model_id="m") as raw:
         ns = c.open_namespace(LAYOUT, model_id="m")
@@ -144,7 +140,7 @@ def test_a_region_cannot_be_resized_and_a_punched_hole_is_not_a_crash(
     ftruncate fails with EPERM either way. Punching a hole (fallocate, which the seals
     allow on shared memory) leaves the service whole: the copy reads zeros there, so a
     declared CRC of the old bytes refuses the block."""
-    keys = _keys(2, b"seal")
+    keys = salted_keys("seal", 2)
     with RawSession(svc.endpoint, LAYOUT, model_id="m") as raw:
         created, fd = _raw_create(raw, 2 * BLOCK)
         try:
@@ -191,7 +187,7 @@ def test_entries_outside_the_region_or_over_its_header_are_refused(
         svc: ServiceHandle, entry: Callable[[int], tuple[int, int]], says: str) -> None:
     """One bad (offset, length) among good ones refuses the whole put before any copy:
     InvalidArgument naming the entry and the region; nothing stored, nothing lost."""
-    keys = _keys(3, b"bounds")
+    keys = salted_keys("bounds", 3)
     with RawSession(svc.endpoint, LAYOUT, model_id="m") as raw:
         created, fd = _raw_create(raw, 2 * BLOCK)
         os.pwrite(fd, b"\x55" * BLOCK, HDR)
@@ -212,7 +208,7 @@ def test_another_sessions_or_tenants_region_is_refused(svc: ServiceHandle) -> No
     """Session B (same tenant) and session C (another tenant) name A's region id, a freed
     id and one never issued: each is refused with the same message (nothing says whose
     it is), and A's region and blocks are untouched."""
-    keys = _keys(2, b"foreign")
+    keys = salted_keys("foreign", 2)
     with RawSession(svc.endpoint, LAYOUT, model_id="m") as a, \
             RawSession(svc.endpoint, LAYOUT, model_id="m") as b, \
             RawSession(svc.endpoint, LAYOUT, model_id="m", tenant="other") as c:
@@ -289,10 +285,10 @@ def test_writes_while_the_service_copies_never_store_a_wrong_byte(
             writer = threading.Thread(target=flip, daemon=True)
             writer.start()
             try:
-                with_crc = _keys(n, b"race-crc")
+                with_crc = salted_keys("race-crc", n)
                 r1 = region.put(ns, with_crc, [i * BLOCK for i in range(n)],
                                 [crc32c(a_blk)] * n)
-                no_crc = _keys(n, b"race-nocrc")
+                no_crc = salted_keys("race-nocrc", n)
                 r2 = region.put(ns, no_crc, [i * BLOCK for i in range(n)])
             finally:
                 stop.set()
@@ -347,7 +343,7 @@ def test_a_malformed_staging_frame_closes_the_connection(svc: ServiceHandle) -> 
 def test_views_of_the_region_give_their_offsets(svc: ServiceHandle) -> None:
     """An engine that lays its blocks out in the region puts them by their views; a
     buffer that is not inside the region is refused before anything is sent."""
-    keys = _keys(2, b"views")
+    keys = salted_keys("views", 2)
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         with c.staging(3 * BLOCK) as region:
@@ -375,7 +371,7 @@ def test_a_region_object_is_bound_to_its_session(svc: ServiceHandle) -> None:
         region: StagingRegion
         with c.staging(BLOCK) as region, pytest.raises(InvalidArgument,
                                                        match="belongs to session"):
-            region.put(ns_b, _keys(1, b"bound"), [0])
+            region.put(ns_b, salted_keys("bound", 1), [0])
 
 
 def test_the_service_wide_cap_and_the_per_session_count(
@@ -417,7 +413,7 @@ def test_huge_pages_fall_back_to_normal_pages(
     with open("/proc/meminfo") as f:
         free_huge = next((int(line.split()[1]) for line in f
                           if line.startswith("HugePages_Free:")), 0)
-    keys = _keys(1, b"huge")
+    keys = salted_keys("huge", 1)
     with ctxmem.Client(svc.endpoint, transport="shm") as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         with c.staging(BLOCK) as region:
@@ -439,7 +435,7 @@ def test_a_region_freed_during_a_put_is_unmapped_only_after_its_copy(
     region no longer the session's; never an internal error, never a wrong byte; the
     region is gone afterwards."""
     n = 48
-    keys = _keys(n, b"freed")
+    keys = salted_keys("freed", n)
     with RawSession(svc.endpoint, LAYOUT, model_id="m") as raw:
         created, fd = _raw_create(raw, n * BLOCK)
         os.pwrite(fd, b"\x4d" * (n * BLOCK), HDR)

@@ -33,6 +33,8 @@ from typing import Any
 
 import pytest
 
+from tests.kit import read_until, until
+
 ROOT = Path(__file__).resolve().parents[2]
 UID = GID = 10001
 SERVE_CMD = ["serve", "--config", "/etc/ctxmem/ctxmem.yaml"]
@@ -226,23 +228,21 @@ def service(bundle: Bundle, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
-        for _ in range(10):
-            if subprocess.run(["umount", str(proc_dir)], check=False,
-                              capture_output=True).returncode == 0:
-                break
-            time.sleep(1)
+        read_until(lambda: subprocess.run(["umount", str(proc_dir)], check=False,
+                                          capture_output=True).returncode == 0, bool, 10, 1)
 
 
 def _wait_ready(svc: Service) -> float:
+    """Seconds until the service's /readyz answers 200; fails at once if it exits."""
     t0 = time.monotonic()
-    deadline = t0 + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         if svc.proc.poll() is not None:
             pytest.fail(f"service exited with {svc.proc.returncode}:\n{svc.log.read_text()}")
-        if _http_status(svc.metrics + "/readyz") == 200:
-            return time.monotonic() - t0
-        time.sleep(1)
-    pytest.fail(f"not ready after {START_TIMEOUT_S:.0f} s:\n{svc.log.read_text()}")
+        return _http_status(svc.metrics + "/readyz") == 200
+    until(ready, START_TIMEOUT_S,
+          lambda: f"the service to be ready (/readyz 200); its log:\n{svc.log.read_text()}", 1)
+    return time.monotonic() - t0
 
 
 def test_service_health_and_round_trip(service: Service) -> None:

@@ -19,6 +19,7 @@ from ctxmem_common.errors import ConfigError, Unavailable
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_dpu.transport.rdma import coalesce
 from tests.dpu.storekit import open_store, payload, put, session, store_config
+from tests.kit import until_async
 
 SLOT = 1 << 16
 
@@ -98,11 +99,9 @@ def test_grant_ends_at_abort_release_expiry_and_session_close() -> None:
         # expiry (the reaper), of a lease and of an allocation
         lease, _ = await store.acquire(s, ns, [b"b" * 32])
         a, _ = await store.allocate(s, ns, [b"d" * 32])
-        for _ in range(50):
-            if {lease.id, a.id} <= set(ended):
-                break
-            await asyncio.sleep(0.05)
-        assert {lease.id, a.id} <= set(ended)
+        await until_async(lambda: {lease.id, a.id} <= set(ended), 2.5,
+                          lambda: f"the reaper to end lease {lease.id} and allocation {a.id} "
+                          f"(ended: {ended})", 0.05)
         assert store.counters["expired_leases"] >= 1
         # session close ends what it still holds
         lease, _ = await store.acquire(s, ns, [b"a" * 32])

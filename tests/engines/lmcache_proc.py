@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.kit import read_until
 
 
 class LMCacheServerProcess:
@@ -44,18 +45,14 @@ class LMCacheServerProcess:
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                      env=env)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        text = ""
-        while time.monotonic() < deadline:
-            text = self.log()
-            if "cache server is running" in text:
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
+        proc = self.proc
+        text = read_until(self.log, lambda text: "cache server is running" in text
+                          or proc.poll() is not None, timeout_s, 0.2)
+        if "cache server is running" in text:
+            return
         self.stop()
-        pytest.fail(f"{self.what} did not come up in {timeout_s:.0f} s; its log:\n"
-                    f"{text[-3000:]}")
+        pytest.fail(f"{self.what} did not come up in {timeout_s:.0f} s "
+                    f"(exit status {proc.poll()}); its log:\n{text[-3000:]}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

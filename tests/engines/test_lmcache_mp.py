@@ -17,7 +17,6 @@ import os
 import re
 import select
 import shlex
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,8 @@ from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
     parse_args_to_l2_adapters_config,
 )
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
+
+from tests.kit import until  # noqa: E402
 
 SHAPE = (2, 4, 16, 8)  # an LMCache KV chunk of one rank: [K/V, layers, tokens, hidden]
 DTYPE = torch.bfloat16
@@ -87,15 +88,13 @@ def key(i: int, rank: int = 0, salt: str = "") -> Any:
 
 def wait(fd: int, poll: Any, timeout_s: float = 20.0) -> Any:
     """Wait as LMCache's controllers do: poll the event fd, drain it, query."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def signalled() -> tuple[Any] | None:  # the result boxed: a falsy one counts too
         ready, _, _ = select.select([fd], [], [], 0.05)
         if ready:
             os.read(fd, 8)  # an eventfd: reading resets it
         out = poll()
-        if out is not None and out != {}:
-            return out
-    raise AssertionError("the adapter never signalled completion")
+        return (out,) if out is not None and out != {} else None
+    return until(signalled, timeout_s, "the adapter to signal completion", 0)[0]
 
 
 def bits(bitmap: Any, n: int) -> list[bool]:

@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (  # noqa: E402
     ParallelStrategy,
 )
 
+from tests import kit  # noqa: E402
 from tests.engines.lmcache_proc import LMCacheServerProcess  # noqa: E402
 from tests.engines.test_lmcache_mp import (  # noqa: E402
     documented_l2_adapter,
@@ -112,13 +112,8 @@ def clients(url: str, ctx: Any) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def until(what: str, poll: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = poll()
-        if out:
-            return out
-        time.sleep(0.05)
-    raise AssertionError(f"LMCache's MP client: {what} did not finish in {timeout_s:.0f} s")
+    """``poll``'s first true value (see :func:`tests.kit.until`)."""
+    return kit.until(poll, timeout_s, f"LMCache's MP client: {what} to finish")
 
 
 def lookup(sched: Any, rid: str, tokens: list[int]) -> int:

@@ -49,6 +49,7 @@ from ctxmem_tools.bench.engine import (
 from ctxmem_tools.launcher import ServiceProcess, local_config
 from tests.engines.test_vllm_real import ctxmem_site  # noqa: F401  (a fixture)
 from tests.engines.vllm_flags_check import split_command, vllm_commands
+from tests.kit import read_until
 
 PREFIX_BLOCKS = 4
 REQUEST_S = 120.0
@@ -95,12 +96,8 @@ def hits(endpoint: str) -> int:
 
 def wait_metric(srv: VllmServer, name: str, want: float) -> float:
     """Poll ``/metrics`` until ``name`` reaches ``want`` (bounded); its last value."""
-    deadline = time.monotonic() + METRICS_S
-    got = srv.metrics().get(name, 0.0)
-    while got < want and time.monotonic() < deadline:
-        time.sleep(0.5)
-        got = srv.metrics().get(name, 0.0)
-    return got
+    return read_until(lambda: srv.metrics().get(name, 0.0), lambda got: got >= want,
+                      METRICS_S, 0.5)
 
 
 def test_vllm_server_loads_prefix_from_ctxmem_across_a_service_restart(

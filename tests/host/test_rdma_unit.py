@@ -44,7 +44,7 @@ from ctxmem_common.errors import (
 from ctxmem_common.identity import SESSION_TOKEN_METADATA_KEY
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
-from tests.kit import byte_layout
+from tests.kit import byte_layout, until_async
 
 MiB = 1 << 20
 GID_V4 = rw.gid_from_str("0000:0000:0000:0000:0000:ffff:0a00:020f")  # ::ffff:10.0.2.15
@@ -383,13 +383,6 @@ def test_attach_call_lives_as_long_as_the_connection(monkeypatch: pytest.MonkeyP
     from ctxmem_dpu.transport import rdma as rdma_mod
     from tests.dpu.storekit import open_store, store_config
 
-    async def until(cond: Callable[[], bool]) -> None:
-        for _ in range(200):
-            if cond():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("timed out")
-
     async def status(call: Any) -> tuple[grpc.StatusCode, str, str]:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call
@@ -461,7 +454,9 @@ def test_attach_call_lives_as_long_as_the_connection(monkeypatch: pytest.MonkeyP
                 assert not call.done() and rdma.endpoints[s.id] is ep and not ep.closed
                 # The client ending the call drops the endpoint.
                 call.cancel()
-                await until(lambda: ep.closed and s.id not in rdma.endpoints)
+                await until_async(lambda: ep.closed and s.id not in rdma.endpoints, 2,
+                                  "the cancelled call's endpoint to be closed and dropped",
+                                  0.01)
 
                 # The endpoint closing (a broken QP) ends the call, cleanly.
                 call = stub.RdmaAttach(attach_req())
@@ -469,7 +464,8 @@ def test_attach_call_lives_as_long_as_the_connection(monkeypatch: pytest.MonkeyP
                 rdma.endpoints[s.id].close()
                 assert await call.read() is grpc.aio.EOF
                 assert await call.code() == grpc.StatusCode.OK
-                await until(lambda: s.id not in rdma.endpoints)
+                await until_async(lambda: s.id not in rdma.endpoints, 2,
+                                  "the closed endpoint to be dropped", 0.01)
 
                 # The service's RDMA transport shutting down ends every call; new ones
                 # are UNAVAILABLE.

@@ -17,13 +17,13 @@ from ctxmem.transport.rdma_buffers import landing_rounds
 from ctxmem.transport.verified import ReadProgress
 from ctxmem_common.codecs import crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
+from tests import kit
 
 SENTINEL = 0xA5
 
 
 def _blocks(n: int, size: int) -> list[bytes]:
-    rng = np.random.default_rng(7)
-    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+    return [b.tobytes() for b in kit.blocks(n, size, 7)]
 
 
 class _FakeRdma(RdmaChannel):

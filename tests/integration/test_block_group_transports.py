@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 
 import ctxmem
-from ctxmem_common.layout import KVLayout
+from tests.kit import byte_layout
 
-KV = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=4 << 10,
-              tokens_per_block=1)
-STATE = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 10,
-                 tokens_per_block=1)
+KV = byte_layout(8 << 10)
+STATE = byte_layout(2 << 10)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

@@ -16,7 +16,7 @@ from ctxmem_common.keys import MAX_LOOKUP_KEYS
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.proto import ctxmem_pb2_grpc as pb_grpc
 from tests.conftest import ServiceHandle
-from tests.kit import byte_layout
+from tests.kit import byte_layout, salted_keys
 
 LAYOUT = byte_layout(4 << 10)  # 4 KiB blocks
 
@@ -54,10 +54,6 @@ def raw(service: ServiceHandle) -> Iterator[RawLookup]:
         yield RawLookup(ch)
 
 
-def _keys(n: int) -> list[bytes]:
-    return ctxmem.chain_hashes(np.arange(n), 1, salt=b"packed")
-
-
 def _store(service: ServiceHandle, keys: list[bytes]) -> None:
     """Store ``keys`` in the namespace RawLookup opens (same tenant, model and layout)."""
     with ctxmem.Client(service.endpoint) as c:
@@ -67,7 +63,7 @@ def _store(service: ServiceHandle, keys: list[bytes]) -> None:
 
 def test_packed_answers_exact_per_key_with_mixed_presence_and_tiers(
         service: ServiceHandle, raw: RawLookup) -> None:
-    keys = _keys(3000)  # > PREFIX_PROBE_KEYS: the prefix probe crosses chunks
+    keys = salted_keys("packed", 3000)  # > PREFIX_PROBE_KEYS: the prefix probe crosses chunks
     present = {i for i in range(len(keys)) if i % 3 != 2 or i < 1500}  # first miss: 1502
     _store(service, [keys[i] for i in sorted(present)])
     with ctxmem.Client(service.endpoint) as c:  # some of them to flash only
@@ -118,7 +114,7 @@ def test_empty_and_odd_length_keys(service: ServiceHandle, raw: RawLookup) -> No
 
 def test_bad_requests_are_refused_and_change_nothing(service: ServiceHandle,
                                                      raw: RawLookup) -> None:
-    keys = _keys(100)
+    keys = salted_keys("packed", 100)
     _store(service, keys[:10])
     before = service.stats()
     raw.refused("not a multiple of key_len=32", packed_keys=b"".join(keys)[:-1], key_len=32,

@@ -17,7 +17,7 @@ import zmq
 import ctxmem
 from ctxmem_tools.launcher import free_port
 from ctxmem_tools.locate_http import locate_http
-from tests.kit import blocks, model_layout
+from tests.kit import blocks, model_layout, until
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = model_layout()
@@ -92,16 +92,14 @@ def _wait_subscribed(ns: Any, sub: Any) -> None:
     """ZMQ's subscription reaches the publisher a moment after connect: put and delete a
     probe block until its events arrive (bounded), so later events are not lost."""
     probe = ctxmem.chain_hashes(range(16), 16, salt=b"probe")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def probed() -> bool:
         ns.put(probe, blocks(1, LAYOUT.block_nbytes, 0))
         ns.delete(probe)
-        got = _recv(sub, time.monotonic() + 0.5)
-        if got:
-            while _recv(sub, time.monotonic() + 0.2):  # drain the probe's events
-                pass
-            return
-    raise AssertionError("no KV event reached the subscriber within 30 s")
+        return bool(_recv(sub, time.monotonic() + 0.5))
+    until(probed, 30, "a probe block's KV event to reach the subscriber", 0)
+    while _recv(sub, time.monotonic() + 0.2):  # drain the probe's events
+        pass
 
 
 def _collect(sub: Any, want_hashes: int, timeout_s: float = 10.0) -> list[list[bytes]]:

@@ -3,7 +3,6 @@ would Connect, and end its session, on every call), and byte-checked puts and ge
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -67,12 +66,7 @@ class Clients:
         with the values seen. For counts a node updates after the answer that ended the
         call went out (a holder counts RDMA-served blocks when the fetcher's done
         arrives, and the fetcher's get returns without waiting for that)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            st = self.stats(endpoint)
-            if done(st) or time.monotonic() > deadline:
-                return st
-            time.sleep(0.05)
+        return kit.read_until(lambda: self.stats(endpoint), done, timeout_s)
 
     def drop(self, endpoint: str) -> None:
         c = self._c.pop(endpoint, None)

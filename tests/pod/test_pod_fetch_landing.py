@@ -41,6 +41,7 @@ from ctxmem_dpu.pod import peer_client
 from ctxmem_dpu.pod.entries import RemoteEntry, blocks_key, pack_entry
 from ctxmem_tools.bench.security_pki import make_pki, member_cert
 from ctxmem_tools.pod_launcher import LocalPod
+from tests.kit import model_layout
 from tests.pod.peerkit import pod_keys, read_exactly
 from tests.pod.podtest import LAYOUT, Clients, blocks, wait_for
 
@@ -262,8 +263,7 @@ def test_a_stalled_peer_fetch_holds_up_no_local_get_and_no_other_fetch(
         r.close()
 
 
-BIG = ctxmem.KVLayout(dtype="bfloat16", num_layers=32, num_kv_heads=8, head_dim=128,
-                      tokens_per_block=16)  # 2 MiB blocks
+BIG = model_layout(num_layers=32, num_kv_heads=8, head_dim=128)  # 2 MiB blocks
 
 
 def test_two_mib_blocks_cross_nodes_over_mutual_tls_in_both_directions(

@@ -14,23 +14,17 @@ import numpy as np
 import ctxmem
 from ctxmem_tools.pod_launcher import LocalPod
 from ctxmem_tools.redis_server import RedisServer
+from tests.kit import blocks, model_layout
 from tests.pod.podtest import Clients, wait_for
 
-KV = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
-                     tokens_per_block=16)
-STATE = ctxmem.KVLayout(dtype="bfloat16", num_layers=1, num_kv_heads=1, head_dim=256,
-                        tokens_per_block=16)
+KV = model_layout(num_layers=4)
+STATE = model_layout(num_layers=1, num_kv_heads=1, head_dim=256)
 
 
 def _members(clients: Clients, endpoint: str) -> tuple[ctxmem.Namespace, ctxmem.Namespace]:
     c = clients.client(endpoint)
     return (c.open_namespace(KV, model_id="hybrid", tags={"pool": "kv"}),
             c.open_namespace(STATE, model_id="hybrid", tags={"pool": "mamba"}))
-
-
-def _data(n: int, nbytes: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, nbytes, dtype=np.uint8) for _ in range(n)]
 
 
 def _group_get(clients: Clients, endpoint: str, keys: list[bytes],
@@ -56,14 +50,14 @@ def test_a_group_member_whose_holder_died_is_a_whole_miss(pod: LocalPod,
     n1, n2, n3 = pod.nodes
     # Control: a group stored on n1 is fetched whole by n3.
     ka = [bytes([0xA0, i]) * 16 for i in range(4)]
-    da = [_data(4, KV.block_nbytes, 1), _data(4, STATE.block_nbytes, 2)]
+    da = [blocks(4, KV.block_nbytes, 1), blocks(4, STATE.block_nbytes, 2)]
     kv1, st1 = _members(clients, n1.endpoint)
     assert clients.client(n1.endpoint).open_group([kv1, st1]).put(ka, da).stored == 8
     wait_for(lambda: _group_hits(clients, n3.endpoint, ka) == 4, what="publish")
     assert _group_get(clients, n3.endpoint, ka, da) == 4
     # The case: n1 holds the KV member of these keys, n2 their state member.
     kb = [bytes([0xB0, i]) * 16 for i in range(4)]
-    db = [_data(4, KV.block_nbytes, 3), _data(4, STATE.block_nbytes, 4)]
+    db = [blocks(4, KV.block_nbytes, 3), blocks(4, STATE.block_nbytes, 4)]
     assert kv1.put(kb, db[0]).stored == 4
     _kv2, st2 = _members(clients, n2.endpoint)
     assert st2.put(kb, db[1]).stored == 4

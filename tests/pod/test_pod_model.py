@@ -20,18 +20,17 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-import ctxmem
 from ctxmem_tools.pod_launcher import LocalPod
+from tests.kit import blocks, chain_keys, read_until
 from tests.pod.podtest import LAYOUT, Clients
 
-KEYS = ctxmem.chain_hashes(range(16 * 6), 16)
+KEYS = chain_keys(LAYOUT, 0, 6)
 _model_ids = itertools.count()
 DELIVERED = {"remote": 0, "blocks": 0}  # across examples: the run must exercise hits
 
 
 def block(key_index: int, version: int) -> np.ndarray:
-    rng = np.random.default_rng(key_index * 1000 + version)
-    return rng.integers(0, 255, LAYOUT.block_nbytes, dtype=np.uint8)
+    return blocks(1, LAYOUT.block_nbytes, key_index * 1000 + version)[0]
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +90,7 @@ class PodModel(RuleBasedStateMachine):
         """A put on one node, then (once the index shows it, bounded) a get on another."""
         self.put(src, first, 1)
         ns = self.clients.ns(self._ep(dst), self.model)
-        deadline = time.monotonic() + 2.0
-        while not ns.exists([KEYS[first]])[0] and time.monotonic() < deadline:
-            time.sleep(0.02)
+        read_until(lambda: ns.exists([KEYS[first]])[0], bool, 2.0, 0.02)
         self.get(dst, first)
 
     @rule(src=st.integers(0, 2), dst=st.integers(0, 2), first=st.integers(0, 5))

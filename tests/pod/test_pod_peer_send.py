@@ -23,12 +23,11 @@ import numpy as np
 import ctxmem
 from ctxmem_common import peer_wire as w
 from ctxmem_common.keys import chain_hashes, namespace_digest
-from ctxmem_common.layout import KVLayout
 from ctxmem_tools.pod_launcher import LocalPod
+from tests.kit import byte_layout
 from tests.pod.peerkit import handshake, pod_keys, read_exactly
 
-BIG = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 20,
-               tokens_per_block=2)  # 2 MiB blocks
+BIG = byte_layout(4 << 20, tokens_per_block=2)  # 4 MiB blocks
 N = 12
 
 

@@ -39,6 +39,7 @@ from ctxmem_dpu.pod import peer_client
 from ctxmem_dpu.pod.entries import RemoteEntry
 from ctxmem_dpu.pod.peer_rdma import RdmaTransferError
 from ctxmem_tools.pod_launcher import LocalPod
+from tests.kit import until_async
 from tests.pod.peerkit import handshake, pod_keys
 from tests.pod.podtest import Clients, blocks, wait_for
 
@@ -208,15 +209,6 @@ class Holder:
             self.server = None
 
 
-async def _eventually(cond: Any, what: str) -> None:
-    """The scripted holder reads the fetcher's done after the fetch returned."""
-    for _ in range(500):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _entries(data: dict[bytes, bytes], keys: list[bytes]) -> list[RemoteEntry]:
     return [RemoteEntry("n1", "dram", 1, len(data[k]), crc32c(data[k]), None, k)
             for k in keys]
@@ -255,12 +247,13 @@ async def test_hits_are_read_by_rdma_and_the_lease_ended(
         assert got[:2] == [data[k] for k in keys[:2]] and got[3:5] == [data[k]
                                                                        for k in keys[3:5]]
         assert got[2] is None and got[5] is None  # another version there; not held
-        await _eventually(lambda: holder.dones == 1, "the fetcher's done")
+        # The scripted holder reads the fetcher's done after the fetch returned.
+        await until_async(lambda: holder.dones == 1, 5, "the fetcher's done", 0.01)
         assert (holder.attaches, holder.rdma_requests, holder.tcp_requests) == (1, 1, 0)
         assert counters["pod_peer_rdma_blocks"] == 4 and counters["pod_peer_misses"] == 2
         got = await src.fetch(b"\x01" * 16, _entries(data, keys[:1]))  # connection reused
         assert got == [data[keys[0]]] and holder.attaches == 1
-        await _eventually(lambda: holder.dones == 2, "the second done")
+        await until_async(lambda: holder.dones == 2, 5, "the second done", 0.01)
     finally:
         await src.close()
         await holder.close()

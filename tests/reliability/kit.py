@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -89,16 +88,15 @@ class FaultyService(ServiceProcess):
     def faults(self, points: str = "", devices: dict[str, Any] | None = None) -> None:
         """Apply faults and wait until the service has them in force."""
         self._write({"points": points, "devices": devices or {}})
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+
+        def acked() -> bool:
             try:
-                ack = json.loads(Path(f"{self.ctl}.ack").read_text())
-                if ack.get("gen", -1) >= self.gen:
-                    return
+                return bool(json.loads(Path(f"{self.ctl}.ack").read_text())
+                            .get("gen", -1) >= self.gen)
             except (OSError, ValueError):
-                pass
-            time.sleep(0.005)
-        raise AssertionError("the service did not apply the fault control file")
+                return False
+        kit.until(acked, 5, lambda: f"the service to apply the fault control file (generation "
+                  f"{self.gen} in {self.ctl}.ack); its log:\n{self.log()[-3000:]}", 0.005)
 
     def injected(self) -> dict[str, int]:
         try:
@@ -110,20 +108,13 @@ class FaultyService(ServiceProcess):
         """The count of injected fault ``name`` once it reaches ``at_least`` (the service
         rewrites its ack file within 10 ms of a count changing, so an immediate read can
         still see the old count), or the last count seen when ``timeout`` passes."""
-        deadline = time.monotonic() + timeout
-        while True:
-            n = self.injected().get(name, 0)
-            if n >= at_least or time.monotonic() >= deadline:
-                return n
-            time.sleep(0.005)
+        return kit.read_until(lambda: self.injected().get(name, 0), lambda n: n >= at_least,
+                              timeout, 0.005)
 
     def wait_dead(self, timeout: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                return True
-            time.sleep(0.01)
-        return False
+        """Whether the service process has ended within ``timeout`` seconds."""
+        return kit.read_until(lambda: self.proc is None or self.proc.poll() is not None,
+                              bool, timeout, 0.01)
 
     # -- client ---------------------------------------------------------------------------
     def ns(self, tenant: str = "t") -> Namespace:
@@ -139,15 +130,9 @@ class FaultyService(ServiceProcess):
         """Stats once ``name`` equals ``value`` (what the service does in the background,
         e.g. a device's health probe, lands after the call that started it returned).
         Fails, naming the last value seen, when ``timeout`` passes first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            if st[name] == value:
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"stat {name} is {st[name]} after {timeout} s, "
-                                     f"want {value}")
-            time.sleep(0.02)
+        st = kit.read_until(self.stats, lambda st: st[name] == value, timeout, 0.02)
+        assert st[name] == value, f"stat {name} is {st[name]} after {timeout} s, want {value}"
+        return st
 
     def check(self, repair: bool = False) -> Report:
         from ctxmem_common.config import load_config
@@ -194,12 +179,5 @@ async def settled_audit(store: Any, timeout_s: float = 10.0) -> list[str]:
     so a check taken mid-demotion reports a transient "leak". Poll until the audit is
     clean or ``timeout_s`` passes, and return the last problems seen (a real leak stays).
     """
-    import asyncio
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    problems: list[str] = store.audit()
-    while problems and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        problems = store.audit()
-    return problems
+    return await kit.read_until_async(store.audit, lambda problems: not problems,
+                                      timeout_s, 0.05)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +19,13 @@ import numpy as np
 import ctxmem
 from ctxmem_common.config import load_config
 from ctxmem_common.flash_format import FlashReader, payload_offset
-from ctxmem_common.layout import KVLayout
+from tests.kit import byte_layout, until
 
 from .kit import FaultyService, keys, patch_file
 
 # Two members of different geometry, as a hybrid model's KV and state pools are.
-KV = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=8 << 10,
-              tokens_per_block=1)  # 16 KiB
-STATE = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=2 << 10,
-                 tokens_per_block=1)  # 4 KiB
+KV = byte_layout(16 << 10)
+STATE = byte_layout(4 << 10)
 
 
 def _data(ks: list[bytes], nbytes: int, salt: int) -> list[np.ndarray]:
@@ -71,14 +67,6 @@ class Group:
         return self.group.lookup(ks).num_hits
 
 
-def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
-
-
 def _service(tmp_path: Path, **config: object) -> FaultyService:
     svc = FaultyService(tmp_path / "svc", **config)  # type: ignore[arg-type]
     svc.start()
@@ -99,8 +87,8 @@ def test_a_group_round_trips_and_one_member_missing_is_a_whole_miss(tmp_path: Pa
         # and the service reclaims the KV member's block of it (never a group hit again).
         assert g.state.delete([ks[3]]) == 1
         assert g.hits(ks) == 3 and g.get(ks) == 3
-        _wait(lambda: g.kv.exists(ks) == [True, True, True, False, True, True],
-              "the KV member of the deleted state block to be reclaimed")
+        until(lambda: g.kv.exists(ks) == [True, True, True, False, True, True], 10,
+              "the KV member of the deleted state block to be reclaimed", 0.02)
         assert svc.stats()["group_members_reclaimed"] == 1
         # Put again: the group is whole.
         r = g.put(ks)
@@ -239,8 +227,8 @@ def test_one_member_corrupt_on_flash_is_a_whole_miss(tmp_path: Path) -> None:
         assert g.hits(ks) == 2  # dropped from the index: now a miss for Lookup too
         assert svc.stats()["group_partial_misses"] >= 1
         # The KV member of ks[2] is intact, but never again part of a group hit: reclaimed.
-        _wait(lambda: g.kv.exists(ks) == [True, True, False, True],
-              "the KV member of the corrupt state block to be reclaimed")
+        until(lambda: g.kv.exists(ks) == [True, True, False, True], 10,
+              "the KV member of the corrupt state block to be reclaimed", 0.02)
     finally:
         svc.close()
 
@@ -271,8 +259,8 @@ def test_one_member_evicted_under_pressure_is_a_whole_miss(tmp_path: Path) -> No
         assert state_has == [True] * 4 + [False] * 2 + [True] * 2, state_has
         assert g.hits(ks) == 4 and g.get(ks) == 4
         # The KV blocks of the keys whose state block went are reclaimed, the others kept.
-        _wait(lambda: g.kv.exists(ks) == state_has,
-              "the KV members of the evicted state blocks to be reclaimed")
+        until(lambda: g.kv.exists(ks) == state_has, 10,
+              "the KV members of the evicted state blocks to be reclaimed", 0.02)
         assert svc.stats()["group_members_reclaimed"] == 2
     finally:
         svc.close()

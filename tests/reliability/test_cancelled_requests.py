@@ -26,7 +26,7 @@ from ctxmem_dpu import faults
 from ctxmem_dpu.store.context import IOPool
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_tools.rawclient import RawSession
-from tests.kit import until, until_async
+from tests.kit import read_until, read_until_async, until, until_async
 
 from ..dpu.storekit import get, make_flash, open_store, payload, put, session, store_config
 from .kit import BLOCK, LAYOUT, FaultyService, keys, served, settled_audit, tiers
@@ -152,9 +152,9 @@ def test_a_client_deadline_on_a_cold_acquire_leaves_the_blocks_servable(
                                  timeout=0.05, metadata=md)
             assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         svc.faults()
-        deadline = time.monotonic() + 10
-        while set(tiers(ns, ks)) != {"dram"} and time.monotonic() < deadline:
-            time.sleep(0.02)  # the cancelled request's promotion ends in the background
+        # The cancelled request's promotion ends in the background (bounded; the gets
+        # below say whether it did).
+        read_until(lambda: set(tiers(ns, ks)), lambda t: t == {"dram"}, 10, 0.02)
         assert all(served(ns, ks).values()), "blocks of the cancelled Acquire are misses"
         st = svc.stats()
         assert st["leases"] == 0
@@ -283,13 +283,13 @@ async def test_requests_cancelled_at_random_moments_leave_the_store_sound(
         assert wrong == [], "an Acquire saw wrong bytes"
         assert await settled_audit(store) == []
         per_ns = store._index.get(ns.digest)
-        deadline = time.monotonic() + 10  # cancelled work and the demoter still finishing
-        while True:
-            stuck = [k.hex() for k, b in per_ns.items() if b.io is not None or b.pins]
-            running = [t for t in store._ctx.io.tasks if not t.done()]
-            if not (stuck or running) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.01)
+
+        def in_flight() -> tuple[list[str], list[object]]:
+            """Blocks left in flight or pinned, and store tasks still running."""
+            return ([k.hex() for k, b in per_ns.items() if b.io is not None or b.pins],
+                    [t for t in store._ctx.io.tasks if not t.done()])
+        # Cancelled work and the demoter still finishing (bounded).
+        stuck, running = await read_until_async(in_flight, lambda got: not any(got), 10, 0.01)
         assert running == [], "cancelled store work still running after 10 s"
         assert stuck == [], "blocks left in flight or pinned"
         st = store.stats()

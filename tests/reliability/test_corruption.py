@@ -8,7 +8,6 @@ copies, and ``ctxmem check`` finding and repairing what a restart would otherwis
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from ..dpu.storekit import (
     session,
     store_config,
 )
+from ..kit import read_until_async, until_async
 from .kit import patch_file, settled_audit
 
 K = [bytes([i]) * 8 for i in range(1, 120)]
@@ -130,11 +130,8 @@ async def test_truncated_device_degrades_then_recovers(tmp_path: Path) -> None:
         assert await get(store, s, ns, [K[50]]) == [payload(51)]  # DRAM keeps serving
         assert await get(store, s, ns, [K[0]]) == []  # flash blocks are misses meanwhile
         os.truncate(path, size)  # the device is whole again (the cut bytes are zeros)
-        for _ in range(100):
-            if dev.healthy:
-                break
-            await asyncio.sleep(0.02)
-        assert dev.healthy and store.counters["flash_device_recoveries"] == 1
+        await until_async(lambda: dev.healthy, 2, "the device's probe to find it whole", 0.02)
+        assert store.counters["flash_device_recoveries"] == 1
         assert await get(store, s, ns, [K[0]]) == [data[K[0]]]
         # K[9]'s payload came back as zeros: now a record that fails its check.
         await _is_miss_counted_quarantined(store, s, ns, K[9], {K[1]: data[K[1]]})
@@ -177,10 +174,9 @@ async def test_device_swapped_under_the_service_is_detected(tmp_path: Path) -> N
         assert store.stats()["flash_quarantined_slots"] == 0  # nothing of its is touched
         patch_file(a, 0, da)
         patch_file(b, 0, db)
-        for _ in range(100):
-            if all(d.healthy for d in store.flash.devices):
-                break
-            await asyncio.sleep(0.02)
+        # Bounded; the gets below say whether they came back.
+        await read_until_async(lambda: all(d.healthy for d in store.flash.devices), bool,
+                               2, 0.02)
         for k, v in data.items():
             assert await get(store, s, ns, [k]) == [v]
     finally:

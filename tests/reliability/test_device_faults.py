@@ -16,7 +16,7 @@ import pytest
 from ctxmem_common.errors import Unavailable
 from ctxmem_dpu import faults
 from ctxmem_dpu.store import BlockStore
-from tests.kit import until_async
+from tests.kit import read_until_async, until_async
 
 from ..dpu.storekit import FLASH, get, make_flash, open_store, payload, put, session, store_config
 from .kit import FaultyService, content, keys, served, settled_audit, tiers
@@ -86,10 +86,8 @@ async def test_write_errors_keep_blocks_in_dram_until_the_device_is_back(
         assert await get(store, s, ns, list(data)) == list(data.values())
         faults.configure(devices={})
         await _healthy(store)
-        for _ in range(100):  # parked extents get their headers zeroed, then freed
-            if not store.parked_extents():
-                break
-            await asyncio.sleep(0.02)
+        # Parked extents get their headers zeroed, then freed (bounded; the evict says).
+        await read_until_async(store.parked_extents, lambda parked: not parked, 2, 0.02)
         assert await store.evict(ns, list(data), "dram") == 8  # durable now
         assert await get(store, s, ns, list(data)) == list(data.values())
         assert await settled_audit(store) == []

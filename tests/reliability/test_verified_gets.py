@@ -27,15 +27,10 @@ from ctxmem_common.codecs import copy_crc32c, copy_crc32c_from_slots, crc32c
 from ctxmem_common.proto import ctxmem_pb2 as pb
 from ctxmem_common.wire import SHM_OP_ACQUIRE, SHM_OP_RELEASE
 from tests.adversary.raw import RawAllocation, RawSession
-from tests.reliability import sentinel
-from tests.reliability.sentinel import BLOCK, LAYOUT, SENTINEL, content, get_checked
+from tests.reliability.sentinel import BLOCK, LAYOUT, SENTINEL, content, get_checked, keys
 
 N = 8
 REAL_FROM_SLOTS = copy_crc32c_from_slots
-
-
-def keys(tag: str, n: int = N) -> list[bytes]:
-    return sentinel.keys(tag, n)
 
 
 def corrupt(raw: RawSession, key: bytes) -> None:
@@ -125,7 +120,7 @@ def raw(svc: Any) -> Iterator[RawSession]:
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_block_changed_in_dram_is_a_miss_and_nothing_past_it_is_written(
         svc: Any, raw: RawSession, transport: str) -> None:
-    ks = keys(transport)
+    ks = keys(transport, N)
     with ctxmem.Client(svc.endpoint, transport=transport) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N
@@ -138,7 +133,7 @@ def test_expired_lease_keeps_the_verified_blocks(
         svc: Any, raw: RawSession, monkeypatch: pytest.MonkeyPatch) -> None:
     """The lease expires while block 3 is copied and block 5 changes meanwhile: blocks
     0-4 passed their check and count; 5 fails and is scrubbed, 6 and 7 are not written."""
-    ks = keys("lease")
+    ks = keys("lease", N)
 
     def slow_copy(block: int, src: memoryview, dst: memoryview, want: int | None) -> bool:
         ok = copy_one(src, dst, want)
@@ -160,7 +155,7 @@ def test_unverified_get_whose_lease_expired_is_a_miss(
     the service's side checks the lease while the shim copies out of the slab): a lease
     that expired during the copy makes the batch a miss, its slots may have been reused
     meanwhile. The same get with the lease still valid at Release returns every block."""
-    ks = keys("unverified-lease")
+    ks = keys("unverified-lease", N)
 
     def slow_copy(block: int, src: memoryview, dst: memoryview, want: int | None) -> bool:
         ok = copy_one(src, dst, want)
@@ -188,7 +183,7 @@ def test_slot_changed_mid_copy_never_yields_a_wrong_block(
     the slab). A byte the copy already stored: the buffer holds the committed bytes, which
     is what was checked, so the block is delivered, exact. A byte not copied yet: the
     buffer would hold it, so the check fails, the buffer is scrubbed and the run ends."""
-    ks = keys(f"midcopy-{changed}")
+    ks = keys(f"midcopy-{changed}", N)
 
     def racy_copy(block: int, src: memoryview, dst: memoryview, want: int | None) -> bool:
         if block != 3 or want is None:
@@ -216,7 +211,7 @@ def test_service_restart_between_batches_leaves_later_buffers_untouched(
     """Batches of two blocks; the DRAM-only service restarts (losing every block) before
     the second batch's Acquire, or after its copy and before its Release. Blocks already
     verified count; nothing past them is written."""
-    ks = keys("restart")
+    ks = keys("restart", N)
     with ctxmem.Client(svc.endpoint, transport="shm", max_batch_bytes=2 * BLOCK) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N
@@ -239,7 +234,7 @@ def test_a_retry_goes_on_from_the_first_undelivered_block(
         svc: Any, monkeypatch: pytest.MonkeyPatch, fast: str) -> None:
     """A channel that fails after delivering three blocks: the retry acquires only the
     other five, and the get returns all eight."""
-    ks = keys("retry")
+    ks = keys("retry", N)
     real = ShmChannel.read_packed  # a shm get reads Acquire's packed answer
     failed = False
 
@@ -268,7 +263,7 @@ def test_a_retry_goes_on_from_the_first_undelivered_block(
 
 
 def test_unverified_get_still_works(svc: Any) -> None:
-    ks = keys("unverified")
+    ks = keys("unverified", N)
     with ctxmem.Client(svc.endpoint, transport="shm", verify_gets=False) as c:
         ns = c.open_namespace(LAYOUT, model_id="m")
         assert ns.put(ks, [content(k) for k in ks]).stored == N

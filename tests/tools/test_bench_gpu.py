@@ -15,6 +15,7 @@ import pytest
 from ctxmem_tools.bench import gpu
 from ctxmem_tools.bench.gpu import GpuRow
 from ctxmem_tools.cli import bench_command
+from tests import kit
 
 MiB = 1 << 20
 
@@ -199,17 +200,14 @@ def test_the_shims_mapping_of_a_real_service_slab_holds_the_stored_blocks(
     shim's shared-memory channel mapped it for a get; every stored block's bytes are in
     it (what an H2D from the registered slab reads)."""
     import ctxmem
-    from ctxmem_common.layout import KVLayout
 
     block, n = 64 * 1024, 8
     rng = np.random.default_rng(3)
     data = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(n)]
-    keys = [f"k{i}".encode().ljust(32, b".") for i in range(n)]
+    keys = kit.keys("k", n)
     with gpu._service(tmp_path, 4 * MiB) as endpoint, \
             ctxmem.Client(endpoint, transport="shm") as client:
-        ns = client.open_namespace(KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1,
-                                            head_dim=block // 2, tokens_per_block=1),
-                                   model_id="gpu-slab")
+        ns = client.open_namespace(kit.byte_layout(block), model_id="gpu-slab")
         assert ns.put(keys, data).stored == n
         out = [np.empty(block, dtype=np.uint8) for _ in range(n)]
         assert ns.get(keys, out) == n
@@ -222,13 +220,10 @@ def test_the_shims_mapping_of_a_real_service_slab_holds_the_stored_blocks(
 
 def test_mapped_slabs_refuses_a_tcp_client(tmp_path: Path) -> None:
     import ctxmem
-    from ctxmem_common.layout import KVLayout
 
     with gpu._service(tmp_path, 4 * MiB) as endpoint, \
             ctxmem.Client(endpoint, transport="tcp") as client:
-        ns = client.open_namespace(KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1,
-                                            head_dim=512, tokens_per_block=1),
-                                   model_id="gpu-tcp")
+        ns = client.open_namespace(kit.byte_layout(1024), model_id="gpu-tcp")
         ns.lookup([b"x" * 32])  # opens the session
         with pytest.raises(RuntimeError, match="not on the shared-memory transport"):
             gpu._mapped_slabs(ns)

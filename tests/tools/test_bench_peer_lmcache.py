@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ctxmem_tools.bench.datapath import Result, run
+from tests import kit
 
 
 def _lmcache() -> Any:
@@ -68,8 +69,7 @@ def peer(tmp_path: Path) -> Any:
 
 
 def _blocks(n: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, 64 * 1024, dtype=np.uint8) for _ in range(n)]
+    return kit.blocks(n, 64 << 10, seed)
 
 
 def test_round_reads_back_from_disk_what_it_stored(peer: Any) -> None:

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 
 from ctxmem.client import Client
-from ctxmem_common.layout import KVLayout
 from ctxmem_tools.chaos.pod import SKEW_DIR
 from ctxmem_tools.launcher import ServiceProcess, local_config
+from tests.kit import byte_layout
 
-LAYOUT = KVLayout(dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=2048,
-                  tokens_per_block=1)
+LAYOUT = byte_layout(4 << 10)
 
 
 def _env(skew_s: float) -> dict[str, str]:

@@ -33,7 +33,6 @@ import errno
 import mmap
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -50,6 +49,7 @@ from ctxmem_dpu.storage.kernel import KernelBackend
 from ctxmem_dpu.tiers.flash import FlashDevice
 from ctxmem_dpu.tiers.flash_fence import SlabFence
 from ctxmem_tools.redis_server import RedisServer
+from tests import kit
 from tests.dpu.pod import podkit
 from tests.dpu.pod.podkit import MASTER, block_bytes, format_shared, node, session
 from tests.dpu.storekit import get, put
@@ -78,14 +78,8 @@ T = TypeVar("T")
 
 
 def wait_until(probe: Callable[[], T], timeout_s: float, what: str) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.2)
+    """:func:`tests.kit.until`, polling every 0.2 s."""
+    return kit.until(probe, timeout_s, what, 0.2)
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -25,7 +25,6 @@ Run: bash tests/vm/run.sh .venv/bin/pytest -m vm tests/vm/test_nvmeof_service.py
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -42,6 +41,7 @@ import pytest
 import ctxmem
 from ctxmem.client import TransportName
 from ctxmem_tools.launcher import ServiceProcess, local_config
+from tests import kit
 
 IN_VM = os.environ.get("CTXMEM_VM") == "1"
 RUN = "bash tests/vm/run.sh .venv/bin/pytest -m vm tests/vm/test_nvmeof_service.py"
@@ -64,8 +64,7 @@ FAST_IO_FAIL_TMO = 2
 RECONNECT_DELAY = 1
 
 DEVICE = "nvmf0"
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)  # 32 KiB blocks
+LAYOUT = kit.model_layout(num_layers=4)  # 32 KiB blocks
 # The shim's data path (host <-> service), unrelated to NVMe-oF's: both get exercised.
 SHIM_TRANSPORT: dict[str, TransportName] = {"rdma": "shm", "tcp": "tcp"}
 
@@ -121,16 +120,9 @@ def disconnect_leftovers() -> None:
 
 def wait_until(probe: Callable[[], T], timeout_s: float, what: str,
                interval_s: float = 0.5) -> T:
-    """Call `probe` until it returns something truthy; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = probe()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} "
-                                 f"(last: {result!r})")
-        time.sleep(interval_s)
+    """Call `probe` until it returns something truthy; fail after `timeout_s`
+    (:func:`tests.kit.until`, polling every `interval_s`)."""
+    return kit.until(probe, timeout_s, what, interval_s)
 
 
 def record(request: pytest.FixtureRequest, phase: str, seconds: float) -> None:
@@ -195,8 +187,7 @@ def service(transport: str, request: pytest.FixtureRequest) -> Iterator[ServiceP
 
 def make_blocks(n: int, tag: str) -> tuple[list[bytes], list[bytearray]]:
     """`n` unique keys and random payloads (keys never repeat across tests or runs)."""
-    salt = uuid.uuid4().hex
-    keys = [hashlib.sha256(f"{salt}:{tag}:{i}".encode()).digest() for i in range(n)]
+    keys = kit.keys(f"{uuid.uuid4().hex}:{tag}", n)
     return keys, [bytearray(os.urandom(LAYOUT.block_nbytes)) for _ in range(n)]
 
 

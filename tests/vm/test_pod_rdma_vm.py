@@ -31,7 +31,9 @@ from typing import Any
 
 import pytest
 
-import ctxmem
+from tests import kit
+
+LAYOUT = kit.model_layout(num_layers=4)  # the pod tests' (tests/pod/podtest.py)
 
 IN_VM = os.environ.get("CTXMEM_VM") == "1"
 pytestmark = [
@@ -101,10 +103,6 @@ def clients() -> Iterator[Any]:
     c = Clients()
     yield c
     c.close()
-
-
-def _keys(n: int, seed: int) -> list[bytes]:
-    return ctxmem.chain_hashes(range(seed * 100_000, seed * 100_000 + 16 * n), 16)
 
 
 class Fetcher:
@@ -203,7 +201,7 @@ def test_put_on_node1_is_an_rdma_hit_on_node2_and_tcp_on_node3(pod: Pod,
     from tests.pod.podtest import blocks
 
     n1, n2, n3 = pod.nodes
-    keys, data = _keys(8, 1), blocks(8, 1)
+    keys, data = kit.chain_keys(LAYOUT, 6250, 8), blocks(8, 1)
     assert clients.put(n1.endpoint, keys, data) == 8
     _publish(clients, n2.endpoint, keys)
     assert clients.get(n2.endpoint, keys, data) == 8  # byte-checked
@@ -228,7 +226,7 @@ def test_a_holder_without_rdma_serves_over_tcp(pod: Pod, clients: Any) -> None:
     from tests.pod.podtest import blocks
 
     _n1, n2, n3 = pod.nodes
-    keys, data = _keys(6, 2), blocks(6, 2)
+    keys, data = kit.chain_keys(LAYOUT, 12500, 6), blocks(6, 2)
     assert clients.put(n3.endpoint, keys, data) == 6
     _publish(clients, n2.endpoint, keys)
     before = clients.stats(n2.endpoint)
@@ -247,7 +245,7 @@ async def test_the_holders_lease_ends_at_done_and_at_the_timeout(pod: Pod,
     from tests.pod.podtest import blocks
 
     n1, _n2, _n3 = pod.nodes
-    keys, data = _keys(4, 4), blocks(4, 4)
+    keys, data = kit.chain_keys(LAYOUT, 25000, 4), blocks(4, 4)
     assert clients.put(n1.endpoint, keys, data) == 4
     digest = clients.ns(n1.endpoint).digest
     async with Fetcher(n1.config["pod"]["listen"], pod) as f:
@@ -275,7 +273,7 @@ async def test_holder_killed_mid_rdma_fetch_gives_misses_never_wrong_bytes(
 
     n1, n2, _n3 = pod.nodes
     n = 200
-    keys, data = _keys(n, 3), blocks(n, 3)
+    keys, data = kit.chain_keys(LAYOUT, 18750, n), blocks(n, 3)
     assert clients.put(n1.endpoint, keys, data) == n
     _publish(clients, n2.endpoint, keys)
     before = clients.stats(n2.endpoint)["pod_peer_rdma_blocks"]

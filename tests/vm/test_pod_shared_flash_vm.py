@@ -17,7 +17,6 @@ Run: CTXMEM_VM_PASSENV=PYTHONPATH bash tests/vm/run.sh .venv/bin/pytest -m vm \
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from tests.dpu.pod.podkit import (
     put_durable,
     session,
 )
+from tests.kit import until_async
 
 IN_VM = os.environ.get("CTXMEM_VM") == "1"
 pytestmark = [
@@ -148,10 +148,10 @@ async def test_two_services_one_namespace_writer_killed_and_taken_over(
                     client = aioredis.Redis.from_url(url)
                     try:
                         probe = SlabLeases(client, "probe", LEASE_S)
-                        while (h := (await probe.holders(uuid, [slab_a]))[0]) is not None \
-                                and h[0] == "a":  # lapsed (b may take it as a spare)
-                            assert time.monotonic() < t + 30 * LEASE_S, "a's lease stays"
-                            await asyncio.sleep(0.5)
+                        async def lapsed() -> bool:  # b may take it as a spare
+                            h = (await probe.holders(uuid, [slab_a]))[0]
+                            return h is None or h[0] != "a"
+                        await until_async(lapsed, 30 * LEASE_S, "a's lease to lapse", 0.5)
                     finally:
                         await client.aclose()
                     timings["lease_lapsed_after_kill_s"] = time.monotonic() - t

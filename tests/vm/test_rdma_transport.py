@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests import kit
+
 IN_VM = os.environ.get("CTXMEM_VM") == "1"
 
 pytestmark = [
@@ -123,10 +125,6 @@ def _tensors(n: int, block_bytes: int, seed: int) -> list[np.ndarray]:
     return [rng.standard_normal(shape).astype(np.float16) for _ in range(n)]
 
 
-def _keys(n: int, tag: str) -> list[bytes]:
-    return [f"{tag}-{i}".encode().ljust(32, b".") for i in range(n)]
-
-
 def _session(client: Any, tenant: str) -> Any:
     return client._sessions[tenant]
 
@@ -139,7 +137,7 @@ def test_put_evict_get_tensors_byte_exact(service: Any) -> None:
         # 1 MiB blocks, all sliced out of one pool: registered once, used in place.
         big = client.open_namespace(_layout(MiB), model_id="e2e-big", tenant="e2e")
         pool = np.stack(_tensors(6, MiB, seed=1))
-        keys = _keys(6, "big")
+        keys = kit.keys("big", 6)
         assert big.put(keys, list(pool)).stored == 6
         channel = _session(client, "e2e").channel
         assert isinstance(channel, RdmaChannel) and client.transport_in_use == "rdma"
@@ -157,7 +155,7 @@ def test_put_evict_get_tensors_byte_exact(service: Any) -> None:
         # 16 KiB blocks, separate small arrays: staged through the bounce buffer.
         small = client.open_namespace(_layout(16 << 10), model_id="e2e-small", tenant="e2e")
         ts = _tensors(20, 16 << 10, seed=2)
-        skeys = _keys(20, "small")
+        skeys = kit.keys("small", 20)
         staged_before = channel.stats["write_staged"]
         assert small.put(skeys, ts).stored == 20
         assert channel.stats["write_staged"] - staged_before == 20
@@ -209,7 +207,7 @@ def test_isolation_between_tenants(service: Any) -> None:
             ctxmem.Client(service.endpoint, transport="rdma") as cb:
         na = ca.open_namespace(_layout(block), model_id="m", tenant="alice")
         nb = cb.open_namespace(_layout(block), model_id="m", tenant="bob")
-        ka, kb = _keys(1, "alice"), _keys(1, "bob")
+        ka, kb = kit.keys("alice", 1), kit.keys("bob", 1)
         assert na.put(ka, [secret]).stored == 1
         assert nb.put(kb, [np.ones_like(secret)]).stored == 1
         sa, lease_a = _acquire(ca, na, ka)
@@ -259,7 +257,7 @@ def test_isolation_between_tenants(service: Any) -> None:
         assert na.delete(ka) == 1
         with ctxmem.Client(service.endpoint, transport="rdma") as cc:
             nc = cc.open_namespace(_layout(block), model_id="m", tenant="carol")
-            kc = _keys(1, "carol")
+            kc = kit.keys("carol", 1)
             carol = np.full(block, 0xC3, dtype=np.uint8)
             assert nc.put(kc, [carol]).stored == 1
             sc, lease_c = _acquire(cc, nc, kc)
@@ -293,7 +291,7 @@ def scoped_service(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
 def _put_two(c: Any, block: int) -> tuple[Any, list[np.ndarray], list[bytes]]:
     ns = c.open_namespace(_layout(block), model_id="m", tenant="t")
     data = [t.view(np.uint8).reshape(-1) for t in _tensors(2, block, seed=5)]
-    keys = _keys(2, "scope")
+    keys = kit.keys("scope", 2)
     assert ns.put(keys, data).stored == 2
     return ns, data, keys
 
@@ -380,7 +378,7 @@ def test_access_ends_with_the_grant(scoped_service: Any) -> None:
         # 4. An allocation's key writes its slot, and stops at Commit: what was committed
         # is what a later get returns, not what was written after.
         s = ns._open(stale=s)
-        new_key = _keys(1, "scope-new")
+        new_key = kit.keys("scope-new", 1)
         alloc = c._rpc("Allocate", pb.AllocateRequest(
             session_id=s.id, namespace_handle=ns.handle, keys=new_key))
         slot = alloc.slots[0]
@@ -483,7 +481,7 @@ def test_service_killed_mid_transfer_then_restarted(
     try:
         n, block = 8, MiB
         data = np.stack(_tensors(n, block, seed=4))
-        keys = _keys(n, "kill")
+        keys = kit.keys("kill", n)
         client = ctxmem.Client(svc.endpoint, transport="rdma", timeout_s=60)
         ns = client.open_namespace(_layout(block), model_id="m", tenant="t")
         assert ns.put(keys, list(data)).stored == n
@@ -508,22 +506,21 @@ def test_service_killed_mid_transfer_then_restarted(
         assert not out[got:].any(), "a buffer past the returned count was written"
         # A put while the service is down is an error, never a silent success.
         with pytest.raises(CtxmemError):
-            ns.put(_keys(1, "down"), [data[0]])
+            ns.put(kit.keys("down", 1), [data[0]])
         monkeypatch.setattr(RdmaChannel, "_wait", real_wait)
 
         svc.start(timeout_s=180)  # same ports, same flash device
-        t0 = time.monotonic()
-        keys2 = _keys(n, "after")
+        keys2 = kit.keys("after", n)
         # gRPC may still be backing off from the refused connections of the outage: until
         # it reconnects, a put fails cleanly (Unavailable); then the client opens a new
         # session and RDMA channel by itself.
-        while True:
+        def stored() -> bool:
             try:
                 assert ns.put(keys2, list(data)).stored == n
-                break
             except Unavailable:
-                assert time.monotonic() - t0 < 120, "no reconnect within 120 s"
-                time.sleep(1.0)
+                return False
+            return True
+        kit.until(stored, 120, "a reconnect (a put stored after the restart)", 1.0)
         out[:] = 0
         assert ns.get(keys2, list(out)) == n
         assert out.tobytes() == data.tobytes()

@@ -26,7 +26,6 @@ figure. Run: bash tests/vm/run.sh .venv/bin/pytest -m vm tests/vm/test_spdk_serv
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import re
@@ -43,6 +42,7 @@ import pytest
 import ctxmem
 from ctxmem_common.flash_format import OWNER_OFFSET, PROBE_OFFSET, SECTOR, RecordHeader
 from ctxmem_tools.launcher import ServiceProcess, local_config
+from tests import kit
 
 IN_VM = os.environ.get("CTXMEM_VM") == "1"
 RUN = "bash tests/vm/run.sh .venv/bin/pytest -m vm tests/vm/test_spdk_service.py"
@@ -63,8 +63,7 @@ EXPORT_NQN = "nqn.2024-01.io.ctxmem:spdk-export"
 EXPORT_PORT = "4430"
 MIB = 1 << 20
 SCAN_BYTES = 128 * MIB  # the first slabs: where a fresh device's records land
-LAYOUT = ctxmem.KVLayout(dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
-                         tokens_per_block=16)  # 32 KiB blocks
+LAYOUT = kit.model_layout(num_layers=4)  # 32 KiB blocks
 T = TypeVar("T")
 
 
@@ -77,15 +76,9 @@ def _env(name: str) -> str:
 
 def wait_until(probe: Callable[[], T], timeout_s: float, what: str,
                interval_s: float = 0.5) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = probe()
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} "
-                                 f"(last: {result!r})")
-        time.sleep(interval_s)
+    """Call `probe` until it returns something truthy; fail after `timeout_s`
+    (:func:`tests.kit.until`, polling every `interval_s`)."""
+    return kit.until(probe, timeout_s, what, interval_s)
 
 
 def nvmet_ctl(*args: str) -> None:
@@ -174,8 +167,7 @@ def make_service(spdk_target: Any, request: pytest.FixtureRequest
 
 
 def make_blocks(n: int, tag: str) -> tuple[list[bytes], list[bytearray]]:
-    salt = uuid.uuid4().hex
-    keys = [hashlib.sha256(f"{salt}:{tag}:{i}".encode()).digest() for i in range(n)]
+    keys = kit.keys(f"{uuid.uuid4().hex}:{tag}", n)
     return keys, [bytearray(os.urandom(LAYOUT.block_nbytes)) for _ in range(n)]
 
 

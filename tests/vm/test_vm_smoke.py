@@ -16,12 +16,13 @@ import os
 import random
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests import kit
 
 IN_VM = os.environ.get("CTXMEM_VM") == "1"
 
@@ -156,16 +157,14 @@ class _RCEnd:
         )
         wr.set_wr_rdma(peer.mr.rkey, peer.mr.buf)
         self.qp.post_send(wr)
-        deadline = time.monotonic() + POLL_TIMEOUT_S
-        while time.monotonic() < deadline:
+        def completions() -> Any:
             n, wcs = self.cq.poll()
-            if n:
-                assert wcs[0].status == ibv_wc_status.IBV_WC_SUCCESS, (
-                    f"completion status {wcs[0].status}"
-                )
-                return
-            time.sleep(0.001)
-        raise AssertionError(f"no completion within {POLL_TIMEOUT_S} s")
+            return wcs if n else None
+        wcs = kit.until(completions, POLL_TIMEOUT_S, f"the completion of RDMA op {opcode}",
+                        0.001)
+        assert wcs[0].status == ibv_wc_status.IBV_WC_SUCCESS, (
+            f"completion status {wcs[0].status}"
+        )
 
     def close(self) -> None:
         self.qp.close()
@@ -236,9 +235,7 @@ def _disconnect(nqn: str, check: bool = False) -> None:
     )
     if check:
         assert r.returncode == 0, f"nvme disconnect failed: {r.stderr}"
-    deadline = time.monotonic() + 30
-    while _namespaces(nqn) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    kit.read_until(lambda: _namespaces(nqn), lambda left: not left, 30, 0.2)
     if check:
         assert not _namespaces(nqn), f"{nqn} still has namespaces after nvme disconnect"
 
@@ -260,13 +257,9 @@ def nvmet() -> Iterator[dict[str, str]]:
 
 def _connect(t: dict[str, str], transport: str) -> Path:
     _run("nvme", "connect", "-t", transport, "-a", t["addr"], "-s", t[transport], "-n", t["nqn"])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        devs = [d for d in _namespaces(t["nqn"]) if d.exists()]
-        if devs:
-            return devs[0]
-        time.sleep(0.2)
-    raise AssertionError(f"no namespace of {t['nqn']} appeared after nvme connect -t {transport}")
+    devs = kit.until(lambda: [d for d in _namespaces(t["nqn"]) if d.exists()], 60,
+                     f"a namespace of {t['nqn']} after nvme connect -t {transport}", 0.2)
+    return devs[0]
 
 
 def _aligned(data: bytes) -> mmap.mmap:

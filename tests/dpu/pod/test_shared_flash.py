@@ -382,8 +382,5 @@ async def test_a_write_through_commit_under_a_lapsed_lease_names_the_lease(
                 return await put(a, s, ns, {b"second": block_bytes(b"second", 64 << 10)}) == 1
             except Unavailable:
                 return False
-        deadline = time.monotonic() + 20 * LEASE_S
-        while not await stored():
-            assert time.monotonic() < deadline, "the put was still refused with the index back"
-            await asyncio.sleep(0.2)
+        await until_async(stored, 20 * LEASE_S, "a put to be stored with the index back", 0.2)
         assert await get(a, s, ns, [b"second"]) == [block_bytes(b"second", 64 << 10)]
