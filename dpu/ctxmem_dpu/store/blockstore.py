@@ -44,13 +44,14 @@ from ctxmem_dpu.keyring import Keyring
 from ctxmem_dpu.pod.entries import SharedLocation
 from ctxmem_dpu.policy import SegmentedLRU
 from ctxmem_dpu.store.context import IOPool, StoreContext
+from ctxmem_dpu.store.deletes import Deletes
 from ctxmem_dpu.store.demotion import Demotion
 from ctxmem_dpu.store.devices import open_devices
 from ctxmem_dpu.store.flash_room import FlashRoom
 from ctxmem_dpu.store.gets import GetPath
 from ctxmem_dpu.store.groups import GroupSiblings
 from ctxmem_dpu.store.health import DeviceHealth
-from ctxmem_dpu.store.index import BlockIndex, tier_of, wait_io
+from ctxmem_dpu.store.index import BlockIndex, tier_of
 from ctxmem_dpu.store.invalidation import Invalidator
 from ctxmem_dpu.store.ns_tenants import default_path as ns_tenants_path
 from ctxmem_dpu.store.promotion import Promotion
@@ -135,7 +136,8 @@ class BlockStore:
                              self._room, self._write_through)
         self._remote = RemoteBlocks(self._ctx, self._index, self._room, self._promotion,
                                     self._invalidator, self._registry)
-        self._groups = GroupSiblings(self._ctx, self._index, self._delete)
+        self._deletes = Deletes(self._ctx, self._index, self._invalidator)
+        self._groups = GroupSiblings(self._ctx, self._index, self._deletes.delete)
         self._gets = GetPath(self._ctx, self._index, self._registry, self._quotas,
                              self._room, self._promotion, self._invalidator, self._groups)
         #: Staging regions (service-owned memory clients put from; issue 27 item 1),
@@ -550,31 +552,7 @@ class BlockStore:
         """Remove ``keys``; returns how many were stored. When this returns, the deleted
         blocks' flash headers are zeroed and synced: a restart cannot bring them back."""
         validate_keys(keys)
-        return await self._delete(ns.digest, keys)
-
-    async def _delete(self, digest: bytes, keys: Sequence[bytes]) -> int:
-        # Pinned once each: ours until the header is dead; the last unpin frees the storage.
-        gone = self._index.deleted(digest, keys)
-
-        async def invalidate() -> None:
-            try:
-                faults.point("delete.after_index")
-                await wait_io(gone)  # a demotion in flight finishes (and sets b.flash)
-                dead = [b.flash for b in gone if b.flash is not None]
-                for b in gone:
-                    b.flash = None
-                if dead:
-                    await self._invalidator.invalidate(dead, stage="delete")
-            finally:
-                for b in gone:
-                    self.unpin(b)
-
-        # Out of the index now: the rest runs to its end even if this request is
-        # cancelled, or the extents would be neither freed nor parked (leaked, their
-        # headers still valid).
-        await self._ctx.io.uncancellable(invalidate())
-        self.counters["deleted_blocks"] += len(gone)
-        return len(gone)
+        return await self._deletes.delete(ns.digest, keys)
 
     async def evict(self, ns: Namespace, keys: Sequence[bytes], tier: str) -> int:
         """Drop DRAM copies of ``keys`` after making sure they are durable on flash;
