@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,14 @@ def pod_config(path: str, slab_size: int, lease_s: float, spare: int = 1,
     })
 
 
+async def _bounded(aw: Awaitable[object], what: str) -> None:
+    """``aw`` within :data:`NODE_START_TIMEOUT_S`, else an AssertionError saying ``what``."""
+    try:
+        await asyncio.wait_for(aw, NODE_START_TIMEOUT_S)
+    except TimeoutError:
+        raise AssertionError(f"{what} within {NODE_START_TIMEOUT_S:.0f} s") from None
+
+
 @contextlib.asynccontextmanager
 async def node(url: str, node_id: str, path: str, slab_size: int, lease_s: float,
                spare: int = 1, dead_grace_s: float = 0.0,
@@ -96,19 +104,11 @@ async def node(url: str, node_id: str, path: str, slab_size: int, lease_s: float
                            MASTER, slab_leases=SlabLeases(client, node_id, lease_s))
         # Start and stop bounded and named (a guest run once hung somewhere in a test
         # built on this without saying where).
-        try:
-            await asyncio.wait_for(store.__aenter__(), NODE_START_TIMEOUT_S)
-        except TimeoutError:
-            raise AssertionError(f"node {node_id}'s store did not start within "
-                                 f"{NODE_START_TIMEOUT_S:.0f} s") from None
+        await _bounded(store.__aenter__(), f"node {node_id}'s store did not start")
         try:
             yield store
         finally:
-            try:
-                await asyncio.wait_for(store.close(), NODE_START_TIMEOUT_S)
-            except TimeoutError:
-                raise AssertionError(f"node {node_id}'s store did not stop within "
-                                     f"{NODE_START_TIMEOUT_S:.0f} s") from None
+            await _bounded(store.close(), f"node {node_id}'s store did not stop")
     finally:
         await client.aclose()
 

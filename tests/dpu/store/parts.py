@@ -142,3 +142,13 @@ def parts(dram: str = "8MiB", flash_file: Path | None = None, **over: Any) -> It
 
 def keys_of(blocks: list[Block]) -> list[bytes]:
     return [b.key for b in blocks]
+
+
+def where(blocks: list[Block]) -> list[str]:
+    """Each block's copies: "dram", "flash" (durable), "dram+flash", or "gone"."""
+    out = []
+    for b in blocks:
+        tiers = [t for t, on in (("dram", b.dram is not None),
+                                 ("flash", b.flash is not None and b.durable)) if on]
+        out.append("+".join(tiers) or "gone")
+    return out

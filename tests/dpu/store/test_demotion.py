@@ -9,19 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ctxmem_dpu.blocks import Block
-
-from .parts import Parts, keys_of, parts
-
-
-def _where(p: Parts, blocks: list[Block]) -> list[str]:
-    """Each block's copies: "dram", "flash" (durable) or "dram+flash"."""
-    out = []
-    for b in blocks:
-        tiers = [t for t, on in (("dram", b.dram is not None),
-                                 ("flash", b.flash is not None and b.durable)) if on]
-        out.append("+".join(tiers) or "gone")
-    return out
+from .parts import keys_of, parts, where
 
 
 async def test_a_put_demotes_its_victims_in_lru_order_a_batch_at_least(tmp_path: Path
@@ -37,7 +25,7 @@ async def test_a_put_demotes_its_victims_in_lru_order_a_batch_at_least(tmp_path:
         assert len(refs) == 3
         # max(3, demote_batch) = 4 victims, the LRU ones in probation: written, synced,
         # indexed on flash, and their DRAM slots reused.
-        assert _where(p, blocks[:7]) == ["dram", "dram", "flash", "flash", "flash", "flash",
+        assert where(blocks[:7]) == ["dram", "dram", "flash", "flash", "flash", "flash",
                                         "dram"]
         assert keys_of(list(p.index.dirty)) == keys_of([blocks[0], blocks[1], *blocks[6:]])
         assert keys_of(p.index.flash_lru.order()) == keys_of(blocks[2:6])
@@ -62,7 +50,7 @@ async def test_a_block_changed_in_dram_since_its_commit_is_dropped_not_written(
         failed = await p.demotion().demote(blocks)
         assert list(failed) == [blocks[1]]
         assert type(failed[blocks[1]]).__name__ == "DramChanged"
-        assert _where(p, blocks) == ["dram+flash", "gone", "dram+flash"]
+        assert where(blocks) == ["dram+flash", "gone", "dram+flash"]
         assert blocks[1].key not in p.index.namespace(ns.digest)
         assert p.ctx.counters["dram_crc_mismatch"] == 1
         assert p.ctx.counters["demoted_blocks"] == 2
@@ -91,4 +79,4 @@ async def test_a_demotions_payloads_go_in_parts_of_io_piece_bytes(tmp_path: Path
             io.submit = spy  # type: ignore[method-assign]
             assert await p.demotion().demote(blocks) == {}
             assert seen == sizes, (piece, seen)
-            assert _where(p, blocks) == ["dram+flash"] * 7
+            assert where(blocks) == ["dram+flash"] * 7

@@ -21,21 +21,11 @@ from ctxmem_dpu.tiers.flash import FlashDevice, FlashTier
 from ctxmem_dpu.tiers.flash_fence import SlabFence
 
 from ..pod.podkit import DEVICE, format_shared
-from .parts import SLOT, MiB, Parts, keys_of, parts
+from .parts import SLOT, MiB, Parts, keys_of, parts, where
 
 
 def _in_dram(p: Parts, blocks: list[Block]) -> list[bytes]:
     return [b.key for b in blocks if b.dram is not None]
-
-
-def _where(blocks: list[Block]) -> list[str]:
-    """Each block's copies: "dram", "flash" (durable), "dram+flash", or "gone"."""
-    out = []
-    for b in blocks:
-        tiers = [t for t, on in (("dram", b.dram is not None),
-                                 ("flash", b.flash is not None and b.durable)) if on]
-        out.append("+".join(tiers) or "gone")
-    return out
 
 
 async def test_room_is_made_in_lru_order_protected_and_pinned_last() -> None:
@@ -118,7 +108,7 @@ async def test_dram_victims_on_flash_are_dropped_and_the_others_demoted_first(
         # In LRU order: block 0 (on flash) and block 1 (a copy) dropped in place, no slab
         # free yet; then blocks 2-4 demoted together (max(3, demote_batch) = 3 victims),
         # then dropped; block 5 on is untouched.
-        assert _where(blocks[:6]) == ["flash", "gone", "flash", "flash", "flash", "dram"]
+        assert where(blocks[:6]) == ["flash", "gone", "flash", "flash", "flash", "dram"]
         assert blocks[1].key not in p.index.namespace(ns.digest)
         assert keys_of(p.index.flash_lru.order()) == keys_of(blocks[:1] + blocks[2:5])
         assert keys_of(list(p.index.dirty)) == keys_of(blocks[5:])
@@ -147,7 +137,7 @@ async def test_flash_victims_go_in_flash_lru_order_and_their_extents_are_reused(
         # The flash LRU's first three unpinned blocks: old 0 keeps its DRAM copy and is
         # dirty again; old 2 and 3 had none and are gone. The new blocks took their
         # extents, whose headers now name them.
-        assert _where(old[:5]) == ["dram", "flash", "gone", "gone", "flash"]
+        assert where(old[:5]) == ["dram", "flash", "gone", "gone", "flash"]
         assert keys_of(list(p.index.dirty)) == keys_of(old[:1])
         assert {(b.flash.device, b.flash.slot) for b in new if b.flash is not None} == extents
         dev = p.ctx.flash.devices[0]
@@ -171,7 +161,7 @@ async def test_evict_makes_blocks_durable_then_drops_their_dram_copies(tmp_path:
         blocks[1].pins = 1  # leased: made durable, its DRAM copy kept
         n = await p.room.evict(p.index.get(ns.digest), keys_of(blocks[:3]))
         assert n == 2
-        assert _where(blocks) == ["flash", "dram+flash", "flash", "dram"]
+        assert where(blocks) == ["flash", "dram+flash", "flash", "dram"]
         assert keys_of(list(p.index.dirty)) == keys_of(blocks[3:])
         blocks[1].pins = 0
         assert p.index.audit(flash_enabled=True) == []
@@ -208,8 +198,8 @@ async def test_on_shared_flash_slabs_are_leased_before_any_block_is_evicted(
                 second = p.put(ns, "second", 3, dirty=True)
                 assert await p.demoter.demote(second) == {}
                 # So the first three blocks' flash copies are evicted (LRU), in slab 0.
-                assert _where(first) == ["dram"] * 3 + ["dram+flash"] * 3
-                assert _where(second) == ["dram+flash"] * 3
+                assert where(first) == ["dram"] * 3 + ["dram+flash"] * 3
+                assert where(second) == ["dram+flash"] * 3
                 assert p.ctx.counters["evictions_flash"] == 3
                 assert {b.flash.slot.slab for b in second if b.flash is not None} == {0}
                 held = await mine.holders(uuid, [0, 1, 2, 3])
